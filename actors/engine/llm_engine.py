@@ -1,0 +1,177 @@
+"""LLMEngine: the offline engine. Schedule, prepare, run, sample, postprocess — one step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+
+from actors.engine.config import EngineConfig
+from actors.engine.outputs import RequestOutput
+from actors.engine.request import Request
+from actors.engine.sampling_params import SamplingParams
+from actors.engine.scheduler import Scheduler, SchedulerOutput
+from actors.engine.sequence import Sequence
+from actors.engine.setup import EngineParts, build_engine_parts
+from actors.engine.validate import RequestValidator
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    """A paged-KV, continuous-batching engine for one model on one device.
+
+    >>> engine = LLMEngine(EngineConfig(model="/path/to/hf_dir"))
+    >>> outs = engine.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=8))
+    """
+
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None):
+        parts = parts or build_engine_parts(config)
+        self.config = parts.config
+        self.tokenizer = parts.tokenizer
+        self.runner = parts.runner
+        self.block_manager = parts.block_manager
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.stop_checker = parts.stop_checker
+        self.validator = RequestValidator(parts)
+        self.requests: dict[str, Request] = {}
+        self.weight_version = 0
+        self._ids = itertools.count()
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt,
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        token_ids = self.validator.check(prompt, params)
+        text = prompt if isinstance(prompt, str) else None
+        request = Request(request_id, text, token_ids, params, self.config.block_size,
+                          self.tokenizer)
+        self.requests[request_id] = request
+        self.scheduler.add(request.seqs[0])
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            request = self.requests.pop(rid, None)
+            for seq in request.seqs if request else []:
+                if seq.finish_reason is None:
+                    seq.finish_reason = "abort"
+                    self._release(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the cumulative output of every request it advanced."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        result = self.runner.execute(batch)
+        touched = self._postprocess(batch, result)
+        outputs = [r.output(self.weight_version) for r in touched]
+        for r in touched:
+            if r.finished:
+                del self.requests[r.request_id]
+        return outputs
+
+    def _postprocess(self, batch: SchedulerOutput, result) -> list[Request]:
+        touched: dict[str, Request] = {}
+        for i, item in enumerate(batch.scheduled):
+            seq = item.seq
+            self.scheduler.advance(item)
+            seq.prompt_logprobs.extend(result.prompt_logprobs[i])
+            token = result.token_ids[i]
+            if token is None:
+                continue
+            request = self.requests[seq.request_id]
+            request.first_token_time = request.first_token_time or time.monotonic()
+            seq.append_token(token, result.logprobs[i], result.top_logprobs[i])
+            self.stop_checker.check(seq, request.detokenize(seq))
+            if seq.finish_reason is not None:
+                self._capture_routing(seq)
+                self._release(seq)
+            touched[seq.request_id] = request
+        return list(touched.values())
+
+    def _capture_routing(self, seq: Sequence) -> None:
+        if seq.params.return_routed_experts:
+            # every position but the last sampled token was fed through the model
+            seq.routed_experts = self.runner.routed_experts(seq.block_table, len(seq) - 1)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.runner.release(seq)
+
+    # --- batch helpers ------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in the order of `prompts`."""
+        prompts = _as_prompt_list(prompts)
+        params_list = _as_params_list(params, len(prompts))
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        finished: dict[str, RequestOutput] = {}
+        with _progress(len(prompts), use_tqdm) as bar:
+            while len(finished) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             **template_kwargs) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template, then `generate`."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.validator.render_chat(conv, **template_kwargs) for conv in convs]
+        return self.generate(prompts, params, use_tqdm)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt of token ids
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("prompts must be a string, a list of token ids, or a non-empty list")
+    return prompts
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    if len(params) != count:
+        raise ValueError(f"params: got {len(params)} SamplingParams for {count} prompts")
+    return list(params)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req")

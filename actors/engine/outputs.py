@@ -1,0 +1,36 @@
+"""What the engine returns, shaped like vLLM's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # raw logprob of each sampled token
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    routed_experts: np.ndarray | None = None  # int32 [prompt + output - 1, moe_layers, top_k]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    weight_version: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

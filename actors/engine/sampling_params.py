@@ -1,0 +1,97 @@
+"""Per-request sampling options, named as in vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.engine.strict import check_type, strict_fields
+
+_NUM = (int, float)
+
+
+@strict_fields
+@dataclass
+class SamplingParams:
+    """How to sample one request. `temperature=0` is greedy; `top_k` 0 or -1 means off.
+
+    `logprobs=N` returns the raw logprob of each sampled token (temperature 1, before any
+    truncation or penalty) plus the top-N alternatives; `prompt_logprobs=N` does the same for the
+    prompt. `seed` gives the request its own generator, so its tokens do not depend on the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    return_routed_experts: bool = False
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_stops()
+
+    def _check_numbers(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            check_type("SamplingParams", name, getattr(self, name), int)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            check_type("SamplingParams", name, getattr(self, name), _NUM)
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_type("SamplingParams", name, getattr(self, name), int)
+        _require(self.n >= 1, "n", "must be >= 1")
+        _require(self.temperature >= 0, "temperature", "must be >= 0")
+        _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _require(self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive count")
+        _require(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _require(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        _require(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        _require(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _require(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+                 "must be <= max_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, name, "must be >= 0")
+
+    def _check_stops(self) -> None:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for s in stop:
+            _require(isinstance(s, str) and s != "", "stop", "must hold non-empty strings")
+        for t in self.stop_token_ids or []:
+            _require(isinstance(t, int) and not isinstance(t, bool) and t >= 0, "stop_token_ids",
+                     "must hold non-negative token ids")
+        self.stop_list = stop
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {message}")

@@ -1,0 +1,159 @@
+"""Continuous batching: one token budget per step shared by decodes and (chunked) prefills."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from actors.engine.block_manager import BlockManager
+from actors.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens computed for it this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its logits give a token."""
+        return self.seq.num_computed_tokens + self.num_new == len(self.seq)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new == 1 and self.seq.prompt_done
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        return self.prefills + self.decodes  # the flat token order of the step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+class Scheduler:
+    """Moves sequences between the waiting queue and the running list, first come first served.
+
+    Running sequences are served first (oldest first); when blocks run out the newest running
+    sequence is preempted by recompute and goes back to the head of the queue.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: list[Sequence] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_new)):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.allocate(seq, num_new)
+                self._emit(out, ScheduledSeq(seq, num_new))
+                scheduled.append(seq)
+                budget -= num_new
+        # sequences left in `queue` got no budget this step and keep their place
+        self.running = scheduled + queue
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.prefix_looked_up:
+                self._admit_cached_prefix(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_new)):
+                if not self.running:
+                    self._check_fits(seq)
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.blocks.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._emit(out, ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+    def _admit_cached_prefix(self, seq: Sequence) -> None:
+        seq.prefix_looked_up = True
+        if seq.params.prompt_logprobs is not None:
+            return  # prompt logprobs need every prompt row computed
+        cached = self.blocks.allocate_cached_prefix(seq)
+        seq.num_computed_tokens = cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
+
+    def _check_fits(self, seq: Sequence) -> None:
+        need = seq.num_blocks_for(len(seq))
+        if need > self.blocks.num_blocks:
+            raise RuntimeError(f"request {seq.request_id} needs {need} KV blocks but the cache "
+                               f"has {self.blocks.num_blocks}; raise num_kv_blocks")
+
+    @staticmethod
+    def _emit(out: SchedulerOutput, item: ScheduledSeq) -> None:
+        (out.decodes if item.is_decode else out.prefills).append(item)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.blocks.free_sequence(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    # --- after the step -----------------------------------------------------------------------
+
+    def advance(self, item: ScheduledSeq) -> None:
+        """Record that the step computed `item.num_new` tokens (before any token is appended)."""
+        seq = item.seq
+        seq.num_computed_tokens += item.num_new
+        self.blocks.commit_full_blocks(seq)
+        if seq.prompt_done and seq.siblings:
+            for sibling in reversed(seq.siblings):  # n > 1: they now hit the prompt's blocks
+                self.waiting.appendleft(sibling)
+            seq.siblings = []
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_sequence(seq)
+        seq.status = SequenceStatus.FINISHED
+        for sibling in seq.siblings:  # aborted before its prompt finished
+            sibling.status = SequenceStatus.FINISHED
+        seq.siblings = []

@@ -1,0 +1,92 @@
+"""One sequence being generated: it owns its token ids, block table, status and counters."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from actors.engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A prompt plus the tokens generated for it (sample `index` of request `request_id`)."""
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, block_size: int):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.block_size = block_size
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
+        self.prefix_looked_up = False  # the scheduler checked the prefix cache on admission
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first schedule)
+        self.num_preemptions = 0
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        # entry t is the logprobs of prompt token t (None for the first); filled as prefill runs
+        self.prompt_logprobs: list[dict[int, float] | None] = (
+            [None] if params.prompt_logprobs is not None else [])
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.routed_experts = None  # filled by the engine just before the blocks are freed
+        self.siblings: list[Sequence] = []  # n > 1: started once this one's prompt is computed
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_tokens(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int, logprob: float | None,
+                     top: dict[int, float] | None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its blocks are gone; every token (outputs too) is prefilled again."""
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.prefix_looked_up = False
+        self.num_preemptions += 1
+        self.status = SequenceStatus.WAITING

@@ -1,0 +1,53 @@
+"""The paged KV cache tensors of one rank, plus the per-slot routed-expert record for MoE."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from actors.engine.config import EngineConfig
+
+
+class KVCache:
+    """K/V per attention layer as [num_slots, num_kv_heads, head_dim]; slot = block * size + off.
+
+    For MoE models with routing capture, `routing[slot]` holds the experts that the token in that
+    slot was routed to ([num_moe_layers, top_k]), so a prefix-cache hit returns the routing of
+    the computation that filled the block.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, layers, routing: np.ndarray | None,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.routing = routing
+        num_slots = num_blocks * block_size
+        for layer in layers:
+            shape = (num_slots, layer.num_kv_heads, layer.head_dim)
+            # zeros, not empty: padded gathers read unused slots and 0 * nan would poison outputs
+            layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    @classmethod
+    def allocate(cls, config: EngineConfig, layers, model, dtype: torch.dtype,
+                 device: torch.device) -> KVCache:
+        per_slot = sum(2 * layer.num_kv_heads * layer.head_dim for layer in layers)
+        bytes_per_block = per_slot * config.block_size * torch.tensor([], dtype=dtype).element_size()
+        num_blocks = config.num_kv_blocks or max(
+            1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
+        routing = None
+        if config.enable_return_routed_experts:
+            shape = (num_blocks * config.block_size, model.num_moe_layers, model.moe_top_k)
+            routing = np.zeros(shape, dtype=np.int32)
+        return cls(num_blocks, config.block_size, layers, routing, dtype, device)
+
+    def store_routing(self, slot_mapping: torch.Tensor, routed: torch.Tensor) -> None:
+        if self.routing is not None:
+            # routed [T, num_moe_layers, top_k]
+            self.routing[slot_mapping.cpu().numpy()] = routed.to(torch.int32).cpu().numpy()
+
+    def read_routing(self, block_table: list[int], num_tokens: int) -> np.ndarray:
+        """Routing of the first `num_tokens` positions of a sequence: [num_tokens, layers, k]."""
+        blocks = np.asarray(block_table, dtype=np.int64)
+        slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+        return self.routing[slots[:num_tokens]].copy()

@@ -1,0 +1,18 @@
+"""Paged attention: KV store into slots, prefill (varlen, causal) and decode over block tables.
+
+Backends come from a registry (`get_backend`) chosen once at start-up; `torch` is the reference
+and runs everywhere.
+"""
+
+from __future__ import annotations
+
+from kernels.attention.metadata import AttentionMetadata, PaddedBatch
+from kernels.attention.registry import AttentionBackend, available_backends, get_backend
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "PaddedBatch",
+    "available_backends",
+    "get_backend",
+]

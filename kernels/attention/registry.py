@@ -1,0 +1,56 @@
+"""Attention backend registry: pick one implementation at start-up, never by scattered checks."""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from kernels.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """Stores the step's K/V into the cache, then attends every query over its context."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def _torch_backend() -> AttentionBackend:
+    from kernels.attention.torch_ref import TorchAttention
+
+    return TorchAttention()
+
+
+# name -> (is_available, factory)
+_BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], AttentionBackend]]] = {
+    "torch": (lambda device: True, _torch_backend),
+}
+
+
+def available_backends(device: torch.device) -> list[str]:
+    return [name for name, (ok, _) in _BACKENDS.items() if ok(device)]
+
+
+def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+    """Return the named backend, or with "auto" the first available for `device`."""
+    device = torch.device(device)
+    names = available_backends(device)
+    if name == "auto":
+        return _BACKENDS[names[0]][1]()
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend: unknown backend {name!r}; known: {sorted(_BACKENDS)}")
+    if name not in names:
+        raise ValueError(f"attention_backend: {name!r} is not available on {device}")
+    return _BACKENDS[name][1]()

@@ -1,0 +1,47 @@
+"""Reference attention in plain torch: runs on CPU and GPU, and is the ground truth in tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention.metadata import AttentionMetadata, PaddedBatch
+
+
+class TorchAttention:
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        for group in meta.groups():
+            rows = slice(group.start, group.start + group.num_tokens)
+            out[rows] = attend_padded(q[rows], k_cache, v_cache, group, scale)
+        return out
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+def attend_padded(q, k_cache, v_cache, group: PaddedBatch, scale: float) -> torch.Tensor:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    batch, max_q = group.batch, group.max_q
+    if group.flat_index is None:  # decode: one query per sequence
+        qp = q.view(batch, 1, num_heads, head_dim)
+    else:
+        qp = q.new_zeros(batch * max_q, num_heads, head_dim)
+        qp.index_copy_(0, group.flat_index, q)
+        qp = qp.view(batch, max_q, num_heads, head_dim)
+    # [batch, max_ctx, num_kv_heads, head_dim] -> [batch, num_kv_heads, max_ctx, head_dim]
+    kp = k_cache[group.gather_slots].transpose(1, 2)
+    vp = v_cache[group.gather_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), kp, vp, attn_mask=group.mask, scale=scale,
+        enable_gqa=kp.shape[1] != num_heads,
+    )  # [batch, num_heads, max_q, head_dim]
+    out = out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)
+    if group.flat_index is None:
+        return out
+    return out.index_select(0, group.flat_index)
