@@ -28,9 +28,10 @@ class StepInputs:
 
 
 class InputPreparer:
-    def __init__(self, block_size: int, device: torch.device):
+    def __init__(self, block_size: int, device: torch.device, dtype: torch.dtype):
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
 
     def prepare(self, batch: SchedulerOutput) -> StepInputs:
         ids: list[int] = []
@@ -46,7 +47,8 @@ class InputPreparer:
             logits_rows.append((len(logits_idx), len(rows)))
             logits_idx.extend(rows)
         attn = build_metadata([_slice(i) for i in batch.prefills],
-                              [_slice(i) for i in batch.decodes], self.block_size, self.device)
+                              [_slice(i) for i in batch.decodes], self.block_size, self.device,
+                              self.dtype)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return StepInputs(as_tensor(ids), as_tensor(positions), attn, as_tensor(logits_idx),
                           logits_rows)

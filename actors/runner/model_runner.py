@@ -35,7 +35,7 @@ class ModelRunner:
         for layer in layers:
             layer.backend = backend
         self.kv = KVCache.allocate(config, layers, model, dtype, device)
-        self.inputs = InputPreparer(config.block_size, device)
+        self.inputs = InputPreparer(config.block_size, device, dtype)
         self.sampler = Sampler(hf_config.vocab_size, eos_token_ids, device, config.seed)
 
     @property

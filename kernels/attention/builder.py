@@ -19,12 +19,13 @@ class SeqSlice:
 
 
 def build_metadata(prefills: list[SeqSlice], decodes: list[SeqSlice], block_size: int,
-                   device: torch.device | str = "cpu") -> AttentionMetadata:
+                   device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
     slots = _slot_mapping(prefills + decodes, block_size)
     start = 0
     groups: list[PaddedBatch | None] = []
     for seqs in (prefills, decodes):
-        groups.append(_padded(seqs, start, block_size, device) if seqs else None)
+        groups.append(_padded(seqs, start, block_size, device, dtype) if seqs else None)
         start += sum(s.num_new for s in seqs)
     return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), *groups)
 
@@ -37,7 +38,8 @@ def _slot_mapping(seqs: list[SeqSlice], block_size: int) -> list[int]:
     return slots
 
 
-def _padded(seqs: list[SeqSlice], start: int, block_size: int, device) -> PaddedBatch:
+def _padded(seqs: list[SeqSlice], start: int, block_size: int, device,
+            dtype: torch.dtype) -> PaddedBatch:
     batch = len(seqs)
     max_q = max(s.num_new for s in seqs)
     max_ctx = max(s.context_len for s in seqs)
@@ -46,13 +48,14 @@ def _padded(seqs: list[SeqSlice], start: int, block_size: int, device) -> Padded
         used = -(-s.context_len // block_size)
         blocks[i, :used] = torch.tensor(s.block_table[:used], dtype=torch.long)
     offsets = torch.arange(block_size, dtype=torch.long)
-    gather = (blocks.unsqueeze(-1) * block_size + offsets).view(batch, -1)[:, :max_ctx]
+    gather = (blocks.unsqueeze(-1) * block_size + offsets).view(batch, -1)[:, :max_ctx].contiguous()
     ctx = torch.tensor([s.context_len for s in seqs], dtype=torch.long)
     num_new = torch.tensor([s.num_new for s in seqs], dtype=torch.long)
     # query i of a sequence sits at position context_len - num_new + i and sees keys <= it
     q_pos = (ctx - num_new).unsqueeze(1) + torch.arange(max_q).unsqueeze(0)  # [batch, max_q]
     k_pos = torch.arange(max_ctx).view(1, 1, max_ctx)
-    mask = (k_pos <= q_pos.unsqueeze(-1)) & (k_pos < ctx.view(-1, 1, 1))
+    allowed = (k_pos <= q_pos.unsqueeze(-1)) & (k_pos < ctx.view(-1, 1, 1))
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     flat_index = None
     if max_q > 1:
         flat_index = torch.cat([torch.arange(s.num_new) + i * max_q for i, s in enumerate(seqs)])

@@ -20,7 +20,9 @@ class PaddedBatch:
     max_q: int  # longest query (1 for decode)
     flat_index: torch.Tensor | None  # [num_tokens] int64 into batch * max_q; None when max_q == 1
     gather_slots: torch.Tensor  # [batch, max_ctx] int64 KV slots of every context position (0 pad)
-    mask: torch.Tensor  # [batch, 1, max_q, max_ctx] bool, True where a query may attend
+    # [batch, 1, max_q, max_ctx] additive, in the model's dtype: 0 where a query may attend,
+    # -inf elsewhere (a float mask saves every layer a bool -> float conversion)
+    mask: torch.Tensor
 
     @property
     def batch(self) -> int:

@@ -1,0 +1,105 @@
+"""`raylane bench throughput`: the offline engine against transformers' static-batch generate."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2)")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers "
+                                                               "reference")
+
+
+def make_workload(num: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+                  vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    # skip the low ids, where small vocabularies keep their special tokens
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_len))]
+               for _ in range(num)]
+    return Workload(prompts, [rng.randint(*output_len) for _ in range(num)])
+
+
+def run_engine(model_dir: str, work: Workload, max_batched: int) -> float:
+    from actors.engine import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32",
+                                    max_num_batched_tokens=max_batched))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in work.output_lens]
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = engine.generate(work.prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert got == work.useful_tokens, (got, work.useful_tokens)
+    return elapsed
+
+
+def run_hf(model_dir: str, work: Workload) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    longest = max(len(p) for p in work.prompts)
+    pad = model.config.pad_token_id or 0
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in work.prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in work.prompts])
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=max(work.output_lens),
+                  min_new_tokens=max(work.output_lens), pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(ids[:1, :4], attention_mask=mask[:1, :4], max_new_tokens=2,
+                       pad_token_id=pad)  # warm-up
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoConfig
+
+    from cluster.models import default_model_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = args.model or default_model_path()
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab,
+                         args.seed)
+    rows = [("raylane LLMEngine", run_engine(model_dir, work, args.max_num_batched_tokens))]
+    if not args.skip_hf:
+        rows.append(("transformers generate (static batch)", run_hf(model_dir, work)))
+    print_table(work, rows, torch.get_num_threads())
+    return 0
+
+
+def print_table(work: Workload, rows: list[tuple[str, float]], threads: int) -> None:
+    print(f"\nworkload: {len(work.prompts)} requests, prompt tokens "
+          f"{sum(map(len, work.prompts))}, useful output tokens {work.useful_tokens}, greedy, "
+          f"ignore_eos, float32, {threads} torch threads")
+    print(f"| {'system':<38} | {'seconds':>8} | {'useful tok/s':>12} | {'ratio':>6} |")
+    print(f"|{'-' * 40}|{'-' * 10}|{'-' * 14}|{'-' * 8}|")
+    ref = rows[-1][1]
+    for name, secs in rows:
+        print(f"| {name:<38} | {secs:>8.2f} | {work.useful_tokens / secs:>12.1f} | "
+              f"{ref / secs:>5.2f}x |")

@@ -1,0 +1,56 @@
+"""Hugging Face reference runs for engine tests: greedy ids, raw logprobs, router picks."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=4)
+def hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir: str, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    """HF `generate(do_sample=False)` ids and the log_softmax of its logits at each chosen id."""
+    model = hf_model(model_dir)
+    # eos_token_id=None: never stop early, like ignore_eos (min_new_tokens would instead mask
+    # EOS out of the logits and change the greedy choice)
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                         dtype=torch.long), do_sample=False, max_new_tokens=max_new,
+                         eos_token_id=None, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=0)
+    ids = out.sequences[0, len(prompt):].tolist()
+    assert len(ids) == max_new, "the reference stopped early"
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, ids)]
+    return ids, logprobs
+
+
+@torch.inference_mode()
+def hf_router_topk(model_dir: str, token_ids: list[int]) -> torch.Tensor:
+    """The experts HF's routers pick for each token: [len(token_ids), num_moe_layers, top_k].
+
+    Read with forward hooks on the gate (router) modules of the HF model.
+    """
+    model = hf_model(model_dir)
+    top_k = model.config.num_experts_per_tok
+    picks: list[torch.Tensor] = []
+
+    def hook(_module, _inputs, output):
+        if isinstance(output, tuple) and len(output) == 3:  # (logits, scores, indices)
+            picks.append(output[2])
+        else:  # an older router that returns only its logits
+            picks.append(torch.softmax(output.float(), -1).topk(top_k, dim=-1).indices)
+
+    gates = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    handles = [g.register_forward_hook(hook) for g in gates]
+    try:
+        model(torch.tensor([token_ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack([p.reshape(len(token_ids), top_k) for p in picks], dim=1)
