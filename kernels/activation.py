@@ -1,0 +1,30 @@
+"""Gated activations on a fused [gate | up] projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def act_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """x [T, 2 * I] laid out [gate | up] -> act(gate) * up, [T, I]."""
+    half = x.shape[-1] // 2
+    return _ACTIVATIONS[act](x[..., :half]) * x[..., half:]
+
+
+class SiluAndMul(nn.Module):
+    """`act(gate) * up` for a gated MLP; `hidden_act` picks the activation (default silu)."""
+
+    def __init__(self, hidden_act: str = "silu") -> None:
+        super().__init__()
+        if hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act: {hidden_act!r} is not supported; "
+                             f"supported: {sorted(_ACTIVATIONS)}")
+        self.hidden_act = hidden_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return act_and_mul(x, self.hidden_act)
