@@ -1,0 +1,17 @@
+"""Model definitions and loading: HF directory or GGUF file -> torch module matching HF."""
+
+from __future__ import annotations
+
+from actors.models.layers import TPGroup
+from actors.models.loader import load_model, load_tokenizer, load_weights, resolve_model_dir
+from actors.models.registry import get_model_class, supported_architectures
+
+__all__ = [
+    "TPGroup",
+    "get_model_class",
+    "load_model",
+    "load_tokenizer",
+    "load_weights",
+    "resolve_model_dir",
+    "supported_architectures",
+]

@@ -1,0 +1,199 @@
+"""Tensor-parallel-ready layers. Each parameter carries `weight_loader(param, loaded, shard_id)`
+that copies its rank's slice of a full checkpoint tensor, so model files stay plain composition.
+
+At world size 1 every collective is a no-op; the hooks are where multi-process TP plugs in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in its tensor-parallel group."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup when world_size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's x along the last dim (rank order)."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def divide(total: int, parts: int, field: str) -> int:
+    if total % parts:
+        raise ValueError(f"{field}: {total} is not divisible by tensor_parallel_size {parts}")
+    return total // parts
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight {what}: checkpoint slice has shape {tuple(src.shape)}, "
+                         f"the model expects {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def new_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+class _Linear(nn.Module):
+    """weight [out_local, in_local] (+ bias [out_local]); subclasses decide the slicing."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPGroup | None) -> None:
+        super().__init__()
+        self.tp = tp or TPGroup()
+        self.weight = new_param((out_local, in_local), self.weight_loader)
+        self.bias = new_param((out_local,), self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+        copy_checked(param.data, loaded, type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(_Linear):
+    """Every rank holds the whole weight (e.g. the MoE router)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TPGroup | None = None) -> None:
+        super().__init__(input_size, output_size, bias, tp)
+
+
+class ColumnParallelLinear(_Linear):
+    """Output features split across ranks; no communication in forward."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TPGroup | None = None) -> None:
+        tp = tp or TPGroup()
+        super().__init__(input_size, divide(output_size, tp.world_size, "output_size"), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+        size = param.shape[0]
+        copy_checked(param.data, loaded.narrow(0, self.tp.rank * size, size), "column")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul, e.g. [gate | up]; shard_id = index."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp: TPGroup | None = None) -> None:
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+        world = self.tp.world_size
+        self.local_sizes = [divide(s, world, "output_sizes") for s in output_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+        if shard_id is None:
+            raise ValueError("MergedColumnParallelLinear needs a shard_id for each part")
+        size = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        src = loaded.narrow(0, self.tp.rank * size, size)
+        copy_checked(param.data.narrow(0, offset, size), src, f"merged part {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection: rows [q heads | k heads | v heads] of this rank; shard_id q/k/v.
+
+    KV heads are split across ranks, or replicated when there are fewer KV heads than ranks.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp: TPGroup | None = None) -> None:
+        tp = tp or TPGroup()
+        self.num_heads = divide(num_heads, tp.world_size, "num_attention_heads")
+        if num_kv_heads >= tp.world_size:
+            self.num_kv_heads = divide(num_kv_heads, tp.world_size, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp.world_size, num_kv_heads, "tensor_parallel_size")
+        self.head_dim = head_dim
+        total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.world_size
+        super().__init__(hidden_size, total, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, index = 0, q_size, self.tp.rank
+        elif shard_id in ("k", "v"):
+            offset = q_size + (kv_size if shard_id == "v" else 0)
+            size, index = kv_size, self.tp.rank // self.kv_replicas
+        else:
+            raise ValueError(f"QKVParallelLinear: shard_id must be q, k or v, got {shard_id!r}")
+        src = loaded.narrow(0, index * size, size)
+        copy_checked(param.data.narrow(0, offset, size), src, f"qkv part {shard_id}")
+
+
+class RowParallelLinear(_Linear):
+    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TPGroup | None = None) -> None:
+        tp = tp or TPGroup()
+        super().__init__(divide(input_size, tp.world_size, "input_size"), output_size, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+        if param.dim() == 1:  # bias: whole, added once after the reduce
+            copy_checked(param.data, loaded, "row bias")
+            return
+        size = param.shape[1]
+        copy_checked(param.data, loaded.narrow(1, self.tp.rank * size, size), "row")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks in contiguous ranges (the last range padded)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup | None = None):
+        super().__init__()
+        self.tp = tp or TPGroup()
+        self.num_embeddings = num_embeddings
+        self.per_rank = -(-num_embeddings // self.tp.world_size)
+        self.start = self.tp.rank * self.per_rank
+        self.weight = new_param((self.per_rank, embedding_dim), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+        rows = max(0, min(self.per_rank, loaded.shape[0] - self.start))
+        param.data[rows:].zero_()
+        copy_checked(param.data[:rows], loaded.narrow(0, self.start, rows), "vocab rows")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)  # [T, D]
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary, split by vocab rows like the embedding."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [N, D] -> [N, vocab] float32, padding rows of the last rank dropped
+        logits = self.tp.all_gather_last(F.linear(hidden, self.weight))
+        return logits[:, : self.num_embeddings].float()

@@ -1,0 +1,221 @@
+"""Llama-family decoders: Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+One parametrised implementation; the variants differ only in `AttentionSpec` fields. Qwen3-MoE
+reuses everything here and swaps the MLP (see qwen3_moe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from actors.models.attention import Attention
+from actors.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+from kernels.activation import SiluAndMul
+from kernels.attention.metadata import AttentionMetadata
+from kernels.norm import RMSNorm
+from kernels.rotary import RotaryEmbedding, apply_rotary, rope_parameters_of
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The attention shape and options of one model, read once from its HF config."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any] = field(hash=False)
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config: Any, qkv_bias: bool | None = None, o_bias: bool | None = None,
+                    qk_norm: bool = False) -> AttentionSpec:
+        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+            raise ValueError("layer_types: sliding-window attention layers are not supported")
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % kv_heads:
+            raise ValueError(f"num_key_value_heads: {kv_heads} does not divide "
+                             f"num_attention_heads {heads}")
+        bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            hidden_size=config.hidden_size, num_heads=heads, num_kv_heads=kv_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            qkv_bias=bias if qkv_bias is None else qkv_bias,
+            o_bias=bias if o_bias is None else o_bias, qk_norm=qk_norm,
+            rms_norm_eps=config.rms_norm_eps, rope_parameters=rope_parameters_of(config),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: AttentionSpec, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads,
+                                          spec.num_kv_heads, spec.qkv_bias, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size,
+                                        spec.o_bias, tp)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim,
+                              spec.head_dim**-0.5)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionMetadata) -> torch.Tensor:
+        num_tokens, d = hidden.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, d)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, d)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, attn)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str,
+                 bias: bool = False, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       bias, tp)
+        self.act_fn = SiluAndMul(hidden_act)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block. `mlp` returns a tensor, or (tensor, expert ids) when `is_moe`."""
+
+    def __init__(self, spec: AttentionSpec, mlp: nn.Module, is_moe: bool,
+                 tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, tp)
+        self.mlp, self.is_moe = mlp, is_moe
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, attn: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.is_moe:
+            hidden, expert_ids = self.mlp(hidden)
+            return hidden, residual, expert_ids
+        return self.mlp(hidden), residual, None
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, spec: AttentionSpec, layers: list[LlamaDecoderLayer],
+                 tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_parameters,
+                                          spec.max_position_embeddings,
+                                          dtype=torch.get_default_dtype())
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = self.embed_tokens(input_ids)  # [T, D]
+        cos, sin = self.rotary_emb(positions)  # [T, head_dim] each, shared by all layers
+        residual, routed = None, []
+        for layer in self.layers:
+            hidden, residual, expert_ids = layer(hidden, residual, cos, sin, attn)
+            if expert_ids is not None:
+                routed.append(expert_ids)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, (torch.stack(routed, dim=1) if routed else None)  # [T, L_moe, k] int32
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama: q/k/v/o bias from `attention_bias`, no q/k norm."""
+
+    # fused param -> the checkpoint names it is stacked from, with their shard ids
+    stacked_params_mapping: ClassVar[list[tuple[str, str, Any]]] = [
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    ]
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                                          "gate_up_proj": ["gate_proj", "up_proj"]}
+    num_moe_layers = 0
+    moe_top_k = 0
+
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.config, self.tp = config, tp or TPGroup()
+        spec = self.attention_spec(config)
+        layers = [self.make_layer(config, spec, i) for i in range(config.num_hidden_layers)]
+        self.model = LlamaModel(config, spec, layers, self.tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def attention_spec(cls, config: Any) -> AttentionSpec:
+        return AttentionSpec.from_config(config)
+
+    def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
+        mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                       bool(getattr(config, "mlp_bias", False)), self.tp)
+        return LlamaDecoderLayer(spec, mlp, is_moe=False, tp=self.tp)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids / positions [T] int64 -> (hidden [T, D] after the final norm, routed
+        expert ids [T, num_moe_layers, top_k] int32 or None for dense models)."""
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)  # [N, vocab] float32
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def expert_params_mapping(self) -> list[tuple[str, str, Any]]:
+        """(our param fragment, checkpoint fragment, shard id) for expert weights; none here."""
+        return []
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: bias on q/k/v, none on o."""
+
+    @classmethod
+    def attention_spec(cls, config: Any) -> AttentionSpec:
+        return AttentionSpec.from_config(config, qkv_bias=True, o_bias=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: per-head RMSNorm on q and k before RoPE."""
+
+    @classmethod
+    def attention_spec(cls, config: Any) -> AttentionSpec:
+        return AttentionSpec.from_config(config, qk_norm=True)

@@ -1,0 +1,154 @@
+"""Build a model from a Hugging Face directory or a GGUF file and load its weights.
+
+Checkpoint names are mapped to our fused parameters (q/k/v -> qkv_proj, gate/up ->
+gate_up_proj, per-expert weights -> 3-D expert tensors); each parameter's `weight_loader`
+takes its tensor-parallel rank's slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from actors.models.gguf import gguf_to_hf_dir
+from actors.models.layers import TPGroup, copy_checked
+from actors.models.registry import get_model_class
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_model_dir(path: str | os.PathLike) -> str:
+    """An HF directory as is; a `.gguf` file -> its cached converted directory."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return gguf_to_hf_dir(p)
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model: {str(path)!r} is neither a Hugging Face directory with "
+                         "config.json nor a .gguf file")
+    return str(p)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config: Any) -> torch.dtype:
+    """`"auto"` or None -> the checkpoint's dtype (float32 when it names none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of 'auto', {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
+    """Safetensors files (sharded via the index, or all in the folder); .bin as a fallback."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [d / s for s in shards]
+    files = sorted(d.glob("*.safetensors")) or sorted(d.glob("pytorch_model*.bin"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors or pytorch_model*.bin files in {str(d)!r}")
+    return files
+
+
+def iter_checkpoint(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a checkpoint, one tensor at a time (memory-mapped)."""
+    from safetensors import safe_open
+
+    for file in checkpoint_files(model_dir):
+        if file.suffix == ".bin":
+            yield from torch.load(file, map_location="cpu", mmap=True, weights_only=True).items()
+            continue
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                yield name, f.get_tensor(name)
+
+
+def _target(model: nn.Module, experts: list[tuple[str, str, Any]],
+            name: str) -> tuple[str, Any] | None:
+    """Checkpoint name -> (our parameter name, shard id), or None to skip the tensor."""
+    if "rotary_emb.inv_freq" in name:
+        return None
+    if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+        return None  # tied to the embedding, which is loaded under its own name
+    if ".experts." in name:
+        for ours, theirs, shard in experts:
+            if theirs in name:
+                return name.replace(theirs, ours), shard
+    for ours, theirs, shard in getattr(model, "stacked_params_mapping", []):
+        if f".{theirs}." in name:
+            return name.replace(f".{theirs}.", f".{ours}."), shard
+    return name, None
+
+
+def _plain_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    copy_checked(param.data, loaded, "parameter")  # e.g. norm weights, whole on every rank
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into `model`; ValueError on unknown or missing weights."""
+    params = dict(model.named_parameters())
+    experts = model.expert_params_mapping() if hasattr(model, "expert_params_mapping") else []
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in weights:
+            target = _target(model, experts, name)
+            if target is None:
+                continue
+            ours, shard = target
+            if ours not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
+            param = params[ours]
+            getattr(param, "weight_loader", _plain_loader)(param, tensor, shard)
+            loaded.add(ours)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
+               device: str | torch.device = "cpu",
+               tp: TPGroup | None = None) -> tuple[nn.Module, Any, str]:
+    """Build and load the model at `path` (HF directory or .gguf).
+
+    Returns (model in eval mode, HF config, the HF directory it came from).
+    """
+    from transformers import AutoConfig
+
+    model_dir = resolve_model_dir(path)
+    config = AutoConfig.from_pretrained(model_dir)
+    cls = get_model_class(config)
+    torch_dtype = resolve_dtype(dtype, config)
+    with _default_dtype(torch_dtype), torch.device(device):
+        model = cls(config, tp)
+    load_weights(model, iter_checkpoint(model_dir))
+    return model.eval(), config, model_dir
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer of an HF directory or a .gguf file (from its converted directory)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(path))

@@ -1,0 +1,107 @@
+"""Qwen3-MoE: the Qwen3 decoder with sparse MoE MLPs on the layers the config selects.
+
+A layer is MoE when it is not in `mlp_only_layers` and `(idx + 1) % decoder_sparse_step == 0`
+(as in HF), so dense and MoE layers mix. Each MoE layer returns the expert ids it routed to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from actors.models.layers import ReplicatedLinear, TPGroup, copy_checked, divide, new_param
+from actors.models.llama import AttentionSpec, LlamaDecoderLayer, LlamaMLP, Qwen3ForCausalLM
+from kernels.moe import fused_moe
+
+
+class FusedMoE(nn.Module):
+    """All experts of a layer as two 3-D weights; expert MLPs split by intermediate size under TP.
+
+    w13_weight [E, 2 * I_local, H] holds gate rows then up rows; w2_weight [E, H, I_local].
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.tp = tp or TPGroup()
+        self.local = divide(intermediate_size, self.tp.world_size, "moe_intermediate_size")
+        self.w13_weight = new_param((num_experts, 2 * self.local, hidden_size),
+                                     self.weight_loader)
+        self.w2_weight = new_param((num_experts, hidden_size, self.local), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+        """shard_id = (expert, part): part gate/up/down for one expert's 2-D weight, or
+        (None, gate_up/down) for transformers 5's fused 3-D tensors of all experts."""
+        expert, part = shard_id
+        start, n = self.tp.rank * self.local, self.local
+        if expert is None:  # [E, 2I, H] or [E, H, I]
+            if part == "down":
+                copy_checked(param.data, loaded.narrow(2, start, n), "experts.down_proj")
+                return
+            half = loaded.shape[1] // 2
+            gate, up = loaded[:, :half].narrow(1, start, n), loaded[:, half:].narrow(1, start, n)
+            copy_checked(param.data, torch.cat([gate, up], dim=1), "experts.gate_up_proj")
+        elif part == "down":  # [H, I]
+            copy_checked(param.data[expert], loaded.narrow(1, start, n), f"expert {expert} down")
+        else:  # gate or up, [I, H]
+            rows = slice(0, n) if part == "gate" else slice(n, 2 * n)
+            copy_checked(param.data[expert, rows], loaded.narrow(0, start, n),
+                          f"expert {expert} {part}")
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.tp = tp or TPGroup()
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = bool(getattr(config, "norm_topk_prob", True))
+        self.hidden_act = config.hidden_act
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, tp=tp)
+        self.experts = FusedMoE(config.num_experts, config.hidden_size,
+                                config.moe_intermediate_size, tp)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (out [T, H], expert ids [T, top_k] int32)."""
+        router_logits = self.gate(x)  # [T, E]
+        out, ids = fused_moe(x, router_logits, self.experts.w13_weight, self.experts.w2_weight,
+                             self.top_k, self.renormalize, self.hidden_act)
+        return self.tp.all_reduce(out), ids
+
+
+def is_moe_layer(config: Any, layer_idx: int) -> bool:
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+            and config.num_experts > 0 and (layer_idx + 1) % step == 0)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+        if config.num_experts_per_tok > config.num_experts:
+            raise ValueError(f"num_experts_per_tok: {config.num_experts_per_tok} exceeds "
+                             f"num_experts {config.num_experts}")
+        super().__init__(config, tp)
+        self.num_moe_layers = sum(is_moe_layer(config, i) for i in range(config.num_hidden_layers))
+        self.moe_top_k = config.num_experts_per_tok if self.num_moe_layers else 0
+
+    def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
+        if is_moe_layer(config, layer_idx):
+            return LlamaDecoderLayer(spec, SparseMoeBlock(config, self.tp), is_moe=True,
+                                     tp=self.tp)
+        mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                       tp=self.tp)
+        return LlamaDecoderLayer(spec, mlp, is_moe=False, tp=self.tp)
+
+    def expert_params_mapping(self) -> list[tuple[str, str, Any]]:
+        mapping: list[tuple[str, str, Any]] = [
+            ("experts.w13_weight", "experts.gate_up_proj", (None, "gate_up")),
+            ("experts.w2_weight", "experts.down_proj", (None, "down")),
+        ]
+        for e in range(self.config.num_experts):
+            mapping += [
+                ("experts.w13_weight", f"experts.{e}.gate_proj.weight", (e, "gate")),
+                ("experts.w13_weight", f"experts.{e}.up_proj.weight", (e, "up")),
+                ("experts.w2_weight", f"experts.{e}.down_proj.weight", (e, "down")),
+            ]
+        return mapping

@@ -1,0 +1,33 @@
+"""Architecture name (config.json `architectures`) -> model class."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# architecture -> (module, class); imported lazily so a lookup never builds torch modules
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("actors.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("actors.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("actors.models.llama", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("actors.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(config: Any) -> type:
+    """The class for an HF config (or an architecture name); ValueError if unsupported."""
+    archs = [config] if isinstance(config, str) else list(getattr(config, "architectures", None)
+                                                           or [])
+    if not archs:
+        raise ValueError("architectures: config.json names no architecture; "
+                         f"supported: {supported_architectures()}")
+    for arch in archs:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(module), name)
+    raise ValueError(f"architectures: {archs} not supported; "
+                     f"supported: {supported_architectures()}")

@@ -1,0 +1,156 @@
+"""Tiny random-weight models and a tiny tokenizer, built offline for tests.
+
+`make_llama` / `make_qwen2` / `make_qwen3` / `make_qwen3_moe` write a float32 HF directory
+(config, safetensors, tokenizer with a ChatML chat template) and return its path. Weights are
+seeded and drawn with a large `initializer_range` so logits are peaked: greedy argmax has no
+near-ties and exact-match tests against HF are not flaky.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 384
+
+# ChatML with a system prompt, tool definitions, assistant tool calls and the tool role.
+# NOTE: transformers renders with trim_blocks, so a newline right after a block tag is dropped.
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message.role != 'system' %}"
+    "<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls or [] %}{{ '\\n' }}<tool_call>\n"
+    "{{ (call.function if call.function is defined else call) | tojson }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Write a haiku about the sea: waves fold into foam, the tide keeps its slow promise.",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2024.",
+    "The assistant calls a tool, reads the result and answers the user.",
+    '{"name": "get_weather", "arguments": {"city": "Berlin"}}',
+    "Reinforcement learning trains a policy from rewards over many rollouts.",
+]
+
+
+@functools.cache
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    return tok.to_str()
+
+
+def make_tokenizer() -> Any:
+    """A byte-level BPE `PreTrainedTokenizerFast` with a ChatML chat template; eos <|im_end|>."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json()), eos_token="<|im_end|>",
+        bos_token="<|im_start|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _common(tokenizer: Any) -> dict[str, Any]:
+    return {
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 1024, "initializer_range": 0.3, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def _save(path: str | os.PathLike, config_cls: Any, model_cls: Any, seed: int,
+          overrides: dict[str, Any], **defaults: Any) -> str:
+    tokenizer = make_tokenizer()
+    config = config_cls(**{**_common(tokenizer), **defaults, **overrides})
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def make_llama(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Llama with GQA (4 heads / 2 KV heads); override e.g. head_dim, tie_word_embeddings,
+    rope_scaling={"rope_type": "llama3", ...}, attention_bias."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save(path, LlamaConfig, LlamaForCausalLM, seed, overrides)
+
+
+def make_qwen2(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Qwen2 (bias on q/k/v)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _save(path, Qwen2Config, Qwen2ForCausalLM, seed, overrides, use_sliding_window=False)
+
+
+def make_qwen3(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Qwen3 (q/k norm) with head_dim 32 != hidden / heads, 3 layers."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _save(path, Qwen3Config, Qwen3ForCausalLM, seed, overrides, head_dim=32,
+                 num_hidden_layers=3, use_sliding_window=False)
+
+
+def make_qwen3_moe(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Qwen3-MoE, 8 experts top-2, 4 layers: 0 and 2 dense (`mlp_only_layers`), 1 and 3 MoE.
+    Override `decoder_sparse_step=2, mlp_only_layers=[]` for the same mix by sparse step."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return _save(path, Qwen3MoeConfig, Qwen3MoeForCausalLM, seed, overrides,
+                 num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0, 2],
+                 norm_topk_prob=True, head_dim=16, use_sliding_window=False)
+
+
+def attach_kv_cache(model: Any, num_slots: int) -> None:
+    """Give every attention layer of one of our models a zeroed paged KV cache."""
+    dtype = next(model.parameters()).dtype
+    for layer in model.attention_layers():
+        shape = (num_slots, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache = torch.zeros(shape, dtype=dtype)
+        layer.v_cache = torch.zeros(shape, dtype=dtype)
+
+
+def run_prefill(model: Any, token_ids: list[int], start: int = 0,
+                block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run tokens[start:] of one sequence as one prefill chunk whose first `start` tokens are
+    already in the cache (blocks 0, 1, ... in order). Returns (logits [T, V], routed or None)."""
+    from kernels.attention.builder import SeqSlice, build_metadata
+
+    n = len(token_ids)
+    table = list(range(-(-n // block_size)))
+    meta = build_metadata([SeqSlice(num_new=n - start, context_len=n, block_table=table)], [],
+                          block_size)
+    ids = torch.tensor(token_ids[start:], dtype=torch.long)
+    positions = torch.arange(start, n, dtype=torch.long)
+    with torch.no_grad():
+        hidden, routed = model(ids, positions, meta)
+        return model.compute_logits(hidden), routed
