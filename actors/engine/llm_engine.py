@@ -13,6 +13,7 @@ from actors.engine.sampling_params import SamplingParams
 from actors.engine.scheduler import Scheduler, SchedulerOutput
 from actors.engine.sequence import Sequence
 from actors.engine.setup import EngineParts, build_engine_parts
+from actors.engine.stats import EngineStats
 from actors.engine.validate import RequestValidator
 
 Prompt = str | list[int]
@@ -36,6 +37,7 @@ class LLMEngine:
         self.stop_checker = parts.stop_checker
         self.validator = RequestValidator(parts)
         self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
         self.weight_version = 0
         self._ids = itertools.count()
 
@@ -57,7 +59,10 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             request = self.requests.pop(rid, None)
-            for seq in request.seqs if request else []:
+            if request is None:
+                continue
+            self.stats.finished["abort"] += 1
+            for seq in request.seqs:
                 if seq.finish_reason is None:
                     seq.finish_reason = "abort"
                     self._release(seq)
@@ -75,16 +80,19 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        self._record_scheduled(batch)
         result = self.runner.execute(batch)
         touched = self._postprocess(batch, result)
         outputs = [r.output(self.weight_version) for r in touched]
         for r in touched:
             if r.finished:
+                self._record_finished(r)
                 del self.requests[r.request_id]
         return outputs
 
     def _postprocess(self, batch: SchedulerOutput, result) -> list[Request]:
         touched: dict[str, Request] = {}
+        now = time.monotonic()
         for i, item in enumerate(batch.scheduled):
             seq = item.seq
             self.scheduler.advance(item)
@@ -93,7 +101,7 @@ class LLMEngine:
             if token is None:
                 continue
             request = self.requests[seq.request_id]
-            request.first_token_time = request.first_token_time or time.monotonic()
+            self._record_token(request, now)
             seq.append_token(token, result.logprobs[i], result.top_logprobs[i])
             self.stop_checker.check(seq, request.detokenize(seq))
             if seq.finish_reason is not None:
@@ -101,6 +109,33 @@ class LLMEngine:
                 self._release(seq)
             touched[seq.request_id] = request
         return list(touched.values())
+
+    # --- statistics ---------------------------------------------------------------------------
+
+    def _record_scheduled(self, batch: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for item in batch.scheduled:
+            request = self.requests[item.seq.request_id]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                self.stats.prompt_tokens += item.seq.num_prompt_tokens
+                self.stats.observe("request_queue_time_seconds", now - request.arrival_time)
+
+    def _record_token(self, request: Request, now: float) -> None:
+        self.stats.generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.stats.observe("time_to_first_token_seconds", now - request.arrival_time)
+        elif request.params.n == 1:
+            self.stats.observe("inter_token_latency_seconds", now - request.last_token_time)
+        request.last_token_time = now
+
+    def _record_finished(self, request: Request) -> None:
+        self.stats.finished[request.seqs[0].finish_reason] += 1
+        self.stats.observe("e2e_request_latency_seconds", time.monotonic() - request.arrival_time)
+
+    def stats_snapshot(self) -> dict:
+        return self.stats.snapshot(self.scheduler, self.block_manager)
 
     def _capture_routing(self, seq: Sequence) -> None:
         if seq.params.return_routed_experts:

@@ -17,7 +17,9 @@ class Request:
         self.prompt = prompt
         self.params = params
         self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time = 0.0
         self.seqs = [Sequence(request_id, i, prompt_token_ids, params, block_size)
                      for i in range(params.n)]
         # samples 2..n start once the first one's prompt is in the cache, so they share its blocks

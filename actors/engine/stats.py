@@ -1,0 +1,67 @@
+"""Engine statistics for Prometheus, kept as plain numbers so replicas can ship snapshots.
+
+Names and buckets follow vLLM's metrics so dashboards port by a prefix change; the HTTP layer
+turns snapshots from every replica into `raylane:*` families.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def snapshot(self) -> dict:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum}
+
+
+class EngineStats:
+    """Counters and histograms the engine updates as it steps."""
+
+    def __init__(self):
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: Counter[str] = Counter()
+        self.histograms = {
+            "time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
+            "inter_token_latency_seconds": Histogram(ITL_BUCKETS),
+            "e2e_request_latency_seconds": Histogram(LATENCY_BUCKETS),
+            "request_queue_time_seconds": Histogram(LATENCY_BUCKETS),
+        }
+
+    def observe(self, name: str, value: float) -> None:
+        self.histograms[name].observe(value)
+
+    def snapshot(self, scheduler, block_manager) -> dict:
+        return {
+            "gauges": {
+                "num_requests_running": len(scheduler.running),
+                "num_requests_waiting": len(scheduler.waiting),
+                "kv_cache_usage_perc": block_manager.usage(),
+            },
+            "counters": {
+                "prompt_tokens": self.prompt_tokens,
+                "generation_tokens": self.generation_tokens,
+                "num_preemptions": scheduler.num_preemptions,
+                "prefix_cache_queries": block_manager.num_queries,
+                "prefix_cache_hits": block_manager.num_hits,
+            },
+            "finished": dict(self.finished),
+            "histograms": {name: h.snapshot() for name, h in self.histograms.items()},
+        }
