@@ -1,0 +1,219 @@
+"""The runner's Sampler on fake sequences and random logits, against naive computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from actors.engine.sampling_params import SamplingParams
+from actors.engine.sequence import Sequence
+from actors.runner.sampler import Sampler
+
+torch.set_num_threads(1)
+
+VOCAB, PAD, EOS = 16, 3, 15
+
+
+def make_sampler(seed: int = 0) -> Sampler:
+    return Sampler(VOCAB, [EOS], torch.device("cpu"), seed)
+
+
+def make_seq(prompt: list[int] | None = None, outputs: list[int] = (), index: int = 0,
+             **params) -> Sequence:
+    seq = Sequence("r", index, prompt or [1, 2, 3], SamplingParams(**params), block_size=4)
+    for tok in outputs:
+        seq.append_token(tok, None, None)
+    return seq
+
+
+def random_logits(batch: int, seed: int) -> torch.Tensor:
+    """[batch, VOCAB + PAD]; the padded columns are huge and must be ignored."""
+    logits = torch.randn(batch, VOCAB + PAD, generator=torch.Generator().manual_seed(seed)) * 3
+    logits[:, VOCAB:] = 100.0
+    return logits
+
+
+def argmax(row: list[float]) -> int:
+    return max(range(len(row)), key=lambda t: row[t])
+
+
+def log_softmax(row: list[float]) -> list[float]:
+    top = max(row)
+    log_total = top + math.log(sum(math.exp(x - top) for x in row))
+    return [x - log_total for x in row]
+
+
+def naive_penalised(row, seq: Sequence) -> list[float]:
+    p = seq.params
+    prompt, outputs = seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids
+    result = []
+    for tok, x in enumerate(row):
+        count = outputs.count(tok)
+        if tok in prompt or count:
+            x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        result.append(x - p.frequency_penalty * count - p.presence_penalty * (count > 0))
+    return result
+
+
+def vocab_rows(logits: torch.Tensor) -> list[list[float]]:
+    return logits[:, :VOCAB].tolist()
+
+
+# --- greedy and logprobs ----------------------------------------------------------------------
+
+
+def test_greedy_rows_are_the_argmax_over_the_real_vocab():
+    logits = random_logits(5, seed=1)
+    seqs = [make_seq(temperature=0) for _ in range(5)]
+    result = make_sampler()(logits.clone(), seqs)
+    assert result.token_ids == [argmax(r) for r in vocab_rows(logits)]
+    assert result.logprobs == [None] * 5 and result.top_logprobs == [None] * 5
+
+
+def test_raw_logprobs_ignore_temperature_truncation_and_penalties():
+    logits = random_logits(4, seed=2)
+    seqs = [
+        make_seq(temperature=0.5, top_k=3, logprobs=0, seed=1),
+        make_seq(temperature=1.3, top_p=0.6, min_p=0.1, logprobs=2),
+        make_seq(outputs=[4, 4, 5], repetition_penalty=1.8, presence_penalty=1.0, logprobs=1,
+                 temperature=0),
+        make_seq(min_tokens=3, logprobs=3, temperature=0.7),
+    ]
+    result = make_sampler()(logits.clone(), seqs)
+    for row, tok, lp in zip(vocab_rows(logits), result.token_ids, result.logprobs):
+        assert lp == pytest.approx(log_softmax(row)[tok], abs=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_top_logprobs_are_the_n_best_raw_logprobs(n):
+    logits = random_logits(3, seed=3)
+    seqs = [make_seq(temperature=t, logprobs=n, top_k=2) for t in (0, 0.8, 2.0)]
+    result = make_sampler()(logits.clone(), seqs)
+    for row, top in zip(vocab_rows(logits), result.top_logprobs):
+        lps = log_softmax(row)
+        best = sorted(range(VOCAB), key=lambda t: -lps[t])[:n]
+        assert list(top) == best
+        assert list(top.values()) == pytest.approx([lps[t] for t in best], abs=1e-5)
+
+
+def test_rows_get_their_own_number_of_top_logprobs():
+    logits = random_logits(3, seed=4)
+    seqs = [make_seq(logprobs=1), make_seq(logprobs=4), make_seq()]
+    result = make_sampler()(logits.clone(), seqs)
+    assert [len(t) if t is not None else None for t in result.top_logprobs] == [1, 4, None]
+    assert result.logprobs[2] is None
+
+
+def test_logprobs_zero_gives_the_same_output_alone_or_batched():
+    logits = random_logits(2, seed=5)
+    alone = make_sampler()(logits[:1].clone(), [make_seq(logprobs=0, temperature=0)])
+    batched = make_sampler()(logits.clone(), [make_seq(logprobs=0, temperature=0),
+                                              make_seq(logprobs=2, temperature=0)])
+    assert alone.top_logprobs[0] == batched.top_logprobs[0] == {}
+    assert alone.logprobs[0] == pytest.approx(batched.logprobs[0])
+
+
+# --- min_tokens and penalties -----------------------------------------------------------------
+
+
+def eos_heavy_logits(batch: int) -> torch.Tensor:
+    logits = random_logits(batch, seed=6)
+    logits[:, EOS] = 50.0
+    logits[:, 7] = 40.0
+    return logits
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    logits = eos_heavy_logits(4)
+    seqs = [
+        make_seq(min_tokens=2, temperature=0),  # eos masked: 7 is next best
+        make_seq(min_tokens=2, stop_token_ids=[7], temperature=0),  # eos and 7 masked
+        make_seq(outputs=[1, 2], min_tokens=2, temperature=0),  # min_tokens reached
+        make_seq(min_tokens=2, ignore_eos=True, temperature=0),  # eos is not a stop here
+    ]
+    result = make_sampler()(logits.clone(), seqs)
+    masked = vocab_rows(logits)[1]
+    masked[EOS] = masked[7] = -math.inf
+    assert result.token_ids == [7, argmax(masked), EOS, EOS]
+
+
+def test_min_tokens_masks_eos_for_sampled_rows_too():
+    logits = eos_heavy_logits(64)
+    seqs = [make_seq(min_tokens=1, temperature=5.0, seed=i) for i in range(64)]
+    assert EOS not in make_sampler()(logits, seqs).token_ids
+
+
+def test_penalties_change_the_choice_as_the_naive_computation_says():
+    changed = 0
+    for case in range(40):
+        gen = torch.Generator().manual_seed(100 + case)
+        prompt = torch.randint(0, VOCAB, (4,), generator=gen).tolist()
+        outputs = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
+        params = {"repetition_penalty": [1.0, 1.3, 2.5][case % 3],
+                      "presence_penalty": [0.0, 1.5, -1.0][case % 3 - 1],
+                      "frequency_penalty": [0.7, 0.0, 1.9][case % 3 - 2], "temperature": 0}
+        seq = make_seq(prompt, outputs, **params)
+        logits = random_logits(1, seed=200 + case) / 3
+        (token,) = make_sampler()(logits.clone(), [seq]).token_ids
+        row = vocab_rows(logits)[0]
+        assert token == argmax(naive_penalised(row, seq))
+        changed += token != argmax(row)
+    assert changed >= 5  # the cases really exercise the penalties
+
+
+# --- seeded and truncated sampling ------------------------------------------------------------
+
+
+def run_steps(sampler: Sampler, seqs: list[Sequence], watch: Sequence, steps: int) -> list[int]:
+    """Sample `steps` times, appending to every sequence; return `watch`'s tokens."""
+    for step in range(steps):
+        logits = random_logits(len(seqs), seed=1000 + step)
+        logits[seqs.index(watch)] = random_logits(1, seed=step)[0]  # watch sees the same rows
+        tokens = sampler(logits, seqs).token_ids
+        for seq, tok in zip(seqs, tokens):
+            seq.append_token(tok, None, None)
+    return watch.output_token_ids
+
+
+@pytest.mark.parametrize("params", [
+    {"seed": 42},
+    {"seed": 7, "temperature": 0.8, "top_p": 0.9, "top_k": 8},
+    {"seed": 3, "min_p": 0.05, "repetition_penalty": 1.2, "index": 1},
+])
+def test_seeded_rows_are_batch_independent(params):
+    params = dict(params)
+    index = params.pop("index", 0)
+    alone = make_seq(index=index, **params)
+    alone_tokens = run_steps(make_sampler(seed=0), [alone], alone, steps=12)
+    twin = make_seq(index=index, **params)
+    others = [make_seq(temperature=1.0), make_seq(seed=99, top_k=4), make_seq(temperature=0)]
+    batch = [others[0], twin, *others[1:]]
+    assert run_steps(make_sampler(seed=123), batch, twin, steps=12) == alone_tokens
+    assert len(set(alone_tokens)) > 1
+
+
+def test_samples_of_one_seeded_request_differ():
+    a, b = make_seq(seed=5, index=0), make_seq(seed=5, index=1)
+    sampler = make_sampler()
+    assert run_steps(sampler, [a, b], a, 12) != b.output_token_ids
+
+
+def test_top_k_one_equals_greedy():
+    logits = random_logits(8, seed=9)
+    seqs = [make_seq(temperature=t, top_k=1, seed=s) for t, s in
+            [(0.5, None), (1.0, 1), (2.0, None), (5.0, 2)] * 2]
+    result = make_sampler()(logits.clone(), seqs)
+    assert result.token_ids == [argmax(r) for r in vocab_rows(logits)]
+
+
+def test_sampled_rows_follow_the_temperature_distribution():
+    row = [math.log(p) for p in (0.5, 0.3, 0.15, 0.05)] + [-30.0] * (VOCAB - 4)
+    logits = torch.tensor([row + [100.0] * PAD] * 4000)
+    seqs = [make_seq(temperature=1.0) for _ in range(4000)]
+    tokens = make_sampler(seed=1)(logits, seqs).token_ids
+    counts = [tokens.count(t) for t in range(4)]
+    expected = [4000 * p for p in (0.5, 0.3, 0.15, 0.05)]
+    assert sum(counts) == 4000
+    assert sum((c - e) ** 2 / e for c, e in zip(counts, expected)) < 25
