@@ -36,7 +36,14 @@ class EngineConfig:
     max_logprobs: int = 20
 
     def __post_init__(self) -> None:
-        check_type("EngineConfig", "model", self.model, str)
+        for name in ("model", "dtype", "device", "attention_backend"):
+            check_type("EngineConfig", name, getattr(self, name), str)
+        if self.tokenizer is not None:
+            check_type("EngineConfig", "tokenizer", self.tokenizer, str)
+        for name in ("enable_prefix_caching", "enable_return_routed_experts"):
+            check_type("EngineConfig", name, getattr(self, name), bool)
+        check_type("EngineConfig", "seed", self.seed, int)
+        check_type("EngineConfig", "kv_cache_memory_gb", self.kv_cache_memory_gb, (int, float))
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",

@@ -56,14 +56,15 @@ class StopChecker:
         params = seq.params
         longest = max(len(s) for s in params.stop_list)
         window_start = max(0, len(seq.text) - delta_len - longest + 1)
-        for stop in params.stop_list:
-            at = seq.text.find(stop, window_start)
-            if at >= 0:
-                end = at + len(stop) if params.include_stop_str_in_output else at
-                seq.text = seq.text[:end]
-                self._finish(seq, "stop", stop)
-                return True
-        return False
+        # the earliest match in the text wins, so the kept text never holds any stop string
+        found = [(at, stop) for stop in params.stop_list
+                 if (at := seq.text.find(stop, window_start)) >= 0]
+        if not found:
+            return False
+        at, stop = min(found)
+        seq.text = seq.text[:at + len(stop) if params.include_stop_str_in_output else at]
+        self._finish(seq, "stop", stop)
+        return True
 
     @staticmethod
     def _finish(seq: Sequence, reason: str, stop_reason: str | int | None) -> None:

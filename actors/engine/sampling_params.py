@@ -50,6 +50,9 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             check_type("SamplingParams", name, getattr(self, name), _NUM)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "return_routed_experts"):
+            check_type("SamplingParams", name, getattr(self, name), bool)
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 check_type("SamplingParams", name, getattr(self, name), int)
@@ -70,6 +73,10 @@ class SamplingParams:
             _require(value is None or value >= 0, name, "must be >= 0")
 
     def _check_stops(self) -> None:
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError("SamplingParams.stop must be a string or a list of strings")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError("SamplingParams.stop_token_ids must be a list of token ids")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         for s in stop:
             _require(isinstance(s, str) and s != "", "stop", "must hold non-empty strings")

@@ -100,6 +100,11 @@ class Scheduler:
             if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_new)):
                 if not self.running:
                     self._check_fits(seq)
+                # give the cached prefix back: holding it while waiting could starve the
+                # sequences ahead of it (a preempted one) and deadlock the engine
+                self.blocks.free_sequence(seq)
+                seq.num_computed_tokens = 0
+                seq.prefix_looked_up = False
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.blocks.allocate(seq, num_new)

@@ -97,13 +97,10 @@ class Sampler:
             return [None] * len(seqs), [None] * len(seqs)
         chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         n_max = max(s.params.logprobs or 0 for s in seqs)
-        top = [None] * len(seqs)
-        if n_max:
-            values, ids = sampling.top_logprobs(raw, n_max)
-            values, ids = values.tolist(), ids.tolist()
-            for i, s in enumerate(seqs):
-                n = s.params.logprobs or 0
-                top[i] = dict(zip(ids[i][:n], values[i][:n])) if s.params.logprobs is not None else None
+        values, ids = sampling.top_logprobs(raw, n_max)
+        values, ids = values.tolist(), ids.tolist()
+        top = [dict(zip(ids[i][:s.params.logprobs], values[i][:s.params.logprobs]))
+               if s.params.logprobs is not None else None for i, s in enumerate(seqs)]
         lps = [lp if s.params.logprobs is not None else None for lp, s in zip(chosen, seqs)]
         return lps, top
 

@@ -1,0 +1,85 @@
+"""The Router: one named Ray actor per cluster that owns the replica table and routing policy.
+
+Engine replicas register on start and heartbeat while alive; the HTTP ingress asks `choose()`
+which replica serves a request, then streams from that replica directly (tokens never pass
+through here) and reports `done()` / `report_failure()`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from router.policy import RoutingPolicy
+
+ROUTER_NAME = "raylane-router"
+NAMESPACE = "raylane"
+
+
+class Router:
+    def __init__(self, capacity: int = 256, heartbeat_timeout_s: float = 5.0,
+                 forget_after_s: float = 60.0):
+        self.policy = RoutingPolicy(capacity)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.forget_after_s = forget_after_s
+
+    # --- replicas -----------------------------------------------------------------------------
+
+    def register(self, replica_id: str) -> None:
+        self.policy.add(replica_id, time.monotonic())
+        self.heartbeat(replica_id)
+
+    def heartbeat(self, replica_id: str) -> None:
+        state = self.policy.replicas.get(replica_id)
+        if state is None:  # the Router restarted and lost its table: re-learn the replica
+            self.policy.add(replica_id, time.monotonic())
+            state = self.policy.replicas[replica_id]
+        state.last_seen = time.monotonic()
+        state.healthy = True
+
+    def unregister(self, replica_id: str) -> None:
+        self.policy.remove(replica_id)
+
+    def report_failure(self, replica_id: str) -> None:
+        """The ingress saw this replica fail: skip it until its next heartbeat."""
+        self.policy.set_healthy(replica_id, False)
+
+    # --- routing ------------------------------------------------------------------------------
+
+    def choose(self, routing_key: str | None = None) -> str | None:
+        """The replica for a request, counted as in flight; None when all are full or down."""
+        self._expire()
+        replica_id = self.policy.choose(routing_key)
+        if replica_id is not None:
+            self.policy.started(replica_id)
+        return replica_id
+
+    def done(self, replica_id: str) -> None:
+        self.policy.finished(replica_id)
+
+    def ready(self) -> bool:
+        self._expire()
+        return bool(self.policy.healthy())
+
+    def replicas(self) -> list[dict]:
+        self._expire()
+        return [dict(replica_id=r.replica_id, in_flight=r.in_flight, healthy=r.healthy)
+                for r in self.policy.replicas.values()]
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for state in list(self.policy.replicas.values()):
+            silent = now - state.last_seen
+            if silent > self.forget_after_s:
+                self.policy.remove(state.replica_id)
+            elif silent > self.heartbeat_timeout_s:
+                state.healthy = False
+
+
+def get_or_create_router(capacity: int = 256):
+    """The cluster's Router actor handle, created on first use (detached: it outlives callers)."""
+    import ray
+
+    return ray.remote(Router).options(
+        name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        num_cpus=0, max_restarts=-1,
+    ).remote(capacity)

@@ -1,0 +1,104 @@
+"""Replica choice: sticky by routing key (consistent hashing), otherwise least loaded.
+
+Plain Python, no Ray: the Router actor feeds it the replica table and asks it to pick.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+from dataclasses import dataclass
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+@dataclass
+class ReplicaState:
+    replica_id: str
+    in_flight: int = 0  # requests routed to it and not yet done
+    healthy: bool = True
+    last_seen: float = 0.0  # monotonic time of its last heartbeat
+
+
+class HashRing:
+    """Consistent hashing with virtual nodes: adding or removing a replica moves ~1/N of keys."""
+
+    def __init__(self, virtual_nodes: int = 64):
+        self.virtual_nodes = virtual_nodes
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    def rebuild(self, replica_ids: list[str]) -> None:
+        points = sorted((_hash(f"{rid}#{i}"), rid) for rid in replica_ids
+                        for i in range(self.virtual_nodes))
+        self._points = [p for p, _ in points]
+        self._owners = [rid for _, rid in points]
+
+    def walk(self, key: str):
+        """Replica ids in ring order starting at the key's point (each once)."""
+        if not self._points:
+            return
+        start = bisect.bisect(self._points, _hash(key)) % len(self._points)
+        seen: set[str] = set()
+        for i in range(len(self._points)):
+            owner = self._owners[(start + i) % len(self._points)]
+            if owner not in seen:
+                seen.add(owner)
+                yield owner
+
+
+class RoutingPolicy:
+    """Picks a replica for a request; `None` when no healthy replica has room.
+
+    `capacity` bounds the requests in flight per replica (queued included): beyond it the
+    caller should answer 429 rather than queue without bound. A keyed request stays on its
+    ring owner even when that one is busier than others, so its prefix cache is reused.
+    """
+
+    def __init__(self, capacity: int = 256, virtual_nodes: int = 64):
+        self.capacity = capacity
+        self.replicas: dict[str, ReplicaState] = {}
+        self.ring = HashRing(virtual_nodes)
+        self._tiebreak = itertools.count()
+
+    def add(self, replica_id: str, now: float = 0.0) -> None:
+        if replica_id not in self.replicas:
+            self.replicas[replica_id] = ReplicaState(replica_id, last_seen=now)
+            self.ring.rebuild(sorted(self.replicas))
+
+    def remove(self, replica_id: str) -> None:
+        if self.replicas.pop(replica_id, None) is not None:
+            self.ring.rebuild(sorted(self.replicas))
+
+    def set_healthy(self, replica_id: str, healthy: bool) -> None:
+        if replica_id in self.replicas:
+            self.replicas[replica_id].healthy = healthy
+
+    def healthy(self) -> list[ReplicaState]:
+        return [r for r in self.replicas.values() if r.healthy]
+
+    def choose(self, routing_key: str | None = None) -> str | None:
+        if routing_key is not None:
+            for rid in self.ring.walk(routing_key):
+                state = self.replicas[rid]
+                if state.healthy:  # skip a failed owner until it recovers
+                    return rid if state.in_flight < self.capacity else None
+            return None
+        open_ = [r for r in self.healthy() if r.in_flight < self.capacity]
+        if not open_:
+            return None
+        least = min(r.in_flight for r in open_)
+        ties = [r for r in open_ if r.in_flight == least]
+        return ties[next(self._tiebreak) % len(ties)].replica_id  # rotate among equals
+
+    def started(self, replica_id: str) -> None:
+        if replica_id in self.replicas:
+            self.replicas[replica_id].in_flight += 1
+
+    def finished(self, replica_id: str) -> None:
+        state = self.replicas.get(replica_id)
+        if state is not None and state.in_flight > 0:
+            state.in_flight -= 1
