@@ -65,7 +65,8 @@ def _yarn(dim: int, theta: float, params: Mapping[str, Any],
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     pos_freqs = theta ** (torch.arange(0, dim, 2).to(torch.float) / dim)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    interpolated, extrapolated = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    inv_freq = interpolated * (1 - extrapolation) + extrapolated * extrapolation
     return inv_freq, float(attn_factor)
 
 
@@ -124,7 +125,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def rope_parameters_of(config: Any) -> dict[str, Any]:
-    """The rope dict of an HF config, for transformers 5 (`rope_parameters`) and 4 (`rope_scaling`)."""
+    """The rope dict of an HF config: transformers 5 `rope_parameters`, or 4 `rope_scaling`."""
     params = getattr(config, "rope_parameters", None)
     if params is None:
         params = dict(getattr(config, "rope_scaling", None) or {})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from actors.models.layers import TPGroup
 from actors.models.loader import load_model, load_tokenizer, load_weights, resolve_model_dir
+from actors.models.packing import pack_linear_weights, unpack_linear_weights
 from actors.models.registry import get_model_class, supported_architectures
 
 __all__ = [
@@ -12,6 +13,8 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "load_weights",
+    "pack_linear_weights",
     "resolve_model_dir",
     "supported_architectures",
+    "unpack_linear_weights",
 ]

@@ -57,8 +57,18 @@ def new_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Paramet
     return param
 
 
-class _Linear(nn.Module):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] -> [T, out]; through the oneDNN-packed copy of `weight` when there is one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class LinearBase(nn.Module):
     """weight [out_local, in_local] (+ bias [out_local]); subclasses decide the slicing."""
+
+    packed: torch.Tensor | None = None  # a oneDNN-blocked copy of weight, see packing.py
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPGroup | None) -> None:
         super().__init__()
@@ -70,10 +80,10 @@ class _Linear(nn.Module):
         copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
-class ReplicatedLinear(_Linear):
+class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight (e.g. the MoE router)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
@@ -81,7 +91,7 @@ class ReplicatedLinear(_Linear):
         super().__init__(input_size, output_size, bias, tp)
 
 
-class ColumnParallelLinear(_Linear):
+class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication in forward."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
@@ -145,7 +155,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_checked(param.data.narrow(0, offset, size), src, f"qkv part {shard_id}")
 
 
-class RowParallelLinear(_Linear):
+class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed with an all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
@@ -161,8 +171,9 @@ class RowParallelLinear(_Linear):
         copy_checked(param.data, loaded.narrow(1, self.tp.rank * size, size), "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
+        if self.bias is None or self.tp.world_size == 1:  # bias fused, like HF's nn.Linear
+            return self.tp.all_reduce(linear(x, self.weight, self.bias, self.packed))
+        return self.tp.all_reduce(linear(x, self.weight, None, self.packed)) + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -193,7 +204,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary, split by vocab rows like the embedding."""
 
+    packed: torch.Tensor | None = None  # a oneDNN-blocked copy of weight, see packing.py
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, D] -> [N, vocab] float32, padding rows of the last rank dropped
-        logits = self.tp.all_gather_last(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last(linear(hidden, self.weight, None, self.packed))
         return logits[:, : self.num_embeddings].float()

@@ -19,6 +19,7 @@ from torch import nn
 
 from actors.models.gguf import gguf_to_hf_dir
 from actors.models.layers import TPGroup, copy_checked
+from actors.models.packing import pack_linear_weights, refresh_packed_weights
 from actors.models.registry import get_model_class
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -116,6 +117,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+    refresh_packed_weights(model)
 
 
 @contextlib.contextmanager
@@ -130,9 +132,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
                device: str | torch.device = "cpu",
-               tp: TPGroup | None = None) -> tuple[nn.Module, Any, str]:
+               tp: TPGroup | None = None,
+               pack_weights: bool = True) -> tuple[nn.Module, Any, str]:
     """Build and load the model at `path` (HF directory or .gguf).
 
+    `pack_weights`: on CPU in float32, pre-pack linear weights for oneDNN (about 2x faster
+    decode matmuls, the linear weights' memory once more); ignored elsewhere.
     Returns (model in eval mode, HF config, the HF directory it came from).
     """
     from transformers import AutoConfig
@@ -144,6 +149,8 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = "auto"
     with _default_dtype(torch_dtype), torch.device(device):
         model = cls(config, tp)
     load_weights(model, iter_checkpoint(model_dir))
+    if pack_weights:
+        pack_linear_weights(model)
     return model.eval(), config, model_dir
 
 

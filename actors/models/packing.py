@@ -1,0 +1,64 @@
+"""Pre-packed linear weights for CPU float32 inference.
+
+oneDNN matmuls on weights reordered once into its blocked layout run about 2x faster than
+`F.linear` at the small batch sizes of decoding (measured on the 2-core dev machine: 83 -> 175
+GFLOP/s at 32 tokens), because the weight is not re-laid out on every call. The packed copy
+sits next to the parameter (which stays the source of truth for loading and state_dict), so it
+costs the linear weights' memory once more and must be refreshed when weights change:
+`load_weights` does that.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from actors.models.layers import LinearBase, ParallelLMHead, linear
+
+BATCH_HINT = 32  # the layout oneDNN picks for this batch size serves 1..512 tokens well
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _packable(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+
+
+def _agrees(module: nn.Module, packed: torch.Tensor) -> bool:
+    """Guard against an internal op misbehaving on an unusual CPU: compare with F.linear once."""
+    x = torch.randn(3, module.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    ref = linear(x, module.weight.detach(), None, None)
+    return torch.allclose(linear(x, module.weight.detach(), None, packed), ref,
+                          atol=1e-4, rtol=1e-4)
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Give every linear and the LM head a oneDNN-packed weight; returns how many were packed
+    (0 when the weights are not CPU float32 or oneDNN is unavailable)."""
+    modules = _packable(model)
+    if not modules or not can_pack(modules[0].weight):
+        return 0
+    with torch.no_grad():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), BATCH_HINT)
+                  for m in modules]
+        if not _agrees(modules[0], packed[0]):
+            return 0
+    for module, weight in zip(modules, packed):
+        module.packed = weight
+    return len(modules)
+
+
+def unpack_linear_weights(model: nn.Module) -> None:
+    for module in _packable(model):
+        module.packed = None
+
+
+def refresh_packed_weights(model: nn.Module) -> None:
+    """Re-pack after the weights changed, if the model was packed."""
+    if any(m.packed is not None for m in _packable(model)):
+        unpack_linear_weights(model)
+        pack_linear_weights(model)
