@@ -130,6 +130,14 @@ def make_qwen3_moe(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> 
                  norm_topk_prob=True, head_dim=16, use_sliding_window=False)
 
 
+def make_mixtral(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Mixtral, 4 experts top-2 on both layers (expert intermediate size 32)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return _save(path, MixtralConfig, MixtralForCausalLM, seed, overrides, intermediate_size=32,
+                 num_local_experts=4, num_experts_per_tok=2)
+
+
 def attach_kv_cache(model: Any, num_slots: int) -> None:
     """Give every attention layer of one of our models a zeroed paged KV cache."""
     dtype = next(model.parameters()).dtype

@@ -166,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
     }
+    weight_renames: ClassVar[list[tuple[str, str]]] = []  # checkpoint name fragment -> ours
     num_moe_layers = 0
     moe_top_k = 0
 

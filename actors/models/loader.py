@@ -82,6 +82,8 @@ def _target(model: nn.Module, experts: list[tuple[str, str, Any]],
     """Checkpoint name -> (our parameter name, shard id), or None to skip the tensor."""
     if "rotary_emb.inv_freq" in name:
         return None
+    for old, new in getattr(model, "weight_renames", []):
+        name = name.replace(old, new)
     if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
         return None  # tied to the embedding, which is loaded under its own name
     if ".experts." in name:

@@ -1,18 +1,26 @@
-"""Qwen3-MoE: the Qwen3 decoder with sparse MoE MLPs on the layers the config selects.
+"""Sparse-MoE decoders: Qwen3-MoE (the Qwen3 decoder with MoE MLPs on the layers the config
+selects) and Mixtral (the Llama decoder with an MoE MLP on every layer).
 
-A layer is MoE when it is not in `mlp_only_layers` and `(idx + 1) % decoder_sparse_step == 0`
-(as in HF), so dense and MoE layers mix. Each MoE layer returns the expert ids it routed to.
+Qwen3-MoE: a layer is MoE when it is not in `mlp_only_layers` and
+`(idx + 1) % decoder_sparse_step == 0` (as in HF), so dense and MoE layers mix.
+Each MoE layer returns the expert ids it routed to.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from actors.models.layers import ReplicatedLinear, TPGroup, copy_checked, divide, new_param
-from actors.models.llama import AttentionSpec, LlamaDecoderLayer, LlamaMLP, Qwen3ForCausalLM
+from actors.models.llama import (
+    AttentionSpec,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    Qwen3ForCausalLM,
+)
 from kernels.moe import fused_moe
 
 
@@ -52,15 +60,17 @@ class FusedMoE(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+    """Router (`gate`) + experts; routing is softmax -> top-k (-> renormalise)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, hidden_act: str, tp: TPGroup | None = None) -> None:
         super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok: {top_k} must be in [1, {num_experts}]")
         self.tp = tp or TPGroup()
-        self.top_k = config.num_experts_per_tok
-        self.renormalize = bool(getattr(config, "norm_topk_prob", True))
-        self.hidden_act = config.hidden_act
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, tp=tp)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size,
-                                config.moe_intermediate_size, tp)
+        self.top_k, self.renormalize, self.hidden_act = top_k, renormalize, hidden_act
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, tp=tp)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (out [T, H], expert ids [T, top_k] int32)."""
@@ -76,32 +86,64 @@ def is_moe_layer(config: Any, layer_idx: int) -> bool:
             and config.num_experts > 0 and (layer_idx + 1) % step == 0)
 
 
+def expert_mapping(num_experts: int, gate: str, up: str,
+                   down: str) -> list[tuple[str, str, Any]]:
+    """(our param fragment, checkpoint fragment, shard id) for per-expert and fused 3-D names."""
+    mapping: list[tuple[str, str, Any]] = [
+        ("experts.w13_weight", "experts.gate_up_proj", (None, "gate_up")),
+        ("experts.w2_weight", "experts.down_proj", (None, "down")),
+    ]
+    for e in range(num_experts):
+        mapping += [
+            ("experts.w13_weight", f"experts.{e}.{gate}.weight", (e, "gate")),
+            ("experts.w13_weight", f"experts.{e}.{up}.weight", (e, "up")),
+            ("experts.w2_weight", f"experts.{e}.{down}.weight", (e, "down")),
+        ]
+    return mapping
+
+
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
-        if config.num_experts_per_tok > config.num_experts:
-            raise ValueError(f"num_experts_per_tok: {config.num_experts_per_tok} exceeds "
-                             f"num_experts {config.num_experts}")
         super().__init__(config, tp)
         self.num_moe_layers = sum(is_moe_layer(config, i) for i in range(config.num_hidden_layers))
         self.moe_top_k = config.num_experts_per_tok if self.num_moe_layers else 0
 
     def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
         if is_moe_layer(config, layer_idx):
-            return LlamaDecoderLayer(spec, SparseMoeBlock(config, self.tp), is_moe=True,
-                                     tp=self.tp)
+            moe = SparseMoeBlock(config.hidden_size, config.moe_intermediate_size,
+                                 config.num_experts, config.num_experts_per_tok,
+                                 bool(getattr(config, "norm_topk_prob", True)),
+                                 config.hidden_act, self.tp)
+            return LlamaDecoderLayer(spec, moe, is_moe=True, tp=self.tp)
         mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                        tp=self.tp)
         return LlamaDecoderLayer(spec, mlp, is_moe=False, tp=self.tp)
 
     def expert_params_mapping(self) -> list[tuple[str, str, Any]]:
-        mapping: list[tuple[str, str, Any]] = [
-            ("experts.w13_weight", "experts.gate_up_proj", (None, "gate_up")),
-            ("experts.w2_weight", "experts.down_proj", (None, "down")),
-        ]
-        for e in range(self.config.num_experts):
-            mapping += [
-                ("experts.w13_weight", f"experts.{e}.gate_proj.weight", (e, "gate")),
-                ("experts.w13_weight", f"experts.{e}.up_proj.weight", (e, "up")),
-                ("experts.w2_weight", f"experts.{e}.down_proj.weight", (e, "down")),
-            ]
-        return mapping
+        return expert_mapping(self.config.num_experts, "gate_proj", "up_proj", "down_proj")
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral: the Llama decoder with a renormalised top-k MoE MLP on every layer.
+
+    Checkpoints name the block `block_sparse_moe` and the expert weights w1 (gate), w3 (up),
+    w2 (down); transformers 5 names it `mlp`, like this module.
+    """
+
+    weight_renames: ClassVar[list[tuple[str, str]]] = [(".block_sparse_moe.", ".mlp.")]
+
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+        if getattr(config, "sliding_window", None) is not None:
+            raise ValueError("sliding_window: sliding-window attention is not supported")
+        super().__init__(config, tp)
+        self.num_moe_layers = config.num_hidden_layers
+        self.moe_top_k = config.num_experts_per_tok
+
+    def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
+        moe = SparseMoeBlock(config.hidden_size, config.intermediate_size,
+                             config.num_local_experts, config.num_experts_per_tok, True,
+                             config.hidden_act, self.tp)
+        return LlamaDecoderLayer(spec, moe, is_moe=True, tp=self.tp)
+
+    def expert_params_mapping(self) -> list[tuple[str, str, Any]]:
+        return expert_mapping(self.config.num_local_experts, "w1", "w3", "w2")

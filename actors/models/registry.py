@@ -11,6 +11,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("actors.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("actors.models.llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("actors.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("actors.models.qwen3_moe", "MixtralForCausalLM"),
 }
 
 

@@ -10,6 +10,7 @@ from kernels.attention.builder import SeqSlice, build_metadata
 from tests.tiny_models import (
     attach_kv_cache,
     make_llama,
+    make_mixtral,
     make_qwen2,
     make_qwen3,
     make_qwen3_moe,
@@ -28,6 +29,7 @@ VARIANTS = {
     "qwen2": (make_qwen2, {}),
     "qwen3": (make_qwen3, {}),
     "qwen3_moe": (make_qwen3_moe, {}),
+    "mixtral": (make_mixtral, {}),
     "qwen3_moe_sparse_step": (make_qwen3_moe, {"decoder_sparse_step": 2, "mlp_only_layers": [],
                                                "norm_topk_prob": False}),
 }
