@@ -62,8 +62,8 @@ class Router:
 
     def replicas(self) -> list[dict]:
         self._expire()
-        return [dict(replica_id=r.replica_id, in_flight=r.in_flight, healthy=r.healthy)
-                for r in self.policy.replicas.values()]
+        return [dict(replica_id=r.replica_id, in_flight=r.in_flight, routed=r.routed,
+                     healthy=r.healthy) for r in self.policy.replicas.values()]
 
     def _expire(self) -> None:
         now = time.monotonic()

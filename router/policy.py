@@ -19,6 +19,7 @@ def _hash(text: str) -> int:
 class ReplicaState:
     replica_id: str
     in_flight: int = 0  # requests routed to it and not yet done
+    routed: int = 0  # requests routed to it since it registered
     healthy: bool = True
     last_seen: float = 0.0  # monotonic time of its last heartbeat
 
@@ -97,6 +98,7 @@ class RoutingPolicy:
     def started(self, replica_id: str) -> None:
         if replica_id in self.replicas:
             self.replicas[replica_id].in_flight += 1
+            self.replicas[replica_id].routed += 1
 
     def finished(self, replica_id: str) -> None:
         state = self.replicas.get(replica_id)

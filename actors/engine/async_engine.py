@@ -67,6 +67,11 @@ class AsyncLLMEngine:
         with self._lock:
             self.engine.abort_request(request_id)
 
+    def check_health(self) -> None:
+        """Raise if the step loop died (the replica should then be replaced)."""
+        if self._error is not None:
+            raise RuntimeError(f"engine loop died: {self._error!r}") from self._error
+
     def _ensure_loop(self) -> None:
         if self._error is not None:
             raise RuntimeError("the engine loop died") from self._error

@@ -1,0 +1,70 @@
+"""An engine replica: one AsyncLLMEngine inside a Ray Serve replica.
+
+The Serve deployment (made in cluster/serve.py) restarts it when `check_health` fails or its
+actor dies. It registers with the Router and heartbeats while alive, so the Router's replica
+table always reflects the replicas that can serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from actors.engine.outputs import RequestOutput
+from actors.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    def __init__(self, engine_options: dict, router=None, torch_threads: int | None = None,
+                 replica_id: str | None = None, heartbeat_s: float = 1.0):
+        import torch
+
+        from actors.engine.async_engine import AsyncLLMEngine
+        from actors.engine.config import EngineConfig
+        from actors.engine.llm_engine import LLMEngine
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.engine = AsyncLLMEngine(LLMEngine(EngineConfig(**engine_options)))
+        self.replica_id = replica_id or _serve_replica_id()
+        self.router = router
+        self._heartbeat_s = heartbeat_s
+        self._heartbeat_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Register with the Router and start heartbeating (idempotent)."""
+        if self.router is None or self._heartbeat_task is not None:
+            return
+        await self.router.register.remote(self.replica_id)
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await self.router.heartbeat.remote(self.replica_id)
+            except Exception as e:  # the Router restarts; keep trying
+                logger.warning("heartbeat to the Router failed: %s", e)
+            await asyncio.sleep(self._heartbeat_s)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       target_replica: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs; cancelling the call aborts the request here."""
+        async for out in self.engine.generate(prompt_ids, params, request_id):
+            yield out
+
+    async def stats(self, target_replica: str | None = None) -> dict:
+        return self.engine.engine.stats_snapshot()
+
+    async def check_health(self) -> None:
+        """Serve's health hook: raising makes the controller replace this replica."""
+        await self.start()
+        self.engine.check_health()
+
+
+def _serve_replica_id() -> str:
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id

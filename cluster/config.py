@@ -1,0 +1,77 @@
+"""ClusterConfig: everything `raylane serve` needs, from flags, a YAML file or the environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from actors.engine.config import EngineConfig
+from actors.engine.strict import check_type, strict_fields
+
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+
+
+@strict_fields
+@dataclass(frozen=True)
+class ClusterConfig:
+    """One serving cluster: the model, how many engine replicas, and the HTTP front.
+
+    `engine` holds `EngineConfig` options (vLLM names) applied to every replica.
+    """
+
+    model: str | None = None  # HF directory or .gguf; None serves the embedded SmolLM2
+    served_model_name: str | None = None
+    replicas: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    engine: dict = field(default_factory=dict)
+    max_queue_per_replica: int = 256  # requests in flight per replica before 429
+    torch_threads: int | None = None  # per replica; default: the cores split between replicas
+    max_body_bytes: int = 8 << 20
+    ray_address: str | None = None  # join this cluster instead of starting a local one
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "port", "max_queue_per_replica", "max_body_bytes"):
+            check_type("ClusterConfig", name, getattr(self, name), int)
+            if getattr(self, name) < 1:
+                raise ValueError(f"ClusterConfig.{name} must be >= 1")
+        unknown = set(self.engine) - _ENGINE_FIELDS
+        if unknown:
+            raise ValueError(f"ClusterConfig.engine: unknown option(s) {sorted(unknown)}; "
+                             f"known: {sorted(_ENGINE_FIELDS)}")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ClusterConfig:
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> ClusterConfig:
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the config file must hold a mapping of options")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_env(cls, base: ClusterConfig | None = None) -> ClusterConfig:
+        """`RAYLANE_CONFIG` (a YAML file), then `RAYLANE_MODEL`, `RAYLANE_REPLICAS`,
+        `RAYLANE_PORT` and `RAYLANE_API_KEYS` (comma separated) on top."""
+        config = base or (cls.from_yaml(os.environ["RAYLANE_CONFIG"])
+                          if os.environ.get("RAYLANE_CONFIG") else cls())
+        updates: dict = {}
+        if os.environ.get("RAYLANE_MODEL"):
+            updates["model"] = os.environ["RAYLANE_MODEL"]
+        for name, key in (("replicas", "RAYLANE_REPLICAS"), ("port", "RAYLANE_PORT")):
+            if os.environ.get(key):
+                updates[name] = int(os.environ[key])
+        if os.environ.get("RAYLANE_API_KEYS"):
+            updates["api_keys"] = tuple(k for k in os.environ["RAYLANE_API_KEYS"].split(",") if k)
+        return dataclasses.replace(config, **updates)
+
+    def replica_threads(self) -> int:
+        return self.torch_threads or max(1, (os.cpu_count() or 1) // self.replicas)

@@ -1,0 +1,72 @@
+"""The routing policy without Ray: stickiness, spread, health and capacity."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from router.policy import RoutingPolicy
+
+
+def policy_with(*ids: str, capacity: int = 8) -> RoutingPolicy:
+    policy = RoutingPolicy(capacity=capacity)
+    for rid in ids:
+        policy.add(rid)
+    return policy
+
+
+def test_keyed_requests_stick_to_one_replica():
+    policy = policy_with("a", "b", "c")
+    for key in (f"session-{i}" for i in range(50)):
+        first = policy.choose(key)
+        assert all(policy.choose(key) == first for _ in range(5))
+
+
+def test_adding_a_replica_moves_few_keys():
+    keys = [f"k{i}" for i in range(2000)]
+    policy = policy_with("a", "b", "c", "d")
+    before = {k: policy.choose(k) for k in keys}
+    policy.add("e")
+    after = {k: policy.choose(k) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(after[k] == "e" for k in moved)  # keys only move to the new replica
+    assert 0.1 < len(moved) / len(keys) < 0.35  # about 1/5, far from a full reshuffle
+
+
+def test_keys_spread_over_replicas():
+    policy = policy_with("a", "b")
+    owners = Counter(policy.choose(f"user-{i}") for i in range(1000))
+    assert set(owners) == {"a", "b"} and min(owners.values()) > 300
+
+
+def test_unkeyed_requests_go_least_loaded_and_rotate_on_ties():
+    policy = policy_with("a", "b")
+    picks = [policy.choose() for _ in range(4)]
+    assert Counter(picks) == Counter({"a": 2, "b": 2})
+    policy.started("a")
+    policy.started("a")
+    assert policy.choose() == "b"
+
+
+def test_unhealthy_replica_is_skipped_until_it_recovers():
+    policy = policy_with("a", "b")
+    key = next(k for k in (f"s{i}" for i in range(100)) if policy.choose(k) == "a")
+    policy.set_healthy("a", False)
+    assert policy.choose(key) == "b"
+    assert {policy.choose() for _ in range(6)} == {"b"}
+    policy.set_healthy("a", True)
+    assert policy.choose(key) == "a"
+
+
+def test_full_replicas_refuse_instead_of_queueing():
+    policy = policy_with("a", "b", capacity=2)
+    for _ in range(4):
+        rid = policy.choose()
+        policy.started(rid)
+    assert policy.choose() is None
+    policy.finished("b")
+    assert policy.choose() == "b"
+
+
+def test_no_replica_means_no_choice():
+    policy = RoutingPolicy()
+    assert policy.choose() is None and policy.choose("key") is None
