@@ -6,19 +6,25 @@ import argparse
 import importlib
 import sys
 
-# bench name -> module under cluster.bench; each module has add_arguments(parser) and run(args).
+# bench name -> module under cluster.bench; each module has add_arguments(parser) and run(args),
+# imported only when that bench is run.
 BENCHES = {
     "throughput": ("cluster.bench.throughput", "offline engine vs transformers generate"),
     "consolidation": ("cluster.bench.consolidation", "consolidation actor parallelism"),
+    "sessions": ("cluster.bench.sessions", "session registry memory with and without blob dropping"),
+    "serve": ("cluster.bench.serve", "HTTP endpoint vs the offline engine and transformers serve"),
 }
 
 # command name -> module under cluster; each module has add_arguments(parser) and run(args).
 COMMANDS = {
     "generate": ("cluster.generate", "generate text offline with the engine"),
+    "serve": ("cluster.serve_cli", "serve a model over an OpenAI-compatible HTTP endpoint"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the command named in `argv` imports its module (fast, isolated)."""
+    words = [w for w in (argv or []) if not w.startswith("-")]
     parser = argparse.ArgumentParser(
         prog="raylane",
         description="raylane: a Ray-distributed rollout and serving cluster for LLMs.",
@@ -26,21 +32,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
-        cmd.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(cmd)
+        _attach(cmd, module, selected=words[:1] == [name])
     bench = sub.add_parser("bench", help="run a benchmark and print a table",
                            description="Benchmarks print a table with a reference measured in "
                                        "the same run, so ratios are comparable across machines.")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, (module, help_text) in BENCHES.items():
         b = bench_sub.add_parser(name, help=help_text, description=help_text)
-        b.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(b)
+        _attach(b, module, selected=words[:2] == ["bench", name])
     return parser
 
 
+def _attach(parser: argparse.ArgumentParser, module: str, selected: bool) -> None:
+    parser.set_defaults(_module=module)
+    if selected:
+        importlib.import_module(module).add_arguments(parser)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     module = importlib.import_module(args._module)
     return int(module.run(args) or 0)
 

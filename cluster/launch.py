@@ -22,7 +22,8 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, namespace="raylane")
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+        # address="local": always a fresh cluster, never one someone else started
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                  namespace="raylane", log_to_driver=False)
 
 
