@@ -114,3 +114,51 @@ def _replica_actor(ray, replica_id: str):
         if replica_id in entry["name"] and "EngineDeployment" in entry["name"]:
             return ray.get_actor(entry["name"], namespace=entry["namespace"])
     pytest.fail(f"no actor for replica {replica_id}")
+
+
+def test_load_64_streaming_clients_no_5xx_all_done(served):
+    import asyncio
+
+    url, _ = served
+
+    async def one(client, i: int) -> tuple[int, bool]:
+        body = {"model": "tiny", "stream": True, "max_tokens": 8 + i % 9, "temperature": 0,
+                "messages": [{"role": "user", "content": f"client {i} says hello"}]}
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+            lines = [line async for line in resp.aiter_lines() if line]
+        return resp.status_code, lines[-1:] == ["data: [DONE]"]
+
+    async def main():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(128)))
+
+    results = asyncio.run(main())
+    assert all(code < 500 for code, _ in results), results
+    assert all(code == 200 and done for code, done in results), results
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, _ = served
+
+    def metric(name: str, **labels) -> float:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    aborted = metric("raylane:request_success_total", finished_reason="abort")
+    body = {"input_ids": [5, 6, 7, 8], "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i >= 3:
+                break  # hang up after a few chunks
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if metric("raylane:request_success_total", finished_reason="abort") > aborted:
+            break
+        time.sleep(0.2)
+    assert metric("raylane:request_success_total", finished_reason="abort") == aborted + 1
+    assert metric("raylane:num_requests_running") == 0
