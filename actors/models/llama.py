@@ -79,17 +79,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
-        num_tokens, d = hidden.shape[0], self.head_dim
-        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, d)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, d)  # [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        t, d, h, kvh = hidden.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
+        v = qkv[:, (h + kvh) * d:].view(t, kvh, d)  # [T, KVH, D]
+        if self.q_norm is None:  # rotate q and k heads in one go: [T, H + KVH, D]
+            qk = apply_rotary(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]  # NOTE: views, row stride (H + KVH) * D
+        else:
+            q = self.q_norm(qkv[:, :h * d].view(t, h, d))
+            k = self.k_norm(qkv[:, h * d:(h + kvh) * d].view(t, kvh, d))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q, k, v, attn)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, q_size))
+        return self.o_proj(out.reshape(t, h * d))
 
 
 class LlamaMLP(nn.Module):
