@@ -188,6 +188,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = new_param((self.per_rank, embedding_dim), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+        if loaded.shape[0] != self.num_embeddings:
+            raise ValueError(f"weight vocab rows: checkpoint has {loaded.shape[0]}, "
+                             f"the model expects vocab_size {self.num_embeddings}")
         rows = max(0, min(self.per_rank, loaded.shape[0] - self.start))
         param.data[rows:].zero_()
         copy_checked(param.data[:rows], loaded.narrow(0, self.start, rows), "vocab rows")

@@ -79,6 +79,9 @@ def test_missing_and_unexpected_weights_are_value_errors(tiny_llama_dir):
     bad = dict(weights, **{"model.norm.weight": torch.ones(3)})
     with pytest.raises(ValueError, match="shape"):
         load_weights(fresh, bad.items())
+    bad = dict(weights, **{"model.embed_tokens.weight": torch.ones(5, config.hidden_size)})
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_weights(fresh, bad.items())
 
 
 def test_dtype_resolution_and_bfloat16_load(tiny_llama_dir):
