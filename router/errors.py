@@ -1,0 +1,60 @@
+"""Exceptions of the session registry, each carrying the HTTP status it maps to.
+
+The HTTP layer turns any `SessionError` into an OpenAI error body
+`{"error": {"message": str(e), "type": e.error_type, "param": e.param, "code": e.status}}`
+with status `e.status`; everything else it lets through as a 5xx.
+"""
+
+from __future__ import annotations
+
+
+class SessionError(Exception):
+    """Base class of the errors the registry raises on purpose."""
+
+    status = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SessionNotFound(SessionError):
+    """No session with that id: never created, or already deleted."""
+
+    status = 404
+    error_type = "not_found_error"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} does not exist (never created, or deleted)")
+        self.session_id = session_id
+
+
+class BadSessionRequest(SessionError):
+    """The turn cannot be served as sent (bad role, nothing new to answer, n > 1, ...)."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class BadRole(BadSessionRequest):
+    """A message's role cannot appear where it was sent, or the chat template rejects it."""
+
+
+class RollbackTooDeep(BadSessionRequest):
+    """The messages diverge further back than `max_rollback_steps` generated turns."""
+
+    def __init__(self, discarded: int, limit: int) -> None:
+        super().__init__(
+            f"the messages diverge from the stored conversation {discarded} generated turns "
+            f"back, but at most {limit} may be discarded (max_rollback_steps); start a new "
+            f"session for a different conversation", param="messages")
+        self.discarded = discarded
+        self.limit = limit
+
+
+class MalformedTrajectory(SessionError):
+    """The stored turns cannot be merged into one training sample; the message says why."""
+
+    status = 422
+    error_type = "invalid_request_error"

@@ -1,0 +1,232 @@
+"""The session registry: multi-turn agent conversations recorded as token-in/token-out turns.
+
+A turn goes: normalise the messages -> plan where they attach (append, or roll back to a
+generated checkpoint) -> build the prompt ids (tito) -> generate -> commit the record and drop
+stale replay blobs. Nothing is mutated before the commit, so a rejected or failed turn leaves no
+trace. Turns of one session run one at a time (a per-session lock); sessions run in parallel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.engine.sampling_params import SamplingParams
+from router.errors import BadSessionRequest, SessionNotFound
+from router.generator import TurnGenerator, TurnOutput
+from router.messages import Message, normalize_message, normalize_messages
+from router.rollback import TurnPlan, plan_turn
+from router.samples import TrainingSample, merge_trajectory
+from router.tito import TemplateSplicer
+from router.trajectory import Trajectory, TurnRecord
+
+SAMPLE_MODES = ("merged",)
+ReplyParser = Callable[[TurnOutput], Message]
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    max_rollback_steps: int = 1  # generated turns one request may discard
+    drop_blobs: bool = True  # False keeps every turn's blob: O(turns x prefix), for benchmarks
+    sample_mode: str = "merged"  # one sample per session
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_rollback_steps, int) or self.max_rollback_steps < 0:
+            raise ValueError("SessionConfig.max_rollback_steps must be an int >= 0")
+        if self.sample_mode == "per_turn":
+            raise ValueError("SessionConfig.sample_mode='per_turn' would need every turn's "
+                             "routed-expert blob, O(turns x prefix) memory; the registry keeps "
+                             "only the newest max_rollback_steps + 1 — use 'merged'")
+        if self.sample_mode not in SAMPLE_MODES:
+            raise ValueError(f"SessionConfig.sample_mode must be one of {SAMPLE_MODES}")
+
+    @property
+    def blob_window(self) -> int | None:
+        """Records that keep their blobs: the newest, plus one per rollback step allowed."""
+        return self.max_rollback_steps + 1 if self.drop_blobs else None
+
+
+@dataclass
+class Session:
+    id: str
+    metadata: dict[str, Any]
+    created_at: float = field(default_factory=time.time)
+    trajectory: Trajectory = field(default_factory=Trajectory)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    deleted: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready: metadata, the conversation and the records (without blobs)."""
+        traj = self.trajectory
+        return {"session_id": self.id, "created_at": self.created_at, "metadata": self.metadata,
+                "num_turns": len(traj), "num_tokens": traj.num_tokens,
+                "messages": traj.messages(), "records": [r.to_dict() for r in traj.records]}
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """A turn in progress (`message` None) or committed (`message` set, the last one yielded)."""
+
+    output: TurnOutput  # cumulative
+    prompt_len: int  # ids the model saw as this turn's prompt
+    rolled_back: int  # generated turns this request discarded
+    message: Message | None = None  # the assistant message stored for the reply
+    turn: int | None = None  # the record's index in the session
+
+
+def default_reply(output: TurnOutput) -> Message:
+    return {"role": "assistant", "content": output.text}
+
+
+@dataclass(frozen=True)
+class _Turn:
+    plan: TurnPlan
+    prefix_len: int
+    prompt_ids: list[int]  # the ids this turn appends
+    full_prompt: list[int]
+    params: SamplingParams
+    tools: list[dict] | None
+
+    def result(self, out: TurnOutput, message: Message | None = None,
+               index: int | None = None) -> TurnResult:
+        return TurnResult(out, len(self.full_prompt), self.plan.discarded, message, index)
+
+
+class SessionRegistry:
+    """Creates, serves and deletes sessions; plain Python, hosted by the Router actor.
+
+    `splicer` renders messages to ids with the served model's chat template, `generator` runs a
+    turn (see `TurnGenerator`), `reply_parser` turns an output into the assistant message the
+    client gets back and is expected to echo (default: the text as `content`).
+    """
+
+    def __init__(self, splicer: TemplateSplicer, generator: TurnGenerator,
+                 config: SessionConfig | None = None,
+                 reply_parser: ReplyParser = default_reply) -> None:
+        self.splicer = splicer
+        self.generator = generator
+        self.config = config or SessionConfig()
+        self.reply_parser = reply_parser
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    def create(self, metadata: dict[str, Any] | None = None) -> str:
+        session_id = "sess-" + secrets.token_urlsafe(18)  # 144 random bits: unguessable
+        self._sessions[session_id] = Session(session_id, dict(metadata or {}))
+        return session_id
+
+    def get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(session_id)
+        return session
+
+    def describe(self, session_id: str) -> dict[str, Any]:
+        return self.get(session_id).describe()
+
+    def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
+        """The session's completed turns merged into one training sample."""
+        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
+            raise BadSessionRequest("max_seq_len must be a positive integer",
+                                    param="max_seq_len")
+        return merge_trajectory(self.get(session_id).trajectory.records, max_seq_len)
+
+    def retained_blob_bytes(self) -> int:
+        return sum(s.trajectory.blob_bytes for s in self._sessions.values())
+
+    async def delete(self, session_id: str) -> None:
+        """Waits for the session's in-flight turn, then forgets the session."""
+        session = self.get(session_id)
+        async with session.lock:
+            if session.deleted:  # a concurrent delete got the lock first
+                raise SessionNotFound(session_id)
+            session.deleted = True
+            del self._sessions[session_id]
+
+    async def chat(self, session_id: str, messages: list[Message],
+                   params: SamplingParams | None = None, *, tools: list[dict] | None = None,
+                   chat_template_kwargs: dict[str, Any] | None = None) -> TurnResult:
+        """Run one turn to completion; returns the committed result."""
+        result = None
+        async with aclosing(self.chat_stream(session_id, messages, params, tools=tools,
+                                             chat_template_kwargs=chat_template_kwargs)) as turn:
+            async for result in turn:
+                pass
+        return result
+
+    async def chat_stream(self, session_id: str, messages: list[Message],
+                          params: SamplingParams | None = None, *,
+                          tools: list[dict] | None = None,
+                          chat_template_kwargs: dict[str, Any] | None = None,
+                          ) -> AsyncIterator[TurnResult]:
+        """Run one turn, yielding cumulative progress and, last, the committed result.
+
+        Consume it under `contextlib.aclosing`: leaving early aborts the generation and leaves
+        the session as it was, as does any error (4xx `SessionError`s included).
+        """
+        session = self.get(session_id)
+        async with session.lock:
+            if session.deleted:  # deleted while this turn waited for the lock
+                raise SessionNotFound(session_id)
+            turn = self._prepare(session, messages, params, tools, chat_template_kwargs or {})
+            final = None
+            async with aclosing(self.generator.generate(turn.full_prompt, turn.params,
+                                                        session_id)) as outs:
+                async for out in outs:
+                    if out.finished:
+                        final = out
+                        break
+                    yield turn.result(out)
+            if final is None:
+                raise RuntimeError("the turn generator stopped before a finished output")
+            message, index = self._commit(session, turn, final)
+        yield turn.result(final, message, index)
+
+    def _prepare(self, session: Session, messages: list[Message], params: SamplingParams | None,
+                 tools: list[dict] | None, template_kwargs: dict[str, Any]) -> _Turn:
+        params = _session_params(params)
+        traj = session.trajectory
+        plan = plan_turn(traj, normalize_messages(messages), self.config.max_rollback_steps)
+        if plan.keep == 0:
+            prompt_ids = self.splicer.first_turn(plan.new_messages, tools, **template_kwargs)
+        else:
+            prompt_ids = self.splicer.next_turn(plan.new_messages,
+                                                traj.records[plan.keep - 1].output_ids,
+                                                tools, **template_kwargs)
+        full = traj.tokens(plan.keep)  # a fresh list: the stored ids stay untouched
+        prefix_len = len(full)
+        full += prompt_ids
+        return _Turn(plan, prefix_len, prompt_ids, full, params, tools)
+
+    def _commit(self, session: Session, turn: _Turn, out: TurnOutput) -> tuple[Message, int]:
+        # stored normalised, so the client's echo of it compares equal
+        reply = normalize_message(self.reply_parser(out))
+        record = TurnRecord(new_messages=turn.plan.new_messages, reply=reply, params=turn.params,
+                            prefix_len=turn.prefix_len, prompt_ids=turn.prompt_ids,
+                            output_ids=list(out.token_ids), logprobs=list(out.logprobs),
+                            finish_reason=out.finish_reason, weight_version=out.weight_version,
+                            routed_experts=out.routed_experts, tools=turn.tools)
+        session.trajectory.commit(turn.plan.keep, record, self.config.blob_window)
+        return reply, len(session.trajectory) - 1
+
+
+def _session_params(params: SamplingParams | None) -> SamplingParams:
+    params = params or SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise BadSessionRequest(f"params must be SamplingParams, got {type(params).__name__}")
+    if params.n != 1:
+        raise BadSessionRequest("n must be 1 in a session: a session records one trajectory",
+                                param="n")
+    # training needs the logprob of every generated token
+    return params if params.logprobs is not None else dataclasses.replace(params, logprobs=0)
