@@ -1,0 +1,145 @@
+"""Every error the HTTP surface answers, as the OpenAI error body with the right status.
+
+`{"error": {"message", "type", "param", "code"}}` — for bad JSON and wrong types (400, never
+FastAPI's 422), unknown models (404), engine `ValueError`s (400 naming the field), busy replicas
+(429 with Retry-After), failed replicas (503) and anything unexpected (500, logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from session_server.backend import QueueFull, ReplicaFailed
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error"}
+# "SamplingParams.top_p must ...", "prompt: 9 tokens ...", "logprobs: 30 is more than ..."
+# pydantic names the union member that failed ("str", "list[int]", "function-after[...]")
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|.*\[.*\])$")
+_PARAM = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)(?::| must| is)")
+
+
+class APIError(Exception):
+    """An error the client caused or can act on; rendered as the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready; nobody reads the answer."""
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=headers)
+
+
+def from_exception(exc: BaseException, param_names: dict[str, str] | None = None) -> APIError:
+    """Map an exception raised while serving into the `APIError` the client should see.
+
+    `param_names` renames engine field names into the route's own (e.g. SGLang's names).
+    """
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return _value_error(str(exc), param_names or {})
+    if isinstance(exc, QueueFull):
+        retry = str(max(1, math.ceil(exc.retry_after)))
+        return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": retry})
+    if isinstance(exc, ReplicaFailed):
+        return APIError(503, str(exc) or "the engine replica failed", code="replica_failed")
+    log.exception("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
+def _value_error(message: str, param_names: dict[str, str]) -> APIError:
+    match = _PARAM.match(message)
+    if match is None:
+        return bad_request(message)
+    param = param_names.get(match.group(1), match.group(1))
+    if param != match.group(1):  # say it in the client's words
+        message = param + message[match.end(1):]
+    elif message.startswith("SamplingParams."):
+        message = message[len("SamplingParams."):]
+    return bad_request(message, param)
+
+
+def api_error_response(err: APIError) -> JSONResponse:
+    return error_response(err.status, err.message, param=err.param, code=err.code,
+                          headers=err.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error FastAPI or a route raises through the OpenAI error body."""
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation(exc.errors())
+        return error_response(400, message, param=param, code="invalid_request")
+
+    async def on_http(_: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), code=code,
+                              headers=getattr(exc, "headers", None))
+
+    async def on_any(_: Request, exc: Exception) -> JSONResponse:
+        return api_error_response(from_exception(exc))
+
+    async def on_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(HTTPException, on_http)
+    app.add_exception_handler(ClientGone, on_gone)
+    for kind in (APIError, ValueError, QueueFull, ReplicaFailed, Exception):
+        app.add_exception_handler(kind, on_any)
+
+
+def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
+    """A readable message and the top-level field for pydantic / FastAPI validation errors."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    if not loc:
+        return f"the request body is invalid: {first.get('msg')}", None
+    # a union field fails once per accepted form: say them all
+    same = [e for e in errors if _field(e) == loc[0]]
+    reasons = "; or ".join(dict.fromkeys(e.get("msg", "") for e in same))
+    more = len(errors) - len(same)
+    extra = f" (and {more} more errors)" if more else ""
+    return f"{'.'.join(loc)}: {reasons}{extra}", loc[0]
+
+
+def _field(error: dict) -> str | None:
+    loc = [p for p in error.get("loc", ()) if p != "body"]
+    return str(loc[0]) if loc else None

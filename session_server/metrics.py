@@ -1,0 +1,121 @@
+"""GET /metrics: the engine replicas' stats snapshots as Prometheus families named like vLLM's.
+
+Counters and histograms are summed across replicas, request gauges summed, KV-cache usage
+averaged. Nothing is kept between scrapes: each one asks the backend for fresh snapshots.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from session_server.context import backend_of
+
+PREFIX = "raylane:"
+GAUGES = {
+    "num_requests_running": "Number of requests in model execution batches.",
+    "num_requests_waiting": "Number of requests waiting to be processed.",
+    "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+}
+AVERAGED = {"kv_cache_usage_perc"}
+COUNTERS = {
+    "prompt_tokens": "Number of prefill tokens processed.",
+    "generation_tokens": "Number of generation tokens processed.",
+    "num_preemptions": "Cumulative number of preemptions from the engine.",
+    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+}
+HISTOGRAMS = {
+    "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    "request_queue_time_seconds": "Histogram of time spent waiting in the queue in seconds.",
+}
+
+FINISH_REASONS = frozenset({"stop", "length", "abort"})
+
+router = APIRouter()
+
+
+class EngineStatsCollector(Collector):
+    """Prometheus families over a list of `EngineStats.snapshot()` dicts, one per replica."""
+
+    def __init__(self, model_name: str, snapshots: list[dict]):
+        self.model_name = model_name
+        self.snapshots = snapshots
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._gauges()
+        yield from self._counters()
+        yield self._finished()
+        for name, doc in HISTOGRAMS.items():
+            yield self._histogram(name, doc)
+
+    def _gauges(self) -> Iterator[Metric]:
+        for name, doc in GAUGES.items():
+            values = [s["gauges"][name] for s in self.snapshots]
+            value = sum(values) / max(len(values), 1) if name in AVERAGED else sum(values)
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+    def _counters(self) -> Iterator[Metric]:
+        for name, doc in COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], sum(s["counters"][name] for s in self.snapshots))
+            yield family
+
+    def _finished(self) -> Metric:
+        total: Counter[str] = Counter()
+        for s in self.snapshots:
+            total.update(s["finished"])
+        family = CounterMetricFamily(PREFIX + "request_success",
+                                     "Count of processed requests by finish reason.",
+                                     labels=["model_name", "finished_reason"])
+        for reason in sorted(FINISH_REASONS | set(total)):  # zeros too, so rates start at 0
+            family.add_metric([self.model_name, reason], total[reason])
+        return family
+
+    def _histogram(self, name: str, doc: str) -> Metric:
+        family = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        parts = [s["histograms"][name] for s in self.snapshots]
+        if parts:
+            bounds = parts[0]["buckets"]
+            # replicas run the same code, so their bucket bounds agree
+            counts = [sum(col) for col in zip(*(p["counts"] for p in parts))]
+            family.add_metric([self.model_name], _cumulative(bounds, counts),
+                              sum(p["sum"] for p in parts))
+        return family
+
+
+def _cumulative(bounds: list[float], counts: list[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts (the last one +Inf) -> Prometheus's cumulative `le` buckets."""
+    out, running = [], 0
+    for bound, count in zip([*map(float, bounds), float("inf")], counts):
+        running += count
+        out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+    return out
+
+
+def render(model_name: str, snapshots: list[dict]) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineStatsCollector(model_name, snapshots))
+    return generate_latest(registry)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    backend = backend_of(request)
+    body = render(backend.info.name, await backend.stats())
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

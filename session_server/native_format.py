@@ -1,0 +1,75 @@
+"""SGLang-shaped /generate answers: `text`, `output_ids` and `meta_info` per sample.
+
+Streamed chunks are cumulative as SGLang's (each holds everything so far), with `index` when a
+request has several samples; text that may still be trimmed by a stop string is held back.
+"""
+
+from __future__ import annotations
+
+from actors.engine.outputs import CompletionOutput, RequestOutput
+from actors.engine.sampling_params import SamplingParams
+from session_server import formatting as fmt
+from session_server.schemas import GenerateRequest
+from session_server.streaming import ChoiceCursor, hold_for
+
+
+def finish_reason(c: CompletionOutput) -> dict | None:
+    """SGLang's finish reason; a stop by EOS names the EOS token as `matched`."""
+    if c.finish_reason is None:
+        return None
+    if c.finish_reason == "stop":
+        matched = c.stop_reason if c.stop_reason is not None else c.token_ids[-1]
+        return {"type": "stop", "matched": matched}
+    if c.finish_reason == "length":
+        return {"type": "length", "length": len(c.token_ids)}
+    return {"type": c.finish_reason, "message": "the request was aborted"}
+
+
+class NativeFormatter:
+    def __init__(self, request_id: str, body: GenerateRequest, params: SamplingParams,
+                 tokenizer, num_prompts: int):
+        self.id = request_id
+        self.body = body
+        self.params = params
+        self.tokenizer = tokenizer
+        self.num_prompts = num_prompts
+        self.cursors: dict[tuple[int, int], ChoiceCursor] = {}
+
+    def items(self, finals: dict[int, RequestOutput]) -> list[dict]:
+        """Prompt-major: every sample of prompt 0, then of prompt 1, ..."""
+        return [self._item(i, finals[i], c, c.text) for i in sorted(finals)
+                for c in finals[i].outputs]
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
+        chunks = []
+        for c in out.outputs:
+            cursor = self.cursors.setdefault((i, c.index), ChoiceCursor(hold_for(self.params)))
+            if cursor.advance(c) is not None:
+                chunks.append(self._item(i, out, c, c.text[:cursor.sent_chars]))
+        return chunks
+
+    def _item(self, i: int, out: RequestOutput, c: CompletionOutput, text: str) -> dict:
+        item = {"text": text, "output_ids": list(c.token_ids), "meta_info": self._meta(i, out, c)}
+        if self.num_prompts > 1 or self.params.n > 1:
+            item["index"] = i * self.params.n + c.index
+        return item
+
+    def _meta(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict:
+        meta = {
+            "id": self.id if self.num_prompts == 1 else f"{self.id}-{i}",
+            "finish_reason": finish_reason(c),
+            "prompt_tokens": len(out.prompt_token_ids),
+            "completion_tokens": len(c.token_ids),
+            "cached_tokens": out.num_cached_tokens,
+            "weight_version": out.weight_version,
+            "routed_experts": fmt.routed_experts(c.routed_experts)
+            if self.body.return_routed_experts else None,
+        }
+        if self.body.return_logprob and c.logprobs is not None:
+            with_text = self.body.return_text_in_logprobs
+            meta["output_token_logprobs"] = fmt.sglang_logprobs(
+                self.tokenizer, c.token_ids, c.logprobs, with_text)
+            if self.body.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = fmt.sglang_top_logprobs(
+                    self.tokenizer, c.top_logprobs or [], self.body.top_logprobs_num, with_text)
+        return meta

@@ -1,0 +1,95 @@
+"""Native routes: SGLang-style POST /generate, POST /tokenize, POST /detokenize, GET /health."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from session_server.context import backend_of, check_model, new_id, routing_key
+from session_server.errors import bad_request, error_response, from_exception
+from session_server.native_format import NativeFormatter
+from session_server.prompts import chat_text, encode, generate_prompts
+from session_server.sampling import SGLANG_NAMES, resolve_max_tokens, sglang_params
+from session_server.schemas import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from session_server.streaming import Indexed, final_outputs, primed, sse_response, start
+
+router = APIRouter()
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request):
+    backend = backend_of(request)
+    prompts, batched = generate_prompts(body.text, body.input_ids, backend.tokenizer)
+    try:
+        max_tokens = resolve_max_tokens(body.sampling_params.max_new_tokens, prompts,
+                                        backend.info, "max_new_tokens",
+                                        "text" if body.text is not None else "input_ids")
+        params = sglang_params(body.sampling_params, max_tokens,
+                               body.top_logprobs_num if body.return_logprob else None,
+                               body.return_routed_experts)
+        formatter = NativeFormatter(body.rid or new_id("gen"), body, params, backend.tokenizer,
+                                    len(prompts))
+        stream = start(backend, prompts, params, formatter.id,
+                       routing_key(request, body.routing_key))
+        if body.stream:
+            return sse_response(await primed(request, _renamed(stream)), formatter.chunks,
+                                list)
+        items = formatter.items(await final_outputs(request, _renamed(stream), len(prompts)))
+    except ValueError as e:
+        raise from_exception(e, SGLANG_NAMES) from None
+    return JSONResponse(items if batched or params.n > 1 else items[0])
+
+
+async def _renamed(stream: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
+    """Engine errors name SGLang's fields (max_new_tokens, not max_tokens)."""
+    async with aclosing(stream):
+        try:
+            async for item in stream:
+                yield item
+        except ValueError as e:
+            raise from_exception(e, SGLANG_NAMES) from None
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    backend = backend_of(request)
+    check_model(body.model, backend.info)
+    text = body.prompt if body.prompt is not None else body.text
+    if (text is None) == (body.messages is None):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+    if body.messages is not None:
+        if not body.messages:
+            raise bad_request("messages: must not be empty", "messages")
+        text = chat_text(backend.tokenizer, body)
+    special = body.add_special_tokens
+    if special is None:
+        special = body.messages is None
+    ids = encode(backend.tokenizer, text, "prompt", special) if text else []
+    return {"count": len(ids), "max_model_len": backend.info.max_model_len, "tokens": ids,
+            "token_strs": None}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    backend = backend_of(request)
+    check_model(body.model, backend.info)
+    vocab = backend.info.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"tokens: ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
+    text = backend.tokenizer.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)
+    return {"prompt": text, "text": text}
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    try:
+        ready = await backend_of(request).ready()
+    except Exception as e:  # noqa: BLE001 - any failure to answer means not ready
+        return error_response(503, f"health check failed: {type(e).__name__}", code="not_ready")
+    if not ready:
+        return error_response(503, "no engine replica is ready", code="not_ready")
+    return Response(status_code=200)

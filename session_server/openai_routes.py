@@ -1,0 +1,82 @@
+"""The OpenAI API: GET /v1/models, POST /v1/completions, POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from session_server.context import backend_of, check_model, new_id, routing_key
+from session_server.errors import bad_request
+from session_server.openai_format import ChatFormatter, CompletionFormatter
+from session_server.prompts import completion_prompts, render_chat
+from session_server.sampling import openai_params, resolve_max_tokens
+from session_server.schemas import ChatCompletionRequest, CompletionRequest
+from session_server.streaming import final_outputs, primed, sse_response, start
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    info = backend_of(request).info
+    card = {"id": info.name, "object": "model", "created": request.app.state.created,
+            "owned_by": "raylane", "root": info.name, "parent": None,
+            "max_model_len": info.max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    backend = backend_of(request)
+    check_model(body.model, backend.info)
+    _reject_unsupported(body)
+    prompts = completion_prompts(body.prompt, backend.tokenizer)
+    max_tokens = resolve_max_tokens(body.max_tokens, prompts, backend.info, "max_tokens",
+                                    "prompt")
+    params = openai_params(body, max_tokens, body.logprobs)
+    formatter = CompletionFormatter(new_id("cmpl"), backend.info.name, body, params,
+                                    backend.tokenizer, body.logprobs or 0)
+    stream = start(backend, prompts, params, formatter.id, routing_key(request, body.user))
+    if body.stream:
+        return sse_response(await primed(request, stream), formatter.chunks, formatter.tail)
+    return JSONResponse(formatter.response(await final_outputs(request, stream, len(prompts))))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    backend = backend_of(request)
+    check_model(body.model, backend.info)
+    _check_chat(body)
+    prompt = render_chat(backend.tokenizer, body)
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(asked, [prompt], backend.info, field, "messages")
+    num_top = body.top_logprobs or 0
+    params = openai_params(body, max_tokens, num_top if body.logprobs else None)
+    formatter = ChatFormatter(new_id("chatcmpl"), backend.info.name, body, params,
+                              backend.tokenizer, num_top)
+    stream = start(backend, [prompt], params, formatter.id, routing_key(request, body.user))
+    if body.stream:
+        return sse_response(await primed(request, stream), formatter.chunks, formatter.tail)
+    return JSONResponse(formatter.response(await final_outputs(request, stream, 1)))
+
+
+def _reject_unsupported(body: CompletionRequest) -> None:
+    if body.echo:
+        raise bad_request("echo is not supported", "echo")
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of must equal n (best-of ranking is not supported)", "best_of")
+
+
+def _check_chat(body: ChatCompletionRequest) -> None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
+    kind = (body.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise bad_request(f"response_format {kind!r} is not supported; use 'text'",
+                          "response_format")

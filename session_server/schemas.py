@@ -1,0 +1,142 @@
+"""Request bodies, validated at the edge: strict types (a string is not a number), unknown
+top-level fields ignored as OpenAI does, SGLang's `sampling_params` checked by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 128
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class OpenAISampling(_Body):
+    """Fields the completion and chat APIs share, plus the vLLM-style extensions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # rejected when non-empty
+    # extensions (vLLM names)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+    return_routed_experts: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False  # rejected when true
+    suffix: str | None = None  # rejected when set
+    best_of: int | None = None  # only best_of == n
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A message as the chat template sees it; extra keys (tool_calls, name, ...) pass through."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatTemplateFields(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(ChatTemplateFields, OpenAISampling):
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tool_choice: Any = None  # accepted; tool calls are not parsed out of the text
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+
+
+class SGLangSamplingParams(BaseModel):
+    """SGLang's sampling_params; an unknown name is a 400 naming it, so typos do not pass."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = None
+    sampling_seed: int | None = None  # SGLang's own name for the seed
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True  # accepted; byte-level tokenizers ignore it
+
+
+class GenerateRequest(_Body):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SGLangSamplingParams = Field(default_factory=SGLangSamplingParams)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
+    stream: bool = False
+    rid: str | None = None
+    routing_key: str | None = None
+
+
+class TokenizeRequest(ChatTemplateFields):
+    model: str | None = None
+    prompt: str | None = None
+    text: str | None = None  # SGLang-style alias of prompt
+    messages: list[ChatMessage] | None = None  # type: ignore[assignment]
+    add_special_tokens: bool | None = None  # default: True for text, False for messages
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+    skip_special_tokens: bool = False

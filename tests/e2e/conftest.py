@@ -1,0 +1,105 @@
+"""One tiny-Llama server for the e2e tests: the real engine behind `build_app`, served by uvicorn
+on a free loopback port, with an API key; an independent engine instance as the reference."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+
+import httpx
+import openai
+import pytest
+
+from actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
+from session_server.app import build_app
+from session_server.backend import LocalBackend
+from tests.e2e.server import ServerThread
+
+API_KEY = "sk-raylane-test"
+MODEL = "tiny"
+MAX_BODY = 1 << 20
+
+
+def tiny_config(model_dir: str, **overrides) -> EngineConfig:
+    return EngineConfig(model=model_dir, num_kv_blocks=128, max_model_len=256, **overrides)
+
+
+class ProbeBackend:
+    """The real backend, plus what tests need to see and provoke: the routing keys it was
+    given, an error to raise at the start or after the first output, and a readiness switch."""
+
+    def __init__(self, inner: LocalBackend):
+        self.inner = inner
+        self.info = inner.info
+        self.tokenizer = inner.tokenizer
+        self.calls: list[tuple[str, str | None]] = []  # (request_id, routing_key)
+        self.fail: Exception | None = None
+        self.fail_after_first = False
+        self.is_ready = True
+
+    async def generate(self, prompt_ids, params, request_id, routing_key=None
+                       ) -> AsyncIterator:
+        self.calls.append((request_id, routing_key))
+        if self.fail is not None and not self.fail_after_first:
+            raise self.fail
+        stream = self.inner.generate(prompt_ids, params, request_id, routing_key)
+        async with aclosing(stream):
+            async for out in stream:
+                yield out
+                if self.fail is not None:
+                    raise self.fail
+
+    async def ready(self) -> bool:
+        return self.is_ready
+
+    async def stats(self) -> list[dict]:
+        return await self.inner.stats()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.fail, self.fail_after_first, self.is_ready = None, False, True
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_llama_dir) -> LLMEngine:
+    """The engine the server runs (inspect its block manager; never step it from a test)."""
+    return LLMEngine(tiny_config(tiny_llama_dir))
+
+
+@pytest.fixture(scope="session")
+def ref_engine(tiny_llama_dir) -> LLMEngine:
+    """A second engine on the same model: the offline reference."""
+    return LLMEngine(tiny_config(tiny_llama_dir))
+
+
+@pytest.fixture(scope="session")
+def _probe(engine) -> ProbeBackend:
+    return ProbeBackend(LocalBackend(AsyncLLMEngine(engine), MODEL))
+
+
+@pytest.fixture
+def probe(_probe) -> Iterator[ProbeBackend]:
+    """The server's backend; whatever a test switches on is switched off after it."""
+    _probe.reset()
+    yield _probe
+    _probe.reset()
+
+
+@pytest.fixture(scope="session")
+def server(_probe) -> Iterator[ServerThread]:
+    app = build_app(_probe, api_keys=["another-key", API_KEY], max_body_bytes=MAX_BODY)
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        yield client
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                         timeout=30)
