@@ -18,11 +18,20 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(request)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict:
+    check_model(model_id, backend_of(request).info)
+    return _model_card(request)
+
+
+def _model_card(request: Request) -> dict:
     info = backend_of(request).info
-    card = {"id": info.name, "object": "model", "created": request.app.state.created,
+    return {"id": info.name, "object": "model", "created": request.app.state.created,
             "owned_by": "raylane", "root": info.name, "parent": None,
             "max_model_len": info.max_model_len}
-    return {"object": "list", "data": [card]}
 
 
 @router.post("/v1/completions")

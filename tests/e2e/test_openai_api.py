@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from actors.engine import SamplingParams
@@ -25,6 +26,9 @@ def test_models_lists_the_served_model(client, engine):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == engine.config.max_model_len
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
 
 
 def test_greedy_completion_equals_offline_engine(client, ref_engine):
@@ -96,14 +100,28 @@ def test_completion_logprobs_and_token_prompts(client, ref_engine, engine):
     ids = engine.tokenizer.encode(PROMPT)
     ref = offline(ref_engine, ids, temperature=0.0, max_tokens=5, logprobs=2, **LONG)
     got = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=5, temperature=0,
-                                    logprobs=2, extra_body=LONG)
+                                    logprobs=2, extra_body={**LONG, "return_token_ids": True})
     assert [c.index for c in got.choices] == [0, 1]
     for choice in got.choices:
+        assert choice.model_extra["prompt_token_ids"] == ids
+        assert choice.model_extra["token_ids"] == ref.outputs[0].token_ids
         lp = choice.logprobs
         assert lp.token_logprobs == pytest.approx(ref.outputs[0].logprobs, abs=1e-4)
         assert "".join(lp.tokens) == choice.text == ref.outputs[0].text
         assert all(len(t) == 2 for t in lp.top_logprobs)
     assert got.usage.prompt_tokens == 2 * len(ids)
+
+
+def test_max_completion_tokens_and_cached_prompt(client, engine):
+    def ask():
+        return client.chat.completions.create(model=MODEL, messages=MESSAGES * 3,
+                                              max_completion_tokens=3, extra_body=LONG)
+
+    first, second = ask(), ask()
+    assert first.usage.completion_tokens == second.usage.completion_tokens == 3
+    block = engine.config.block_size
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == (second.usage.prompt_tokens - 1) // block * block > 0
 
 
 def test_n_choices(client):
