@@ -56,7 +56,7 @@ class EngineReplica:
             yield out
 
     async def stats(self, target_replica: str | None = None) -> dict:
-        return self.engine.engine.stats_snapshot()
+        return self.engine.stats_snapshot()
 
     async def check_health(self) -> None:
         """Serve's health hook: raising makes the controller replace this replica."""

@@ -7,6 +7,7 @@ and the Ray Serve engine replicas.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -68,11 +69,21 @@ class LocalBackend:
         cfg = engine.engine.config
         self.info = ModelInfo(model_name, cfg.max_model_len, engine.engine.validator.vocab_size)
 
-    def generate(self, prompt_ids, params, request_id, routing_key=None):
-        return self.engine.generate(prompt_ids, params, request_id)
+    async def generate(self, prompt_ids, params, request_id, routing_key=None):
+        try:
+            self.engine.check_health()
+        except RuntimeError as e:
+            raise ReplicaFailed(str(e)) from e
+        async with contextlib.aclosing(self.engine.generate(prompt_ids, params, request_id)) as it:
+            async for out in it:
+                yield out
 
     async def ready(self) -> bool:
+        try:
+            self.engine.check_health()
+        except RuntimeError:
+            return False
         return True
 
     async def stats(self) -> list[dict]:
-        return [self.engine.engine.stats_snapshot()]
+        return [self.engine.stats_snapshot()]

@@ -64,8 +64,17 @@ class AsyncLLMEngine:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
+        """Stop a request; its consumer (if any) gets a final output with reason "abort"."""
         with self._lock:
-            self.engine.abort_request(request_id)
+            outputs = self.engine.abort_request(request_id)
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def stats_snapshot(self) -> dict:
+        with self._lock:  # the step thread mutates the counters
+            return self.engine.stats_snapshot()
 
     def check_health(self) -> None:
         """Raise if the step loop died (the replica should then be replaced)."""

@@ -55,8 +55,10 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Stop requests and free their blocks; returns their final ("abort") outputs."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outputs = []
         for rid in ids:
             request = self.requests.pop(rid, None)
             if request is None:
@@ -66,6 +68,8 @@ class LLMEngine:
                 if seq.finish_reason is None:
                     seq.finish_reason = "abort"
                     self._release(seq)
+            outputs.append(request.output(self.weight_version))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -72,3 +72,22 @@ async def test_bad_request_raises_value_error(engine):
     with pytest.raises(ValueError, match="prompt"):
         await collect(aeng, [], SamplingParams(), "bad")
     await aeng.shutdown()
+
+
+async def test_external_abort_ends_the_consumer_with_abort(engine):
+    aeng = AsyncLLMEngine(engine)
+    ps = prompts(engine.validator.vocab_size)
+    seen = []
+
+    async def consume():
+        async for out in aeng.generate(ps[3], SamplingParams(max_tokens=300, ignore_eos=True),
+                                       "external-abort"):
+            seen.append(out)
+            if len(seen) == 2:
+                await aeng.abort("external-abort")
+        return seen[-1]
+
+    final = await asyncio.wait_for(consume(), timeout=30)
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    await aeng.shutdown()
