@@ -1,0 +1,54 @@
+"""A process killed mid-run loses nothing and duplicates nothing when the bank is rerun."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from actors.consolidation import ConsolidationConfig, Consolidator, MemoryStore
+from actors.consolidation.fake_llm import FakeLLM
+from tests.pg.checks import assert_each_memory_once, assert_one_observation_per_scope
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def _consolidated(store: MemoryStore, bank: str) -> int:
+    return sum(m.consolidated_at is not None for m in await store.memories(bank))
+
+
+async def _run_and_kill(store: MemoryStore, dsn: str, bank: str) -> int:
+    """Start a worker, SIGKILL it once it has committed a new batch; returns the count then."""
+    before = await _consolidated(store, bank)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.pg.crash_worker", dsn, bank, cwd=ROOT,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        for _ in range(1500):
+            if child.returncode is not None:
+                raise AssertionError(f"worker exited early: {await child.stderr.read()!r}")
+            if await _consolidated(store, bank) > before:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        child.kill()  # SIGKILL: no cleanup, no goodbye to PostgreSQL
+        await child.wait()
+    return await _consolidated(store, bank)
+
+
+async def test_killed_runs_lose_and_duplicate_nothing(store, pg_dsn, bank, metrics) -> None:
+    total = 40
+    await store.retain_many(bank, [(f"g{g} m{i}", [f"g{g}"]) for i in range(8) for g in range(5)])
+    progress = [await _run_and_kill(store, pg_dsn, bank) for _ in range(3)]
+    assert 0 < progress[0] < progress[1] < progress[2] < total, progress
+
+    pending = {m.id for m in await store.pending(bank, total)}
+    llm = FakeLLM()
+    config = ConsolidationConfig(llm_batch_size=2)
+    result = await Consolidator(store, llm, config, metrics=metrics).run(bank)
+    assert result.total.consolidated == total - progress[-1] == len(pending)
+    assert sorted(i for c in llm.calls for i in c.memory_ids) == sorted(pending)
+    await assert_each_memory_once(store, bank)
+    await assert_one_observation_per_scope(store, bank)
+    statuses = [op["status"] for op in await store.operations.for_bank(bank)]
+    assert statuses == ["interrupted"] * 3 + ["completed"]
