@@ -11,7 +11,7 @@ import sys
 BENCHES = {
     "throughput": ("cluster.bench.throughput", "offline engine vs transformers generate"),
     "consolidation": ("cluster.bench.consolidation", "consolidation actor parallelism"),
-    "sessions": ("cluster.bench.sessions", "session registry memory with and without blob dropping"),
+    "sessions": ("cluster.bench.sessions", "session registry memory with blob dropping on/off"),
     "serve": ("cluster.bench.serve", "HTTP endpoint vs the offline engine and transformers serve"),
 }
 

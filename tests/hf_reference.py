@@ -26,7 +26,8 @@ def hf_greedy(model_dir: str, prompt: list[int], max_new: int) -> tuple[list[int
                          pad_token_id=0)
     ids = out.sequences[0, len(prompt):].tolist()
     assert len(ids) == max_new, "the reference stopped early"
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, ids)]
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                for step, t in zip(out.logits, ids)]
     return ids, logprobs
 
 

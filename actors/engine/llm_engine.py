@@ -1,4 +1,4 @@
-"""LLMEngine: the offline engine. Schedule, prepare, run, sample, postprocess — one step at a time."""
+"""LLMEngine, the offline engine: schedule, prepare, run, sample, postprocess, step by step."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checks a request before it reaches the scheduler; every failure is a ValueError naming the field."""
+"""Checks a request before it reaches the scheduler: each failure is a ValueError naming a field."""
 
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ class KVCache:
     def allocate(cls, config: EngineConfig, layers, model, dtype: torch.dtype,
                  device: torch.device) -> KVCache:
         per_slot = sum(2 * layer.num_kv_heads * layer.head_dim for layer in layers)
-        bytes_per_block = per_slot * config.block_size * torch.tensor([], dtype=dtype).element_size()
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        bytes_per_block = per_slot * config.block_size * itemsize
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
         routing = None

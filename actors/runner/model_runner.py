@@ -83,8 +83,7 @@ class ModelRunner:
             target0 = len(seq.prompt_logprobs)
             targets = torch.tensor(seq.token_ids[target0:target0 + count], device=lp.device)
             chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-            top_v, top_i = lp.topk(seq.params.prompt_logprobs, dim=-1) if seq.params.prompt_logprobs \
-                else (lp[:, :0], lp[:, :0].long())
+            top_v, top_i = lp.topk(seq.params.prompt_logprobs, dim=-1)  # k=0 gives empty rows
             for t, c, tv, ti in zip(targets.tolist(), chosen, top_v.tolist(), top_i.tolist()):
                 entry = dict(zip(ti, tv))
                 entry[t] = c

@@ -32,7 +32,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         logits = logits[:, :self.vocab_size].float()  # [B, V]
-        raw = logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
+        wants_logprobs = any(s.params.logprobs is not None for s in seqs)
+        raw = logits.log_softmax(dim=-1) if wants_logprobs else None
         logits = self._mask_stop_tokens(logits, seqs)
         if any(s.params.uses_penalties for s in seqs):
             logits = self._penalise(logits, seqs)
@@ -48,7 +49,8 @@ class Sampler:
         logits = logits / temps.unsqueeze(1)
         top_k = self._column([p.top_k if p.top_k > 0 else self.vocab_size for p in params],
                              torch.long) if any(p.top_k > 0 for p in params) else None
-        top_p = self._column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None
+        top_p = (self._column([p.top_p for p in params])
+                 if any(p.top_p < 1 for p in params) else None)
         probs = sampling.apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
             probs = sampling.apply_min_p(probs, self._column([p.min_p for p in params]))

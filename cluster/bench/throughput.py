@@ -21,7 +21,8 @@ class Workload:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128],
+                        metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
@@ -64,8 +65,8 @@ def run_hf(model_dir: str, work: Workload) -> float:
     pad = model.config.pad_token_id or 0
     ids = torch.tensor([[pad] * (longest - len(p)) + p for p in work.prompts])
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in work.prompts])
-    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=max(work.output_lens),
-                  min_new_tokens=max(work.output_lens), pad_token_id=pad)
+    kwargs = {"attention_mask": mask, "do_sample": False, "max_new_tokens": max(work.output_lens),
+                  "min_new_tokens": max(work.output_lens), "pad_token_id": pad}
     with torch.inference_mode():
         model.generate(ids[:1, :4], attention_mask=mask[:1, :4], max_new_tokens=2,
                        pad_token_id=pad)  # warm-up

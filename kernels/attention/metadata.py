@@ -31,7 +31,7 @@ class PaddedBatch:
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs for one step. Tokens are flat: prefill chunks first, then decodes."""
+    """Everything attention needs for one step; tokens are flat, prefill chunks before decodes."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: the KV slot each new token is written to
     prefill: PaddedBatch | None

@@ -107,7 +107,8 @@ def test_oversized_body_is_413(http):
 def test_api_keys(server, http):
     no_key = httpx.post(server.url + "/v1/completions", json=COMPLETION)
     assert_error(no_key, 401, code="invalid_api_key")
-    for header in ("Bearer wrong", "Basic sk-raylane-test", "Bearer sk-raylane-tes", "sk-raylane-test"):
+    for header in ("Bearer wrong", "Basic sk-raylane-test", "Bearer sk-raylane-tes",
+                   "sk-raylane-test"):
         response = httpx.get(server.url + "/v1/models", headers={"Authorization": header})
         error = assert_error(response, 401)
         assert "wrong" not in error["message"]

@@ -1,4 +1,4 @@
-"""SamplingParams and EngineConfig: valid input constructs; every bad field is a ValueError naming it."""
+"""SamplingParams and EngineConfig: valid input builds; a bad field is a ValueError naming it."""
 
 from __future__ import annotations
 
