@@ -27,7 +27,8 @@ class ConsolidationActor:
 
     One run per bank at a time: `submit` for a bank that is already running returns the
     running operation's id instead of starting another. That run keeps fetching rounds until no
-    memory is pending, so memories retained after it started are consolidated by it too.
+    memory is pending, so memories retained while it runs are consolidated by it too (one
+    retained as it finishes waits for the next submit or scheduled run).
     """
 
     def __init__(self, dsn: str, llm_factory: Callable[[], LLM],

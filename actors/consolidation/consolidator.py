@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from .config import ConsolidationConfig
-from .errors import CallFailed
+from .errors import BankBusy, CallFailed
 from .grouping import chunked, group_by_tags
 from .llm import LLM
 from .metrics import ConsolidationMetrics, default_metrics
@@ -71,13 +71,22 @@ class Consolidator:
         self._runs[op_id] = state
         try:
             async with self.store.bank_lock(bank_id):
-                await self.store.operations.start(op_id, bank_id)
-                await self._rounds(state)
-        except BaseException as exc:
+                return await self._run_locked(state)
+        except BankBusy as exc:
             await self._record_failure(state, exc)
             raise
         finally:
             del self._runs[op_id]
+
+    async def _run_locked(self, state: _RunState) -> ConsolidationResult:
+        # Raises ValueError for an op that is not this bank's or not pending: not ours to mark.
+        await self.store.operations.start(state.op_id, state.bank_id)
+        try:
+            await self._rounds(state)
+        except BaseException as exc:
+            await self._record_failure(state, exc)
+            raise
+        # Recorded under the lock, so the next run never sees this op still 'running'.
         return await self._finish(state, "cancelled" if state.cancelled else "completed")
 
     async def cancel(self, op_id: str) -> bool:

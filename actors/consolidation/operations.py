@@ -20,7 +20,7 @@ WITH stale AS (
         error = 'the process running it stopped before it finished'
     WHERE bank_id = $2 AND status = 'running' AND id <> $1)
 UPDATE consolidation_operations SET status = 'running', started_at = now()
-WHERE id = $1 AND status = 'pending'
+WHERE id = $1 AND bank_id = $2 AND status = 'pending'
 """
 
 

@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from actors.consolidation import (
+    BankBusy,
     ConsolidationConfig,
     ConsolidationMetrics,
     Consolidator,
@@ -214,3 +215,20 @@ async def test_round_trips_per_batch_do_not_grow_with_batch_size(store, metrics)
         # The rest is per run and per round (fetch, scope read), not per batch or memory.
         overheads.add(store.statements - before - len(result.batches))
     assert len(overheads) == 1, overheads
+
+
+async def test_busy_bank_fails_the_op_and_foreign_op_is_refused(store, bank, metrics) -> None:
+    await store.retain(bank, "m", ["t"])
+    runner = consolidator(store, FakeLLM(), metrics)
+    op_id = await store.operations.create(bank)
+    async with store.bank_lock(bank):  # as if another process were consolidating the bank
+        with pytest.raises(BankBusy):
+            await runner.run(bank, op_id)
+    op = await store.operations.get(op_id)
+    assert op["status"] == "failed" and "already running" in op["error"]
+
+    other = await store.operations.create(bank + "-other")
+    with pytest.raises(ValueError, match="not pending"):
+        await runner.run(bank, other)
+    assert (await store.operations.get(other))["status"] == "pending"
+    assert len(await store.pending(bank, 10)) == 1
