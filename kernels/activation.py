@@ -13,7 +13,7 @@ _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
 def act_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """x [T, 2 * I] laid out [gate | up] -> act(gate) * up, [T, I]."""
     half = x.shape[-1] // 2
-    return _ACTIVATIONS[act](x[..., :half]) * x[..., half:]
+    return _ACTIVATIONS[act](x[..., :half]).mul_(x[..., half:])  # in place: one buffer less
 
 
 class SiluAndMul(nn.Module):

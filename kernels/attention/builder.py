@@ -60,5 +60,6 @@ def _padded(seqs: list[SeqSlice], start: int, block_size: int, device,
     if max_q > 1:
         flat_index = torch.cat([torch.arange(s.num_new) + i * max_q for i, s in enumerate(seqs)])
         flat_index = flat_index.to(device)
+    fresh = max_q > 1 and all(s.num_new == s.context_len for s in seqs)
     return PaddedBatch(start, int(num_new.sum()), max_q, flat_index, gather.to(device),
-                       mask.unsqueeze(1).to(device))
+                       mask.unsqueeze(1).to(device), fresh)

@@ -23,6 +23,9 @@ class PaddedBatch:
     # [batch, 1, max_q, max_ctx] additive, in the model's dtype: 0 where a query may attend,
     # -inf elsewhere (a float mask saves every layer a bool -> float conversion)
     mask: torch.Tensor
+    # every sequence starts at position 0 (no cached context): plain causal attention over the
+    # step's own K/V, with no mask and no gather from the cache
+    fresh: bool = False
 
     @property
     def batch(self) -> int:
