@@ -69,6 +69,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        # decodes by context length: attention can then pad short and long contexts apart
+        out.decodes.sort(key=lambda item: len(item.seq))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -37,12 +37,10 @@ class AttentionMetadata:
     """Everything attention needs for one step; tokens are flat, prefill chunks before decodes."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: the KV slot each new token is written to
-    prefill: PaddedBatch | None
-    decode: PaddedBatch | None
+    # consecutive runs of the flat tokens, each attended in one padded call: the prefills, then
+    # the decodes (split by context length so short contexts are not padded to the longest)
+    groups: list[PaddedBatch]
 
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
-
-    def groups(self) -> list[PaddedBatch]:
-        return [g for g in (self.prefill, self.decode) if g is not None]

@@ -14,7 +14,7 @@ class TorchAttention:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        for group in meta.groups():
+        for group in meta.groups:
             rows = slice(group.start, group.start + group.num_tokens)
             if group.fresh:
                 out[rows] = attend_fresh(q[rows], k[rows], v[rows], group, scale)
