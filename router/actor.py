@@ -1,15 +1,29 @@
-"""The Router: one named Ray actor per cluster that owns the replica table and routing policy.
+"""The Router: one named Ray actor per cluster that owns the replica table, the routing policy
+and the multi-turn session registry.
 
 Engine replicas register on start and heartbeat while alive; the HTTP ingress asks `choose()`
 which replica serves a request, then streams from that replica directly (tokens never pass
-through here) and reports `done()` / `report_failure()`.
+through here) and reports `done()` / `report_failure()`. Session turns are the exception: the
+registry records every token, so they run here (see `router/session_host.py`), on the replica
+the policy picks for the session id.
+
+An async actor (the session methods are coroutines): every method, the sync replica-table ones
+included, runs on the actor's event loop, so none may block.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
 
+from actors.engine.sampling_params import SamplingParams
+from router.messages import Message
 from router.policy import RoutingPolicy
+from router.samples import TrainingSample
+from router.session_host import SessionHost, SessionSetup
+from router.sessions import TurnResult
 
 ROUTER_NAME = "raylane-router"
 NAMESPACE = "raylane"
@@ -21,6 +35,7 @@ class Router:
         self.policy = RoutingPolicy(capacity)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.forget_after_s = forget_after_s
+        self.sessions = SessionHost(self)
 
     # --- replicas -----------------------------------------------------------------------------
 
@@ -62,8 +77,33 @@ class Router:
 
     def replicas(self) -> list[dict]:
         self._expire()
-        return [dict(replica_id=r.replica_id, in_flight=r.in_flight, routed=r.routed,
-                     healthy=r.healthy) for r in self.policy.replicas.values()]
+        return [{"replica_id": r.replica_id, "in_flight": r.in_flight, "routed": r.routed,
+                 "healthy": r.healthy} for r in self.policy.replicas.values()]
+
+    # --- sessions ----------------------------------------------------------------------------
+
+    async def create_session(self, setup: SessionSetup,
+                             metadata: dict[str, Any] | None = None) -> str:
+        return await self.sessions.create(setup, metadata)
+
+    def describe_session(self, session_id: str) -> dict[str, Any]:
+        return self.sessions.describe(session_id)
+
+    async def delete_session(self, session_id: str) -> None:
+        await self.sessions.delete(session_id)
+
+    def sample_session(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
+        return self.sessions.sample(session_id, max_seq_len)
+
+    async def chat_session(self, session_id: str, messages: list[Message],
+                           params: SamplingParams | None, tools: list[dict] | None = None,
+                           chat_template_kwargs: dict[str, Any] | None = None,
+                           ) -> AsyncIterator[TurnResult]:
+        """Call with `.options(num_returns="streaming")`; cancelling the call aborts the turn."""
+        turn = self.sessions.chat(session_id, messages, params, tools, chat_template_kwargs)
+        async with aclosing(turn):
+            async for result in turn:
+                yield result
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -1,11 +1,15 @@
 """Exceptions of the session registry, each carrying the HTTP status it maps to.
 
 The HTTP layer turns any `SessionError` into an OpenAI error body
-`{"error": {"message": str(e), "type": e.error_type, "param": e.param, "code": e.status}}`
-with status `e.status`; everything else it lets through as a 5xx.
+`{"error": {"message": str(e), "type": e.error_type, "param": e.param, "code": e.code}}`
+with status `e.status`; everything else it lets through as a 5xx. Errors pickle (Ray ships
+them from the Router actor to the ingress) whatever their subclass's `__init__` takes.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Any
 
 
 class SessionError(Exception):
@@ -17,6 +21,23 @@ class SessionError(Exception):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+    @property
+    def code(self) -> str:
+        """The class name in snake case: "session_not_found", "rollback_too_deep", ..."""
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+
+    def __reduce__(self) -> tuple:
+        # the default rebuilds with `cls(*args)`, which breaks for subclasses whose __init__
+        # takes other arguments (SessionNotFound, RollbackTooDeep): rebuild from the state
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type[SessionError], args: tuple, state: dict[str, Any]) -> SessionError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class SessionNotFound(SessionError):

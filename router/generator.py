@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
 
 
@@ -60,15 +61,27 @@ class EngineTurnGenerator:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        routing_key: str) -> AsyncIterator[TurnOutput]:
-        params = dataclasses.replace(
-            params, return_routed_experts=self.return_routed_experts,
-            logprobs=0 if params.logprobs is None else params.logprobs)
-        request_id = f"{routing_key}-{secrets.token_hex(6)}"
+        params = turn_params(params, self.return_routed_experts)
         # aclosing: leaving this iterator early must abort the engine request now, not at GC
-        async with aclosing(self.engine.generate(prompt_ids, params, request_id)) as outs:
+        async with aclosing(self.engine.generate(prompt_ids, params,
+                                                 turn_request_id(routing_key))) as outs:
             async for out in outs:
-                c = out.outputs[0]
-                yield TurnOutput(token_ids=list(c.token_ids), logprobs=list(c.logprobs or []),
-                                 text=c.text, finish_reason=c.finish_reason,
-                                 weight_version=out.weight_version,
-                                 routed_experts=c.routed_experts)
+                yield turn_output(out)
+
+
+def turn_params(params: SamplingParams, return_routed_experts: bool) -> SamplingParams:
+    """The engine request for a turn: logprobs always (training needs them), routed experts
+    as the engine is set up to capture them."""
+    return dataclasses.replace(params, return_routed_experts=return_routed_experts,
+                               logprobs=0 if params.logprobs is None else params.logprobs)
+
+
+def turn_request_id(routing_key: str) -> str:
+    return f"{routing_key}-{secrets.token_hex(6)}"
+
+
+def turn_output(out: RequestOutput) -> TurnOutput:
+    c = out.outputs[0]
+    return TurnOutput(token_ids=list(c.token_ids), logprobs=list(c.logprobs or []), text=c.text,
+                      finish_reason=c.finish_reason, weight_version=out.weight_version,
+                      routed_experts=c.routed_experts)

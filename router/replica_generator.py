@@ -1,0 +1,104 @@
+"""Session turns on the Ray Serve engine replicas: the `TurnGenerator` the Router injects.
+
+Each turn goes to the replica the Router's policy picks for the session id, so a session sticks
+to one replica and reuses its prefix cache; the call carries `target_replica`, which the
+deployment's request router (`router/serve_router.py`) honours. Tokens stream from the replica
+to the Router (which records them) and on to the ingress.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any, Protocol
+
+from actors.engine.outputs import RequestOutput
+from actors.engine.sampling_params import SamplingParams
+from router.errors import SessionError
+from router.generator import TurnOutput, turn_output, turn_params, turn_request_id
+
+
+class ReplicasBusy(SessionError):
+    """Every replica's queue is full (or the session's replica is): retry later."""
+
+    status = 429
+    error_type = "rate_limit_error"
+
+
+class NoReplica(SessionError):
+    """No engine replica can serve, or the one serving the turn failed."""
+
+    status = 503
+    error_type = "server_error"
+
+
+class ReplicaPicker(Protocol):
+    """The Router's replica table, as the generator uses it."""
+
+    def choose(self, routing_key: str | None = None) -> str | None: ...
+
+    def done(self, replica_id: str) -> None: ...
+
+    def ready(self) -> bool: ...
+
+    def report_failure(self, replica_id: str) -> None: ...
+
+
+async def stream_from_replica(handle: Any, replica_id: str, prompt_ids: list[int],
+                              params: SamplingParams, request_id: str,
+                              ) -> AsyncIterator[RequestOutput]:
+    """Cumulative outputs of one request on the chosen replica (`handle`: the engine
+    deployment's DeploymentHandle). Leaving early cancels the call, which aborts the request
+    on the replica; a ValueError raised there (bad input) arrives as a plain ValueError."""
+    stream = handle.options(stream=True).generate.remote(
+        prompt_ids, params, request_id, target_replica=replica_id)
+    finished = False
+    try:
+        async for out in stream:
+            finished = out.finished
+            yield out
+    except Exception as e:
+        cause = getattr(e, "cause", None)  # Ray wraps what the replica raised
+        if isinstance(cause, ValueError):
+            raise ValueError(str(cause)) from None
+        raise
+    finally:
+        if not finished:
+            stream.cancel()
+
+
+class ReplicaTurnGenerator:
+    """`TurnGenerator` over the engine replicas, sticky by session id."""
+
+    def __init__(self, handle: Any, picker: ReplicaPicker,
+                 return_routed_experts: bool = False) -> None:
+        self.handle = handle
+        self.picker = picker
+        self.return_routed_experts = return_routed_experts
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       routing_key: str) -> AsyncIterator[TurnOutput]:
+        replica_id = self._choose(routing_key)
+        params = turn_params(params, self.return_routed_experts)
+        stream = stream_from_replica(self.handle, replica_id, prompt_ids, params,
+                                     turn_request_id(routing_key))
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    yield turn_output(out)
+        except ValueError:  # the request's fault: a 400, and the replica is fine
+            raise
+        except Exception as e:
+            self.picker.report_failure(replica_id)
+            raise NoReplica(f"the engine replica failed while serving the turn: "
+                            f"{type(e).__name__}; send the turn again") from e
+        finally:
+            self.picker.done(replica_id)
+
+    def _choose(self, routing_key: str) -> str:
+        replica_id = self.picker.choose(routing_key)
+        if replica_id is None:
+            if not self.picker.ready():
+                raise NoReplica("no engine replica is ready")
+            raise ReplicasBusy("the session's engine replica is busy; retry later")
+        return replica_id

@@ -1,0 +1,117 @@
+"""The Router's session registry: one per cluster, so the HTTP ingress replicas stay stateless.
+
+The ingress sends a `SessionSetup` with every session it creates (the model directory for the
+chat template, the engine deployment's handle, whether routed experts are captured); the first
+one builds the registry, and a different one — the app was redeployed with another model —
+rebuilds it. Turns run on the engine replicas through `ReplicaTurnGenerator`, sticky by session
+id. Sessions live in the Router's memory: a Router restart forgets them (their ids become 404).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.engine.sampling_params import SamplingParams
+from router.errors import SessionNotFound
+from router.messages import Message
+from router.replica_generator import ReplicaPicker, ReplicaTurnGenerator
+from router.samples import TrainingSample
+from router.sessions import SessionConfig, SessionRegistry, TurnResult
+from router.tito import TemplateSplicer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionSetup:
+    """What the Router needs to host sessions for the served model."""
+
+    model_dir: str  # its tokenizer's chat template builds the prompt ids
+    replicas: Any = field(compare=False)  # the engine deployment's DeploymentHandle
+    return_routed_experts: bool = False  # the engines capture routed experts (MoE)
+    config: SessionConfig = field(default_factory=SessionConfig)
+
+    @property
+    def key(self) -> tuple:
+        # handles do not compare equal across pickling; their names do
+        return (self.model_dir, self.replicas.app_name, self.replicas.deployment_name,
+                self.return_routed_experts, self.config)
+
+
+def auto_tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def without_blobs(result: TurnResult) -> TurnResult:
+    """The result as the client gets it: the record keeps the replay blobs, the reply omits
+    them (and they do not cross the wire to the ingress)."""
+    if result.output.routed_experts is None:
+        return result
+    return dataclasses.replace(result, output=dataclasses.replace(result.output,
+                                                                  routed_experts=None))
+
+
+class SessionHost:
+    def __init__(self, picker: ReplicaPicker,
+                 load_tokenizer: Callable[[str], Any] = auto_tokenizer) -> None:
+        self.picker = picker
+        self.load_tokenizer = load_tokenizer
+        self._registry: SessionRegistry | None = None
+        self._key: tuple | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def num_sessions(self) -> int:
+        return 0 if self._registry is None else len(self._registry)
+
+    async def create(self, setup: SessionSetup, metadata: dict[str, Any] | None = None) -> str:
+        if setup.key != self._key:
+            await self._configure(setup)
+        return self._registry.create(metadata)
+
+    def describe(self, session_id: str) -> dict[str, Any]:
+        return self._registry_of(session_id).describe(session_id)
+
+    async def delete(self, session_id: str) -> None:
+        await self._registry_of(session_id).delete(session_id)
+
+    def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
+        return self._registry_of(session_id).sample(session_id, max_seq_len)
+
+    async def chat(self, session_id: str, messages: list[Message], params: SamplingParams | None,
+                   tools: list[dict] | None = None,
+                   chat_template_kwargs: dict[str, Any] | None = None,
+                   ) -> AsyncIterator[TurnResult]:
+        """The turn's progress, then its committed result (see `SessionRegistry.chat_stream`),
+        without replay blobs; leaving early aborts the turn and leaves no trace."""
+        turn = self._registry_of(session_id).chat_stream(
+            session_id, messages, params, tools=tools, chat_template_kwargs=chat_template_kwargs)
+        async with aclosing(turn):
+            async for result in turn:
+                yield without_blobs(result)
+
+    def _registry_of(self, session_id: str) -> SessionRegistry:
+        if self._registry is None:  # nothing was created since the Router started
+            raise SessionNotFound(session_id)
+        return self._registry
+
+    async def _configure(self, setup: SessionSetup) -> None:
+        async with self._lock:  # every ingress replica may send its setup at once
+            if setup.key == self._key:
+                return
+            # off the event loop: the replica table keeps answering meanwhile
+            tokenizer = await asyncio.to_thread(self.load_tokenizer, setup.model_dir)
+            generator = ReplicaTurnGenerator(setup.replicas, self.picker,
+                                             setup.return_routed_experts)
+            if self.num_sessions:
+                log.warning("the served model changed; forgetting %d sessions", self.num_sessions)
+            self._registry = SessionRegistry(TemplateSplicer(tokenizer), generator, setup.config)
+            self._key = setup.key
