@@ -2,7 +2,7 @@
 
 `build_app(backend)` only talks to an `EngineBackend`; `LocalBackend` runs one AsyncLLMEngine in
 process (tests, single-process serving) and `cluster.serve` provides one over the Router actor
-and the Ray Serve engine replicas.
+and the Ray Serve engine replicas. Its `sessions` (a `SessionBackend`) serve the session routes.
 """
 
 from __future__ import annotations
@@ -10,10 +10,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
+from router.generator import EngineTurnGenerator
+from router.messages import Message
+from router.samples import TrainingSample
+from router.session_host import without_blobs
+from router.sessions import SessionConfig, SessionRegistry, TurnResult
+from router.tito import TemplateSplicer
 
 
 class QueueFull(Exception):
@@ -35,11 +41,34 @@ class ModelInfo:
     vocab_size: int
 
 
+class SessionBackend(Protocol):
+    """Multi-turn sessions (see `router.sessions.SessionRegistry`, whose errors — each a
+    `router.errors.SessionError` with its HTTP status — these raise as they are)."""
+
+    async def create(self, metadata: dict[str, Any] | None = None) -> str: ...
+
+    async def describe(self, session_id: str) -> dict[str, Any]: ...
+
+    async def delete(self, session_id: str) -> None: ...
+
+    def chat_stream(self, session_id: str, messages: list[Message], params: SamplingParams,
+                    tools: list[dict] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    ) -> AsyncIterator[TurnResult]:
+        """The turn's cumulative progress, then its committed result (`message` set), without
+        replay blobs. Closing the iterator early aborts the turn and leaves no trace."""
+        ...
+
+    async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
+        ...
+
+
 class EngineBackend(Protocol):
     """The engine side of the HTTP surface."""
 
     info: ModelInfo
     tokenizer: object  # a transformers tokenizer (chat template, encode/decode) loaded locally
+    sessions: SessionBackend
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                  routing_key: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -58,16 +87,51 @@ class EngineBackend(Protocol):
         ...
 
 
-class LocalBackend:
-    """One in-process AsyncLLMEngine behind the protocol."""
+class LocalSessions:
+    """An in-process `SessionRegistry` behind the `SessionBackend` protocol."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, registry: SessionRegistry) -> None:
+        self.registry = registry
+
+    async def create(self, metadata: dict[str, Any] | None = None) -> str:
+        return self.registry.create(metadata)
+
+    async def describe(self, session_id: str) -> dict[str, Any]:
+        return self.registry.describe(session_id)
+
+    async def delete(self, session_id: str) -> None:
+        await self.registry.delete(session_id)
+
+    async def chat_stream(self, session_id: str, messages: list[Message], params: SamplingParams,
+                          tools: list[dict] | None = None,
+                          chat_template_kwargs: dict[str, Any] | None = None,
+                          ) -> AsyncIterator[TurnResult]:
+        turn = self.registry.chat_stream(session_id, messages, params, tools=tools,
+                                         chat_template_kwargs=chat_template_kwargs)
+        async with contextlib.aclosing(turn):
+            async for result in turn:
+                yield without_blobs(result)
+
+    async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
+        return self.registry.sample(session_id, max_seq_len)
+
+
+class LocalBackend:
+    """One in-process AsyncLLMEngine behind the protocol, with its own session registry."""
+
+    def __init__(self, engine, model_name: str, session_config: SessionConfig | None = None):
         from actors.engine.async_engine import AsyncLLMEngine
 
         self.engine: AsyncLLMEngine = engine
         self.tokenizer = engine.tokenizer
         cfg = engine.engine.config
-        self.info = ModelInfo(model_name, cfg.max_model_len, engine.engine.validator.vocab_size)
+        validator = engine.engine.validator
+        self.info = ModelInfo(model_name, cfg.max_model_len, validator.vocab_size)
+        # capture routed experts for the sessions' training samples when the engine can
+        capture = cfg.enable_return_routed_experts and validator.num_moe_layers > 0
+        generator = EngineTurnGenerator(engine, return_routed_experts=capture)
+        self.sessions = LocalSessions(SessionRegistry(TemplateSplicer(self.tokenizer), generator,
+                                                      session_config))
 
     async def generate(self, prompt_ids, params, request_id, routing_key=None):
         try:

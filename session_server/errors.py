@@ -2,7 +2,8 @@
 
 `{"error": {"message", "type", "param", "code"}}` — for bad JSON and wrong types (400, never
 FastAPI's 422), unknown models (404), engine `ValueError`s (400 naming the field), busy replicas
-(429 with Retry-After), failed replicas (503) and anything unexpected (500, logged).
+(429 with Retry-After), failed replicas (503), session errors (their own status and type) and
+anything unexpected (500, logged).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from router.errors import SessionError
 from session_server.backend import QueueFull, ReplicaFailed
 
 log = logging.getLogger(__name__)
@@ -33,13 +35,15 @@ class APIError(Exception):
     """An error the client caused or can act on; rendered as the OpenAI error body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 type: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers
+        self.type = type  # None: the status's usual type
 
 
 class ClientGone(Exception):
@@ -51,14 +55,15 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def error_body(status: int, message: str, param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+               code: str | None = None, type: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type or _TYPES.get(status, "server_error"),
                       "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                   code: str | None = None, headers: dict[str, str] | None = None,
+                   type: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code, type), status_code=status,
                         headers=headers)
 
 
@@ -76,6 +81,10 @@ def from_exception(exc: BaseException, param_names: dict[str, str] | None = None
         return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": retry})
     if isinstance(exc, ReplicaFailed):
         return APIError(503, str(exc) or "the engine replica failed", code="replica_failed")
+    if isinstance(exc, SessionError):
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        return APIError(exc.status, str(exc), param=exc.param, code=exc.code, headers=headers,
+                        type=exc.error_type)
     log.exception("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
@@ -94,7 +103,7 @@ def _value_error(message: str, param_names: dict[str, str]) -> APIError:
 
 def api_error_response(err: APIError) -> JSONResponse:
     return error_response(err.status, err.message, param=err.param, code=err.code,
-                          headers=err.headers)
+                          headers=err.headers, type=err.type)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -118,7 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(ClientGone, on_gone)
-    for kind in (APIError, ValueError, QueueFull, ReplicaFailed, Exception):
+    for kind in (APIError, ValueError, QueueFull, ReplicaFailed, SessionError, Exception):
         app.add_exception_handler(kind, on_any)
 
 

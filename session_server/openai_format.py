@@ -66,8 +66,11 @@ class _Formatter:
         """After the last output: the usage chunk when `stream_options.include_usage`."""
         if not self.body.include_usage:
             return []
-        usage = fmt.usage([self.last[i] for i in sorted(self.last)])
+        usage = self._usage([self.last[i] for i in sorted(self.last)])
         return [{**self._head(self.chunk_object), "choices": [], "usage": usage}]
+
+    def _usage(self, finals: list[RequestOutput]) -> dict:
+        return fmt.usage(finals)
 
     def _choices(self, finals: dict[int, RequestOutput]) -> list[tuple[int, RequestOutput,
                                                                       CompletionOutput]]:
@@ -117,16 +120,19 @@ class ChatFormatter(_Formatter):
         out0 = finals[0]
         choices = [self._choice(idx, c) for idx, _, c in self._choices(finals)]
         body = {**self._head("chat.completion"), "system_fingerprint": None, "choices": choices,
-                "usage": fmt.usage([out0])}
+                "usage": self._usage([out0])}
         if self.body.return_token_ids:
             body["prompt_token_ids"] = out0.prompt_token_ids
         return body
 
     def _choice(self, idx: int, c: CompletionOutput) -> dict:
-        choice = {"index": idx, "message": {"role": "assistant", "content": c.text},
+        choice = {"index": idx, "message": self._message(c),
                   "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         return self._extras(choice, c, c.token_ids)
+
+    def _message(self, c: CompletionOutput) -> dict:
+        return {"role": "assistant", "content": c.text}
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict]:
         chunks = [] if self.last else [self._role_chunk(out)]

@@ -9,7 +9,7 @@ from session_server.context import backend_of, check_model, new_id, routing_key
 from session_server.errors import bad_request
 from session_server.openai_format import ChatFormatter, CompletionFormatter
 from session_server.prompts import completion_prompts, render_chat
-from session_server.sampling import openai_params, resolve_max_tokens
+from session_server.sampling import chat_max_tokens, openai_params, resolve_max_tokens
 from session_server.schemas import ChatCompletionRequest, CompletionRequest
 from session_server.streaming import final_outputs, primed, sse_response, start
 
@@ -55,11 +55,9 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     backend = backend_of(request)
     check_model(body.model, backend.info)
-    _check_chat(body)
+    check_chat(body)
     prompt = render_chat(backend.tokenizer, body)
-    asked = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
-    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    asked, field = chat_max_tokens(body)
     max_tokens = resolve_max_tokens(asked, [prompt], backend.info, field, "messages")
     num_top = body.top_logprobs or 0
     params = openai_params(body, max_tokens, num_top if body.logprobs else None)
@@ -80,7 +78,7 @@ def _reject_unsupported(body: CompletionRequest) -> None:
         raise bad_request("best_of must equal n (best-of ranking is not supported)", "best_of")
 
 
-def _check_chat(body: ChatCompletionRequest) -> None:
+def check_chat(body: ChatCompletionRequest) -> None:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:

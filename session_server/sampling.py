@@ -5,7 +5,7 @@ from __future__ import annotations
 from actors.engine.sampling_params import SamplingParams
 from session_server.backend import ModelInfo
 from session_server.errors import bad_request
-from session_server.schemas import OpenAISampling, SGLangSamplingParams
+from session_server.schemas import ChatCompletionRequest, OpenAISampling, SGLangSamplingParams
 
 # engine field -> SGLang field, so a /generate error names what the client sent
 SGLANG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
@@ -36,6 +36,13 @@ def resolve_max_tokens(requested: int | None, prompts: list[list[int]], info: Mo
                           f"of the model's {info.max_model_len}-token context; at most {room} "
                           f"can be generated", field)
     return requested
+
+
+def chat_max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
+    """What a chat request asks to generate, and the field it was asked in."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
 
 
 def openai_params(body: OpenAISampling, max_tokens: int | None,

@@ -91,6 +91,14 @@ class ChatCompletionRequest(ChatTemplateFields, OpenAISampling):
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
 
+class CreateSessionRequest(_Body):
+    metadata: dict[str, Any] | None = None
+
+
+class SessionSampleRequest(_Body):
+    max_seq_len: int | None = Field(None, ge=1)
+
+
 class SGLangSamplingParams(BaseModel):
     """SGLang's sampling_params; an unknown name is a 400 naming it, so typos do not pass."""
 

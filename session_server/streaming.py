@@ -161,7 +161,7 @@ def sse_response(stream: AsyncIterator[Indexed], chunks: Callable[[int, RequestO
                     yield sse(chunk)
             except Exception as e:  # noqa: BLE001 - a disconnect (CancelledError) passes
                 err = from_exception(e)
-                yield sse(error_body(err.status, err.message, err.param, err.code))
+                yield sse(error_body(err.status, err.message, err.param, err.code, err.type))
         yield DONE
 
     return StreamingResponse(body(), media_type="text/event-stream",
