@@ -32,13 +32,17 @@ class EngineDeployment(EngineReplica):
 class Ingress:
     def __init__(self, replicas, model_dir: str, config: ClusterConfig):
         from cluster.serve_backend import ServeBackend
+        from router.session_host import SessionSetup
         from session_server.backend import ModelInfo
 
-        tokenizer, max_len, vocab = _model_facts(model_dir, config)
+        tokenizer, max_len, vocab, moe = _model_facts(model_dir, config)
         info = ModelInfo(config.served_model_name or _default_name(config, model_dir), max_len,
                          vocab)
         router = get_or_create_router(config.max_queue_per_replica)
-        self.backend = ServeBackend(replicas, router, tokenizer, info)
+        # the Router hosts the sessions and runs their turns on these replicas
+        capture = moe and bool(config.engine.get("enable_return_routed_experts"))
+        setup = SessionSetup(model_dir, replicas, return_routed_experts=capture)
+        self.backend = ServeBackend(replicas, router, tokenizer, info, setup)
         self.config = config
 
     def __serve_build_asgi_app__(self):
@@ -70,7 +74,8 @@ def _model_facts(model_dir: str, config: ClusterConfig):
 
     hf = AutoConfig.from_pretrained(model_dir)
     max_len = config.engine.get("max_model_len") or getattr(hf, "max_position_embeddings", 4096)
-    return AutoTokenizer.from_pretrained(model_dir), max_len, hf.vocab_size
+    moe = bool(getattr(hf, "num_experts_per_tok", 0))  # Qwen3-MoE, Mixtral: routes tokens
+    return AutoTokenizer.from_pretrained(model_dir), max_len, hf.vocab_size, moe
 
 
 def _default_name(config: ClusterConfig, model_dir: str) -> str:

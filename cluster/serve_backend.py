@@ -3,44 +3,45 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
 
 from actors.engine.sampling_params import SamplingParams
+from router.errors import SessionError
+from router.messages import Message
+from router.replica_generator import stream_from_replica
+from router.samples import TrainingSample
+from router.session_host import SessionSetup
+from router.sessions import TurnResult
 from session_server.backend import ModelInfo, QueueFull, ReplicaFailed
 
 
 class ServeBackend:
     """Ask the Router for a replica, then stream from that replica directly."""
 
-    def __init__(self, replicas, router, tokenizer, info: ModelInfo):
+    def __init__(self, replicas, router, tokenizer, info: ModelInfo, setup: SessionSetup):
         self.replicas = replicas  # DeploymentHandle of the engine replicas
         self.router = router
         self.tokenizer = tokenizer
         self.info = info
+        self.sessions = RouterSessions(router, setup)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                        routing_key: str | None = None):
         replica_id = await self._choose(routing_key)
-        stream = self.replicas.options(stream=True).generate.remote(
-            prompt_ids, params, request_id, target_replica=replica_id)
-        finished = False
+        stream = stream_from_replica(self.replicas, replica_id, prompt_ids, params, request_id)
         try:
-            async for out in stream:
-                finished = out.finished
-                yield out
+            async with aclosing(stream):
+                async for out in stream:
+                    yield out
         except ValueError:
             raise
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
         except Exception as e:
-            cause = _user_error(e)
-            if cause is not None:
-                raise cause from None
             self.router.report_failure.remote(replica_id)
             raise ReplicaFailed(f"engine replica failed while serving the request: "
                                 f"{type(e).__name__}") from e
         finally:
-            if not finished:
-                stream.cancel()  # aborts the request on the replica, freeing its blocks
             self.router.done.remote(replica_id)
 
     async def _choose(self, routing_key: str | None) -> str:
@@ -61,9 +62,54 @@ class ServeBackend:
         return [r for r in results if isinstance(r, dict)]
 
 
-def _user_error(error: Exception) -> ValueError | None:
-    """A ValueError raised in the replica (bad input) arrives wrapped; unwrap it."""
-    cause = getattr(error, "cause", None)
-    if isinstance(cause, ValueError):
-        return ValueError(str(cause))
-    return None
+class RouterSessions:
+    """`SessionBackend` over the Router actor, which hosts the session registry (so ingress
+    replicas stay stateless) and runs each turn on the session's replica."""
+
+    def __init__(self, router, setup: SessionSetup):
+        self.router = router
+        self.setup = setup  # sent with every create: the Router (re)builds its registry from it
+
+    async def create(self, metadata: dict[str, Any] | None = None) -> str:
+        return await _unwrap(self.router.create_session.remote(self.setup, metadata))
+
+    async def describe(self, session_id: str) -> dict[str, Any]:
+        return await _unwrap(self.router.describe_session.remote(session_id))
+
+    async def delete(self, session_id: str) -> None:
+        await _unwrap(self.router.delete_session.remote(session_id))
+
+    async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
+        return await _unwrap(self.router.sample_session.remote(session_id, max_seq_len))
+
+    async def chat_stream(self, session_id: str, messages: list[Message], params: SamplingParams,
+                          tools: list[dict] | None = None,
+                          chat_template_kwargs: dict[str, Any] | None = None,
+                          ) -> AsyncIterator[TurnResult]:
+        import ray
+
+        turn = self.router.chat_session.options(num_returns="streaming").remote(
+            session_id, messages, params, tools, chat_template_kwargs)
+        committed = False
+        try:
+            async for ref in turn:
+                result = await _unwrap(ref)
+                committed = result.message is not None
+                yield result
+        finally:
+            if not committed:  # aborts the turn in the Router, which aborts it on the replica
+                ray.cancel(turn)
+
+
+async def _unwrap(ref):
+    """The call's result; the Router's session and input errors as they were raised there."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        return await ref
+    except RayTaskError as e:
+        if isinstance(e.cause, (SessionError, ValueError)):
+            raise e.cause from None
+        raise
+    except RayActorError as e:
+        raise ReplicaFailed("the Router actor is unavailable; retry") from e
