@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-offline", action="store_true", help="skip the offline engine")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch threads of the engine replica (default: all cores)")
     parser.add_argument("--transformers", action="store_true",
                         help="also run `transformers serve --continuous-batching` as a reference")
 
@@ -88,10 +90,11 @@ async def drive(url: str, model: str, work: list[tuple[str, int]], clients: int)
     return result
 
 
-def run_offline(model_dir: str, work: list[tuple[str, int]]) -> RunResult:
+def run_offline(model_dir: str, work: list[tuple[str, int]], concurrency: int) -> RunResult:
+    """The same requests through LLMEngine.generate, at most `concurrency` running at once."""
     from actors.engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=model_dir))
+    engine = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=concurrency))
     convs = [[{"role": "user", "content": p}] for p, _ in work]
     prompts = [engine.validator.render_chat(c) for c in convs]
     params = [SamplingParams(temperature=0, max_tokens=n) for _, n in work]
@@ -108,11 +111,12 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     work = make_workload(args.requests, tuple(args.max_tokens), args.seed)
     rows: list[tuple[str, RunResult]] = []
-    with raylane_endpoint(args.url, model_dir) as (url, name):
+    with raylane_endpoint(args.url, model_dir, args.torch_threads) as (url, name):
         rows.append((f"raylane HTTP ({args.clients} clients)",
                      asyncio.run(drive(url, name, work, args.clients))))
     if not args.skip_offline:
-        rows.append(("raylane offline LLMEngine", run_offline(model_dir, work)))
+        rows.append((f"raylane offline LLMEngine (max_num_seqs={args.clients})",
+                     run_offline(model_dir, work, args.clients)))
     if args.transformers:
         with transformers_endpoint(model_dir) as (url, name):
             rows.append((f"transformers serve --cb ({args.clients} clients)",

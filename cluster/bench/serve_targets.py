@@ -17,7 +17,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def raylane_endpoint(url: str | None, model_dir: str):
+def raylane_endpoint(url: str | None, model_dir: str, torch_threads: int | None = None):
     """Yield (url, model name): the given endpoint, or a local one started for the run."""
     if url:
         import httpx
@@ -27,7 +27,8 @@ def raylane_endpoint(url: str | None, model_dir: str):
     from cluster import launch
     from cluster.config import ClusterConfig
 
-    config = ClusterConfig(model=model_dir, served_model_name="bench", port=free_port())
+    config = ClusterConfig(model=model_dir, served_model_name="bench", port=free_port(),
+                           torch_threads=torch_threads)
     launch.start_ray()
     try:
         yield launch.deploy(config), "bench"
