@@ -26,7 +26,8 @@ def _positive_int(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency-ms", type=float, default=50.0,
                         help="fixed latency of each fake LLM call (default 50)")
-    parser.add_argument("--groups", type=_positive_int, default=32, help="distinct tag sets (default 32)")
+    parser.add_argument("--groups", type=_positive_int, default=32,
+                        help="distinct tag sets (default 32)")
     parser.add_argument("--per-group", type=_positive_int, default=16,
                         help="memories per tag set (default 16)")
     parser.add_argument("--llm-batch-size", type=_positive_int, default=8,
