@@ -197,20 +197,7 @@ def _as_params_list(params, count: int) -> list[SamplingParams]:
     return list(params)
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
 def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generating", unit="req")
+    return tqdm(total=total, desc="generating", unit="req", disable=not enabled)

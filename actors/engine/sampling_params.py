@@ -90,10 +90,6 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
-    @property
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)

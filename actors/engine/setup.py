@@ -28,7 +28,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     from actors.runner.model_runner import ModelRunner
 
     device = _device(config.device, torch)
-    model, hf_config, model_dir = load_model(config.model, _dtype(config.dtype, device, torch),
+    model, hf_config, model_dir = load_model(config.model, _dtype(config.dtype, device),
                                              device)
     dtype = next(model.parameters()).dtype
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
@@ -57,11 +57,10 @@ def _device(name: str, torch):
         raise ValueError(f"EngineConfig.device: {e}") from None
 
 
-def _dtype(name: str, device, torch):
-    if name == "auto":
-        # float32 on CPU: bf16 matmuls are slower there and outputs should match HF exactly
-        return torch.float32 if device.type == "cpu" else None  # None: the checkpoint's dtype
-    return getattr(torch, name)
+def _dtype(name: str, device) -> str:
+    # float32 on CPU: bf16 matmuls are slower there and outputs should match HF exactly;
+    # elsewhere "auto" lets the loader take the checkpoint's dtype
+    return "float32" if name == "auto" and device.type == "cpu" else name
 
 
 def _eos_token_ids(hf_config, tokenizer, model_dir: str) -> list[int]:
