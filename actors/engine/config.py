@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from actors.engine.strict import check_type, strict_fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+EXECUTOR_BACKENDS = ("uni", "ray")
 
 
 @strict_fields
@@ -15,7 +16,9 @@ class EngineConfig:
     """What to load and how much to run at once.
 
     `num_kv_blocks=None` sizes the KV cache from `kv_cache_memory_gb`; `max_model_len=None` takes
-    the model's `max_position_embeddings`.
+    the model's `max_position_embeddings`. `tensor_parallel_size > 1` runs one Ray `ModelShard`
+    actor per rank (`distributed_executor_backend="ray"`, implied); `"uni"` (the default at
+    TP=1) runs the model in this process.
     """
 
     model: str
@@ -31,6 +34,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_return_routed_experts: bool = False
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "uni" | "ray"; None picks by TP size
+    # Ray resources of each ModelShard (Ray executor): None is {"GPU": 1} on GPUs, else a
+    # fractional {"CPU": 0.1} so ranks share a CPU node's cores
+    shard_resources: dict | None = None
     seed: int = 0
     attention_backend: str = "auto"
     max_logprobs: int = 20
@@ -60,6 +67,31 @@ class EngineConfig:
                     raise ValueError(f"EngineConfig.{name} must be >= 1 or None, got {value}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("EngineConfig.kv_cache_memory_gb must be > 0")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("EngineConfig.tensor_parallel_size > 1 needs the Ray shard group "
-                             "(not available in the offline engine yet); use 1")
+        self._check_executor()
+
+    def _check_executor(self) -> None:
+        if self.shard_resources is not None:
+            check_type("EngineConfig", "shard_resources", self.shard_resources, dict)
+            for key, value in self.shard_resources.items():
+                if not isinstance(key, str) or isinstance(value, bool) or \
+                        not isinstance(value, (int, float)) or value < 0:
+                    raise ValueError("EngineConfig.shard_resources must map Ray resource names "
+                                     f"to amounts >= 0, got {self.shard_resources!r}")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            return
+        check_type("EngineConfig", "distributed_executor_backend", backend, str)
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"EngineConfig.distributed_executor_backend must be one of "
+                             f"{EXECUTOR_BACKENDS} or None, got {backend!r}")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"EngineConfig.distributed_executor_backend='uni' runs one rank in "
+                             f"process; tensor_parallel_size={self.tensor_parallel_size} needs "
+                             "'ray' (or leave it None)")
+
+    @property
+    def executor_backend(self) -> str:
+        """The executor that runs the model: "ray" when asked or when TP > 1, else "uni"."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "ray" if self.tensor_parallel_size > 1 else "uni"

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import time
+import weakref
 from collections.abc import Iterable
+
+import numpy as np
 
 from actors.engine.config import EngineConfig
 from actors.engine.outputs import RequestOutput
+from actors.engine.planner import StepPlanner
 from actors.engine.request import Request
 from actors.engine.sampling_params import SamplingParams
 from actors.engine.scheduler import Scheduler, SchedulerOutput
@@ -15,22 +20,27 @@ from actors.engine.sequence import Sequence
 from actors.engine.setup import EngineParts, build_engine_parts
 from actors.engine.stats import EngineStats
 from actors.engine.validate import RequestValidator
+from actors.runner.plan import StepResult
 
 Prompt = str | list[int]
 
 
 class LLMEngine:
-    """A paged-KV, continuous-batching engine for one model on one device.
+    """A paged-KV, continuous-batching engine for one model, in this process or on a group of
+    tensor-parallel Ray shards (`EngineConfig.tensor_parallel_size`).
 
     >>> engine = LLMEngine(EngineConfig(model="/path/to/hf_dir"))
     >>> outs = engine.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=8))
+    >>> engine.shutdown()  # also runs at interpreter exit
     """
 
     def __init__(self, config: EngineConfig, parts: EngineParts | None = None):
         parts = parts or build_engine_parts(config)
         self.config = parts.config
         self.tokenizer = parts.tokenizer
-        self.runner = parts.runner
+        self.executor = parts.executor
+        self.runner_info = parts.runner_info
+        self.planner = StepPlanner()
         self.block_manager = parts.block_manager
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
@@ -40,6 +50,17 @@ class LLMEngine:
         self.stats = EngineStats()
         self.weight_version = 0
         self._ids = itertools.count()
+        # NOTE: a weak method, so an engine that is dropped is not kept alive until exit
+        self._atexit = weakref.WeakMethod(self.shutdown)
+        atexit.register(_call_if_alive, self._atexit)
+
+    def shutdown(self) -> None:
+        """Free the runners: every shard actor and the placement group (idempotent)."""
+        self.executor.shutdown()
+
+    def check_health(self) -> None:
+        """Raise when the runners can no longer serve (e.g. a shard died)."""
+        self.executor.check_health()
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -85,7 +106,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         self._record_scheduled(batch)
-        result = self.runner.execute(batch)
+        result = self.executor.execute(self.planner.plan(batch))
         touched = self._postprocess(batch, result)
         outputs = [r.output(self.weight_version) for r in touched]
         for r in touched:
@@ -94,13 +115,15 @@ class LLMEngine:
                 del self.requests[r.request_id]
         return outputs
 
-    def _postprocess(self, batch: SchedulerOutput, result) -> list[Request]:
+    def _postprocess(self, batch: SchedulerOutput, result: StepResult) -> list[Request]:
         touched: dict[str, Request] = {}
         now = time.monotonic()
         for i, item in enumerate(batch.scheduled):
             seq = item.seq
             self.scheduler.advance(item)
             seq.prompt_logprobs.extend(result.prompt_logprobs[i])
+            if result.routed_experts[i] is not None:
+                seq.routing_parts.append(result.routed_experts[i])
             token = result.token_ids[i]
             if token is None:
                 continue
@@ -142,13 +165,14 @@ class LLMEngine:
         return self.stats.snapshot(self.scheduler, self.block_manager)
 
     def _capture_routing(self, seq: Sequence) -> None:
-        if seq.params.return_routed_experts:
+        if seq.params.return_routed_experts and seq.routing_parts:
             # every position but the last sampled token was fed through the model
-            seq.routed_experts = self.runner.routed_experts(seq.block_table, len(seq) - 1)
+            seq.routed_experts = np.concatenate(seq.routing_parts)[:len(seq) - 1]
+            seq.routing_parts = []
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self.runner.release(seq)
+        self.planner.forget(seq)
 
     # --- batch helpers ------------------------------------------------------------------------
 
@@ -177,6 +201,12 @@ class LLMEngine:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.validator.render_chat(conv, **template_kwargs) for conv in convs]
         return self.generate(prompts, params, use_tqdm)
+
+
+def _call_if_alive(method_ref: weakref.WeakMethod) -> None:
+    method = method_ref()
+    if method is not None:
+        method()
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

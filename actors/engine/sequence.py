@@ -43,7 +43,9 @@ class Sequence:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.routed_experts = None  # filled by the engine just before the blocks are freed
+        # routed expert ids as the runner reports them, in position order; joined at the end
+        self.routing_parts: list = []
+        self.routed_experts = None  # [len - 1, moe_layers, top_k] once finished
         self.siblings: list[Sequence] = []  # n > 1: started once this one's prompt is computed
 
     def __len__(self) -> int:

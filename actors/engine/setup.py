@@ -1,4 +1,8 @@
-"""Build what an engine runs on: tokenizer, model runner, block manager. The only torch import."""
+"""Build what an engine runs on: tokenizer, executor (the model runners), block manager.
+
+Checks that happen before any runner starts live here, so a bad configuration (a tensor-parallel
+size that does not split the model) is a ValueError before a single process or actor is made.
+"""
 
 from __future__ import annotations
 
@@ -8,59 +12,60 @@ from dataclasses import dataclass
 from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import StopChecker
+from actors.executor import Executor, create_executor
+from actors.runner.config import RunnerConfig, RunnerInfo
 
 
 @dataclass
 class EngineParts:
     config: EngineConfig  # with max_model_len and num_kv_blocks resolved
     tokenizer: object
-    runner: object  # actors.runner.ModelRunner
+    executor: Executor
     block_manager: BlockManager
     stop_checker: StopChecker
     vocab_size: int
     num_moe_layers: int
 
+    @property
+    def runner_info(self) -> RunnerInfo:
+        return self.executor.info
+
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
-    import torch
+    from transformers import AutoConfig
 
-    from actors.models import load_model, load_tokenizer
-    from actors.runner.model_runner import ModelRunner
+    from actors.models import check_tp_shape, load_tokenizer, resolve_model_dir
 
-    device = _device(config.device, torch)
-    model, hf_config, model_dir = load_model(config.model, _dtype(config.dtype, device),
-                                             device)
-    dtype = next(model.parameters()).dtype
+    model_dir = resolve_model_dir(config.model)  # a .gguf converts once, here, for every rank
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    check_tp_shape(hf_config, config.tensor_parallel_size)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     eos = _eos_token_ids(hf_config, tokenizer, model_dir)
     max_len = config.max_model_len or getattr(hf_config, "max_position_embeddings", 4096)
-    runner = ModelRunner(config, model, hf_config, device, dtype, eos)
-    config = dataclasses.replace(config, max_model_len=max_len, num_kv_blocks=runner.num_kv_blocks)
+    executor = create_executor(runner_config(config, model_dir, eos), config.executor_backend,
+                               config.shard_resources)
+    info = executor.info
+    config = dataclasses.replace(config, max_model_len=max_len, num_kv_blocks=info.num_kv_blocks)
     return EngineParts(
         config=config,
         tokenizer=tokenizer,
-        runner=runner,
-        block_manager=BlockManager(runner.num_kv_blocks, config.block_size,
+        executor=executor,
+        block_manager=BlockManager(info.num_kv_blocks, config.block_size,
                                    config.enable_prefix_caching),
         stop_checker=StopChecker(eos, max_len),
         vocab_size=hf_config.vocab_size,
-        num_moe_layers=getattr(model, "num_moe_layers", 0),
+        num_moe_layers=info.num_moe_layers,
     )
 
 
-def _device(name: str, torch):
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"EngineConfig.device: {e}") from None
-
-
-def _dtype(name: str, device) -> str:
-    # float32 on CPU: bf16 matmuls are slower there and outputs should match HF exactly;
-    # elsewhere "auto" lets the loader take the checkpoint's dtype
-    return "float32" if name == "auto" and device.type == "cpu" else name
+def runner_config(config: EngineConfig, model_dir: str, eos: list[int]) -> RunnerConfig:
+    return RunnerConfig(
+        model_dir=model_dir, dtype=config.dtype, device=config.device,
+        block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory_gb=config.kv_cache_memory_gb,
+        enable_return_routed_experts=config.enable_return_routed_experts, seed=config.seed,
+        attention_backend=config.attention_backend,
+        tensor_parallel_size=config.tensor_parallel_size, eos_token_ids=tuple(eos))
 
 
 def _eos_token_ids(hf_config, tokenizer, model_dir: str) -> list[int]:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from actors.models.checkpoint import LazyTensor, ReadStats
 from actors.models.layers import TPGroup
 from actors.models.loader import load_model, load_tokenizer, load_weights, resolve_model_dir
 from actors.models.packing import pack_linear_weights, unpack_linear_weights
 from actors.models.registry import get_model_class, supported_architectures
+from actors.models.tp_shape import check_tp_shape
 
 __all__ = [
+    "LazyTensor",
+    "ReadStats",
     "TPGroup",
+    "check_tp_shape",
     "get_model_class",
     "load_model",
     "load_tokenizer",

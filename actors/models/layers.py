@@ -1,5 +1,7 @@
 """Tensor-parallel-ready layers. Each parameter carries `weight_loader(param, loaded, shard_id)`
 that copies its rank's slice of a full checkpoint tensor, so model files stay plain composition.
+`loaded` is a tensor or a `LazyTensor` (checkpoint.py): loaders only `narrow` / slice it, and
+`copy_checked` reads just that slice.
 
 At world size 1 every collective is a no-op; the hooks are where multi-process TP plugs in.
 """
@@ -13,6 +15,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from actors.models.checkpoint import LazyTensor, materialize
+from actors.models.tp_shape import split_evenly, split_kv_heads
+
+Loaded = torch.Tensor | LazyTensor  # what a weight_loader receives
 
 
 @dataclass(frozen=True)
@@ -39,16 +46,17 @@ class TPGroup:
 
 
 def divide(total: int, parts: int, field: str) -> int:
-    if total % parts:
-        raise ValueError(f"{field}: {total} is not divisible by tensor_parallel_size {parts}")
-    return total // parts
+    """`total // parts` for a `field` split over `parts` TP ranks; ValueError (see tp_shape)."""
+    return split_evenly(total, parts, field)
 
 
-def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+def copy_checked(dst: torch.Tensor, src: Loaded, what: str) -> None:
+    """Copy `src` (cast to dst's dtype) into `dst`, reading a lazy `src` only after the shape
+    check; ValueError naming both shapes when they differ."""
     if dst.shape != src.shape:
         raise ValueError(f"weight {what}: checkpoint slice has shape {tuple(src.shape)}, "
                          f"the model expects {tuple(dst.shape)}")
-    dst.copy_(src)
+    dst.copy_(materialize(src))
 
 
 def new_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
@@ -76,7 +84,7 @@ class LinearBase(nn.Module):
         self.weight = new_param((out_local, in_local), self.weight_loader)
         self.bias = new_param((out_local,), self.weight_loader) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
         copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +107,7 @@ class ColumnParallelLinear(LinearBase):
         tp = tp or TPGroup()
         super().__init__(input_size, divide(output_size, tp.world_size, "output_size"), bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
         size = param.shape[0]
         copy_checked(param.data, loaded.narrow(0, self.tp.rank * size, size), "column")
 
@@ -113,7 +121,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         world = self.tp.world_size
         self.local_sizes = [divide(s, world, "output_sizes") for s in output_sizes]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
         if shard_id is None:
             raise ValueError("MergedColumnParallelLinear needs a shard_id for each part")
         size = self.local_sizes[shard_id]
@@ -132,17 +140,13 @@ class QKVParallelLinear(ColumnParallelLinear):
                  bias: bool = False, tp: TPGroup | None = None) -> None:
         tp = tp or TPGroup()
         self.num_heads = divide(num_heads, tp.world_size, "num_attention_heads")
-        if num_kv_heads >= tp.world_size:
-            self.num_kv_heads = divide(num_kv_heads, tp.world_size, "num_key_value_heads")
-            self.kv_replicas = 1
-        else:
-            self.num_kv_heads = 1
-            self.kv_replicas = divide(tp.world_size, num_kv_heads, "tensor_parallel_size")
+        # per rank: its own KV heads, or one KV head shared by `kv_replicas` ranks
+        self.num_kv_heads, self.kv_replicas = split_kv_heads(num_kv_heads, tp.world_size)
         self.head_dim = head_dim
         total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.world_size
         super().__init__(hidden_size, total, bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
             offset, size, index = 0, q_size, self.tp.rank
@@ -163,7 +167,7 @@ class RowParallelLinear(LinearBase):
         tp = tp or TPGroup()
         super().__init__(divide(input_size, tp.world_size, "input_size"), output_size, bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
         if param.dim() == 1:  # bias: whole, added once after the reduce
             copy_checked(param.data, loaded, "row bias")
             return
@@ -187,13 +191,14 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.tp.rank * self.per_rank
         self.weight = new_param((self.per_rank, embedding_dim), self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
         if loaded.shape[0] != self.num_embeddings:
             raise ValueError(f"weight vocab rows: checkpoint has {loaded.shape[0]}, "
                              f"the model expects vocab_size {self.num_embeddings}")
         rows = max(0, min(self.per_rank, loaded.shape[0] - self.start))
         param.data[rows:].zero_()
-        copy_checked(param.data[:rows], loaded.narrow(0, self.start, rows), "vocab rows")
+        start = min(self.start, loaded.shape[0])  # a rank past a tiny vocab gets only padding
+        copy_checked(param.data[:rows], loaded.narrow(0, start, rows), "vocab rows")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:

@@ -2,7 +2,8 @@
 
 Checkpoint names are mapped to our fused parameters (q/k/v -> qkv_proj, gate/up ->
 gate_up_proj, per-expert weights -> 3-D expert tensors); each parameter's `weight_loader`
-takes its tensor-parallel rank's slice.
+takes its tensor-parallel rank's slice. Safetensors tensors arrive as lazy views
+(checkpoint.py), so a rank reads only the slices it keeps, never the whole model.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from actors.models.checkpoint import LazyTensor, ReadStats
 from actors.models.gguf import gguf_to_hf_dir
-from actors.models.layers import TPGroup, copy_checked
+from actors.models.layers import Loaded, TPGroup, copy_checked
 from actors.models.packing import pack_linear_weights, refresh_packed_weights
 from actors.models.registry import get_model_class
+from actors.models.tp_shape import check_tp_shape
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -64,17 +67,33 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a checkpoint, one tensor at a time (memory-mapped)."""
+def iter_checkpoint(model_dir: str | os.PathLike,
+                    stats: ReadStats | None = None) -> Iterator[tuple[str, Loaded]]:
+    """(name, tensor) pairs of a checkpoint, one tensor at a time.
+
+    Safetensors files yield `LazyTensor` views that read nothing until a region of them is
+    materialised (weight loaders narrow first, so each TP rank reads only its slices).
+    `.bin` files cannot be read in part: they yield whole (memory-mapped) tensors, each
+    counted whole in `stats`. `stats` collects the bytes read.
+    """
     from safetensors import safe_open
 
     for file in checkpoint_files(model_dir):
         if file.suffix == ".bin":
-            yield from torch.load(file, map_location="cpu", mmap=True, weights_only=True).items()
+            yield from _iter_bin(file, stats)
             continue
+        # NOTE: a slice keeps the file mapped after the handle closes, so views outlive it
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, f.get_tensor(name)
+                yield name, LazyTensor(f.get_slice(name), stats)
+
+
+def _iter_bin(file: Path, stats: ReadStats | None) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in torch.load(file, map_location="cpu", mmap=True,
+                                   weights_only=True).items():
+        if stats is not None:
+            stats.add(tensor)
+        yield name, tensor
 
 
 def _target(model: nn.Module, experts: list[tuple[str, str, Any]],
@@ -96,12 +115,13 @@ def _target(model: nn.Module, experts: list[tuple[str, str, Any]],
     return name, None
 
 
-def _plain_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+def _plain_loader(param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
     copy_checked(param.data, loaded, "parameter")  # e.g. norm weights, whole on every rank
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into `model`; ValueError on unknown or missing weights."""
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Loaded]]) -> None:
+    """Copy checkpoint tensors (or `LazyTensor` views) into `model`, each parameter taking its
+    TP rank's slice; ValueError on unknown or missing weights and on shape mismatches."""
     params = dict(model.named_parameters())
     experts = model.expert_params_mapping() if hasattr(model, "expert_params_mapping") else []
     loaded: set[str] = set()
@@ -135,11 +155,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
                device: str | torch.device = "cpu",
                tp: TPGroup | None = None,
-               pack_weights: bool = True) -> tuple[nn.Module, Any, str]:
+               pack_weights: bool = True,
+               read_stats: ReadStats | None = None) -> tuple[nn.Module, Any, str]:
     """Build and load the model at `path` (HF directory or .gguf).
 
+    `tp`: this rank's place in its tensor-parallel group; the shapes are checked first
+    (`check_tp_shape`) and the rank reads only its slices of a safetensors checkpoint.
     `pack_weights`: on CPU in float32, pre-pack linear weights for oneDNN (about 2x faster
     decode matmuls, the linear weights' memory once more); ignored elsewhere.
+    `read_stats`: if given, counts the checkpoint bytes this load read.
     Returns (model in eval mode, HF config, the HF directory it came from).
     """
     from transformers import AutoConfig
@@ -147,10 +171,11 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = "auto"
     model_dir = resolve_model_dir(path)
     config = AutoConfig.from_pretrained(model_dir)
     cls = get_model_class(config)
+    check_tp_shape(config, (tp or TPGroup()).world_size)
     torch_dtype = resolve_dtype(dtype, config)
     with _default_dtype(torch_dtype), torch.device(device):
         model = cls(config, tp)
-    load_weights(model, iter_checkpoint(model_dir))
+    load_weights(model, iter_checkpoint(model_dir, read_stats))
     if pack_weights:
         pack_linear_weights(model)
     return model.eval(), config, model_dir

@@ -13,7 +13,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from actors.models.layers import ReplicatedLinear, TPGroup, copy_checked, divide, new_param
+from actors.models.layers import (
+    Loaded,
+    ReplicatedLinear,
+    TPGroup,
+    copy_checked,
+    divide,
+    new_param,
+)
 from actors.models.llama import (
     AttentionSpec,
     LlamaDecoderLayer,
@@ -39,7 +46,7 @@ class FusedMoE(nn.Module):
                                      self.weight_loader)
         self.w2_weight = new_param((num_experts, hidden_size, self.local), self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None):
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
         """shard_id = (expert, part): part gate/up/down for one expert's 2-D weight, or
         (None, gate_up/down) for transformers 5's fused 3-D tensors of all experts."""
         expert, part = shard_id
@@ -48,15 +55,15 @@ class FusedMoE(nn.Module):
             if part == "down":
                 copy_checked(param.data, loaded.narrow(2, start, n), "experts.down_proj")
                 return
-            half = loaded.shape[1] // 2
-            gate, up = loaded[:, :half].narrow(1, start, n), loaded[:, half:].narrow(1, start, n)
-            copy_checked(param.data, torch.cat([gate, up], dim=1), "experts.gate_up_proj")
+            half = loaded.shape[1] // 2  # gate rows [0, I), up rows [I, 2I): copy each slice
+            copy_checked(param.data[:, :n], loaded.narrow(1, start, n), "experts.gate_proj")
+            copy_checked(param.data[:, n:], loaded.narrow(1, half + start, n), "experts.up_proj")
         elif part == "down":  # [H, I]
             copy_checked(param.data[expert], loaded.narrow(1, start, n), f"expert {expert} down")
         else:  # gate or up, [I, H]
             rows = slice(0, n) if part == "gate" else slice(n, 2 * n)
             copy_checked(param.data[expert, rows], loaded.narrow(0, start, n),
-                          f"expert {expert} {part}")
+                         f"expert {expert} {part}")
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,7 +1,8 @@
-"""Input preparation: turn the scheduler's decision into the step's tensors.
+"""Input preparation: turn a step's scheduled requests into the step's tensors.
 
 Kept apart from the forward pass so it can run ahead of it (async prepare) and so decode can be
-replayed from captured graphs with the same tensors.
+replayed from captured graphs with the same tensors. It reads only the runner's own request
+state (never the engine's sequences), so every rank builds the same tensors from the same plan.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.engine.scheduler import ScheduledSeq, SchedulerOutput
+from actors.runner.requests import ScheduledRequest
 from kernels.attention import AttentionMetadata
 from kernels.attention.builder import SeqSlice, build_metadata
 
@@ -23,7 +24,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int64 rows of the hidden states that need logits
-    # per scheduled item, in order: (first row in logits_indices, number of rows)
+    # per scheduled request, in order: (first row in logits_indices, number of rows)
     logits_rows: list[tuple[int, int]]
 
 
@@ -33,42 +34,40 @@ class InputPreparer:
         self.device = device
         self.dtype = dtype
 
-    def prepare(self, batch: SchedulerOutput) -> StepInputs:
+    def prepare(self, scheduled: list[ScheduledRequest], num_prefills: int) -> StepInputs:
         ids: list[int] = []
         positions: list[int] = []
         logits_idx: list[int] = []
         logits_rows: list[tuple[int, int]] = []
-        for item in batch.scheduled:
-            start = item.seq.num_computed_tokens
+        for item in scheduled:
+            start = item.state.num_computed_tokens
             first_row = len(ids)
-            ids.extend(item.seq.token_ids[start:start + item.num_new])
+            ids.extend(item.state.token_ids[start:start + item.num_new])
             positions.extend(range(start, start + item.num_new))
-            rows = _logit_rows(item, first_row)
+            rows = logit_rows(item, first_row)
             logits_rows.append((len(logits_idx), len(rows)))
             logits_idx.extend(rows)
-        attn = build_metadata([_slice(i) for i in batch.prefills],
-                              [_slice(i) for i in batch.decodes], self.block_size, self.device,
-                              self.dtype)
+        slices = [SeqSlice(i.num_new, i.context_len, i.state.block_ids) for i in scheduled]
+        attn = build_metadata(slices[:num_prefills], slices[num_prefills:], self.block_size,
+                              self.device, self.dtype)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return StepInputs(as_tensor(ids), as_tensor(positions), attn, as_tensor(logits_idx),
                           logits_rows)
 
 
-def _slice(item: ScheduledSeq) -> SeqSlice:
-    seq = item.seq
-    return SeqSlice(item.num_new, seq.num_computed_tokens + item.num_new, seq.block_table)
+def logit_rows(item: ScheduledRequest, first_row: int) -> list[int]:
+    """Rows that need logits: the prompt rows for prompt_logprobs, then the last one when it
+    samples.
 
-
-def _logit_rows(item: ScheduledSeq, first_row: int) -> list[int]:
-    """Rows that need logits: the last one when it samples, every prompt row for prompt_logprobs."""
-    seq = item.seq
+    Prompt row j predicts token start + j + 1: keep rows whose target is a prompt token not yet
+    reported (a recompute after preemption does not report twice).
+    """
+    state = item.state
     rows = []
-    if seq.params.prompt_logprobs is not None:
-        # row j predicts token start + j + 1: keep rows whose target is a prompt token not yet
-        # recorded (a recompute after preemption does not record twice)
-        start, done = seq.num_computed_tokens, len(seq.prompt_logprobs)
+    if state.options.prompt_logprobs is not None:
+        start, done = state.num_computed_tokens, state.num_prompt_logprobs_done
         rows = [first_row + j for j in range(item.num_new)
-                if done <= start + j + 1 < seq.num_prompt_tokens]
+                if done <= start + j + 1 < state.num_prompt_tokens]
     if item.samples:
         rows.append(first_row + item.num_new - 1)
     return rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from actors.engine.config import EngineConfig
+from actors.runner.config import RunnerConfig
 
 
 class KVCache:
@@ -29,7 +29,7 @@ class KVCache:
             layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     @classmethod
-    def allocate(cls, config: EngineConfig, layers, model, dtype: torch.dtype,
+    def allocate(cls, config: RunnerConfig, layers, model, dtype: torch.dtype,
                  device: torch.device) -> KVCache:
         per_slot = sum(2 * layer.num_kv_heads * layer.head_dim for layer in layers)
         itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -47,8 +47,8 @@ class KVCache:
             # routed [T, num_moe_layers, top_k]
             self.routing[slot_mapping.cpu().numpy()] = routed.to(torch.int32).cpu().numpy()
 
-    def read_routing(self, block_table: list[int], num_tokens: int) -> np.ndarray:
-        """Routing of the first `num_tokens` positions of a sequence: [num_tokens, layers, k]."""
-        blocks = np.asarray(block_table, dtype=np.int64)
-        slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
-        return self.routing[slots[:num_tokens]].copy()
+    def read_routing(self, block_table: list[int], start: int, end: int) -> np.ndarray:
+        """Routing of positions [start, end) of a sequence: [end - start, layers, k] int32."""
+        positions = np.arange(start, end)
+        blocks = np.asarray(block_table, dtype=np.int64)[positions // self.block_size]
+        return self.routing[blocks * self.block_size + positions % self.block_size]

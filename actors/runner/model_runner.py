@@ -1,96 +1,153 @@
-"""One ModelRunner per tensor-parallel rank: owns the weights, the KV cache and the sampler."""
+"""One ModelRunner per tensor-parallel rank: owns its model slice, KV cache, request state and
+sampler, and turns a `StepPlan` into a `StepResult`.
+
+Sampling happens once, on rank 0. Every rank computes the full logits rows (the LM head's
+all-gather needs the same rows everywhere), but only rank 0 draws tokens, computes logprobs and
+reads routed experts, and only its result goes back to the engine; the other ranks return
+None. Sampling on every rank instead would give the same tokens (all ranks hold the same
+logits and seeds) but spend each rank's cores on work that is thrown away, which on a shared
+CPU slows the whole group.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable
 
 import torch
 
-from actors.engine.config import EngineConfig
-from actors.engine.scheduler import SchedulerOutput
+from actors.models import TPGroup, load_model, load_weights
+from actors.runner.config import RunnerConfig, RunnerInfo
 from actors.runner.inputs import InputPreparer, StepInputs
 from actors.runner.kv_cache import KVCache
+from actors.runner.plan import StepPlan, StepResult
+from actors.runner.requests import RequestTable, ScheduledRequest
 from actors.runner.sampler import Sampler
 from kernels.attention import get_backend
 
 
-@dataclass
-class StepResult:
-    """Per scheduled item, in the scheduler's order."""
-
-    token_ids: list[int | None]  # None where the chunk did not reach the end of the sequence
-    logprobs: list[float | None]
-    top_logprobs: list[dict[int, float] | None]
-    prompt_logprobs: list[list[dict[int, float]]]  # new prompt-logprob entries per item
-
-
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, hf_config,
-                 device: torch.device, dtype: torch.dtype, eos_token_ids: list[int]):
+    def __init__(self, config: RunnerConfig, tp: TPGroup | None = None):
         self.config = config
+        self.tp = tp or TPGroup()
+        self.device = resolve_device(config.device)
+        model, hf_config, _ = load_model(config.model_dir, resolve_dtype(config.dtype, self.device),
+                                         self.device, self.tp, pack_weights=config.pack_weights)
         self.model = model
-        self.device = device
-        backend = get_backend(config.attention_backend, device)
+        self.dtype = next(model.parameters()).dtype
+        backend = get_backend(config.attention_backend, self.device)
         layers = model.attention_layers()
         for layer in layers:
             layer.backend = backend
-        self.kv = KVCache.allocate(config, layers, model, dtype, device)
-        self.inputs = InputPreparer(config.block_size, device, dtype)
-        self.sampler = Sampler(hf_config.vocab_size, eos_token_ids, device, config.seed)
+        self.kv = KVCache.allocate(config, layers, model, self.dtype, self.device)
+        self.inputs = InputPreparer(config.block_size, self.device, self.dtype)
+        self.sampler = Sampler(hf_config.vocab_size, list(config.eos_token_ids), self.device,
+                               config.seed)
+        self.requests = RequestTable()
+        self.vocab_size = hf_config.vocab_size
 
     @property
-    def num_kv_blocks(self) -> int:
-        return self.kv.num_blocks
+    def samples(self) -> bool:
+        return self.tp.rank == 0
+
+    def info(self) -> RunnerInfo:
+        return RunnerInfo(num_kv_blocks=self.kv.num_blocks, vocab_size=self.vocab_size,
+                          num_moe_layers=getattr(self.model, "num_moe_layers", 0),
+                          moe_top_k=getattr(self.model, "moe_top_k", 0),
+                          dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> StepResult:
-        step = self.inputs.prepare(batch)
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        """Run one step; the sampling rank returns its result, the others None."""
+        start = time.perf_counter()
+        scheduled = self.requests.apply(plan)
+        if not scheduled:
+            return StepResult.empty(0) if self.samples else None
+        step = self.inputs.prepare(scheduled, plan.num_prefills)
+        prepared = time.perf_counter()
         hidden, routed = self.model(step.input_ids, step.positions, step.attn)
         if routed is not None:
             self.kv.store_routing(step.attn.slot_mapping, routed)
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
-        return self._sample(batch, step, logits)
+        computed = time.perf_counter()
+        result = self._result(scheduled, step, logits) if self.samples else None
+        self._advance(scheduled, step)
+        if result is not None:
+            result.timings = {"prepare": prepared - start, "forward": computed - prepared,
+                              "sample": time.perf_counter() - computed}
+        return result
 
-    def _sample(self, batch: SchedulerOutput, step: StepInputs, logits: torch.Tensor) -> StepResult:
-        items = batch.scheduled
-        sample_rows = [first + count - 1 for item, (first, count) in zip(items, step.logits_rows)
-                       if item.samples]
-        seqs = [item.seq for item in items if item.samples]
-        sampled = self.sampler(logits[sample_rows], seqs) if seqs else None
-        n = len(items)
-        result = StepResult([None] * n, [None] * n, [None] * n, [[] for _ in range(n)])
-        k = 0
-        for i, item in enumerate(items):
-            if item.samples:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (full, HF-named) checkpoint tensors; each parameter takes its rank's slice."""
+        load_weights(self.model, weights)
+
+    # --- results (sampling rank) --------------------------------------------------------------
+
+    def _result(self, scheduled: list[ScheduledRequest], step: StepInputs,
+                logits: torch.Tensor) -> StepResult:
+        result = StepResult.empty(len(scheduled))
+        picks = [i for i, item in enumerate(scheduled) if item.samples]
+        if picks:
+            rows = [step.logits_rows[i][0] + step.logits_rows[i][1] - 1 for i in picks]
+            sampled = self.sampler(logits[rows], [scheduled[i].state for i in picks])
+            for k, i in enumerate(picks):
                 result.token_ids[i] = sampled.token_ids[k]
                 result.logprobs[i] = sampled.logprobs[k]
                 result.top_logprobs[i] = sampled.top_logprobs[k]
-                k += 1
-        self._prompt_logprobs(items, step, logits, result)
+                scheduled[i].state.last_sampled = sampled.token_ids[k]
+        for i, item in enumerate(scheduled):
+            result.prompt_logprobs[i] = self._prompt_logprobs(item, step.logits_rows[i], logits)
+            result.routed_experts[i] = self._routed_experts(item)
         return result
 
-    def _prompt_logprobs(self, items, step: StepInputs, logits: torch.Tensor,
-                         result: StepResult) -> None:
-        for i, item in enumerate(items):
-            seq = item.seq
-            if seq.params.prompt_logprobs is None:
-                continue
-            first, count = step.logits_rows[i]
-            count -= int(item.samples)  # the sampling row is not a prompt row
-            if count <= 0:
-                continue
-            lp = logits[first:first + count].float().log_softmax(dim=-1)  # [count, V]
-            target0 = len(seq.prompt_logprobs)
-            targets = torch.tensor(seq.token_ids[target0:target0 + count], device=lp.device)
-            chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-            top_v, top_i = lp.topk(seq.params.prompt_logprobs, dim=-1)  # k=0 gives empty rows
-            for t, c, tv, ti in zip(targets.tolist(), chosen, top_v.tolist(), top_i.tolist()):
-                entry = dict(zip(ti, tv))
-                entry[t] = c
-                result.prompt_logprobs[i].append(entry)
+    def _prompt_logprobs(self, item: ScheduledRequest, rows: tuple[int, int],
+                         logits: torch.Tensor) -> list[dict[int, float]]:
+        state = item.state
+        first, count = rows
+        count -= int(item.samples)  # the sampling row is not a prompt row
+        if state.options.prompt_logprobs is None or count <= 0:
+            return []
+        lp = logits[first:first + count].float().log_softmax(dim=-1)  # [count, V]
+        target0 = state.num_prompt_logprobs_done
+        targets = torch.tensor(state.token_ids[target0:target0 + count], device=lp.device)
+        chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        top_v, top_i = lp.topk(state.options.prompt_logprobs, dim=-1)  # k=0 gives empty rows
+        entries = []
+        for t, c, tv, ti in zip(targets.tolist(), chosen, top_v.tolist(), top_i.tolist()):
+            entry = dict(zip(ti, tv))
+            entry[t] = c
+            entries.append(entry)
+        return entries
 
-    def routed_experts(self, block_table: list[int], num_tokens: int):
-        return self.kv.read_routing(block_table, num_tokens)
+    def _routed_experts(self, item: ScheduledRequest):
+        """Positions newly in this sequence's record: a cache hit's prefix, then this chunk."""
+        state = item.state
+        if not state.options.return_routed_experts or self.kv.routing is None:
+            return None
+        start, end = state.num_routed_reported, item.context_len
+        if end <= start:  # a recompute after preemption: already reported
+            return None
+        state.num_routed_reported = end
+        return self.kv.read_routing(state.block_ids, start, end)
 
-    def release(self, seq) -> None:
-        self.sampler.release(seq)
+    # --- bookkeeping (every rank) -------------------------------------------------------------
+
+    def _advance(self, scheduled: list[ScheduledRequest], step: StepInputs) -> None:
+        for item, (_, count) in zip(scheduled, step.logits_rows):
+            item.state.num_prompt_logprobs_done += count - int(item.samples)
+        RequestTable.advance(scheduled)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"EngineConfig.device: {e}") from None
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    # float32 on CPU: bf16 matmuls are slower there and outputs should match HF exactly;
+    # elsewhere "auto" lets the loader take the checkpoint's dtype
+    return "float32" if name == "auto" and device.type == "cpu" else name

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.engine.sequence import Sequence
+from actors.runner.requests import RequestState
 from kernels import sampling
 
 
@@ -18,33 +18,30 @@ class SampleResult:
 
 
 class Sampler:
-    """Samples the rows of one step. Seeded sequences own a generator for their whole life."""
+    """Samples the rows of one step. A seeded request's state owns its generator for its whole
+    life (preemption included), so its tokens do not depend on the batch."""
 
     def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device, seed: int):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.default = torch.Generator(device=device).manual_seed(seed)
-        self.generators: dict[int, torch.Generator] = {}
 
-    def release(self, seq: Sequence) -> None:
-        self.generators.pop(seq.seq_id, None)
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, states: list[RequestState]) -> SampleResult:
         logits = logits[:, :self.vocab_size].float()  # [B, V]
-        wants_logprobs = any(s.params.logprobs is not None for s in seqs)
+        wants_logprobs = any(s.options.logprobs is not None for s in states)
         raw = logits.log_softmax(dim=-1) if wants_logprobs else None
-        logits = self._mask_stop_tokens(logits, seqs)
-        if any(s.params.uses_penalties for s in seqs):
-            logits = self._penalise(logits, seqs)
-        tokens = self._draw(logits, seqs)
-        return SampleResult(tokens.tolist(), *self._logprobs(raw, tokens, seqs))
+        logits = self._mask_stop_tokens(logits, states)
+        if any(s.options.uses_penalties for s in states):
+            logits = self._penalise(logits, states)
+        tokens = self._draw(logits, states)
+        return SampleResult(tokens.tolist(), *self._logprobs(raw, tokens, states))
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
-        if all(s.params.greedy for s in seqs):
+        if all(s.options.greedy for s in states):
             return greedy
-        params = [s.params for s in seqs]
+        params = [s.options for s in states]
         temps = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
         logits = logits / temps.unsqueeze(1)
         top_k = self._column([p.top_k if p.top_k > 0 else self.vocab_size for p in params],
@@ -54,56 +51,55 @@ class Sampler:
         probs = sampling.apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
             probs = sampling.apply_min_p(probs, self._column([p.min_p for p in params]))
-        sampled = sampling.sample_rows(probs, [self._generator(s) for s in seqs], self.default)
+        sampled = sampling.sample_rows(probs, [self._generator(s) for s in states], self.default)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(is_greedy, greedy, sampled)
 
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.seed is None:
+    def _generator(self, state: RequestState) -> torch.Generator | None:
+        if state.options.seed is None:
             return None
-        gen = self.generators.get(seq.seq_id)
-        if gen is None:
+        if state.generator is None:
             # sample i of a seeded request gets its own stream, stable across runs
-            seed = hash((seq.params.seed, seq.index)) & 0x7FFF_FFFF_FFFF_FFFF
-            gen = self.generators[seq.seq_id] = torch.Generator(self.device).manual_seed(seed)
-        return gen
+            seed = hash((state.options.seed, state.sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
+            state.generator = torch.Generator(self.device).manual_seed(seed)
+        return state.generator
 
-    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _mask_stop_tokens(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         """Before min_tokens are out, EOS and stop_token_ids cannot be sampled."""
-        for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens:
-                stops = list(s.params.stop_token_ids or [])
-                if not s.params.ignore_eos:
+        for i, s in enumerate(states):
+            if s.num_output_tokens < s.options.min_tokens:
+                stops = list(s.options.stop_token_ids or [])
+                if not s.options.ignore_eos:
                     stops += self.eos_token_ids
                 if stops:
                     logits[i, torch.tensor(stops, device=logits.device)] = float("-inf")
         return logits
 
-    def _penalise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _penalise(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         batch, vocab = logits.shape
         prompt_mask = torch.zeros(batch, vocab, dtype=torch.bool, device=logits.device)
         counts = torch.zeros(batch, vocab, device=logits.device)
-        for i, s in enumerate(seqs):
+        for i, s in enumerate(states):
             prompt = torch.tensor(s.token_ids[:s.num_prompt_tokens], device=logits.device)
             prompt_mask[i, prompt] = True
             out = torch.tensor(s.output_token_ids, dtype=torch.long, device=logits.device)
             counts[i].index_add_(0, out, torch.ones(len(out), device=logits.device))
-        params = [s.params for s in seqs]
+        params = [s.options for s in states]
         return sampling.apply_penalties(
             logits, prompt_mask, counts, self._column([p.repetition_penalty for p in params]),
             self._column([p.presence_penalty for p in params]),
             self._column([p.frequency_penalty for p in params]))
 
-    def _logprobs(self, raw: torch.Tensor | None, tokens: torch.Tensor, seqs: list[Sequence]):
+    def _logprobs(self, raw: torch.Tensor | None, tokens: torch.Tensor, states: list[RequestState]):
         if raw is None:
-            return [None] * len(seqs), [None] * len(seqs)
+            return [None] * len(states), [None] * len(states)
         chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        n_max = max(s.params.logprobs or 0 for s in seqs)
+        n_max = max(s.options.logprobs or 0 for s in states)
         values, ids = sampling.top_logprobs(raw, n_max)
         values, ids = values.tolist(), ids.tolist()
-        top = [dict(zip(ids[i][:s.params.logprobs], values[i][:s.params.logprobs]))
-               if s.params.logprobs is not None else None for i, s in enumerate(seqs)]
-        lps = [lp if s.params.logprobs is not None else None for lp, s in zip(chosen, seqs)]
+        top = [dict(zip(ids[i][:s.options.logprobs], values[i][:s.options.logprobs]))
+               if s.options.logprobs is not None else None for i, s in enumerate(states)]
+        lps = [lp if s.options.logprobs is not None else None for lp, s in zip(chosen, states)]
         return lps, top
 
     def _column(self, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:

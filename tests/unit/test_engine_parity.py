@@ -96,6 +96,6 @@ def test_routed_experts_equal_hf_router_picks(tiny_moe_dir):
         fed = prompt + got.token_ids[:-1]  # the last sampled token is never fed to the model
         ref = hf_router_topk(tiny_moe_dir, fed).numpy()
         assert got.routed_experts.dtype == np.int32
-        assert got.routed_experts.shape == (len(fed), engine.runner.model.num_moe_layers,
-                                            engine.runner.model.moe_top_k)
+        assert got.routed_experts.shape == (len(fed), engine.runner_info.num_moe_layers,
+                                            engine.runner_info.moe_top_k)
         assert np.array_equal(np.sort(got.routed_experts, -1), np.sort(ref, -1))

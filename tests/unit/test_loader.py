@@ -44,7 +44,7 @@ def test_sharded_load_equals_single_file_load(fixture, request, tmp_path):
 def test_fused_3d_expert_layout_loads_like_per_expert(tiny_moe_dir):
     """transformers 5 keeps experts as gate_up_proj [E, 2I, H] / down_proj [E, H, I]."""
     per_expert, config, _ = load_model(tiny_moe_dir, "float32")
-    weights = dict(iter_checkpoint(tiny_moe_dir))
+    weights = {k: v.materialize() for k, v in iter_checkpoint(tiny_moe_dir)}
     fused: dict[str, torch.Tensor] = {}
     for layer in (1, 3):
         prefix = f"model.layers.{layer}.mlp.experts"

@@ -126,7 +126,8 @@ BAD_ENGINE = [
     ("max_model_len", 0), ("max_model_len", 1.5),
     ("num_kv_blocks", 0), ("num_kv_blocks", "8"),
     ("kv_cache_memory_gb", 0), ("kv_cache_memory_gb", -1.0), ("kv_cache_memory_gb", "1"),
-    ("tensor_parallel_size", 0), ("tensor_parallel_size", 2),
+    ("tensor_parallel_size", 0), ("tensor_parallel_size", 1.0),
+    ("distributed_executor_backend", "mp"), ("distributed_executor_backend", 1),
     ("max_logprobs", 0), ("seed", "x"), ("seed", 1.5),
     ("tokenizer", 5), ("device", 5), ("attention_backend", 3),
     ("enable_prefix_caching", "no"), ("enable_return_routed_experts", "yes"),
@@ -138,3 +139,15 @@ def test_engine_config_bad_field_is_a_value_error_naming_it(field, value):
     kwargs = {"model": "m", field: value}
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
+
+
+def test_in_process_executor_with_tensor_parallelism_is_a_value_error():
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 'ray'"):
+        EngineConfig(model="m", tensor_parallel_size=2, distributed_executor_backend="uni")
+
+
+@pytest.mark.parametrize(("tp", "backend", "expected"), [
+    (1, None, "uni"), (2, None, "ray"), (1, "ray", "ray"), (1, "uni", "uni"), (3, "ray", "ray")])
+def test_executor_backend_follows_vllm(tp, backend, expected):
+    config = EngineConfig(model="m", tensor_parallel_size=tp, distributed_executor_backend=backend)
+    assert config.executor_backend == expected

@@ -1,4 +1,4 @@
-"""The runner's Sampler on fake sequences and random logits, against naive computations."""
+"""The runner's Sampler on request states and random logits, against naive computations."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from actors.engine.planner import sampling_options
 from actors.engine.sampling_params import SamplingParams
-from actors.engine.sequence import Sequence
+from actors.runner.requests import RequestState
 from actors.runner.sampler import Sampler
 
 torch.set_num_threads(1)
@@ -21,10 +22,10 @@ def make_sampler(seed: int = 0) -> Sampler:
 
 
 def make_seq(prompt: list[int] | None = None, outputs: list[int] = (), index: int = 0,
-             **params) -> Sequence:
-    seq = Sequence("r", index, prompt or [1, 2, 3], SamplingParams(**params), block_size=4)
-    for tok in outputs:
-        seq.append_token(tok, None, None)
+             **params) -> RequestState:
+    options = sampling_options(SamplingParams(**params))  # validated as the engine does
+    seq = RequestState(0, index, prompt or [1, 2, 3], [], 0, options)
+    seq.token_ids.extend(outputs)
     return seq
 
 
@@ -45,8 +46,8 @@ def log_softmax(row: list[float]) -> list[float]:
     return [x - log_total for x in row]
 
 
-def naive_penalised(row, seq: Sequence) -> list[float]:
-    p = seq.params
+def naive_penalised(row, seq: RequestState) -> list[float]:
+    p = seq.options
     prompt, outputs = seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids
     result = []
     for tok, x in enumerate(row):
@@ -166,14 +167,15 @@ def test_penalties_change_the_choice_as_the_naive_computation_says():
 # --- seeded and truncated sampling ------------------------------------------------------------
 
 
-def run_steps(sampler: Sampler, seqs: list[Sequence], watch: Sequence, steps: int) -> list[int]:
+def run_steps(sampler: Sampler, seqs: list[RequestState], watch: RequestState,
+              steps: int) -> list[int]:
     """Sample `steps` times, appending to every sequence; return `watch`'s tokens."""
     for step in range(steps):
         logits = random_logits(len(seqs), seed=1000 + step)
         logits[seqs.index(watch)] = random_logits(1, seed=step)[0]  # watch sees the same rows
         tokens = sampler(logits, seqs).token_ids
         for seq, tok in zip(seqs, tokens):
-            seq.append_token(tok, None, None)
+            seq.token_ids.append(tok)
     return watch.output_token_ids
 
 

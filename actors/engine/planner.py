@@ -1,0 +1,86 @@
+"""StepPlanner: turns the scheduler's decision into a `StepPlan` for the runners.
+
+It remembers, per sequence, how many tokens and blocks the runners already hold, so a plan
+carries a request's data once and deltas afterwards, and it collects the ids the runners must
+forget (finished, aborted, preempted) until the next plan takes them along.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from actors.engine.sampling_params import SamplingParams
+from actors.engine.scheduler import ScheduledSeq, SchedulerOutput
+from actors.engine.sequence import Sequence
+from actors.runner.plan import CachedRequest, NewRequest, SamplingOptions, StepPlan
+
+_OPTION_FIELDS = [f.name for f in dataclasses.fields(SamplingOptions)]
+
+
+@dataclass
+class _Known:
+    num_tokens: int  # token ids the runners hold for the sequence
+    num_blocks: int  # block ids they hold (0 after a preemption)
+    resumed: bool = False  # preempted since the last plan that named it
+
+
+class StepPlanner:
+    def __init__(self) -> None:
+        self._known: dict[int, _Known] = {}
+        self._finished: list[int] = []
+        self._step_ids = itertools.count()
+
+    def plan(self, batch: SchedulerOutput) -> StepPlan:
+        preempted = [s.seq_id for s in batch.preempted if self._mark_preempted(s)]
+        new, cached = [], []
+        for item in batch.scheduled:
+            if item.seq.seq_id in self._known:
+                cached.append(self._delta(item.seq))
+            else:
+                new.append(self._new(item))
+        finished, self._finished = tuple(self._finished), []
+        return StepPlan(
+            step_id=next(self._step_ids), new_requests=tuple(new), cached_requests=tuple(cached),
+            scheduled=tuple((item.seq.seq_id, item.num_new) for item in batch.scheduled),
+            num_prefills=len(batch.prefills), finished_seq_ids=finished,
+            preempted_seq_ids=tuple(preempted))
+
+    def forget(self, seq: Sequence) -> None:
+        """The sequence finished or was aborted: the next plan tells the runners to drop it."""
+        if self._known.pop(seq.seq_id, None) is not None:
+            self._finished.append(seq.seq_id)
+
+    @property
+    def num_known(self) -> int:
+        return len(self._known)
+
+    def _new(self, item: ScheduledSeq) -> NewRequest:
+        seq = item.seq
+        self._known[seq.seq_id] = _Known(len(seq), len(seq.block_table))
+        # NOTE: a sequence is new to the runners only before its first step, so its tokens are
+        # exactly the prompt (a preempted one comes back as a resumed CachedRequest)
+        return NewRequest(seq.seq_id, seq.index, tuple(seq.token_ids), tuple(seq.block_table),
+                          seq.num_computed_tokens, sampling_options(seq.params))
+
+    def _delta(self, seq: Sequence) -> CachedRequest:
+        known = self._known[seq.seq_id]
+        delta = CachedRequest(seq.seq_id, tuple(seq.token_ids[known.num_tokens:]),
+                              tuple(seq.block_table[known.num_blocks:]), seq.num_computed_tokens,
+                              known.resumed)
+        self._known[seq.seq_id] = _Known(len(seq), len(seq.block_table))
+        return delta
+
+    def _mark_preempted(self, seq: Sequence) -> bool:
+        known = self._known.get(seq.seq_id)
+        if known is None:
+            return False
+        known.num_blocks, known.resumed = 0, True
+        return True
+
+
+def sampling_options(params: SamplingParams) -> SamplingOptions:
+    values = {name: getattr(params, name) for name in _OPTION_FIELDS}
+    values["stop_token_ids"] = tuple(params.stop_token_ids or ())
+    return SamplingOptions(**values)

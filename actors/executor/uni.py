@@ -1,0 +1,39 @@
+"""The in-process executor: one ModelRunner in the engine's own process (TP=1, the default)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from actors.executor.base import ExecutorError
+from actors.runner.config import RunnerConfig
+from actors.runner.model_runner import ModelRunner
+from actors.runner.plan import StepPlan, StepResult
+
+
+class UniExecutor:
+    def __init__(self, config: RunnerConfig):
+        if config.tensor_parallel_size != 1:
+            raise ValueError("distributed_executor_backend='uni' runs one rank; "
+                             f"tensor_parallel_size={config.tensor_parallel_size} needs 'ray'")
+        self.runner = ModelRunner(config)
+        self.info = self.runner.info()
+        self._closed = False
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.check_health()
+        return self.runner.execute(plan)
+
+    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        self.check_health()
+        return [getattr(self.runner, method)(*args, **kwargs)]
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        self.collective_rpc("load_weights", weights)
+
+    def check_health(self) -> None:
+        if self._closed:
+            raise ExecutorError("the executor was shut down")
+
+    def shutdown(self) -> None:
+        self._closed = True

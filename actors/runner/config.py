@@ -1,0 +1,40 @@
+"""What a model runner is built from, and what it reports back once built (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Everything one tensor-parallel rank needs to load its model slice and size its KV cache.
+
+    Built by the engine from its `EngineConfig`; plain data so it can travel to a Ray actor.
+    `model_dir` is a Hugging Face directory (a GGUF file is converted once, by the engine,
+    before any runner starts).
+    """
+
+    model_dir: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    enable_return_routed_experts: bool = False
+    seed: int = 0
+    attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
+    eos_token_ids: tuple[int, ...] = ()
+    pack_weights: bool = True  # oneDNN-packed linears on CPU float32 (see actors/models/packing)
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """Facts the engine needs from a built runner (identical on every rank)."""
+
+    num_kv_blocks: int
+    vocab_size: int
+    num_moe_layers: int
+    moe_top_k: int
+    dtype: str  # e.g. "float32"
+    device: str  # e.g. "cpu", "cuda:0"

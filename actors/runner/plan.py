@@ -1,0 +1,115 @@
+"""The step plan: the only thing that crosses from the engine to the runner, and its result.
+
+Plain, picklable, torch-free data shaped like vLLM v1's scheduler output. A request the runner
+has not seen carries its data once (`NewRequest`); a request it knows carries only what changed
+(`CachedRequest`); `finished_seq_ids` and `preempted_seq_ids` say what to forget. The runner keeps
+its own per-request state keyed by `seq_id` (one per sample of an `n > 1` request), so a plan is
+small whatever the context length, can travel to another process, and can be built ahead of the
+step that runs it.
+
+The runner defines these types; the engine imports them, never the other way round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# A token id the runner fills in with the token it sampled for that request at the previous
+# step (async scheduling plans step N+1 before step N's token reaches the host).
+PLACEHOLDER = -1
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """What the runner needs of a request's sampling parameters (vLLM's names)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    return_routed_experts: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A sequence the runner has not seen: everything it needs, once."""
+
+    seq_id: int
+    sample_index: int  # which sample of its request (seeded samples differ by it)
+    token_ids: tuple[int, ...]  # the prompt
+    block_ids: tuple[int, ...]  # the whole block table so far
+    num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit)
+    options: SamplingOptions
+
+
+@dataclass(frozen=True)
+class CachedRequest:
+    """A sequence the runner knows: only what changed since the runner last saw it."""
+
+    seq_id: int
+    # tokens appended since the last plan that named it (PLACEHOLDER: what the runner sampled)
+    new_token_ids: tuple[int, ...]
+    new_block_ids: tuple[int, ...]  # appended to its block table
+    num_computed_tokens: int  # tokens in the KV cache before this step
+    # back from preemption: its blocks were freed, `new_block_ids` is the whole new table
+    resumed: bool = False
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step. `scheduled` is the flat token order: prefill chunks, then decodes."""
+
+    step_id: int
+    new_requests: tuple[NewRequest, ...] = ()
+    cached_requests: tuple[CachedRequest, ...] = ()
+    scheduled: tuple[tuple[int, int], ...] = ()  # (seq_id, tokens to compute this step)
+    num_prefills: int = 0  # the first entries of `scheduled` are prefill chunks
+    finished_seq_ids: tuple[int, ...] = ()  # finished or aborted: forget everything
+    preempted_seq_ids: tuple[int, ...] = ()  # blocks freed: forget the table, keep the history
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class StepResult:
+    """What comes back from a step, one entry per `plan.scheduled` entry, in that order."""
+
+    # None where the chunk did not reach the end of the sequence (no token sampled)
+    token_ids: list[int | None]
+    logprobs: list[float | None]  # raw logprob of the sampled token, when asked
+    top_logprobs: list[dict[int, float] | None]
+    prompt_logprobs: list[list[dict[int, float]]]  # new prompt-logprob entries, when asked
+    # routed expert ids (int32 [positions, num_moe_layers, top_k]) of the positions this step
+    # added to the sequence's record: a prefix-cache hit's cached positions, then the computed
+    # ones; None when not asked. The engine concatenates them in order.
+    routed_experts: list[object | None]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: prepare, forward, sample
+
+    @classmethod
+    def empty(cls, size: int) -> StepResult:
+        return cls([None] * size, [None] * size, [None] * size, [[] for _ in range(size)],
+                   [None] * size)

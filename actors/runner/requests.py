@@ -1,0 +1,116 @@
+"""The runner's own per-request state, keyed by seq_id, created and dropped by step plans.
+
+Every rank applies the same plans, so every rank holds the same token histories, block tables
+and counters (the logit rows a step computes depend on them, and collectives need equal shapes
+on all ranks). Only the rank that samples fills in `last_sampled` and owns seeded generators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.runner.plan import PLACEHOLDER, CachedRequest, NewRequest, SamplingOptions, StepPlan
+
+
+class RequestState:
+    """One sequence as the runner sees it."""
+
+    __slots__ = ("seq_id", "sample_index", "options", "token_ids", "num_prompt_tokens",
+                 "block_ids", "num_computed_tokens", "last_sampled", "num_prompt_logprobs_done",
+                 "num_routed_reported", "generator")
+
+    def __init__(self, seq_id: int, sample_index: int, token_ids: list[int],
+                 block_ids: list[int], num_computed_tokens: int, options: SamplingOptions):
+        self.seq_id = seq_id
+        self.sample_index = sample_index
+        self.options = options
+        self.token_ids = list(token_ids)  # prompt, then every token fed or to be fed
+        self.num_prompt_tokens = len(token_ids)
+        self.block_ids = list(block_ids)
+        self.num_computed_tokens = num_computed_tokens
+        self.last_sampled: int | None = None  # on the sampling rank
+        # prompt positions whose logprobs were reported; position 0 has none to report
+        self.num_prompt_logprobs_done = 1 if options.prompt_logprobs is not None else 0
+        self.num_routed_reported = 0  # positions whose routed experts were reported
+        self.generator = None  # a seeded request's torch.Generator, made by the sampler
+
+    @classmethod
+    def from_plan(cls, new: NewRequest) -> RequestState:
+        return cls(new.seq_id, new.sample_index, list(new.token_ids), list(new.block_ids),
+                   new.num_computed_tokens, new.options)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def update(self, delta: CachedRequest) -> None:
+        for token in delta.new_token_ids:
+            if token == PLACEHOLDER:
+                if self.last_sampled is None:
+                    raise RuntimeError(f"seq {self.seq_id}: a placeholder token but this rank "
+                                       "sampled nothing for it")
+                token = self.last_sampled
+            self.token_ids.append(token)
+        if delta.resumed:
+            self.block_ids = []
+        self.block_ids.extend(delta.new_block_ids)
+        self.num_computed_tokens = delta.num_computed_tokens
+
+
+@dataclass
+class ScheduledRequest:
+    """A request's part of one step."""
+
+    state: RequestState
+    num_new: int  # tokens computed for it this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its logits give a token."""
+        return self.state.num_computed_tokens + self.num_new == len(self.state)
+
+    @property
+    def context_len(self) -> int:
+        return self.state.num_computed_tokens + self.num_new
+
+
+class RequestTable:
+    """All requests a runner knows; `apply(plan)` brings them up to the plan's step."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def apply(self, plan: StepPlan) -> list[ScheduledRequest]:
+        """Forget, add and update as the plan says; returns the step's requests in flat order."""
+        for seq_id in plan.finished_seq_ids:
+            self.states.pop(seq_id, None)
+        for seq_id in plan.preempted_seq_ids:
+            state = self.states[seq_id]
+            state.block_ids, state.num_computed_tokens = [], 0
+        for new in plan.new_requests:
+            self.states[new.seq_id] = RequestState.from_plan(new)
+        for delta in plan.cached_requests:
+            self._get(delta.seq_id).update(delta)
+        return [ScheduledRequest(self._get(seq_id), n) for seq_id, n in plan.scheduled]
+
+    def _get(self, seq_id: int) -> RequestState:
+        state = self.states.get(seq_id)
+        if state is None:
+            raise RuntimeError(f"step plan names seq {seq_id}, which this runner does not know")
+        return state
+
+    @staticmethod
+    def advance(scheduled: list[ScheduledRequest]) -> None:
+        """After the forward pass: the step's tokens are in the KV cache."""
+        for item in scheduled:
+            item.state.num_computed_tokens += item.num_new
