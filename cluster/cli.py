@@ -13,6 +13,7 @@ BENCHES = {
     "consolidation": ("cluster.bench.consolidation", "consolidation actor parallelism"),
     "sessions": ("cluster.bench.sessions", "session registry memory with blob dropping on/off"),
     "serve": ("cluster.bench.serve", "HTTP endpoint vs the offline engine and transformers serve"),
+    "step": ("cluster.bench.step", "per-step time split: in-process vs Ray executor vs TP sizes"),
 }
 
 # command name -> module under cluster; each module has add_arguments(parser) and run(args).

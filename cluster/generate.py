@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                               "float16"])
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="split the model over N ModelShard Ray actors (starts a local Ray "
+                             "unless RAY_ADDRESS is set); N must divide the attention heads")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from cluster.models import default_model_path
 
     engine = LLMEngine(EngineConfig(model=args.model or default_model_path(), dtype=args.dtype,
-                                    device=args.device))
+                                    device=args.device,
+                                    tensor_parallel_size=args.tensor_parallel_size))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
     prompts = args.prompts or DEFAULT_PROMPTS
@@ -44,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         outs = engine.chat([[{"role": "user", "content": p}] for p in prompts], params)
     elapsed = time.perf_counter() - start
+    engine.shutdown()
     for prompt, out in zip(prompts, outs):
         print(f"\n>>> {prompt}\n{out.outputs[0].text.strip()}")
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)

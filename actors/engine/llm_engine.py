@@ -18,7 +18,7 @@ from actors.engine.sampling_params import SamplingParams
 from actors.engine.scheduler import Scheduler, SchedulerOutput
 from actors.engine.sequence import Sequence
 from actors.engine.setup import EngineParts, build_engine_parts
-from actors.engine.stats import EngineStats
+from actors.engine.stats import EngineStats, StepTimer
 from actors.engine.validate import RequestValidator
 from actors.runner.plan import StepResult
 
@@ -57,6 +57,12 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Free the runners: every shard actor and the placement group (idempotent)."""
         self.executor.shutdown()
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
+        """Load HF-named (full, unsharded) tensors into every rank, then drop the prefix cache,
+        whose blocks were computed with the old weights. Call between steps."""
+        self.executor.load_weights(weights)
+        self.block_manager.reset_prefix_cache()
 
     def check_health(self) -> None:
         """Raise when the runners can no longer serve (e.g. a shard died)."""
@@ -102,12 +108,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the cumulative output of every request it advanced."""
+        timer = StepTimer()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         self._record_scheduled(batch)
-        result = self.executor.execute(self.planner.plan(batch))
-        touched = self._postprocess(batch, result)
+        timer.mark("schedule")
+        plan = self.planner.plan(batch)
+        timer.mark("plan")
+        result = self.executor.execute(plan)
+        timer.mark("execute")
+        outputs = self._finish(self._postprocess(batch, result))
+        timer.mark("postprocess")
+        self.stats.step_times.add(timer, result.timings)
+        return outputs
+
+    def _finish(self, touched: list[Request]) -> list[RequestOutput]:
         outputs = [r.output(self.weight_version) for r in touched]
         for r in touched:
             if r.finished:

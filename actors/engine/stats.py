@@ -7,6 +7,7 @@ turns snapshots from every replica into `raylane:*` families.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -31,10 +32,58 @@ class Histogram:
         return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum}
 
 
+class StepTimer:
+    """Laps of one engine step: `mark(name)` records the seconds since the previous mark."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._last
+        self._last = now
+
+
+class StepTimes:
+    """Where step time goes, summed over steps, for `raylane bench step`.
+
+    The engine's own laps (schedule, plan, postprocess) plus the runner's (prepare, forward,
+    sample) and the executor's transport: `dispatch` is from the engine sending the plan to the
+    runner starting on it, `return` from the runner finishing to the engine holding the result
+    (the clocks agree across processes of one node: perf_counter is CLOCK_MONOTONIC).
+    """
+
+    PARTS = ("schedule", "plan", "dispatch", "prepare", "forward", "sample", "return",
+             "postprocess")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.totals = dict.fromkeys(self.PARTS, 0.0)
+        self.total_execute = 0.0
+
+    def add(self, timer: StepTimer, runner: dict[str, float]) -> None:
+        self.steps += 1
+        laps = {**timer.laps, **{k: runner[k] for k in ("prepare", "forward", "sample")
+                                 if k in runner}}
+        if "sent_at" in runner and "started_at" in runner:
+            laps["dispatch"] = runner["started_at"] - runner["sent_at"]
+            laps["return"] = runner["received_at"] - runner["finished_at"]
+        for name, seconds in laps.items():
+            if name in self.totals:
+                self.totals[name] += seconds
+        self.total_execute += timer.laps.get("execute", 0.0)
+
+    def per_step_ms(self) -> dict[str, float]:
+        steps = max(1, self.steps)
+        return {name: 1000 * total / steps for name, total in self.totals.items()}
+
+
 class EngineStats:
     """Counters and histograms the engine updates as it steps."""
 
     def __init__(self):
+        self.step_times = StepTimes()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: Counter[str] = Counter()

@@ -74,7 +74,7 @@ class RayExecutor:
         sent = time.perf_counter()
         results = self._gather([s.execute.remote(plan) for s in self.shards], kill_on_error=True)
         result = results[0]
-        result.timings["round_trip"] = time.perf_counter() - sent
+        result.timings.update(sent_at=sent, received_at=time.perf_counter())
         return result
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -136,6 +136,7 @@ class RayExecutor:
             if kill_on_error:
                 self._fail(e)
                 raise ExecutorError(f"a shard failed mid-step: {e.cause!r}") from e
+            _drain(refs)  # the same error on the other ranks: read it, or Ray logs it as unhandled
             raise e.as_instanceof_cause() from None
         except (ray.exceptions.RayActorError, TimeoutError) as e:
             self._fail(e)
@@ -156,6 +157,16 @@ def ensure_ray() -> None:
     else:
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
                  log_to_driver=False)
+
+
+def _drain(refs: list) -> None:
+    import ray
+
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except Exception:  # noqa: S110 (the first error is the one raised)
+            pass
 
 
 def _custom(bundle: dict[str, float]) -> dict[str, float]:

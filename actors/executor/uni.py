@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,7 +23,10 @@ class UniExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.check_health()
-        return self.runner.execute(plan)
+        sent = time.perf_counter()
+        result = self.runner.execute(plan)
+        result.timings.update(sent_at=sent, received_at=time.perf_counter())
+        return result
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         self.check_health()

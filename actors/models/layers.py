@@ -59,6 +59,17 @@ def copy_checked(dst: torch.Tensor, src: Loaded, what: str) -> None:
     dst.copy_(materialize(src))
 
 
+def split_rows(loaded: Loaded, dim: int, full: int, index: int, size: int,
+               what: str) -> Loaded:
+    """Rank slice `[index * size, (index + 1) * size)` of `loaded` along `dim`, after checking
+    the checkpoint tensor is `full` long there: every rank then rejects a wrong tensor the same
+    way, before any of them copies a slice (no half-loaded group, no silent truncation)."""
+    if loaded.dim() <= dim or loaded.shape[dim] != full:
+        raise ValueError(f"weight {what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                         f"expected {full} along dim {dim}")
+    return loaded.narrow(dim, index * size, size)
+
+
 def new_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape), requires_grad=False)
     param.weight_loader = loader
@@ -109,7 +120,8 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
         size = param.shape[0]
-        copy_checked(param.data, loaded.narrow(0, self.tp.rank * size, size), "column")
+        src = split_rows(loaded, 0, size * self.tp.world_size, self.tp.rank, size, "column")
+        copy_checked(param.data, src, "column")
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -126,8 +138,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError("MergedColumnParallelLinear needs a shard_id for each part")
         size = self.local_sizes[shard_id]
         offset = sum(self.local_sizes[:shard_id])
-        src = loaded.narrow(0, self.tp.rank * size, size)
-        copy_checked(param.data.narrow(0, offset, size), src, f"merged part {shard_id}")
+        what = f"merged part {shard_id}"
+        src = split_rows(loaded, 0, size * self.tp.world_size, self.tp.rank, size, what)
+        copy_checked(param.data.narrow(0, offset, size), src, what)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -148,15 +161,18 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        world = self.tp.world_size
         if shard_id == "q":
-            offset, size, index = 0, q_size, self.tp.rank
+            offset, size, index, full = 0, q_size, self.tp.rank, q_size * world
         elif shard_id in ("k", "v"):
             offset = q_size + (kv_size if shard_id == "v" else 0)
             size, index = kv_size, self.tp.rank // self.kv_replicas
+            full = kv_size * world // self.kv_replicas  # every KV head once
         else:
             raise ValueError(f"QKVParallelLinear: shard_id must be q, k or v, got {shard_id!r}")
-        src = loaded.narrow(0, index * size, size)
-        copy_checked(param.data.narrow(0, offset, size), src, f"qkv part {shard_id}")
+        what = f"qkv part {shard_id}"
+        src = split_rows(loaded, 0, full, index, size, what)
+        copy_checked(param.data.narrow(0, offset, size), src, what)
 
 
 class RowParallelLinear(LinearBase):
@@ -172,7 +188,8 @@ class RowParallelLinear(LinearBase):
             copy_checked(param.data, loaded, "row bias")
             return
         size = param.shape[1]
-        copy_checked(param.data, loaded.narrow(1, self.tp.rank * size, size), "row")
+        src = split_rows(loaded, 1, size * self.tp.world_size, self.tp.rank, size, "row")
+        copy_checked(param.data, src, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None or self.tp.world_size == 1:  # bias fused, like HF's nn.Linear

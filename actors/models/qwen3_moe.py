@@ -20,6 +20,7 @@ from actors.models.layers import (
     copy_checked,
     divide,
     new_param,
+    split_rows,
 )
 from actors.models.llama import (
     AttentionSpec,
@@ -50,20 +51,26 @@ class FusedMoE(nn.Module):
         """shard_id = (expert, part): part gate/up/down for one expert's 2-D weight, or
         (None, gate_up/down) for transformers 5's fused 3-D tensors of all experts."""
         expert, part = shard_id
-        start, n = self.tp.rank * self.local, self.local
+        rank, n = self.tp.rank, self.local
+        full = n * self.tp.world_size  # the checkpoint's intermediate size
         if expert is None:  # [E, 2I, H] or [E, H, I]
             if part == "down":
-                copy_checked(param.data, loaded.narrow(2, start, n), "experts.down_proj")
+                src = split_rows(loaded, 2, full, rank, n, "experts.down_proj")
+                copy_checked(param.data, src, "experts.down_proj")
                 return
-            half = loaded.shape[1] // 2  # gate rows [0, I), up rows [I, 2I): copy each slice
-            copy_checked(param.data[:, :n], loaded.narrow(1, start, n), "experts.gate_proj")
-            copy_checked(param.data[:, n:], loaded.narrow(1, half + start, n), "experts.up_proj")
+            # gate rows [0, I), up rows [I, 2I): each part's rank slice
+            both = split_rows(loaded, 1, 2 * full, 0, 2 * full, "experts.gate_up_proj")
+            copy_checked(param.data[:, :n], both.narrow(1, rank * n, n), "experts.gate_proj")
+            copy_checked(param.data[:, n:], both.narrow(1, full + rank * n, n),
+                         "experts.up_proj")
         elif part == "down":  # [H, I]
-            copy_checked(param.data[expert], loaded.narrow(1, start, n), f"expert {expert} down")
+            what = f"expert {expert} down"
+            copy_checked(param.data[expert], split_rows(loaded, 1, full, rank, n, what), what)
         else:  # gate or up, [I, H]
             rows = slice(0, n) if part == "gate" else slice(n, 2 * n)
-            copy_checked(param.data[expert, rows], loaded.narrow(0, start, n),
-                         f"expert {expert} {part}")
+            what = f"expert {expert} {part}"
+            copy_checked(param.data[expert, rows], split_rows(loaded, 0, full, rank, n, what),
+                         what)
 
 
 class SparseMoeBlock(nn.Module):

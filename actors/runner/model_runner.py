@@ -73,8 +73,10 @@ class ModelRunner:
         result = self._result(scheduled, step, logits) if self.samples else None
         self._advance(scheduled, step)
         if result is not None:
-            result.timings = {"prepare": prepared - start, "forward": computed - prepared,
-                              "sample": time.perf_counter() - computed}
+            finished = time.perf_counter()
+            result.timings = {"started_at": start, "prepare": prepared - start,
+                              "forward": computed - prepared, "sample": finished - computed,
+                              "finished_at": finished}
         return result
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -107,7 +107,9 @@ class StepResult:
     # added to the sequence's record: a prefix-cache hit's cached positions, then the computed
     # ones; None when not asked. The engine concatenates them in order.
     routed_experts: list[object | None]
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: prepare, forward, sample
+    # seconds spent in prepare / forward / sample, and perf_counter stamps: started_at and
+    # finished_at by the runner, sent_at and received_at by the executor
+    timings: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, size: int) -> StepResult:

@@ -117,3 +117,24 @@ def test_load_tokenizer_has_chat_template_and_eos(tiny_llama_dir):
                                          add_generation_prompt=True)
     assert text == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(("name", "shape"), [
+    ("model.layers.0.self_attn.o_proj.weight", (64, 80)),  # too wide along the row split
+    ("model.layers.0.self_attn.q_proj.weight", (80, 64)),  # too tall along the column split
+    ("model.layers.0.self_attn.k_proj.weight", (16, 64)),  # too short: a rank would run off
+    ("model.layers.0.mlp.gate_proj.weight", (136, 64)),
+])
+def test_wrong_size_along_the_split_dim_is_a_value_error_on_every_rank(tiny_llama_dir, name,
+                                                                       shape, world):
+    from actors.models import TPGroup
+
+    _, config, _ = load_model(tiny_llama_dir, "float32")
+    weights = {k: v.materialize() for k, v in iter_checkpoint(tiny_llama_dir)}
+    assert tuple(weights[name].shape) != shape
+    weights[name] = torch.ones(shape)
+    for rank in range(world):
+        fresh = get_model_class(config)(config, TPGroup(rank, world))
+        with pytest.raises(ValueError, match=r"expected \d+ along dim"):
+            load_weights(fresh, weights.items())

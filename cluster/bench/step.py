@@ -1,0 +1,151 @@
+"""`raylane bench step`: where an engine step's time goes, per executor and tensor-parallel size.
+
+Runs the workload of `raylane bench throughput` on the in-process executor, the Ray executor
+at TP=1 (one ModelShard actor) and each tensor-parallel size the model can be split into, and
+splits the average step into: plan build, dispatch (plan to the runner), forward (input
+preparation + model), sample, return (result back to the engine) and the engine's own
+bookkeeping (schedule + postprocess). The Ray executor's overhead is its dispatch + return
+beyond the in-process executor's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+from cluster.bench.throughput import Workload, make_workload
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2)")
+    parser.add_argument("--tensor-parallel-sizes", default="2,3", metavar="N[,N...]",
+                        help="TP sizes to run beside TP=1 (sizes the model cannot be split "
+                             "into are reported and skipped; default 2,3)")
+    parser.add_argument("--eight-heads", action="store_true",
+                        help="use random weights in the model's shape but with 8 query / 4 KV "
+                             "heads, so TP=2 can split a 9-head model like SmolLM2")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128],
+                        metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the engine (split between ranks; default: all)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+
+
+@dataclass
+class Row:
+    name: str
+    seconds: float
+    steps: int
+    per_step_ms: dict[str, float]
+    note: str = ""
+
+
+def run_config(model_dir: str, work: Workload, max_batched: int, **engine_kw) -> Row:
+    from actors.engine import EngineConfig, LLMEngine, SamplingParams
+    from actors.engine.stats import StepTimes
+
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32",
+                                    max_num_batched_tokens=max_batched, **engine_kw))
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in work.output_lens]
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        engine.stats.step_times = StepTimes()
+        start = time.perf_counter()
+        outs = engine.generate(work.prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.shutdown()
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == work.useful_tokens
+    times = engine.stats.step_times
+    return Row("", elapsed, times.steps, times.per_step_ms())
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoConfig
+
+    from actors.models import check_tp_shape, resolve_model_dir
+    from cluster.models import default_model_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model_dir(args.model or default_model_path())
+    scratch = None
+    if args.eight_heads:
+        scratch = tempfile.mkdtemp(prefix="raylane-bench-")
+        model_dir = eight_head_copy(model_dir, scratch)
+    hf = AutoConfig.from_pretrained(model_dir)
+    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
+                         hf.vocab_size, args.seed)
+    configs = [("in-process executor, TP=1", {"distributed_executor_backend": "uni"}),
+               ("Ray executor, TP=1", {"distributed_executor_backend": "ray"})]
+    skipped = []
+    for tp in (int(x) for x in args.tensor_parallel_sizes.split(",") if x.strip()):
+        try:
+            check_tp_shape(hf, tp)
+            configs.append((f"Ray executor, TP={tp}", {"tensor_parallel_size": tp}))
+        except ValueError as e:
+            skipped.append(f"TP={tp} skipped: {e}")
+    rows = []
+    try:
+        for name, kw in configs:
+            row = run_config(model_dir, work, args.max_num_batched_tokens, **kw)
+            row.name = name
+            rows.append(row)
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print_table(work, rows, torch.get_num_threads(), skipped)
+    return 0
+
+
+def eight_head_copy(model_dir: str, scratch: str) -> str:
+    """Random weights in `model_dir`'s shape but 8 query / 4 KV heads (tokenizer copied)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_attention_heads, config.num_key_value_heads = 8, 4
+    config.head_dim = config.hidden_size // 8
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(scratch)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(scratch)
+    return scratch
+
+
+COLUMNS = [("plan", ("plan",)), ("dispatch", ("dispatch",)), ("forward", ("prepare", "forward")),
+           ("sample", ("sample",)), ("return", ("return",)),
+           ("engine", ("schedule", "postprocess"))]
+
+
+def print_table(work: Workload, rows: list[Row], threads: int, skipped: list[str]) -> None:
+    print(f"\nworkload: {len(work.prompts)} requests, prompt tokens {sum(map(len, work.prompts))}"
+          f", useful output tokens {work.useful_tokens}, greedy, ignore_eos, float32, "
+          f"{threads} torch threads split between the ranks")
+    heads = " | ".join(f"{c:>8}" for c, _ in COLUMNS)
+    print(f"| {'executor':<26} | {heads} | {'step ms':>7} | {'steps':>5} | {'tok/s':>6} |"
+          f" {'vs in-proc':>10} |")
+    print("|" + "|".join("-" * (w + 2) for w in [26] + [8] * len(COLUMNS) + [7, 5, 6, 10]) + "|")
+    base = rows[0].seconds
+    for row in rows:
+        ms = row.per_step_ms
+        cells = " | ".join(f"{sum(ms[p] for p in parts):>8.3f}" for _, parts in COLUMNS)
+        step_ms = 1000 * row.seconds / max(1, row.steps)
+        print(f"| {row.name:<26} | {cells} | {step_ms:>7.2f} | {row.steps:>5} | "
+              f"{work.useful_tokens / row.seconds:>6.1f} | {base / row.seconds:>9.2f}x |")
+    print("(milliseconds per step; forward = input preparation + model incl. its collectives)")
+    if len(rows) > 1:
+        transport = [r.per_step_ms["dispatch"] + r.per_step_ms["return"] for r in rows[:2]]
+        print(f"Ray executor overhead at TP=1: dispatch + return {transport[1]:.3f} ms/step vs "
+              f"{transport[0]:.3f} ms in process: {transport[1] - transport[0]:+.3f} ms/step")
+    for line in skipped:
+        print(line)
