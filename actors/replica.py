@@ -1,8 +1,13 @@
 """An engine replica: one AsyncLLMEngine inside a Ray Serve replica.
 
 The Serve deployment (made in cluster/serve.py) restarts it when `check_health` fails or its
-actor dies. It registers with the Router and heartbeats while alive, so the Router's replica
-table always reflects the replicas that can serve.
+actor dies. It registers with the Router and heartbeats while it can serve, so the Router's
+replica table always reflects the replicas that can serve.
+
+At tensor_parallel_size > 1 the replica owns its group of `ModelShard` actors (in the replica's
+placement group): a shard that dies fails the requests in flight (the executor raises, the
+engine loop fails every waiter), and from then on the heartbeat reports the replica failed and
+`check_health` raises, so Serve replaces the replica and, with it, the whole shard group.
 """
 
 from __future__ import annotations
@@ -43,11 +48,25 @@ class EngineReplica:
 
     async def _heartbeat(self) -> None:
         while True:
+            # a replica whose engine died stops being routed to before Serve replaces it
+            beat = self.router.heartbeat if self._serving() else self.router.report_failure
             try:
-                await self.router.heartbeat.remote(self.replica_id)
+                await beat.remote(self.replica_id)
             except Exception as e:  # the Router restarts; keep trying
                 logger.warning("heartbeat to the Router failed: %s", e)
             await asyncio.sleep(self._heartbeat_s)
+
+    def _serving(self) -> bool:
+        try:
+            self._check_engine()
+        except RuntimeError:  # ExecutorError is one
+            return False
+        return True
+
+    def _check_engine(self) -> None:
+        """Raise when the step loop died or the runners are down (no remote call)."""
+        self.engine.check_health()
+        self.engine.engine.check_health(ping=False)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                        target_replica: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -61,7 +80,17 @@ class EngineReplica:
     async def check_health(self) -> None:
         """Serve's health hook: raising makes the controller replace this replica."""
         await self.start()
-        self.engine.check_health()
+        self._check_engine()
+        # every shard answers a ping: one that died while no request ran is seen here, not by
+        # the next request. NOTE: blocks the loop one round trip (~1 ms)
+        self.engine.engine.check_health(ping=True)
+
+    def __del__(self) -> None:
+        # Serve calls this on a graceful stop: free the shard group now (Serve then removes the
+        # placement group, which would also end the shards)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.engine.shutdown()
 
 
 def _serve_replica_id() -> str:

@@ -5,15 +5,25 @@ placement group; they form a `torch.distributed` group (gloo on CPU, NCCL on GPU
 rendezvous is on loopback at a port rank 0 picks when the group starts. A group never spans
 nodes, so loopback always reaches every rank. Operators find the ranks as `ModelShard` in
 `ray list actors`.
+
+Steps arrive on a step channel: a loopback socket each shard listens on, served by one thread
+(see actors/executor/ray_executor.py for why not a Ray call per step). Only the first
+connection that presents the shard's random token is served, and frames decode only to plan
+types (actors/runner/wire.py). Control calls (`rpc`) come as Ray calls; a lock keeps them from
+running inside a step.
 """
 
 from __future__ import annotations
 
 import datetime
+import hmac
 import os
+import secrets
 import socket
+import threading
 from typing import Any
 
+from actors.runner import wire
 from actors.runner.config import RunnerConfig, RunnerInfo
 from actors.runner.plan import StepPlan, StepResult
 
@@ -31,6 +41,8 @@ class ModelShard:
         self.config, self.rank, self.world_size = config, rank, world_size
         torch.set_num_threads(torch_threads)
         self.runner = None
+        self.device = None
+        self._lock = threading.Lock()  # one of: a step, a control call
 
     def pick_port(self) -> int:
         """A free loopback port on this node for the group's rendezvous (called on rank 0)."""
@@ -46,7 +58,7 @@ class ModelShard:
         from actors.models import TPGroup
         from actors.runner.model_runner import ModelRunner, resolve_device
 
-        device = resolve_device(self.config.device)
+        device = self.device = resolve_device(self.config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -58,17 +70,72 @@ class ModelShard:
         return self.runner.info()
 
     def execute(self, plan: StepPlan) -> StepResult | None:
-        return self.runner.execute(plan)
+        """One step as a Ray call (the fallback when the engine is on another node)."""
+        with self._lock:
+            return self.runner.execute(plan)
 
     def rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call a ModelRunner method on this rank (the executor's `collective_rpc`)."""
-        return getattr(self.runner, method)(*args, **kwargs)
+        with self._lock:
+            return getattr(self.runner, method)(*args, **kwargs)
 
     def ping(self) -> int:
         return self.rank
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def open_step_channel(self) -> tuple[int, bytes]:
+        """Listen on a loopback port for the engine's step stream; returns (port, token)."""
+        listener = socket.create_server((LOOPBACK, 0))
+        token = secrets.token_bytes(16)
+        threading.Thread(target=self._serve_steps, args=(listener, token), daemon=True,
+                         name="step-channel").start()
+        return listener.getsockname()[1], token
+
+    def _serve_steps(self, listener: socket.socket, token: bytes) -> None:
+        conn = _accept(listener, token)
+        if conn is None:
+            return
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device)  # per thread
+        with conn:
+            while True:
+                try:
+                    plan = wire.decode(wire.recv_frame(conn))
+                except wire.WireError:
+                    return  # the engine hung up (or sent garbage): stop serving
+                wire.send_frame(conn, wire.encode(self._step(plan)))
+
+    def _step(self, plan: StepPlan) -> StepResult | RuntimeError | None:
+        try:
+            with self._lock:
+                return self.runner.execute(plan)
+        except Exception as e:  # the group is poisoned: the engine kills it on this reply
+            return RuntimeError(f"rank {self.rank}: {e!r}")
 
     def stop(self) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _accept(listener: socket.socket, token: bytes) -> socket.socket | None:
+    """The first connection that presents `token`; others are closed unanswered."""
+    with listener:
+        while True:
+            conn, _ = listener.accept()
+            try:
+                conn.settimeout(10.0)
+                if hmac.compare_digest(wire.recv_exact(conn, len(token)), token):
+                    conn.settimeout(None)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    return conn
+            except OSError:
+                pass
+            conn.close()

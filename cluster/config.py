@@ -17,7 +17,9 @@ _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
 class ClusterConfig:
     """One serving cluster: the model, how many engine replicas, and the HTTP front.
 
-    `engine` holds `EngineConfig` options (vLLM names) applied to every replica.
+    `engine` holds `EngineConfig` options (vLLM names) applied to every replica; with
+    `tensor_parallel_size > 1` (or `distributed_executor_backend: ray`) each replica runs its
+    model on that many `ModelShard` actors, placed with it on one node.
     """
 
     model: str | None = None  # HF directory or .gguf; None serves the embedded SmolLM2
@@ -41,6 +43,7 @@ class ClusterConfig:
         if unknown:
             raise ValueError(f"ClusterConfig.engine: unknown option(s) {sorted(unknown)}; "
                              f"known: {sorted(_ENGINE_FIELDS)}")
+        self.engine_config(self.model or "<embedded>")  # bad values fail here, not in a replica
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
 
     @classmethod
@@ -72,6 +75,9 @@ class ClusterConfig:
         if os.environ.get("RAYLANE_API_KEYS"):
             updates["api_keys"] = tuple(k for k in os.environ["RAYLANE_API_KEYS"].split(",") if k)
         return dataclasses.replace(config, **updates)
+
+    def engine_config(self, model_dir: str) -> EngineConfig:
+        return EngineConfig(model=model_dir, **self.engine)
 
     def replica_threads(self) -> int:
         return self.torch_threads or max(1, (os.cpu_count() or 1) // self.replicas)

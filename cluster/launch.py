@@ -28,14 +28,16 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
 
 def deploy(config, model_dir: str | None = None) -> str:
-    """Deploy the application on the running Ray cluster; returns the base URL."""
+    """Deploy the application on the running Ray cluster; returns the base URL.
+
+    ValueError, before anything is deployed, when no node can hold one engine replica."""
     from ray import serve
 
     from cluster.serve import build_application
 
+    app = build_application(config, model_dir)
     serve.start(http_options={"host": config.host, "port": config.port})
-    serve.run(build_application(config, model_dir), name=APP_NAME, route_prefix="/",
-              blocking=False)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{config.host}:{config.port}"
     wait_healthy(url, api_keys=config.api_keys)
     return url

@@ -2,6 +2,17 @@
 
 `app_builder` is the `import_path` a RayService points at (`cluster.serve:app_builder`, with
 the ClusterConfig fields as args); `build_application(config)` is what `raylane serve` runs.
+
+At tensor_parallel_size > 1 each engine replica owns a group of `ModelShard` actors. Serve makes
+one STRICT_PACK placement group per replica (bundle 0 the replica's, then one per shard), and
+the executor inside the replica places its shards in bundles 1..N of that group (see
+actors/executor/placement.py): a replica and its shards start, fit and die together, on one
+node. Serve puts the replica's child actors in its group by default (it sets
+`placement_group_capture_child_tasks`), which is why the Router is created outside any replica.
+Ray places each group on the least-used node that fits it, so replicas spread over nodes;
+Serve forbids `max_replicas_per_node` with placement groups, so to force one replica per node
+size `engine.shard_resources` so that a second group does not fit a node (and leave
+RAY_SERVE_USE_PACK_SCHEDULING_STRATEGY unset: it packs replicas onto as few nodes as it can).
 """
 
 from __future__ import annotations
@@ -11,6 +22,8 @@ import os
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from actors.engine.config import EngineConfig
+from actors.executor.placement import check_fits_one_node, replica_bundles, shard_bundle
 from actors.replica import EngineReplica
 from cluster.config import ClusterConfig
 from router.actor import get_or_create_router
@@ -59,9 +72,37 @@ def build_application(config: ClusterConfig, model_dir: str | None = None):
 
     model_dir = model_dir or resolve_model_dir(resolve_model(config.model))  # .gguf -> HF dir
     engine_options = {"model": model_dir, **config.engine}
-    replicas = EngineDeployment.options(num_replicas=config.replicas).bind(
+    options = engine_deployment_options(config, config.engine_config(model_dir))
+    # NOTE: made here, before any replica: a replica would place the (detached) Router in its
+    # own placement group, and the Router would die when Serve replaces that replica
+    get_or_create_router(config.max_queue_per_replica)
+    replicas = EngineDeployment.options(**options).bind(
         engine_options, config.replica_threads(), config.max_queue_per_replica)
     return Ingress.bind(replicas, model_dir, config)
+
+
+def engine_deployment_options(config: ClusterConfig, engine: EngineConfig) -> dict:
+    """Serve options of the engine replicas: with a Ray shard group, one placement group per
+    replica for it, checked against the alive nodes (ValueError naming the shortfall)."""
+    options: dict = {"num_replicas": config.replicas}
+    if engine.executor_backend != "ray":
+        return options  # the model runs inside the replica process
+    bundles = shard_group_bundles(engine)
+    options.update(placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK")
+    return options
+
+
+def shard_group_bundles(engine: EngineConfig) -> list[dict[str, float]]:
+    """One replica's bundles (its own, then one per shard), if a node of this cluster can hold
+    them all; Serve would otherwise wait forever for a group no node can place."""
+    import ray
+
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    shard = shard_bundle(engine.shard_resources, engine.device, has_gpus)
+    bundles = replica_bundles(shard, engine.tensor_parallel_size)
+    check_fits_one_node(bundles, ray.nodes(), f"one engine replica (tensor_parallel_size="
+                                              f"{engine.tensor_parallel_size}, {shard} per shard)")
+    return bundles
 
 
 def app_builder(args: dict):

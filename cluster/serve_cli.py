@@ -21,6 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' (repeat for several keys)")
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-model-len", type=int, help="context length limit")
+    parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                        help="split the model of each replica over N ranks (default 1: the model "
+                             "runs inside the replica process). N > 1 runs N ModelShard actors "
+                             "per replica (one GPU each on GPU nodes, 0.1 CPU each on CPU nodes; "
+                             "YAML engine.shard_resources changes that), always on one node: "
+                             "each replica gets its own placement group, and `raylane serve` "
+                             "fails at once if no node can hold one replica")
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="record MoE routing so requests can ask for routed experts")
     parser.add_argument("--ray-address", help="join an existing Ray cluster (default: start one)")
@@ -37,7 +44,7 @@ def config_from_args(args: argparse.Namespace):
     if args.api_keys:
         updates["api_keys"] = tuple(args.api_keys)
     engine = dict(config.engine)
-    for name in ("max_num_seqs", "max_model_len"):
+    for name in ("max_num_seqs", "max_model_len", "tensor_parallel_size"):
         if getattr(args, name) is not None:
             engine[name] = getattr(args, name)
     if args.enable_return_routed_experts:
@@ -48,10 +55,15 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from cluster import launch
 
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"raylane serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     launch.start_ray(config.ray_address)
+    code = 0
     try:
         url = launch.deploy(config)
         print(f"raylane is serving at {url}/v1 (OpenAI API), {url}/generate, {url}/metrics "
@@ -59,7 +71,10 @@ def run(args: argparse.Namespace) -> int:
         stop.wait()
     except KeyboardInterrupt:
         pass
+    except ValueError as e:  # the configuration does not fit the cluster (checked pre-deploy)
+        print(f"raylane serve: error: {e}", file=sys.stderr, flush=True)
+        code = 2
     finally:
         print("shutting down Ray...", file=sys.stderr, flush=True)
         launch.shutdown()
-    return 0
+    return code

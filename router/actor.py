@@ -122,4 +122,7 @@ def get_or_create_router(capacity: int = 256):
     return ray.remote(Router).options(
         name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
         num_cpus=0, max_restarts=-1,
+        # NOTE: never inside the caller's placement group (a Serve replica's), which it would
+        # otherwise join and die with when Serve replaces that replica
+        scheduling_strategy="DEFAULT",
     ).remote(capacity)

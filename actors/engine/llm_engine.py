@@ -64,9 +64,10 @@ class LLMEngine:
         self.executor.load_weights(weights)
         self.block_manager.reset_prefix_cache()
 
-    def check_health(self) -> None:
-        """Raise when the runners can no longer serve (e.g. a shard died)."""
-        self.executor.check_health()
+    def check_health(self, ping: bool = True) -> None:
+        """Raise when the runners can no longer serve (e.g. a shard died); `ping=False` only
+        reports failures already seen, with no call to the shards."""
+        self.executor.check_health(ping)
 
     # --- requests -----------------------------------------------------------------------------
 

@@ -31,6 +31,8 @@ class Executor(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None: ...
 
-    def check_health(self) -> None: ...
+    def check_health(self, ping: bool = True) -> None:
+        """Raise ExecutorError when the runners cannot serve; `ping=False` skips asking each
+        rank (no remote call), reporting only failures already seen."""
 
     def shutdown(self) -> None: ...

@@ -26,6 +26,12 @@ def shard_bundle(resources: dict[str, float] | None, device: str,
     return dict(DEFAULT_GPU_SHARD if gpu else DEFAULT_CPU_SHARD)
 
 
+def replica_bundles(shard: dict[str, float], world_size: int) -> list[dict[str, float]]:
+    """A Serve replica's `placement_group_bundles` for a shard group: the replica's own bundle,
+    then one per rank (the layout `place_shards` expects inside a replica)."""
+    return [dict(REPLICA_BUNDLE)] + [dict(shard) for _ in range(world_size)]
+
+
 def total(bundles: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for bundle in bundles:
@@ -85,10 +91,7 @@ def place_shards(bundle: dict[str, float], world_size: int,
 
     current = get_current_placement_group()
     if current is not None:
-        if len(current.bundle_specs) < world_size + 1:
-            raise ValueError(f"the current placement group has {len(current.bundle_specs)} "
-                             f"bundles; tensor_parallel_size={world_size} needs "
-                             f"{world_size + 1} (the replica's, then one per shard)")
+        _check_replica_group(current.bundle_specs, bundle, world_size)
         return ShardPlacement(current, 1, owned=False)
     bundles = [dict(bundle) for _ in range(world_size)]
     check_fits_one_node(bundles, ray.nodes(), f"tensor_parallel_size={world_size}")
@@ -102,3 +105,18 @@ def place_shards(bundle: dict[str, float], world_size: int,
         raise RuntimeError(f"the {world_size} shards ({bundle} each) found no room on one node "
                            f"within {timeout_s:.0f} s: other work holds the resources") from None
     return ShardPlacement(group, 0, owned=True)
+
+
+def _check_replica_group(specs: list[dict[str, float]], bundle: dict[str, float],
+                         world_size: int) -> None:
+    """ValueError unless bundles 1..world_size of the current group each hold one shard: a
+    shard asking for more than its bundle has would wait forever instead of starting."""
+    if len(specs) < world_size + 1:
+        raise ValueError(f"the current placement group has {len(specs)} bundles; "
+                         f"tensor_parallel_size={world_size} needs {world_size + 1} "
+                         "(the replica's, then one per shard)")
+    for index in range(1, world_size + 1):
+        if any(specs[index].get(k, 0.0) < v for k, v in bundle.items() if v > 0):
+            raise ValueError(f"bundle {index} of the current placement group ({specs[index]}) "
+                             f"cannot hold a shard needing {bundle}; deploy the replica with "
+                             "placement_group_bundles=replica_bundles(shard, world_size)")

@@ -35,7 +35,7 @@ class UniExecutor:
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         self.collective_rpc("load_weights", weights)
 
-    def check_health(self) -> None:
+    def check_health(self, ping: bool = True) -> None:
         if self._closed:
             raise ExecutorError("the executor was shut down")
 

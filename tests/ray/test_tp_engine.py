@@ -233,6 +233,26 @@ class TestQwen3:
             engine.step()
 
 
+@pytest.mark.timeout(120)  # a hang in a collective fails here instead of blocking
+def test_an_exception_in_one_ranks_forward_fails_the_step_and_frees_the_group(
+        ray_cluster, tiny_llama_dir):
+    import ray
+
+    engine = build(tiny_llama_dir, tensor_parallel_size=2)
+    shards, group = shard_ids(engine), placement_group_id(engine)
+    prompts = prompts_for(engine.validator.vocab_size, (20, 33), seed=2)
+    assert engine.generate(prompts, greedy(4), use_tqdm=False)  # the group works
+    # break rank 1 only: its forward raises while rank 0 waits for it in a collective
+    ray.get(engine.executor.shards[1].rpc.remote("__setattr__", "model", None))
+    start = time.monotonic()
+    with pytest.raises(ExecutorError, match="rank 1"):
+        engine.generate(prompts, greedy(4), use_tqdm=False)
+    assert time.monotonic() - start < 60
+    with pytest.raises(ExecutorError):
+        engine.check_health()
+    assert_group_freed(shards, group)
+
+
 # --- Qwen3-MoE (routed experts) ----------------------------------------------------------------
 
 

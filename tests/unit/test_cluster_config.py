@@ -45,3 +45,71 @@ def test_yaml_must_be_a_mapping(tmp_path):
     path.write_text("- just\n- a list\n")
     with pytest.raises(ValueError, match="mapping"):
         ClusterConfig.from_yaml(str(path))
+
+
+def test_tensor_parallel_size_from_yaml_and_flag(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("engine:\n  tensor_parallel_size: 3\n  shard_resources: {CPU: 0.5}\n")
+    assert ClusterConfig.from_yaml(str(path)).engine["tensor_parallel_size"] == 3
+    argv = ["serve", "--config", str(path), "--tensor-parallel-size", "2"]
+    flags = config_from_args(build_parser(argv).parse_args(argv))
+    assert flags.engine == {"tensor_parallel_size": 2, "shard_resources": {"CPU": 0.5}}
+    argv = ["serve"]  # no flag: TP=1 in the replica process, as before
+    plain = config_from_args(build_parser(argv).parse_args(argv))
+    assert "tensor_parallel_size" not in plain.engine
+
+
+def test_serve_help_explains_tensor_parallel_size(capsys):
+    with pytest.raises(SystemExit):
+        build_parser(["serve", "--help"]).parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--tensor-parallel-size N" in help_text and "placement group" in help_text
+
+
+@pytest.mark.parametrize("engine, field", [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": "2"}, "tensor_parallel_size"),
+    ({"distributed_executor_backend": "mpi"}, "distributed_executor_backend"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "'ray'"),
+    ({"shard_resources": {"CPU": -1}}, "shard_resources"),
+])
+def test_bad_engine_values_fail_when_the_config_loads(engine, field):
+    with pytest.raises(ValueError, match=field):
+        ClusterConfig(engine=engine)
+
+
+def test_serve_with_a_bad_tp_size_exits_2_before_starting_ray(capsys):
+    from cluster.serve_cli import run
+
+    argv = ["serve", "--tensor-parallel-size", "0"]
+    assert run(build_parser(argv).parse_args(argv)) == 2
+    assert "tensor_parallel_size must be >= 1" in capsys.readouterr().err
+
+
+def test_replica_bundles_and_the_fit_check():
+    from actors.executor.placement import check_fits_one_node, replica_bundles
+
+    bundles = replica_bundles({"CPU": 1.5}, 2)
+    assert bundles == [{"CPU": 0.01}, {"CPU": 1.5}, {"CPU": 1.5}]
+    nodes = [{"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": False,
+                                                          "Resources": {"CPU": 8.0}}]
+    with pytest.raises(ValueError, match=r"CPU: needs 3\.01, the largest node has 2"):
+        check_fits_one_node(bundles, nodes, "one engine replica")
+    check_fits_one_node(replica_bundles({"CPU": 0.5}, 2), nodes, "one engine replica")
+
+
+def test_a_replica_group_too_small_for_its_shards_is_named():
+    from actors.executor.placement import _check_replica_group, replica_bundles
+
+    _check_replica_group(replica_bundles({"GPU": 1.0}, 2), {"GPU": 1.0}, 2)
+    with pytest.raises(ValueError, match="needs 3"):
+        _check_replica_group(replica_bundles({"GPU": 1.0}, 1), {"GPU": 1.0}, 2)
+    with pytest.raises(ValueError, match="cannot hold a shard"):  # a CPU group, GPU shards
+        _check_replica_group(replica_bundles({"CPU": 0.1}, 2), {"GPU": 1.0}, 2)
+
+
+def test_tp1_deploys_without_a_placement_group():
+    from cluster.serve import engine_deployment_options
+
+    config = ClusterConfig(replicas=2)
+    assert engine_deployment_options(config, config.engine_config("m")) == {"num_replicas": 2}

@@ -1,0 +1,86 @@
+"""The step channel's wire: plans and results round-trip, nothing else unpickles, and a shard
+serves only the engine that holds its token (no Ray: a ModelShard object in this process)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from actors.runner import wire
+from actors.runner.config import RunnerConfig
+from actors.runner.plan import (
+    CachedRequest,
+    NewRequest,
+    SamplingOptions,
+    StepPlan,
+    StepResult,
+)
+from actors.shard import LOOPBACK, ModelShard
+
+
+def a_plan() -> StepPlan:
+    new = NewRequest(7, 1, (5, 6, 7), (3, 4), 0, SamplingOptions(seed=3, stop_token_ids=(2,)))
+    cached = CachedRequest(9, (11,), (8,), 16, resumed=True)
+    return StepPlan(4, (new,), (cached,), ((7, 3), (9, 1)), 1, (1, 2), (9,))
+
+
+def test_plans_and_results_round_trip():
+    plan = a_plan()
+    assert wire.decode(wire.encode(plan)) == plan
+    result = StepResult.empty(2)
+    result.token_ids[0], result.top_logprobs[0] = 42, {42: -0.25, 7: -1.5}
+    result.routed_experts[1] = np.arange(12, dtype=np.int32).reshape(3, 2, 2)
+    back = wire.decode(wire.encode(result))
+    assert back.token_ids == [42, None] and back.top_logprobs[0] == {42: -0.25, 7: -1.5}
+    assert back.routed_experts[1].dtype == np.int32
+    assert np.array_equal(back.routed_experts[1], result.routed_experts[1])
+
+
+@pytest.mark.parametrize("payload", [os.system, pickle.loads, torch.ones, {"x": eval}])
+def test_anything_but_plan_types_is_refused(payload):
+    with pytest.raises(wire.WireError, match="refusing"):
+        wire.decode(pickle.dumps(payload))
+
+
+def test_garbage_is_a_wire_error():
+    with pytest.raises(wire.WireError):
+        wire.decode(b"not a pickle")
+
+
+@pytest.fixture
+def shard():
+    # no runner is loaded: a step fails, which is enough to see how the channel answers
+    config = RunnerConfig(model_dir="unused")
+    return ModelShard(config, rank=0, world_size=1, torch_threads=torch.get_num_threads())
+
+
+def connect(port: int, token: bytes) -> socket.socket:
+    sock = socket.create_connection((LOOPBACK, port), timeout=10)
+    sock.sendall(token)
+    return sock
+
+
+def test_a_wrong_token_is_hung_up_on_and_the_right_one_is_served(shard):
+    port, token = shard.open_step_channel()
+    with connect(port, bytes(len(token))) as intruder:
+        wire.send_frame(intruder, wire.encode(a_plan()))
+        with pytest.raises(wire.WireError, match="closed"):
+            wire.recv_frame(intruder)
+    with connect(port, token) as engine:
+        wire.send_frame(engine, wire.encode(a_plan()))
+        reply = wire.decode(wire.recv_frame(engine))
+    # the step itself failed (no model loaded): the error comes back as a reply, not a hang
+    assert isinstance(reply, RuntimeError) and "rank 0" in str(reply)
+
+
+def test_a_frame_that_is_not_a_plan_ends_the_channel(shard):
+    port, token = shard.open_step_channel()
+    with connect(port, token) as engine:
+        wire.send_frame(engine, pickle.dumps(os.system))
+        with pytest.raises(wire.WireError, match="closed"):
+            wire.recv_frame(engine)
