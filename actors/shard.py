@@ -107,9 +107,9 @@ class ModelShard:
             while True:
                 try:
                     plan = wire.decode(wire.recv_frame(conn))
-                except wire.WireError:
-                    return  # the engine hung up (or sent garbage): stop serving
-                wire.send_frame(conn, wire.encode(self._step(plan)))
+                    wire.send_frame(conn, wire.encode(self._step(plan)))
+                except OSError:  # WireError is one: the engine hung up, or sent garbage
+                    return
 
     def _step(self, plan: StepPlan) -> StepResult | RuntimeError | None:
         try:

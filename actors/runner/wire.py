@@ -61,7 +61,10 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
     buf = bytearray(size)
     view, got = memoryview(buf), 0
     while got < size:
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:])
+        except (ConnectionResetError, ConnectionAbortedError) as e:
+            raise WireError(f"the peer closed the connection ({e})") from e
         if n == 0:
             raise WireError("the peer closed the connection")
         got += n
