@@ -6,11 +6,15 @@ rendezvous is on loopback at a port rank 0 picks when the group starts. A group 
 nodes, so loopback always reaches every rank. Operators find the ranks as `ModelShard` in
 `ray list actors`.
 
-Steps arrive on a step channel: a loopback socket each shard listens on, served by one thread
-(see actors/executor/ray_executor.py for why not a Ray call per step). Only the first
-connection that presents the shard's random token is served, and frames decode only to plan
-types (actors/runner/wire.py). Control calls (`rpc`) come as Ray calls; a lock keeps them from
-running inside a step.
+Steps arrive on a step channel: a loopback socket per shard (see actors/executor/ray_executor.py
+for why not a Ray call per step). Only the first connection that presents the shard's random
+token is served, and frames decode only to plan types (actors/runner/wire.py).
+
+The channel is served by `serve_steps`, a long-running Ray call, so steps run on the actor's
+main thread: measured here, a warm SmolLM2 step took ~20% longer on any other thread (libgomp
+hands work between back-to-back parallel regions fastest on a process's initial thread). While
+it serves, the shard takes no other Ray call; the engine sends "release" first, and pings over
+the channel. Every call that touches the model thus runs on one thread, one at a time.
 """
 
 from __future__ import annotations
@@ -20,12 +24,11 @@ import hmac
 import os
 import secrets
 import socket
-import threading
 from typing import Any
 
 from actors.runner import wire
 from actors.runner.config import RunnerConfig, RunnerInfo
-from actors.runner.plan import StepPlan, StepResult
+from actors.runner.plan import ChannelCommand, StepPlan, StepResult
 
 LOOPBACK = "127.0.0.1"
 # a collective waits this long for a peer before failing (a dead peer usually fails it at once)
@@ -41,8 +44,9 @@ class ModelShard:
         self.config, self.rank, self.world_size = config, rank, world_size
         torch.set_num_threads(torch_threads)
         self.runner = None
-        self.device = None
-        self._lock = threading.Lock()  # one of: a step, a control call
+        self._listener: socket.socket | None = None
+        self._token = b""
+        self._conn: socket.socket | None = None
 
     def pick_port(self) -> int:
         """A free loopback port on this node for the group's rendezvous (called on rank 0)."""
@@ -58,7 +62,7 @@ class ModelShard:
         from actors.models import TPGroup
         from actors.runner.model_runner import ModelRunner, resolve_device
 
-        device = self.device = resolve_device(self.config.device)
+        device = resolve_device(self.config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -71,13 +75,11 @@ class ModelShard:
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         """One step as a Ray call (the fallback when the engine is on another node)."""
-        with self._lock:
-            return self.runner.execute(plan)
+        return self.runner.execute(plan)
 
     def rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call a ModelRunner method on this rank (the executor's `collective_rpc`)."""
-        with self._lock:
-            return getattr(self.runner, method)(*args, **kwargs)
+        return getattr(self.runner, method)(*args, **kwargs)
 
     def ping(self) -> int:
         return self.rank
@@ -89,32 +91,33 @@ class ModelShard:
 
     def open_step_channel(self) -> tuple[int, bytes]:
         """Listen on a loopback port for the engine's step stream; returns (port, token)."""
-        listener = socket.create_server((LOOPBACK, 0))
-        token = secrets.token_bytes(16)
-        threading.Thread(target=self._serve_steps, args=(listener, token), daemon=True,
-                         name="step-channel").start()
-        return listener.getsockname()[1], token
+        self._listener = socket.create_server((LOOPBACK, 0))
+        self._token = secrets.token_bytes(16)
+        return self._listener.getsockname()[1], self._token
 
-    def _serve_steps(self, listener: socket.socket, token: bytes) -> None:
-        conn = _accept(listener, token)
-        if conn is None:
-            return
-        if self.device is not None and self.device.type == "cuda":
-            import torch
-
-            torch.cuda.set_device(self.device)  # per thread
-        with conn:
-            while True:
-                try:
-                    plan = wire.decode(wire.recv_frame(conn))
-                    wire.send_frame(conn, wire.encode(self._step(plan)))
-                except OSError:  # WireError is one: the engine hung up, or sent garbage
-                    return
+    def serve_steps(self) -> str:
+        """Serve the step channel on this thread until the engine releases it ("released") or
+        goes away ("closed"). Each step's reply is its result (rank 0), None, or the error."""
+        if self._conn is None:
+            self._conn = _accept(self._listener, self._token) if self._listener else None
+            self._listener = None
+            if self._conn is None:
+                return "closed"
+        while True:
+            try:
+                message = wire.decode(wire.recv_frame(self._conn))
+                if message == ChannelCommand("release"):
+                    wire.send_frame(self._conn, wire.encode(None))
+                    return "released"
+                reply = self.rank if isinstance(message, ChannelCommand) else self._step(message)
+                wire.send_frame(self._conn, wire.encode(reply))
+            except OSError:  # WireError is one: the engine hung up, or sent garbage
+                self._conn.close()
+                return "closed"
 
     def _step(self, plan: StepPlan) -> StepResult | RuntimeError | None:
         try:
-            with self._lock:
-                return self.runner.execute(plan)
+            return self.runner.execute(plan)
         except Exception as e:  # the group is poisoned: the engine kills it on this reply
             return RuntimeError(f"rank {self.rank}: {e!r}")
 

@@ -52,6 +52,7 @@ class RayExecutor:
                               ray.cluster_resources().get("GPU", 0) > 0)
         self._error: BaseException | None = None
         self.channels: StepChannels | None = None
+        self._serving: list | None = None  # the shards' serve_steps calls, while they run
         self.placement: ShardPlacement | None = place_shards(bundle, self.world_size)
         self.shards = self._spawn(config, bundle)
         self.info = self._start()
@@ -111,11 +112,9 @@ class RayExecutor:
             refs = [s.execute.remote(plan) for s in self.shards]
             result = self._gather(refs, kill_on_error=True)[0]
         else:
-            try:
-                result = self.channels.step(plan)
-            except ShardFailed as e:
-                self._fail(e)
-                raise ExecutorError(f"a shard failed mid-step: {e}") from e
+            if self._serving is None:  # the shards' main threads take steps from the channel
+                self._serving = [s.serve_steps.remote() for s in self.shards]
+            result = self._on_channel(self.channels.step, plan)
         result.timings.update(sent_at=sent, received_at=time.perf_counter())
         return result
 
@@ -123,6 +122,7 @@ class RayExecutor:
         """Call `ModelRunner.<method>` on every rank; answers in rank order. An exception the
         method raises comes back as itself (the group stays up); a dead rank kills the group."""
         self._raise_if_down()
+        self._release_channel()
         return self._gather([s.rpc.remote(method, *args, **kwargs) for s in self.shards])
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
@@ -137,9 +137,28 @@ class RayExecutor:
         (a shard that died while idle is seen here, not only by the next step). A ping is
         answered on the shard's Ray thread, beside a step running on its channel thread."""
         self._raise_if_down()
-        if ping:
+        if not ping:
+            return
+        if self._serving is not None:  # the shards take no Ray call while serving steps
+            self._on_channel(self.channels.command, "ping")
+        else:
             self._gather([s.ping.remote() for s in self.shards], HEALTH_TIMEOUT_S,
                          kill_on_error=True)
+
+    def _on_channel(self, call, arg):
+        try:
+            return call(arg)
+        except ShardFailed as e:
+            self._fail(e)
+            raise ExecutorError(f"a shard failed: {e}") from e
+
+    def _release_channel(self) -> None:
+        """End the shards' serve_steps calls so they take Ray calls again."""
+        if self._serving is None:
+            return
+        self._on_channel(self.channels.command, "release")
+        serving, self._serving = self._serving, None
+        self._gather(serving, HEALTH_TIMEOUT_S, kill_on_error=True)
 
     def _raise_if_down(self) -> None:
         if self._error is not None:
@@ -162,6 +181,7 @@ class RayExecutor:
         if self.channels is not None:
             self.channels.close()
             self.channels = None
+        self._serving = None
         if not ray.is_initialized():
             return
         for shard in shards:

@@ -2,7 +2,8 @@
 
 A step encodes the plan once, writes it to every shard, then waits on all sockets together: the
 first rank that fails (an error reply, a closed socket) fails the step at once, even while its
-peers are still blocked in a collective waiting for it.
+peers are still blocked in a collective waiting for it. Commands (ping, release) travel the same
+way and are answered by every rank.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import selectors
 import socket
 
 from actors.runner import wire
-from actors.runner.plan import StepPlan, StepResult
+from actors.runner.plan import ChannelCommand, StepPlan, StepResult
 from actors.shard import LOOPBACK
 
 
@@ -34,14 +35,20 @@ class StepChannels:
             raise
 
     def step(self, plan: StepPlan) -> StepResult:
-        payload = wire.encode(plan)
+        return self._round(plan)[0]
+
+    def command(self, kind: str) -> list:
+        """Send "ping" or "release" to every rank; their replies in rank order."""
+        return self._round(ChannelCommand(kind))
+
+    def _round(self, message: object) -> list:
+        payload = wire.encode(message)
         try:
             for sock in self.socks:
                 wire.send_frame(sock, payload)
-            replies = self._gather()
+            return self._gather()
         except OSError as e:  # WireError is one: a closed or garbled stream
-            raise ShardFailed(f"lost a shard mid-step: {e}") from e
-        return replies[0]
+            raise ShardFailed(f"lost a shard: {e}") from e
 
     def _gather(self) -> list:
         replies: list = [None] * len(self.socks)

@@ -94,6 +94,14 @@ class StepPlan:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class ChannelCommand:
+    """A message on a shard's step channel that is not a step: "ping" (answered with the
+    rank) or "release" (stop serving the channel so the shard can take Ray calls)."""
+
+    kind: str
+
+
 @dataclass
 class StepResult:
     """What comes back from a step, one entry per `plan.scheduled` entry, in that order."""

@@ -17,7 +17,7 @@ _LENGTH = struct.Struct("!Q")
 _ALLOWED = {
     ("actors.runner.plan", "StepPlan"), ("actors.runner.plan", "NewRequest"),
     ("actors.runner.plan", "CachedRequest"), ("actors.runner.plan", "SamplingOptions"),
-    ("actors.runner.plan", "StepResult"),
+    ("actors.runner.plan", "StepResult"), ("actors.runner.plan", "ChannelCommand"),
     ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
     ("numpy._core.multiarray", "_reconstruct"), ("numpy._core.numeric", "_frombuffer"),
     ("numpy.core.numeric", "_frombuffer"), ("builtins", "RuntimeError"),

@@ -242,8 +242,10 @@ def test_an_exception_in_one_ranks_forward_fails_the_step_and_frees_the_group(
     shards, group = shard_ids(engine), placement_group_id(engine)
     prompts = prompts_for(engine.validator.vocab_size, (20, 33), seed=2)
     assert engine.generate(prompts, greedy(4), use_tqdm=False)  # the group works
-    # break rank 1 only: its forward raises while rank 0 waits for it in a collective
-    ray.get(engine.executor.shards[1].rpc.remote("__setattr__", "model", None))
+    # break rank 1 only: its forward raises while rank 0 waits for it in a collective.
+    # NOTE: a shard serving the step channel takes no Ray call; any collective_rpc releases it
+    engine.executor.collective_rpc("info")
+    ray.get(engine.executor.shards[1].rpc.remote("__setattr__", "model", None), timeout=60)
     start = time.monotonic()
     with pytest.raises(ExecutorError, match="rank 1"):
         engine.generate(prompts, greedy(4), use_tqdm=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import threading
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from actors.runner import wire
 from actors.runner.config import RunnerConfig
 from actors.runner.plan import (
     CachedRequest,
+    ChannelCommand,
     NewRequest,
     SamplingOptions,
     StepPlan,
@@ -59,28 +61,57 @@ def shard():
     return ModelShard(config, rank=0, world_size=1, torch_threads=torch.get_num_threads())
 
 
+def serve(shard: ModelShard) -> tuple[int, bytes, list[str]]:
+    """Open the channel and serve it on a thread, as the shard's main thread would."""
+    port, token = shard.open_step_channel()
+    ended: list[str] = []
+    threading.Thread(target=lambda: ended.append(shard.serve_steps()), daemon=True).start()
+    return port, token, ended
+
+
 def connect(port: int, token: bytes) -> socket.socket:
     sock = socket.create_connection((LOOPBACK, port), timeout=10)
     sock.sendall(token)
     return sock
 
 
+def ask(sock: socket.socket, message: object) -> object:
+    wire.send_frame(sock, wire.encode(message))
+    return wire.decode(wire.recv_frame(sock))
+
+
 def test_a_wrong_token_is_hung_up_on_and_the_right_one_is_served(shard):
-    port, token = shard.open_step_channel()
+    port, token, ended = serve(shard)
     with connect(port, bytes(len(token))) as intruder:
         wire.send_frame(intruder, wire.encode(a_plan()))
         with pytest.raises(wire.WireError, match="closed"):
             wire.recv_frame(intruder)
     with connect(port, token) as engine:
-        wire.send_frame(engine, wire.encode(a_plan()))
-        reply = wire.decode(wire.recv_frame(engine))
-    # the step itself failed (no model loaded): the error comes back as a reply, not a hang
-    assert isinstance(reply, RuntimeError) and "rank 0" in str(reply)
+        # the step itself fails (no model loaded): the error comes back as a reply, not a hang
+        reply = ask(engine, a_plan())
+        assert isinstance(reply, RuntimeError) and "rank 0" in str(reply)
+        assert ask(engine, ChannelCommand("ping")) == 0  # the rank
+        assert ask(engine, ChannelCommand("release")) is None
+        wait_for(lambda: ended == ["released"])
+        # served again on the same connection (as after a weight load between steps)
+        threading.Thread(target=lambda: ended.append(shard.serve_steps()), daemon=True).start()
+        assert ask(engine, ChannelCommand("ping")) == 0
+    wait_for(lambda: ended == ["released", "closed"])  # the engine hung up
 
 
 def test_a_frame_that_is_not_a_plan_ends_the_channel(shard):
-    port, token = shard.open_step_channel()
+    port, token, ended = serve(shard)
     with connect(port, token) as engine:
         wire.send_frame(engine, pickle.dumps(os.system))
         with pytest.raises(wire.WireError, match="closed"):
             wire.recv_frame(engine)
+    wait_for(lambda: ended == ["closed"])
+
+
+def wait_for(check, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
