@@ -49,9 +49,12 @@ class EngineReplica:
     async def _heartbeat(self) -> None:
         while True:
             # a replica whose engine died stops being routed to before Serve replaces it
-            beat = self.router.heartbeat if self._serving() else self.router.report_failure
             try:
-                await beat.remote(self.replica_id)
+                if self._serving():
+                    await self.router.heartbeat.remote(self.replica_id,
+                                                       self.engine.weight_version)
+                else:
+                    await self.router.report_failure.remote(self.replica_id)
             except Exception as e:  # the Router restarts; keep trying
                 logger.warning("heartbeat to the Router failed: %s", e)
             await asyncio.sleep(self._heartbeat_s)
@@ -76,6 +79,41 @@ class EngineReplica:
 
     async def stats(self, target_replica: str | None = None) -> dict:
         return self.engine.stats_snapshot()
+
+    # --- the RL control plane (driven by router/control.py, one replica at a time) ------------
+
+    async def pause(self, mode: str, target_replica: str | None = None) -> None:
+        await self.engine.pause(mode)
+
+    async def resume(self, target_replica: str | None = None) -> None:
+        await self.engine.resume()
+
+    async def weight_version(self, target_replica: str | None = None) -> int:
+        return self.engine.weight_version
+
+    async def begin_weight_update(self, specs: list[dict], target_replica: str | None = None,
+                                  ) -> None:
+        from actors.models.weights import TensorSpec
+
+        self.engine.begin_weight_update([TensorSpec.from_dict(d) for d in specs])
+
+    async def load_weight_bucket(self, bucket, target_replica: str | None = None) -> int:
+        """`bucket`: safetensors bytes, or `[ObjectRef]` of them (stored once for every
+        replica; the list keeps callers in between from fetching it)."""
+        if isinstance(bucket, list):
+            bucket = await bucket[0]
+        return self.engine.load_weight_bucket(bucket)
+
+    async def finish_weight_update(self, version: int | None = None,
+                                   target_replica: str | None = None) -> int:
+        return self.engine.finish_weight_update(version)
+
+    async def abort(self, request_ids: list[str], target_replica: str | None = None,
+                    ) -> list[RequestOutput]:
+        return await self.engine.abort(request_ids)
+
+    async def flush_cache(self, target_replica: str | None = None) -> None:
+        self.engine.flush_cache()
 
     async def check_health(self) -> None:
         """Serve's health hook: raising makes the controller replace this replica."""

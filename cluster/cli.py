@@ -14,6 +14,8 @@ BENCHES = {
     "sessions": ("cluster.bench.sessions", "session registry memory with blob dropping on/off"),
     "serve": ("cluster.bench.serve", "HTTP endpoint vs the offline engine and transformers serve"),
     "step": ("cluster.bench.step", "per-step time split: in-process vs Ray executor vs TP sizes"),
+    "weights": ("cluster.bench.weights", "weight update GB/s over HTTP and in-cluster vs a copy; "
+                                         "pause -> update -> resume latency"),
 }
 
 # command name -> module under cluster; each module has add_arguments(parser) and run(args).

@@ -28,6 +28,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
+    admin_api_key: str | None = None  # turns on the admin routes (/admin/..., RL control)
     engine: dict = field(default_factory=dict)
     max_queue_per_replica: int = 256  # requests in flight per replica before 429
     torch_threads: int | None = None  # per replica; default: the cores split between replicas
@@ -45,6 +46,16 @@ class ClusterConfig:
                              f"known: {sorted(_ENGINE_FIELDS)}")
         self.engine_config(self.model or "<embedded>")  # bad values fail here, not in a replica
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        self._check_admin_key()
+
+    def _check_admin_key(self) -> None:
+        if self.admin_api_key is None:
+            return
+        check_type("ClusterConfig", "admin_api_key", self.admin_api_key, str)
+        if not self.admin_api_key:
+            raise ValueError("ClusterConfig.admin_api_key must not be empty")
+        if self.admin_api_key in self.api_keys:
+            raise ValueError("ClusterConfig.admin_api_key must differ from every api_key")
 
     @classmethod
     def from_dict(cls, data: dict) -> ClusterConfig:
@@ -63,7 +74,8 @@ class ClusterConfig:
     @classmethod
     def from_env(cls, base: ClusterConfig | None = None) -> ClusterConfig:
         """`RAYLANE_CONFIG` (a YAML file), then `RAYLANE_MODEL`, `RAYLANE_REPLICAS`,
-        `RAYLANE_PORT` and `RAYLANE_API_KEYS` (comma separated) on top."""
+        `RAYLANE_PORT`, `RAYLANE_API_KEYS` (comma separated) and `RAYLANE_ADMIN_API_KEY` on
+        top."""
         config = base or (cls.from_yaml(os.environ["RAYLANE_CONFIG"])
                           if os.environ.get("RAYLANE_CONFIG") else cls())
         updates: dict = {}
@@ -74,6 +86,8 @@ class ClusterConfig:
                 updates[name] = int(os.environ[key])
         if os.environ.get("RAYLANE_API_KEYS"):
             updates["api_keys"] = tuple(k for k in os.environ["RAYLANE_API_KEYS"].split(",") if k)
+        if os.environ.get("RAYLANE_ADMIN_API_KEY"):
+            updates["admin_api_key"] = os.environ["RAYLANE_ADMIN_API_KEY"]
         return dataclasses.replace(config, **updates)
 
     def engine_config(self, model_dir: str) -> EngineConfig:

@@ -62,7 +62,8 @@ class Ingress:
         from session_server.app import build_app
 
         return build_app(self.backend, api_keys=list(self.config.api_keys) or None,
-                         max_body_bytes=self.config.max_body_bytes)
+                         max_body_bytes=self.config.max_body_bytes,
+                         admin_api_key=self.config.admin_api_key)
 
 
 def build_application(config: ClusterConfig, model_dir: str | None = None):

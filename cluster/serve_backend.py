@@ -7,8 +7,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from actors.engine.errors import EnginePaused
+from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
-from router.errors import SessionError
+from router.errors import RouterError
 from router.messages import Message
 from router.replica_generator import stream_from_replica
 from router.samples import TrainingSample
@@ -26,6 +28,7 @@ class ServeBackend:
         self.tokenizer = tokenizer
         self.info = info
         self.sessions = RouterSessions(router, setup)
+        self.control = RouterControl(router, replicas)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                        routing_key: str | None = None):
@@ -35,7 +38,7 @@ class ServeBackend:
             async with aclosing(stream):
                 async for out in stream:
                     yield out
-        except ValueError:
+        except (ValueError, EnginePaused):  # the request's fault, or a pause: the replica is fine
             raise
         except Exception as e:
             self.router.report_failure.remote(replica_id)
@@ -60,6 +63,44 @@ class ServeBackend:
         calls = [self.replicas.stats.remote(target_replica=rid) for rid in ids]
         results = await asyncio.gather(*calls, return_exceptions=True)
         return [r for r in results if isinstance(r, dict)]
+
+
+class RouterControl:
+    """`ControlBackend` over the Router actor, whose `ControlPlane` serializes control calls for
+    the whole cluster and reaches every replica through the engine deployment's handle."""
+
+    def __init__(self, router, replicas):
+        self.router = router
+        self.replicas = replicas
+
+    async def pause(self, mode: str) -> dict[str, Any]:
+        return await _unwrap(self.router.pause.remote(self.replicas, mode))
+
+    async def resume(self) -> dict[str, Any]:
+        return await _unwrap(self.router.resume.remote(self.replicas))
+
+    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
+        return await _unwrap(self.router.begin_update.remote(self.replicas, version, spec_dicts))
+
+    async def load_bucket(self, update_id: str, payload: bytes) -> int:
+        import ray
+
+        # stored once, read by every replica; in a list so the Router passes the ref on
+        # instead of fetching the bytes. NOTE: the ref must live until the call returns
+        ref = await asyncio.to_thread(ray.put, payload)
+        return await _unwrap(self.router.load_bucket.remote(self.replicas, update_id, [ref]))
+
+    async def commit_update(self, update_id: str) -> int:
+        return await _unwrap(self.router.commit_update.remote(self.replicas, update_id))
+
+    async def weight_version(self) -> int:
+        return await _unwrap(self.router.weight_version.remote())
+
+    async def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        return await _unwrap(self.router.abort.remote(self.replicas, request_ids))
+
+    async def flush_cache(self) -> None:
+        await _unwrap(self.router.flush_cache.remote(self.replicas))
 
 
 class RouterSessions:
@@ -102,13 +143,14 @@ class RouterSessions:
 
 
 async def _unwrap(ref):
-    """The call's result; the Router's session and input errors as they were raised there."""
+    """The call's result; the Router's session, control and input errors as they were raised
+    there."""
     from ray.exceptions import RayActorError, RayTaskError
 
     try:
         return await ref
     except RayTaskError as e:
-        if isinstance(e.cause, (SessionError, ValueError)):
+        if isinstance(e.cause, (RouterError, ValueError)):
             raise e.cause from None
         raise
     except RayActorError as e:

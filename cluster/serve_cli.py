@@ -19,6 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="the model id clients send")
     parser.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
                         help="require 'Authorization: Bearer KEY' (repeat for several keys)")
+    parser.add_argument("--admin-api-key", metavar="KEY",
+                        help="turn on the admin routes (/admin/...: pause, resume, weight "
+                             "updates, abort), which need 'Authorization: Bearer KEY'; user "
+                             "keys get 403 there (also RAYLANE_ADMIN_API_KEY)")
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-model-len", type=int, help="context length limit")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
@@ -39,7 +43,8 @@ def config_from_args(args: argparse.Namespace):
     config = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig()
     config = ClusterConfig.from_env(config)
     updates = {name: getattr(args, name) for name in
-               ("model", "replicas", "host", "port", "served_model_name", "ray_address")
+               ("model", "replicas", "host", "port", "served_model_name", "ray_address",
+                "admin_api_key")
                if getattr(args, name) is not None}
     if args.api_keys:
         updates["api_keys"] = tuple(args.api_keys)

@@ -56,6 +56,13 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
+def kept_log_mass(logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """log of the probability mass of the `kept` tokens [B, V] under softmax(logits) [B, V]:
+    what truncation left of the distribution a token is drawn from. Returns [B]."""
+    full = logits.log_softmax(dim=-1)
+    return full.masked_fill(~kept, float("-inf")).logsumexp(dim=-1)
+
+
 def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None],
                 default: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row by the exponential race `argmax(p / E)`, `E ~ Exp(1)`.

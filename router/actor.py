@@ -5,7 +5,9 @@ Engine replicas register on start and heartbeat while alive; the HTTP ingress as
 which replica serves a request, then streams from that replica directly (tokens never pass
 through here) and reports `done()` / `report_failure()`. Session turns are the exception: the
 registry records every token, so they run here (see `router/session_host.py`), on the replica
-the policy picks for the session id.
+the policy picks for the session id. The RL control plane (pause, resume, weight updates, aborts;
+`router/control.py`) runs here too, so one lock serializes it for the whole cluster; callers pass
+the engine deployment's handle, through which it reaches every replica.
 
 An async actor (the session methods are coroutines): every method, the sync replica-table ones
 included, runs on the actor's event loop, so none may block.
@@ -18,9 +20,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
+from router.control import ControlPlane
 from router.messages import Message
 from router.policy import RoutingPolicy
+from router.replica_calls import HandleCalls
 from router.samples import TrainingSample
 from router.session_host import SessionHost, SessionSetup
 from router.sessions import TurnResult
@@ -36,6 +41,7 @@ class Router:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.forget_after_s = forget_after_s
         self.sessions = SessionHost(self)
+        self.control = ControlPlane(self)
 
     # --- replicas -----------------------------------------------------------------------------
 
@@ -43,13 +49,16 @@ class Router:
         self.policy.add(replica_id, time.monotonic())
         self.heartbeat(replica_id)
 
-    def heartbeat(self, replica_id: str) -> None:
+    def heartbeat(self, replica_id: str, weight_version: int | None = None) -> None:
+        """The replica is alive, at this weight version (None: it does not say)."""
         state = self.policy.replicas.get(replica_id)
         if state is None:  # the Router restarted and lost its table: re-learn the replica
             self.policy.add(replica_id, time.monotonic())
             state = self.policy.replicas[replica_id]
         state.last_seen = time.monotonic()
         state.healthy = True
+        if weight_version is not None:
+            self.policy.set_version(replica_id, weight_version)
 
     def unregister(self, replica_id: str) -> None:
         self.policy.remove(replica_id)
@@ -72,13 +81,56 @@ class Router:
         self.policy.finished(replica_id)
 
     def ready(self) -> bool:
+        """Some replica can serve: healthy, at the cluster's weight version."""
         self._expire()
-        return bool(self.policy.healthy())
+        return bool(self.policy.routable())
 
     def replicas(self) -> list[dict]:
         self._expire()
         return [{"replica_id": r.replica_id, "in_flight": r.in_flight, "routed": r.routed,
-                 "healthy": r.healthy} for r in self.policy.replicas.values()]
+                 "healthy": r.healthy, "weight_version": r.weight_version}
+                for r in self.policy.replicas.values()]
+
+    # --- the control plane (`replicas`: the engine deployment's DeploymentHandle) ------------
+
+    async def pause(self, replicas, mode: str) -> dict[str, Any]:
+        return await self.control.pause(HandleCalls(replicas), mode)
+
+    async def resume(self, replicas) -> dict[str, Any]:
+        return await self.control.resume(HandleCalls(replicas))
+
+    async def begin_update(self, replicas, version: int, spec_dicts: list[dict]) -> str:
+        return await self.control.begin_update(HandleCalls(replicas), version, spec_dicts)
+
+    async def load_bucket(self, replicas, update_id: str, bucket: list) -> int:
+        """`bucket`: `[ObjectRef]` of safetensors bytes; the list keeps Ray from fetching the
+        bytes here, so each replica reads them from the object store itself."""
+        return await self.control.load_bucket(HandleCalls(replicas), update_id, bucket)
+
+    async def commit_update(self, replicas, update_id: str) -> int:
+        return await self.control.commit_update(HandleCalls(replicas), update_id)
+
+    async def abort(self, replicas, request_ids: list[str]) -> list[RequestOutput]:
+        return await self.control.abort(HandleCalls(replicas), request_ids)
+
+    async def flush_cache(self, replicas) -> None:
+        await self.control.flush_cache(HandleCalls(replicas))
+
+    def control_state(self) -> dict[str, Any]:
+        return self.control.state()
+
+    # --- the control plane's `ReplicaTable` ---------------------------------------------------
+
+    def reachable(self) -> list[str]:
+        self._expire()
+        return [r.replica_id for r in self.policy.healthy()]
+
+    def weight_version(self) -> int:
+        self._expire()
+        return self.policy.weight_version
+
+    def set_version(self, replica_id: str, version: int) -> None:
+        self.policy.set_version(replica_id, version)
 
     # --- sessions ----------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
-"""Exceptions of the session registry, each carrying the HTTP status it maps to.
+"""Exceptions of the Router's session registry and control plane, each carrying the HTTP
+status it maps to.
 
-The HTTP layer turns any `SessionError` into an OpenAI error body
+The HTTP layer turns any `RouterError` into an OpenAI error body
 `{"error": {"message": str(e), "type": e.error_type, "param": e.param, "code": e.code}}`
 with status `e.status`; everything else it lets through as a 5xx. Errors pickle (Ray ships
 them from the Router actor to the ingress) whatever their subclass's `__init__` takes.
@@ -12,8 +13,8 @@ import re
 from typing import Any
 
 
-class SessionError(Exception):
-    """Base class of the errors the registry raises on purpose."""
+class RouterError(Exception):
+    """Base class of the errors the Router raises on purpose."""
 
     status = 500
     error_type = "internal_error"
@@ -33,11 +34,15 @@ class SessionError(Exception):
         return _rebuild, (type(self), self.args, self.__dict__)
 
 
-def _rebuild(cls: type[SessionError], args: tuple, state: dict[str, Any]) -> SessionError:
+def _rebuild(cls: type[RouterError], args: tuple, state: dict[str, Any]) -> RouterError:
     error = cls.__new__(cls)
     Exception.__init__(error, *args)
     error.__dict__.update(state)
     return error
+
+
+class SessionError(RouterError):
+    """Base class of the errors the session registry raises on purpose."""
 
 
 class SessionNotFound(SessionError):
@@ -79,3 +84,33 @@ class MalformedTrajectory(SessionError):
 
     status = 422
     error_type = "invalid_request_error"
+
+
+# --- the control plane (router/control.py) ---------------------------------------------------
+
+
+class ControlError(RouterError):
+    """Base class of the errors the control plane raises on purpose."""
+
+
+class UpdateNotFound(ControlError):
+    """No open weight update has that id (never begun, committed, or replaced by a newer
+    begin)."""
+
+    status = 404
+    error_type = "not_found_error"
+
+
+class ControlConflict(ControlError):
+    """The call does not fit the control plane's state (e.g. resume during a half-loaded
+    update)."""
+
+    status = 409
+    error_type = "invalid_request_error"
+
+
+class ReplicasFailed(ControlError):
+    """No engine replica could carry out the call (none is ready, or each one failed)."""
+
+    status = 503
+    error_type = "server_error"

@@ -1,4 +1,5 @@
-"""Replica choice: sticky by routing key (consistent hashing), otherwise least loaded.
+"""Replica choice: sticky by routing key (consistent hashing), otherwise least loaded, only
+among replicas at the cluster's weight version.
 
 Plain Python, no Ray: the Router actor feeds it the replica table and asks it to pick.
 """
@@ -22,6 +23,7 @@ class ReplicaState:
     routed: int = 0  # requests routed to it since it registered
     healthy: bool = True
     last_seen: float = 0.0  # monotonic time of its last heartbeat
+    weight_version: int | None = None  # None: it never said (treated as current)
 
 
 class HashRing:
@@ -57,6 +59,13 @@ class RoutingPolicy:
     `capacity` bounds the requests in flight per replica (queued included): beyond it the
     caller should answer 429 rather than queue without bound. A keyed request stays on its
     ring owner even when that one is busier than others, so its prefix cache is reused.
+
+    The cluster's weight version is the highest any known replica reports: one behind it (it
+    missed an update, or Serve restarted it from the checkpoint at version 0) is skipped like
+    an unhealthy one, so no request is served by weights older than the others'. Deriving the
+    version from the replicas, not storing it, lets a restarted Router re-learn it from the
+    heartbeats, and a redeployed app (every replica new, at 0) start over once the old
+    replicas are forgotten.
     """
 
     def __init__(self, capacity: int = 256, virtual_nodes: int = 64):
@@ -78,17 +87,37 @@ class RoutingPolicy:
         if replica_id in self.replicas:
             self.replicas[replica_id].healthy = healthy
 
+    def set_version(self, replica_id: str, version: int) -> None:
+        """Record a replica's weight version. A replica id never goes back (a restarted
+        replica has a new id), so an older report — a heartbeat sent before an update
+        finished — is ignored."""
+        state = self.replicas.get(replica_id)
+        if state is not None and (state.weight_version is None or version > state.weight_version):
+            state.weight_version = version
+
+    @property
+    def weight_version(self) -> int:
+        known = [r.weight_version for r in self.replicas.values() if r.weight_version is not None]
+        return max(known, default=0)
+
     def healthy(self) -> list[ReplicaState]:
         return [r for r in self.replicas.values() if r.healthy]
 
+    def routable(self) -> list[ReplicaState]:
+        """Healthy replicas at the cluster's weight version."""
+        version = self.weight_version
+        return [r for r in self.healthy() if r.weight_version in (None, version)]
+
     def choose(self, routing_key: str | None = None) -> str | None:
+        routable = self.routable()
         if routing_key is not None:
+            ids = {r.replica_id for r in routable}
             for rid in self.ring.walk(routing_key):
                 state = self.replicas[rid]
-                if state.healthy:  # skip a failed owner until it recovers
+                if rid in ids:  # skip a failed or stale owner until it recovers
                     return rid if state.in_flight < self.capacity else None
             return None
-        open_ = [r for r in self.healthy() if r.in_flight < self.capacity]
+        open_ = [r for r in routable if r.in_flight < self.capacity]
         if not open_:
             return None
         least = min(r.in_flight for r in open_)

@@ -12,10 +12,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, Protocol
 
+from actors.engine.errors import EnginePaused
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
 from router.errors import SessionError
 from router.generator import TurnOutput, turn_output, turn_params, turn_request_id
+from router.replica_calls import unwrapped
 
 
 class ReplicasBusy(SessionError):
@@ -49,7 +51,8 @@ async def stream_from_replica(handle: Any, replica_id: str, prompt_ids: list[int
                               ) -> AsyncIterator[RequestOutput]:
     """Cumulative outputs of one request on the chosen replica (`handle`: the engine
     deployment's DeploymentHandle). Leaving early cancels the call, which aborts the request
-    on the replica; a ValueError raised there (bad input) arrives as a plain ValueError."""
+    on the replica; a ValueError (bad input) or EnginePaused (its paused queue is full) raised
+    there arrives as itself."""
     stream = handle.options(stream=True).generate.remote(
         prompt_ids, params, request_id, target_replica=replica_id)
     finished = False
@@ -58,10 +61,10 @@ async def stream_from_replica(handle: Any, replica_id: str, prompt_ids: list[int
             finished = out.finished
             yield out
     except Exception as e:
-        cause = getattr(e, "cause", None)  # Ray wraps what the replica raised
-        if isinstance(cause, ValueError):
-            raise ValueError(str(cause)) from None
-        raise
+        error = unwrapped(e)  # Ray wraps what the replica raised
+        if error is e:
+            raise
+        raise error from None
     finally:
         if not finished:
             stream.cancel()
@@ -88,6 +91,8 @@ class ReplicaTurnGenerator:
                     yield turn_output(out)
         except ValueError:  # the request's fault: a 400, and the replica is fine
             raise
+        except EnginePaused as e:  # paused for a weight update, and its queue is full
+            raise NoReplica(f"{e}; send the turn again") from None
         except Exception as e:
             self.picker.report_failure(replica_id)
             raise NoReplica(f"the engine replica failed while serving the turn: "

@@ -6,32 +6,49 @@ import time
 
 from fastapi import FastAPI
 
-from session_server import metrics, native_routes, openai_routes, session_routes
-from session_server.auth import ApiKeyAuth
+from session_server import admin_routes, metrics, native_routes, openai_routes, session_routes
+from session_server.auth import ADMIN_PREFIX, AdminAuth, ApiKeyAuth
 from session_server.backend import EngineBackend
 from session_server.body_limit import BodyLimit
 from session_server.errors import install_error_handlers
 
 
 def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
-              max_body_bytes: int = 8 << 20) -> FastAPI:
+              max_body_bytes: int = 8 << 20, admin_api_key: str | None = None,
+              max_bucket_bytes: int = 1 << 30) -> FastAPI:
     """The HTTP surface: OpenAI routes, SGLang-style /generate, /tokenize, /detokenize,
     multi-turn /sessions, /health and /metrics, with the OpenAI error body for every error.
 
     Holds no state beyond the request, so any number of copies can serve one cluster.
     `api_keys` turns on bearer-key auth for every route but /health; bodies over
-    `max_body_bytes` get 413.
+    `max_body_bytes` get 413. `admin_api_key` adds the admin routes (/admin/..., the RL
+    control plane), which only that key opens; their weight buckets may be up to
+    `max_bucket_bytes`.
     """
-    if max_body_bytes < 1:
-        raise ValueError("max_body_bytes must be >= 1")
+    _check_limits(max_body_bytes, max_bucket_bytes)
+    if admin_api_key is not None and admin_api_key in (api_keys or []):
+        raise ValueError("admin_api_key must differ from every user API key")
     app = FastAPI(title="raylane", summary="OpenAI-compatible and native LLM serving")
     app.state.backend = backend
     app.state.created = int(time.time())
     install_error_handlers(app)
-    for module in (openai_routes, native_routes, session_routes, metrics):
+    admin = admin_api_key is not None
+    modules = [openai_routes, native_routes, session_routes, metrics]
+    for module in (modules + [admin_routes]) if admin else modules:
         app.include_router(module.router)
     # added last = runs first: auth before the body is read
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
+                       path_limits={admin_routes.BUCKET_PATH: max_bucket_bytes} if admin else {})
+    if admin:
+        app.add_middleware(AdminAuth, admin_key=admin_api_key)
     if api_keys:
-        app.add_middleware(ApiKeyAuth, api_keys=list(api_keys))
+        app.add_middleware(ApiKeyAuth, api_keys=list(api_keys),
+                           pass_prefixes=(ADMIN_PREFIX,) if admin else ())
     return app
+
+
+def _check_limits(max_body_bytes: int, max_bucket_bytes: int) -> None:
+    for name, value in (("max_body_bytes", max_body_bytes),
+                        ("max_bucket_bytes", max_bucket_bytes)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1")

@@ -1,4 +1,5 @@
-"""Optional API keys: every route but /health needs `Authorization: Bearer <key>`.
+"""Optional API keys: every route but /health needs `Authorization: Bearer <key>`; the admin
+routes (/admin/...) need the admin key instead, which user keys never open.
 
 Keys are compared in constant time and never logged or echoed back.
 """
@@ -12,19 +13,25 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from session_server.errors import error_response
 
 OPEN_PATHS = frozenset({"/health"})
+ADMIN_PREFIX = "/admin/"
 
 
 class ApiKeyAuth:
-    """Pure ASGI middleware, so streamed responses and disconnects pass through untouched."""
+    """Pure ASGI middleware, so streamed responses and disconnects pass through untouched.
 
-    def __init__(self, app: ASGIApp, api_keys: list[str]):
+    Paths under `pass_prefixes` go on unchecked: another middleware (`AdminAuth`) guards them,
+    and the admin key, not being a user key, would be refused here."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str], pass_prefixes: tuple[str, ...] = ()):
         if not api_keys or any(not k for k in api_keys):
             raise ValueError("api_keys: give at least one non-empty key, or None for no auth")
         self.app = app
         self.keys = [k.encode() for k in api_keys]
+        self.pass_prefixes = pass_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._allowed(scope):
+        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
+                or scope["path"].startswith(self.pass_prefixes) or _matches(scope, self.keys)):
             await self.app(scope, receive, send)
             return
         response = error_response(401, "Incorrect or missing API key: send it as "
@@ -32,12 +39,49 @@ class ApiKeyAuth:
                                   headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
-    def _allowed(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        token = token.strip()
-        # check every key, so the time taken does not tell which one nearly matched
-        matches = [hmac.compare_digest(token, key) for key in self.keys]
-        return any(matches)
+
+class AdminAuth:
+    """Guards /admin/ paths with the admin key: none is 401, any other key (a user key) 403.
+
+    Runs before the body is read, so nobody without the key can make the server buffer a
+    weight bucket."""
+
+    def __init__(self, app: ASGIApp, admin_key: str):
+        if not admin_key:
+            raise ValueError("admin_api_key: give a non-empty key, or None for no admin routes")
+        self.app = app
+        self.keys = [admin_key.encode()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(ADMIN_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        if _bearer(scope) is None:
+            response = error_response(401, "the admin routes need the admin key: send it as "
+                                      "'Authorization: Bearer <admin key>'",
+                                      code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+        elif not _matches(scope, self.keys):
+            response = error_response(403, "this key may not use the admin routes; they need "
+                                      "the admin key", code="forbidden")
+        else:
+            await self.app(scope, receive, send)
+            return
+        await response(scope, receive, send)
+
+
+def _bearer(scope: Scope) -> bytes | None:
+    """The bearer token of the request, None when there is none."""
+    header = dict(scope["headers"]).get(b"authorization", b"")
+    scheme, _, token = header.partition(b" ")
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None
+
+
+def _matches(scope: Scope, keys: list[bytes]) -> bool:
+    token = _bearer(scope)
+    if token is None:
+        return False
+    # check every key, so the time taken does not tell which one nearly matched
+    matches = [hmac.compare_digest(token, key) for key in keys]
+    return any(matches)

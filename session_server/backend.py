@@ -2,7 +2,8 @@
 
 `build_app(backend)` only talks to an `EngineBackend`; `LocalBackend` runs one AsyncLLMEngine in
 process (tests, single-process serving) and `cluster.serve` provides one over the Router actor
-and the Ray Serve engine replicas. Its `sessions` (a `SessionBackend`) serve the session routes.
+and the Ray Serve engine replicas. Its `sessions` (a `SessionBackend`) serve the session routes,
+its `control` (a `ControlBackend`) the admin routes.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import Any, Protocol
 
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
+from router.control import ControlPlane
 from router.generator import EngineTurnGenerator
 from router.messages import Message
+from router.replica_calls import EngineCalls, EngineTable
 from router.samples import TrainingSample
 from router.session_host import without_blobs
 from router.sessions import SessionConfig, SessionRegistry, TurnResult
@@ -63,12 +66,48 @@ class SessionBackend(Protocol):
         ...
 
 
+class ControlBackend(Protocol):
+    """The RL control plane over every engine replica (see `router.control.ControlPlane`, whose
+    errors — `ValueError` for bad input, `router.errors.ControlError`s with their HTTP status —
+    these raise as they are)."""
+
+    async def pause(self, mode: str) -> dict[str, Any]:
+        """Pause in mode "abort", "wait", "keep" or "retract";
+        `{"paused": True, "mode": mode, "weight_version": v}`."""
+        ...
+
+    async def resume(self) -> dict[str, Any]:
+        """`{"paused": False, "weight_version": v}`."""
+        ...
+
+    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
+        """Open a weight update of these tensors ({"name", "shape", "dtype"}); its id."""
+        ...
+
+    async def load_bucket(self, update_id: str, payload: bytes) -> int:
+        """Apply one bucket of safetensors bytes; how many tensors it held."""
+        ...
+
+    async def commit_update(self, update_id: str) -> int:
+        """Switch every replica to the update's version, which is returned."""
+        ...
+
+    async def weight_version(self) -> int: ...
+
+    async def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """The partial outputs of the requests this ended (finish reason "abort")."""
+        ...
+
+    async def flush_cache(self) -> None: ...
+
+
 class EngineBackend(Protocol):
     """The engine side of the HTTP surface."""
 
     info: ModelInfo
     tokenizer: object  # a transformers tokenizer (chat template, encode/decode) loaded locally
     sessions: SessionBackend
+    control: ControlBackend
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                  routing_key: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -116,6 +155,39 @@ class LocalSessions:
         return self.registry.sample(session_id, max_seq_len)
 
 
+class LocalControl:
+    """The control plane over one in-process AsyncLLMEngine: the `ControlPlane` the Router
+    runs for a cluster, with the engine as its only replica."""
+
+    def __init__(self, engine) -> None:
+        self.plane = ControlPlane(EngineTable(engine))
+        self.calls = EngineCalls(engine)
+
+    async def pause(self, mode: str) -> dict[str, Any]:
+        return await self.plane.pause(self.calls, mode)
+
+    async def resume(self) -> dict[str, Any]:
+        return await self.plane.resume(self.calls)
+
+    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
+        return await self.plane.begin_update(self.calls, version, spec_dicts)
+
+    async def load_bucket(self, update_id: str, payload: bytes) -> int:
+        return await self.plane.load_bucket(self.calls, update_id, payload)
+
+    async def commit_update(self, update_id: str) -> int:
+        return await self.plane.commit_update(self.calls, update_id)
+
+    async def weight_version(self) -> int:
+        return self.plane.weight_version()
+
+    async def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        return await self.plane.abort(self.calls, request_ids)
+
+    async def flush_cache(self) -> None:
+        await self.plane.flush_cache(self.calls)
+
+
 class LocalBackend:
     """One in-process AsyncLLMEngine behind the protocol, with its own session registry."""
 
@@ -132,6 +204,7 @@ class LocalBackend:
         generator = EngineTurnGenerator(engine, return_routed_experts=capture)
         self.sessions = LocalSessions(SessionRegistry(TemplateSplicer(self.tokenizer), generator,
                                                       session_config))
+        self.control = LocalControl(engine)
 
     async def generate(self, prompt_ids, params, request_id, routing_key=None):
         try:

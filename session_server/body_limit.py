@@ -1,4 +1,5 @@
-"""Request bodies over `max_bytes` get 413 before a route parses them.
+"""Request bodies over `max_bytes` get 413 before a route parses them; paths matching one of
+`path_limits`' patterns have their own limit instead (weight buckets are large).
 
 A declared Content-Length over the limit is refused without parsing; otherwise the body is read
 up to the limit (chunked uploads included) and replayed to the app. Before answering 413 the rest
@@ -8,6 +9,8 @@ the answer instead of a connection reset.
 
 from __future__ import annotations
 
+import re
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from session_server.errors import error_response
@@ -16,42 +19,51 @@ DRAIN_BYTES = 256 << 20
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 path_limits: dict[str, int] | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        # regex (matching the whole path) -> limit; the first that matches wins
+        self.path_limits = [(re.compile(p), n) for p, n in (path_limits or {}).items()]
+
+    def limit_for(self, path: str) -> int:
+        return next((n for p, n in self.path_limits if p.fullmatch(path)), self.max_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limit_for(scope["path"])
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and _too_big(declared, self.max_bytes):
-            await self._refuse(scope, receive, send, drain=True)
+        if declared is not None and _too_big(declared, limit):
+            await _refuse(scope, receive, send, limit, drain=True)
             return
-        messages = await self._read(receive)
-        if _more(messages[-1]) or _size(messages) > self.max_bytes:
-            await self._refuse(scope, receive, send, drain=_more(messages[-1]))
+        messages = await _read(receive, limit)
+        if _more(messages[-1]) or _size(messages) > limit:
+            await _refuse(scope, receive, send, limit, drain=_more(messages[-1]))
             return
         await self.app(scope, _replay(messages, receive), send)
 
-    async def _read(self, receive: Receive) -> list[Message]:
-        """The body's messages: all of them, or those up to the first one past the limit."""
-        messages, size = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                return messages  # a disconnect: let the app see it
-            size += len(message.get("body", b""))
-            if size > self.max_bytes or not _more(message):
-                return messages
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, drain: bool) -> None:
-        if drain:
-            await _drain(receive)
-        response = error_response(413, f"the request body is larger than {self.max_bytes} "
-                                  f"bytes", code="request_too_large")
-        await response(scope, receive, send)
+async def _read(receive: Receive, limit: int) -> list[Message]:
+    """The body's messages: all of them, or those up to the first one past the limit."""
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages  # a disconnect: let the app see it
+        size += len(message.get("body", b""))
+        if size > limit or not _more(message):
+            return messages
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, limit: int, drain: bool) -> None:
+    if drain:
+        await _drain(receive)
+    response = error_response(413, f"the request body is larger than {limit} bytes",
+                              code="request_too_large")
+    await response(scope, receive, send)
 
 
 def _more(message: Message) -> bool:

@@ -2,8 +2,9 @@
 
 `{"error": {"message", "type", "param", "code"}}` — for bad JSON and wrong types (400, never
 FastAPI's 422), unknown models (404), engine `ValueError`s (400 naming the field), busy replicas
-(429 with Retry-After), failed replicas (503), session errors (their own status and type) and
-anything unexpected (500, logged).
+(429 with Retry-After), failed replicas (503), engines paused with a full queue (503 with
+Retry-After), the Router's session and control errors (their own status and type) and anything
+unexpected (500, logged).
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from router.errors import SessionError
+from actors.engine.errors import EnginePaused
+from router.errors import RouterError
 from session_server.backend import QueueFull, ReplicaFailed
 
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-          404: "invalid_request_error", 405: "invalid_request_error",
+          403: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 409: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error"}
 # "SamplingParams.top_p must ...", "prompt: 9 tokens ...", "logprobs: 30 is more than ..."
 # pydantic names the union member that failed ("str", "list[int]", "function-after[...]")
@@ -81,7 +84,9 @@ def from_exception(exc: BaseException, param_names: dict[str, str] | None = None
         return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": retry})
     if isinstance(exc, ReplicaFailed):
         return APIError(503, str(exc) or "the engine replica failed", code="replica_failed")
-    if isinstance(exc, SessionError):
+    if isinstance(exc, EnginePaused):
+        return APIError(503, str(exc), code="engine_paused", headers={"Retry-After": "1"})
+    if isinstance(exc, RouterError):
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         return APIError(exc.status, str(exc), param=exc.param, code=exc.code, headers=headers,
                         type=exc.error_type)
@@ -127,7 +132,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(ClientGone, on_gone)
-    for kind in (APIError, ValueError, QueueFull, ReplicaFailed, SessionError, Exception):
+    for kind in (APIError, ValueError, QueueFull, ReplicaFailed, EnginePaused, RouterError,
+                 Exception):
         app.add_exception_handler(kind, on_any)
 
 

@@ -1,7 +1,8 @@
 """GET /metrics: the engine replicas' stats snapshots as Prometheus families named like vLLM's.
 
 Counters and histograms are summed across replicas, request gauges summed, KV-cache usage
-averaged. Nothing is kept between scrapes: each one asks the backend for fresh snapshots.
+averaged, the weight version the highest (the cluster's). Nothing is kept between scrapes: each
+one asks the backend for fresh snapshots.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ GAUGES = {
     "num_requests_running": "Number of requests in model execution batches.",
     "num_requests_waiting": "Number of requests waiting to be processed.",
     "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    "weight_version": "Version of the weights the engines serve (the newest, across replicas).",
 }
 AVERAGED = {"kv_cache_usage_perc"}
+HIGHEST = {"weight_version"}
 COUNTERS = {
     "prompt_tokens": "Number of prefill tokens processed.",
     "generation_tokens": "Number of generation tokens processed.",
@@ -43,7 +46,7 @@ HISTOGRAMS = {
     "request_queue_time_seconds": "Histogram of time spent waiting in the queue in seconds.",
 }
 
-FINISH_REASONS = frozenset({"stop", "length", "abort"})
+FINISH_REASONS = frozenset({"stop", "length", "abort", "stale"})
 
 router = APIRouter()
 
@@ -64,8 +67,8 @@ class EngineStatsCollector(Collector):
 
     def _gauges(self) -> Iterator[Metric]:
         for name, doc in GAUGES.items():
-            values = [s["gauges"][name] for s in self.snapshots]
-            value = sum(values) / max(len(values), 1) if name in AVERAGED else sum(values)
+            values = [s["gauges"].get(name, 0) for s in self.snapshots]
+            value = _combine(name, values)
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
@@ -97,6 +100,14 @@ class EngineStatsCollector(Collector):
             family.add_metric([self.model_name], _cumulative(bounds, counts),
                               sum(p["sum"] for p in parts))
         return family
+
+
+def _combine(name: str, values: list[float]) -> float:
+    if name in AVERAGED:
+        return sum(values) / max(len(values), 1)
+    if name in HIGHEST:
+        return max(values, default=0)
+    return sum(values)
 
 
 def _cumulative(bounds: list[float], counts: list[int]) -> list[tuple[str, float]]:

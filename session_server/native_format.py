@@ -22,7 +22,24 @@ def finish_reason(c: CompletionOutput) -> dict | None:
         return {"type": "stop", "matched": matched}
     if c.finish_reason == "length":
         return {"type": "length", "length": len(c.token_ids)}
-    return {"type": c.finish_reason, "message": "the request was aborted"}
+    return {"type": c.finish_reason, "message": _MESSAGES.get(c.finish_reason,
+                                                               "the request was aborted")}
+
+
+_MESSAGES = {"stale": "the request's tokens would span more weight versions than its "
+                      "max_weight_lag allows"}
+
+
+def partial_items(outputs: list[RequestOutput]) -> list[dict]:
+    """/generate-shaped items of requests ended early (an admin abort): one per sample."""
+    return [{"text": c.text, "output_ids": list(c.token_ids), "index": c.index,
+             "meta_info": {"id": out.request_id, "finish_reason": finish_reason(c),
+                           "prompt_tokens": len(out.prompt_token_ids),
+                           "completion_tokens": len(c.token_ids),
+                           "cached_tokens": out.num_cached_tokens,
+                           "weight_version": out.weight_version,
+                           "weight_versions": list(c.weight_versions)}}
+            for out in outputs for c in out.outputs]
 
 
 class NativeFormatter:
@@ -62,9 +79,12 @@ class NativeFormatter:
             "completion_tokens": len(c.token_ids),
             "cached_tokens": out.num_cached_tokens,
             "weight_version": out.weight_version,
+            "weight_versions": list(c.weight_versions),  # of each output token
             "routed_experts": fmt.routed_experts(c.routed_experts)
             if self.body.return_routed_experts else None,
         }
+        if self.params.return_kept_mass:
+            meta["kept_mass_logprobs"] = [fmt.finite(x) for x in c.kept_mass_logprobs or []]
         if self.body.return_logprob and c.logprobs is not None:
             with_text = self.body.return_text_in_logprobs
             meta["output_token_logprobs"] = fmt.sglang_logprobs(

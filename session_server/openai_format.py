@@ -30,9 +30,15 @@ class _Formatter:
         self.num_top = num_top
         self.cursors: dict[tuple[int, int], ChoiceCursor] = {}
         self.last: dict[int, RequestOutput] = {}
+        self.version = 0  # the newest weight version seen in the outputs
 
     def _head(self, kind: str) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        # weight_version: an extension (RL trainers check which weights answered)
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "weight_version": self.version}
+
+    def _saw(self, outs: list[RequestOutput]) -> None:
+        self.version = max([self.version, *(o.weight_version for o in outs)])
 
     def _extras(self, choice: dict, c: CompletionOutput, token_ids: list[int]) -> dict:
         if self.body.return_token_ids:
@@ -43,6 +49,7 @@ class _Formatter:
 
     def _deltas(self, i: int, out: RequestOutput) -> list[tuple[int, CompletionOutput, Delta]]:
         self.last[i] = out
+        self._saw([out])
         found = []
         for c in out.outputs:
             cursor = self.cursors.setdefault((i, c.index), ChoiceCursor(hold_for(self.params)))
@@ -82,6 +89,7 @@ class CompletionFormatter(_Formatter):
     chunk_object = "text_completion"
 
     def response(self, finals: dict[int, RequestOutput]) -> dict:
+        self._saw(list(finals.values()))
         choices = [self._choice(idx, out, c) for idx, out, c in self._choices(finals)]
         return {**self._head("text_completion"), "system_fingerprint": None, "choices": choices,
                 "usage": fmt.usage([finals[i] for i in sorted(finals)])}
@@ -118,6 +126,7 @@ class ChatFormatter(_Formatter):
 
     def response(self, finals: dict[int, RequestOutput]) -> dict:
         out0 = finals[0]
+        self._saw([out0])
         choices = [self._choice(idx, c) for idx, _, c in self._choices(finals)]
         body = {**self._head("chat.completion"), "system_fingerprint": None, "choices": choices,
                 "usage": self._usage([out0])}
@@ -147,6 +156,7 @@ class ChatFormatter(_Formatter):
 
     def _role_chunk(self, out: RequestOutput) -> dict:
         """The first chunk names the role of every choice, as OpenAI's stream does."""
+        self._saw([out])
         chunk = self._chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}
                              for j in range(self.params.n)])

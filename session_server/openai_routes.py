@@ -18,20 +18,22 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_model_card(request)]}
+    return {"object": "list", "data": [await _model_card(request)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict:
     check_model(model_id, backend_of(request).info)
-    return _model_card(request)
+    return await _model_card(request)
 
 
-def _model_card(request: Request) -> dict:
-    info = backend_of(request).info
+async def _model_card(request: Request) -> dict:
+    backend = backend_of(request)
+    info = backend.info
     return {"id": info.name, "object": "model", "created": request.app.state.created,
             "owned_by": "raylane", "root": info.name, "parent": None,
-            "max_model_len": info.max_model_len}
+            "max_model_len": info.max_model_len,
+            "weight_version": await backend.control.weight_version()}
 
 
 @router.post("/v1/completions")

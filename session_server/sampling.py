@@ -59,7 +59,8 @@ def sglang_params(sp: SGLangSamplingParams, max_tokens: int | None, logprobs: in
     fields = {name: getattr(sp, SGLANG_NAMES.get(name, name)) for name in _SHARED}
     seed = sp.seed if sp.seed is not None else sp.sampling_seed
     return SamplingParams(**fields, seed=seed, max_tokens=max_tokens, logprobs=logprobs,
-                          return_routed_experts=return_routed_experts)
+                          return_routed_experts=return_routed_experts,
+                          max_weight_lag=sp.max_weight_lag, return_kept_mass=sp.return_kept_mass)
 
 
 def _or(value, default):

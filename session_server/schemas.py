@@ -121,6 +121,9 @@ class SGLangSamplingParams(BaseModel):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     spaces_between_special_tokens: bool = True  # accepted; byte-level tokenizers ignore it
+    # RL extensions: end as "stale" past this many weight versions; per-token kept mass
+    max_weight_lag: int | None = Field(None, ge=0)
+    return_kept_mass: bool = False
 
 
 class GenerateRequest(_Body):
@@ -148,3 +151,19 @@ class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
     skip_special_tokens: bool = False
+
+
+# --- the admin routes ------------------------------------------------------------------------
+
+
+class PauseRequest(_Body):
+    mode: str = "keep"  # "abort" | "wait" | "keep" | "retract"
+
+
+class BeginUpdateRequest(_Body):
+    version: int
+    tensors: list[dict[str, Any]] = Field(min_length=1)  # {"name", "shape", "dtype"} each
+
+
+class AbortRequest(_Body):
+    request_ids: list[str]

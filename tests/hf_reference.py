@@ -55,3 +55,19 @@ def hf_router_topk(model_dir: str, token_ids: list[int]) -> torch.Tensor:
         for h in handles:
             h.remove()
     return torch.stack([p.reshape(len(token_ids), top_k) for p in picks], dim=1)
+
+
+def perturbed_model(model_dir: str, out_dir: str, seed: int, scale: float = 0.05,
+                    ) -> tuple[str, list[tuple[str, torch.Tensor]]]:
+    """The model's weights plus seeded Gaussian noise, saved as their own HF model in `out_dir`
+    (for reference runs) and returned as named HF tensors (what a trainer sends):
+    (out_dir, [(name, tensor)])."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out_dir)
+    return out_dir, [(n, p.detach().clone()) for n, p in model.named_parameters()]

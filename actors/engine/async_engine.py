@@ -6,9 +6,13 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from actors.engine.config import EngineConfig
+from actors.engine.errors import EnginePaused
 from actors.engine.llm_engine import LLMEngine, Prompt
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
+from actors.models.weights import TensorSpec
+
+PAUSE_MODES = ("abort", "wait", "keep", "retract")
 
 
 class AsyncLLMEngine:
@@ -21,8 +25,13 @@ class AsyncLLMEngine:
     a step blocks the loop only for one step (tens of ms in decode).
     """
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, max_paused_requests: int = 1024):
         self.engine = engine
+        self.max_paused_requests = max_paused_requests
+        self._paused: str | None = None
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._num_held = 0  # requests waiting for a resume
         self._queues: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -41,7 +50,10 @@ class AsyncLLMEngine:
         self.check_health()
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already running")
-        self.engine.add_request(request_id, prompt, params)  # ValueError on bad input
+        if self._paused is not None:
+            self.engine.validator.check(prompt, params or SamplingParams())  # fail now, not later
+            await self._admitted()
+        self.engine.add_request(request_id, prompt, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._start()
@@ -58,12 +70,93 @@ class AsyncLLMEngine:
             if not finished:
                 self.engine.abort_request(request_id)
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a request; its consumer (if any) gets a final output with reason "abort"."""
-        self._fan_out(self.engine.abort_request(request_id))
+    async def abort(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Stop requests; their consumers get a final output with reason "abort", which is
+        also returned (partial outputs; unknown ids are skipped). Their blocks are freed."""
+        outputs = self.engine.abort_request(request_ids)
+        self._fan_out(outputs)
+        return outputs
 
     def stats_snapshot(self) -> dict:
-        return self.engine.stats_snapshot()  # steps run on this thread: no lock needed
+        # steps run on this thread: no lock needed
+        return self.engine.stats_snapshot(paused=self.paused_mode is not None)
+
+    # --- pause, resume and weight updates (the RL control plane) ------------------------------
+
+    @property
+    def paused_mode(self) -> str | None:
+        return self._paused
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    async def pause(self, mode: str = "keep") -> None:
+        """Stop generating. New requests wait for `resume` (past `max_paused_requests`
+        waiting, `EnginePaused`). Requests in flight, by `mode`:
+        "abort": end now with their partial output (finish reason "abort");
+        "wait": run to the end (returns once they have);
+        "keep": freeze with their KV, continue after resume;
+        "retract": free their KV; after resume they re-prefill prompt + generated tokens,
+        under the weights of that time.
+        Calling it again applies the new mode to what is still in flight (idempotent)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: {mode!r} is not one of {list(PAUSE_MODES)}")
+        self._paused = mode
+        self._resumed.clear()
+        if mode == "abort":
+            await self.abort(list(self.engine.requests))
+        elif mode == "retract":
+            self.engine.retract_all()
+        elif mode == "wait":
+            while self.engine.has_unfinished_requests() and self._paused == "wait":
+                self.check_health()  # a dead step loop would never finish them
+                await asyncio.sleep(0.005)  # the step loop keeps running them
+
+    async def resume(self) -> None:
+        """Generate again: kept requests continue, retracted ones re-prefill, queued ones are
+        admitted (idempotent). RuntimeError while a weight update is half loaded."""
+        if self.engine.weight_update_open:
+            raise RuntimeError("a weight update is half loaded: finish it (or send it again) "
+                               "before resuming")
+        self._paused = None
+        self._resumed.set()
+        if self.engine.has_unfinished_requests():
+            self._start()
+
+    def begin_weight_update(self, specs: list[TensorSpec]) -> None:
+        """Check an update's manifest on every rank; the engine must be paused with nothing
+        running (any pause mode; "wait" once it returned)."""
+        if self._paused is None or (self._paused == "wait"
+                                    and self.engine.has_unfinished_requests()):
+            raise RuntimeError("pause the engine before updating its weights")
+        self.engine.begin_weight_update(specs)
+
+    def load_weight_bucket(self, bucket) -> int:
+        return self.engine.load_weight_bucket(bucket)
+
+    def finish_weight_update(self, version: int | None = None) -> int:
+        """Switch to the new weights; requests past their max_weight_lag end as "stale"."""
+        self._fan_out(self.engine.finish_weight_update(version))
+        return self.engine.weight_version
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+    async def _admitted(self) -> None:
+        """Wait while paused; bounded, so a long pause cannot pile up requests without end."""
+        if self._paused is None:
+            return
+        if self._num_held >= self.max_paused_requests:
+            raise EnginePaused(f"the engine is paused and {self._num_held} requests already "
+                               "wait for it to resume; retry later")
+        self._num_held += 1
+        try:
+            while self._paused is not None:
+                await self._resumed.wait()
+        finally:
+            self._num_held -= 1
+        self.check_health()
 
     def check_health(self) -> None:
         """Raise if the step loop died (the replica should then be replaced)."""
@@ -85,7 +178,7 @@ class AsyncLLMEngine:
     async def _run(self) -> None:
         try:
             while True:
-                if not self.engine.has_unfinished_requests():
+                if not self.engine.has_unfinished_requests() or self._frozen():
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -97,6 +190,10 @@ class AsyncLLMEngine:
             self._error = e
             for queue in self._queues.values():
                 queue.put_nowait(e)
+
+    def _frozen(self) -> bool:
+        """Paused in a mode that stops the steps ("wait" lets in-flight requests run)."""
+        return self._paused is not None and self._paused != "wait"
 
     def _fan_out(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

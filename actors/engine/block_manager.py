@@ -23,6 +23,11 @@ class BlockManager:
     A full block is registered under `hash((parent_hash, tokens))`, so two sequences with the same
     prefix map to the same chain. A block whose count drops to 0 keeps its hash and waits in the
     free list, oldest first; it is evicted only when a fresh block is needed.
+
+    Every chain starts from the weight version its sequence was admitted under
+    (`Sequence.cache_version`), so KV computed under one version is never reused by a request
+    prefilled under another: a weight update bumps `version` and the old chains simply stop
+    matching (and age out), with no work at update time and no race with sequences in flight.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -33,6 +38,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # chain hash -> block id
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_hits = 0  # of those, tokens found
+        self.version = 0  # the weights' version: new sequences root their chains at it
 
     @property
     def num_blocks(self) -> int:
@@ -56,7 +62,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         full = (len(seq) - 1) // self.block_size
-        parent: int | None = None
+        parent = _root(seq.cache_version)
         for i in range(full):
             tokens = tuple(seq.block_tokens(i))
             h = hash((parent, tokens))
@@ -102,8 +108,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         start = seq.num_hashed_blocks
-        parent = self.blocks[seq.block_table[start - 1]].hash if start else None
-        if start and parent is None:
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else _root(seq.cache_version)
+        if parent is None:
             return  # the cache was reset under this sequence: its chain cannot be extended
         for i in range(start, seq.num_computed_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
@@ -129,3 +135,8 @@ class BlockManager:
         self.cached.clear()
         for block in self.blocks:
             block.hash, block.tokens = None, None
+
+
+def _root(version: int) -> int:
+    """The parent hash of a chain's first block: the weight version it was computed under."""
+    return hash(("weights", version))

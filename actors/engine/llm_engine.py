@@ -7,6 +7,7 @@ import itertools
 import time
 import weakref
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,7 +21,18 @@ from actors.engine.sequence import Sequence
 from actors.engine.setup import EngineParts, build_engine_parts
 from actors.engine.stats import EngineStats, StepTimer
 from actors.engine.validate import RequestValidator
+from actors.models.weights import (
+    DEFAULT_BUCKET_BYTES,
+    TensorSpec,
+    WeightUpdate,
+    bucket_specs,
+    iter_buckets,
+    specs_of,
+)
 from actors.runner.plan import StepResult
+
+if TYPE_CHECKING:
+    import torch
 
 Prompt = str | list[int]
 
@@ -49,6 +61,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.weight_version = 0
+        self._update: WeightUpdate | None = None
         self._ids = itertools.count()
         # NOTE: a weak method, so an engine that is dropped is not kept alive until exit
         self._atexit = weakref.WeakMethod(self.shutdown)
@@ -62,6 +75,89 @@ class LLMEngine:
         """Load HF-named (full, unsharded) tensors into every rank, then drop the prefix cache,
         whose blocks were computed with the old weights. Call between steps."""
         self.executor.load_weights(weights)
+        self.block_manager.reset_prefix_cache()
+
+    # --- weight updates (RL): check, buckets, finish; between steps --------------------------
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[RequestOutput]:
+        """A whole update in one call (offline use): check every name and shape on every rank,
+        load bounded buckets, switch to `version` (default: the next). Returns the outputs of
+        requests it ended as "stale" (`SamplingParams.max_weight_lag`)."""
+        weights = list(weights)
+        self.begin_weight_update(specs_of(weights))
+        for bucket in iter_buckets(weights, bucket_bytes):
+            self.load_weight_bucket(dict(bucket))
+        return self.finish_weight_update(version)
+
+    def begin_weight_update(self, specs: list[TensorSpec]) -> None:
+        """Check an update's manifest on every rank (ValueError naming the first tensor that
+        would not load); no weight changes. A second begin replaces an unfinished update."""
+        self.executor.collective_rpc("check_weight_update",
+                                     [(s.name, s.shape, s.dtype) for s in specs])
+        self._update = WeightUpdate({s.name: s for s in specs})
+
+    def load_weight_bucket(self, bucket: bytes | dict[str, torch.Tensor]) -> int:
+        """Apply one bucket (safetensors bytes or named tensors) of the begun update; each
+        tensor must be in its manifest, with that shape and dtype (checked before any copy)."""
+        update = self._require_update()
+        specs = bucket_specs(bucket) if isinstance(bucket, (bytes, bytearray)) else [
+            TensorSpec.of(name, t) for name, t in bucket.items()]
+        update.check(specs)
+        update.dirty = True  # from here on, the weights are neither old nor new until finish
+        self.executor.load_weight_bucket(bucket)
+        update.loaded.update(s.name for s in specs)
+        return len(specs)
+
+    def finish_weight_update(self, version: int | None = None) -> list[RequestOutput]:
+        """Switch to the new weights as `version` (default: the next; must be newer): new
+        prefills root their prefix-cache chains at it and new tokens carry it. Returns the
+        outputs of requests this ended as "stale"."""
+        self._require_update()
+        version = self.weight_version + 1 if version is None else version
+        if version <= self.weight_version:
+            raise ValueError(f"version: {version} is not newer than the current "
+                             f"{self.weight_version}")
+        self.executor.collective_rpc("finish_weight_update")
+        self._update = None
+        self.weight_version = self.block_manager.version = version
+        return self._end_stale()
+
+    @property
+    def weight_update_open(self) -> bool:
+        """A begun update is not finished: its buckets may be half in (do not step)."""
+        return self._update is not None and self._update.dirty
+
+    def _require_update(self) -> WeightUpdate:
+        if self._update is None:
+            raise RuntimeError("no weight update is open: call begin_weight_update first")
+        return self._update
+
+    def _end_stale(self) -> list[RequestOutput]:
+        """Requests whose tokens would now span more than their max_weight_lag versions end
+        with their partial output, finish reason "stale"."""
+        stale = [r for r in self.requests.values() if _too_stale(r, self.weight_version)]
+        outputs = []
+        for request in stale:
+            for seq in request.seqs:
+                if seq.finish_reason is None:
+                    seq.finish_reason = "stale"
+                    self._capture_routing(seq)
+                    self._release(seq)
+            outputs.extend(self._finish([request]))
+        return outputs
+
+    def retract_all(self) -> int:
+        """Free the KV of every running sequence; when scheduled again each re-prefills its
+        prompt and generated tokens (under the weights of that time). Returns how many."""
+        retracted = self.scheduler.retract_all()
+        for seq in retracted:
+            self.planner.preempt(seq)
+        return len(retracted)
+
+    def flush_cache(self) -> None:
+        """Forget every cached prefix block (blocks in use are untouched)."""
         self.block_manager.reset_prefix_cache()
 
     def check_health(self, ping: bool = True) -> None:
@@ -146,7 +242,8 @@ class LLMEngine:
                 continue
             request = self.requests[seq.request_id]
             self._record_token(request, now)
-            seq.append_token(token, result.logprobs[i], result.top_logprobs[i])
+            seq.append_token(token, result.logprobs[i], result.top_logprobs[i],
+                             self.weight_version, result.kept_mass[i])
             self.stop_checker.check(seq, request.detokenize(seq))
             if seq.finish_reason is not None:
                 self._capture_routing(seq)
@@ -178,8 +275,9 @@ class LLMEngine:
         self.stats.finished[request.seqs[0].finish_reason] += 1
         self.stats.observe("e2e_request_latency_seconds", time.monotonic() - request.arrival_time)
 
-    def stats_snapshot(self) -> dict:
-        return self.stats.snapshot(self.scheduler, self.block_manager)
+    def stats_snapshot(self, paused: bool = False) -> dict:
+        return self.stats.snapshot(self.scheduler, self.block_manager, self.weight_version,
+                                   paused)
 
     def _capture_routing(self, seq: Sequence) -> None:
         if seq.params.return_routed_experts and seq.routing_parts:
@@ -218,6 +316,14 @@ class LLMEngine:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.validator.render_chat(conv, **template_kwargs) for conv in convs]
         return self.generate(prompts, params, use_tqdm)
+
+
+def _too_stale(request: Request, version: int) -> bool:
+    lag = request.params.max_weight_lag
+    if lag is None:
+        return False
+    firsts = [s.weight_versions[0] for s in request.seqs if s.weight_versions]
+    return bool(firsts) and version - min(firsts) > lag
 
 
 def _call_if_alive(method_ref: weakref.WeakMethod) -> None:

@@ -14,9 +14,12 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None  # raw logprob of each sampled token
     top_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    # "stop", "length", "abort", "stale" (see SamplingParams.max_weight_lag) or None while running
+    finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     routed_experts: np.ndarray | None = None  # int32 [prompt + output - 1, moe_layers, top_k]
+    weight_versions: list[int] = field(default_factory=list)  # one per token in token_ids
+    kept_mass_logprobs: list[float] | None = None  # when SamplingParams.return_kept_mass
 
     @property
     def finished(self) -> bool:

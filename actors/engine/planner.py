@@ -30,10 +30,13 @@ class StepPlanner:
     def __init__(self) -> None:
         self._known: dict[int, _Known] = {}
         self._finished: list[int] = []
+        self._preempted: list[int] = []  # preempted between steps (a retract)
         self._step_ids = itertools.count()
 
     def plan(self, batch: SchedulerOutput) -> StepPlan:
-        preempted = [s.seq_id for s in batch.preempted if self._mark_preempted(s)]
+        preempted = self._preempted + [s.seq_id for s in batch.preempted
+                                       if self._mark_preempted(s)]
+        self._preempted = []
         new, cached = [], []
         for item in batch.scheduled:
             if item.seq.seq_id in self._known:
@@ -51,6 +54,11 @@ class StepPlanner:
         """The sequence finished or was aborted: the next plan tells the runners to drop it."""
         if self._known.pop(seq.seq_id, None) is not None:
             self._finished.append(seq.seq_id)
+
+    def preempt(self, seq: Sequence) -> None:
+        """The sequence lost its blocks between steps: the next plan tells the runners."""
+        if self._mark_preempted(seq):
+            self._preempted.append(seq.seq_id)
 
     @property
     def num_known(self) -> int:

@@ -62,6 +62,8 @@ class Request:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             routed_experts=seq.routed_experts,
+            weight_versions=list(seq.weight_versions),
+            kept_mass_logprobs=list(seq.kept_mass) if self.params.return_kept_mass else None,
         )
 
     def _metrics(self) -> dict[str, float]:

@@ -38,6 +38,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     return_routed_experts: bool = False
+    max_weight_lag: int | None = None
+    return_kept_mass: bool = False
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -51,9 +53,9 @@ class SamplingParams:
                      "frequency_penalty"):
             check_type("SamplingParams", name, getattr(self, name), _NUM)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "return_routed_experts"):
+                     "return_routed_experts", "return_kept_mass"):
             check_type("SamplingParams", name, getattr(self, name), bool)
-        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "max_weight_lag"):
             if getattr(self, name) is not None:
                 check_type("SamplingParams", name, getattr(self, name), int)
         _require(self.n >= 1, "n", "must be >= 1")
@@ -68,7 +70,7 @@ class SamplingParams:
         _require(self.min_tokens >= 0, "min_tokens", "must be >= 0")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                  "must be <= max_tokens")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs", "max_weight_lag"):
             value = getattr(self, name)
             _require(value is None or value >= 0, name, "must be >= 0")
 

@@ -117,6 +117,7 @@ class Scheduler:
 
     def _admit_cached_prefix(self, seq: Sequence) -> None:
         seq.prefix_looked_up = True
+        seq.cache_version = self.blocks.version  # its KV is computed under today's weights
         if seq.params.prompt_logprobs is not None:
             return  # prompt logprobs need every prompt row computed
         cached = self.blocks.allocate_cached_prefix(seq)
@@ -140,6 +141,17 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
+
+    def retract_all(self) -> list[Sequence]:
+        """Preempt every running sequence (its KV freed, recomputed when scheduled again),
+        keeping their order at the head of the queue."""
+        retracted = list(self.running)
+        for seq in reversed(retracted):
+            self.blocks.free_sequence(seq)
+            seq.reset_for_recompute()
+            self.waiting.appendleft(seq)
+        self.running = []
+        return retracted
 
     # --- after the step -----------------------------------------------------------------------
 

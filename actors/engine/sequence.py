@@ -36,6 +36,10 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first schedule)
         self.num_preemptions = 0
         self.logprobs: list[float] = []
+        self.weight_versions: list[int] = []  # the weight version that produced each output
+        self.kept_mass: list[float] = []  # log kept mass per output token, when asked
+        # the weight version its cached KV prefix was computed under (set on admission)
+        self.cache_version = 0
         self.top_logprobs: list[dict[int, float]] = []
         # entry t is the logprobs of prompt token t (None for the first); filled as prefill runs
         self.prompt_logprobs: list[dict[int, float] | None] = (
@@ -78,8 +82,12 @@ class Sequence:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def append_token(self, token_id: int, logprob: float | None,
-                     top: dict[int, float] | None) -> None:
+                     top: dict[int, float] | None, weight_version: int = 0,
+                     kept_mass: float | None = None) -> None:
         self.token_ids.append(token_id)
+        self.weight_versions.append(weight_version)
+        if kept_mass is not None:
+            self.kept_mass.append(kept_mass)
         if logprob is not None:
             self.logprobs.append(logprob)
         if top is not None:

@@ -49,13 +49,14 @@ class StepTimes:
     """Where step time goes, summed over steps, for `raylane bench step`.
 
     The engine's own laps (schedule, plan, postprocess) plus the runner's (prepare, forward,
-    sample) and the executor's transport: `dispatch` is from the engine sending the plan to the
+    sample; `collectives` is the part of forward rank 0 spent in all-reduce / all-gather) and
+    the executor's transport: `dispatch` is from the engine sending the plan to the
     runner starting on it, `return` from the runner finishing to the engine holding the result
     (the clocks agree across processes of one node: perf_counter is CLOCK_MONOTONIC).
     """
 
-    PARTS = ("schedule", "plan", "dispatch", "prepare", "forward", "sample", "return",
-             "postprocess")
+    PARTS = ("schedule", "plan", "dispatch", "prepare", "forward", "collectives", "sample",
+             "return", "postprocess")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -64,8 +65,8 @@ class StepTimes:
 
     def add(self, timer: StepTimer, runner: dict[str, float]) -> None:
         self.steps += 1
-        laps = {**timer.laps, **{k: runner[k] for k in ("prepare", "forward", "sample")
-                                 if k in runner}}
+        laps = {**timer.laps, **{k: runner[k] for k in ("prepare", "forward", "collectives",
+                                                        "sample") if k in runner}}
         if "sent_at" in runner and "started_at" in runner:
             laps["dispatch"] = runner["started_at"] - runner["sent_at"]
             laps["return"] = runner["received_at"] - runner["finished_at"]
@@ -97,14 +98,18 @@ class EngineStats:
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)
 
-    def snapshot(self, scheduler, block_manager) -> dict:
+    def snapshot(self, scheduler, block_manager, weight_version: int = 0,
+                 paused: bool = False) -> dict:
         return {
             "gauges": {
                 "num_requests_running": len(scheduler.running),
                 "num_requests_waiting": len(scheduler.waiting),
                 "kv_cache_usage_perc": block_manager.usage(),
+                "weight_version": weight_version,
+                "paused": int(paused),
             },
             "counters": {
+                "steps": self.step_times.steps,
                 "prompt_tokens": self.prompt_tokens,
                 "generation_tokens": self.generation_tokens,
                 "num_preemptions": scheduler.num_preemptions,

@@ -31,6 +31,10 @@ class Executor(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None: ...
 
+    def load_weight_bucket(self, bucket: bytes | dict[str, Any]) -> None:
+        """One bucket of a weight update (safetensors bytes or named tensors) into every
+        rank's slices (`ModelRunner.load_weight_bucket`)."""
+
     def check_health(self, ping: bool = True) -> None:
         """Raise ExecutorError when the runners cannot serve; `ping=False` skips asking each
         rank (no remote call), reporting only failures already seen."""

@@ -132,6 +132,11 @@ class RayExecutor:
         ref = ray.put(list(weights))
         self.collective_rpc("load_weights", ref)
 
+    def load_weight_bucket(self, bucket: bytes | dict[str, Any]) -> None:
+        import ray
+
+        self.collective_rpc("load_weight_bucket", ray.put(bucket))  # stored once, read by all
+
     def check_health(self, ping: bool = True) -> None:
         """Raise ExecutorError when the group is down; with `ping`, unless every rank answers
         (a shard that died while idle is seen here, not only by the next step). A ping is

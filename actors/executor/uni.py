@@ -35,6 +35,9 @@ class UniExecutor:
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         self.collective_rpc("load_weights", weights)
 
+    def load_weight_bucket(self, bucket: bytes | dict[str, Any]) -> None:
+        self.collective_rpc("load_weight_bucket", bucket)
+
     def check_health(self, ping: bool = True) -> None:
         if self._closed:
             raise ExecutorError("the executor was shut down")

@@ -119,9 +119,14 @@ def _plain_loader(param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> 
     copy_checked(param.data, loaded, "parameter")  # e.g. norm weights, whole on every rank
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, Loaded]]) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Loaded]],
+                 partial: bool = False) -> None:
     """Copy checkpoint tensors (or `LazyTensor` views) into `model`, each parameter taking its
-    TP rank's slice; ValueError on unknown or missing weights and on shape mismatches."""
+    TP rank's slice; ValueError on unknown or missing weights and on shape mismatches.
+
+    `partial`: a bucket of a weight update: missing weights are fine, and the caller re-packs
+    (`refresh_packed_weights`) once the last bucket is in.
+    """
     params = dict(model.named_parameters())
     experts = model.expert_params_mapping() if hasattr(model, "expert_params_mapping") else []
     loaded: set[str] = set()
@@ -136,10 +141,28 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Loaded]]) -> Non
             param = params[ours]
             getattr(param, "weight_loader", _plain_loader)(param, tensor, shard)
             loaded.add(ours)
+    if partial:
+        return
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
     refresh_packed_weights(model)
+
+
+def check_weights(model_class: type, config: Any, tp: TPGroup, dtype: torch.dtype,
+                  specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+    """Run the weight loaders of a shape-only (meta) twin of the model on shape-only tensors:
+    raises the ValueError a real load of those names and shapes would raise, and touches no
+    weight. This is how an update is checked on every rank before any weight changes."""
+    with _default_dtype(dtype), torch.device("meta"):
+        twin = model_class(config, TPGroup(tp.rank, tp.world_size))
+    seen: set[str] = set()
+    for name, _, _ in specs:
+        if name in seen:
+            raise ValueError(f"tensors: {name!r} appears twice in the update")
+        seen.add(name)
+    fakes = ((name, torch.empty(shape, dtype=dt, device="meta")) for name, shape, dt in specs)
+    load_weights(twin, fakes, partial=True)
 
 
 @contextlib.contextmanager

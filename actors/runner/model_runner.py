@@ -17,6 +17,9 @@ from collections.abc import Iterable
 import torch
 
 from actors.models import TPGroup, load_model, load_weights
+from actors.models.loader import check_weights
+from actors.models.packing import refresh_packed_weights
+from actors.models.weights import decode_bucket, torch_dtype
 from actors.runner.config import RunnerConfig, RunnerInfo
 from actors.runner.inputs import InputPreparer, StepInputs
 from actors.runner.kv_cache import KVCache
@@ -34,6 +37,7 @@ class ModelRunner:
         model, hf_config, _ = load_model(config.model_dir, resolve_dtype(config.dtype, self.device),
                                          self.device, self.tp, pack_weights=config.pack_weights)
         self.model = model
+        self.hf_config = hf_config
         self.dtype = next(model.parameters()).dtype
         backend = get_backend(config.attention_backend, self.device)
         layers = model.attention_layers()
@@ -76,12 +80,31 @@ class ModelRunner:
             finished = time.perf_counter()
             result.timings = {"started_at": start, "prepare": prepared - start,
                               "forward": computed - prepared, "sample": finished - computed,
-                              "finished_at": finished}
+                              "collectives": self.tp.clock.take(), "finished_at": finished}
         return result
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (full, HF-named) checkpoint tensors; each parameter takes its rank's slice."""
         load_weights(self.model, weights)
+
+    # --- weight updates: check every name and shape first, then buckets, then re-pack ---------
+
+    def check_weight_update(self, specs: list[tuple[str, tuple[int, ...], str]]) -> None:
+        """ValueError naming the tensor if any (name, full shape, dtype) would not load here;
+        changes nothing (the loaders run on a shape-only twin of the model)."""
+        check_weights(type(self.model), self.hf_config, self.tp, self.dtype,
+                      [(name, tuple(shape), torch_dtype(dtype)) for name, shape, dtype in specs])
+
+    def load_weight_bucket(self, bucket: bytes | dict[str, torch.Tensor]) -> int:
+        """Copy a bucket (safetensors bytes, or named tensors) into this rank's slices; the
+        caller checked its names and shapes first. Returns the number of tensors."""
+        tensors = decode_bucket(bucket) if isinstance(bucket, (bytes, bytearray)) else bucket
+        load_weights(self.model, tensors.items(), partial=True)
+        return len(tensors)
+
+    def finish_weight_update(self) -> None:
+        """The last bucket is in: rebuild what derives from the weights (packed copies)."""
+        refresh_packed_weights(self.model)
 
     # --- results (sampling rank) --------------------------------------------------------------
 
@@ -96,6 +119,7 @@ class ModelRunner:
                 result.token_ids[i] = sampled.token_ids[k]
                 result.logprobs[i] = sampled.logprobs[k]
                 result.top_logprobs[i] = sampled.top_logprobs[k]
+                result.kept_mass[i] = sampled.kept_mass[k]
                 scheduled[i].state.last_sampled = sampled.token_ids[k]
         for i, item in enumerate(scheduled):
             result.prompt_logprobs[i] = self._prompt_logprobs(item, step.logits_rows[i], logits)

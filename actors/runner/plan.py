@@ -37,6 +37,7 @@ class SamplingOptions:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     return_routed_experts: bool = False
+    return_kept_mass: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -115,6 +116,8 @@ class StepResult:
     # added to the sequence's record: a prefix-cache hit's cached positions, then the computed
     # ones; None when not asked. The engine concatenates them in order.
     routed_experts: list[object | None]
+    # log of the probability mass truncation kept for the sampled token, when asked
+    kept_mass: list[float | None] = field(default_factory=list)
     # seconds spent in prepare / forward / sample, and perf_counter stamps: started_at and
     # finished_at by the runner, sent_at and received_at by the executor
     timings: dict[str, float] = field(default_factory=dict)
@@ -122,4 +125,4 @@ class StepResult:
     @classmethod
     def empty(cls, size: int) -> StepResult:
         return cls([None] * size, [None] * size, [None] * size, [[] for _ in range(size)],
-                   [None] * size)
+                   [None] * size, [None] * size)

@@ -15,6 +15,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]  # raw logprob of each sampled token (when asked)
     top_logprobs: list[dict[int, float] | None]
+    kept_mass: list[float | None]  # log of the mass truncation kept, when asked
 
 
 class Sampler:
@@ -34,13 +35,20 @@ class Sampler:
         logits = self._mask_stop_tokens(logits, states)
         if any(s.options.uses_penalties for s in states):
             logits = self._penalise(logits, states)
-        tokens = self._draw(logits, states)
-        return SampleResult(tokens.tolist(), *self._logprobs(raw, tokens, states))
+        tokens, kept = self._draw(logits, states)
+        kept_mass = [None] * len(states)
+        if kept is not None:
+            kept_mass = [m if s.options.return_kept_mass else None
+                         for m, s in zip(kept.tolist(), states)]
+        return SampleResult(tokens.tolist(), *self._logprobs(raw, tokens, states), kept_mass)
 
-    def _draw(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, states: list[RequestState],
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled ids, and the log kept mass of each row when any row asks for it."""
         greedy = logits.argmax(dim=-1)
+        wants_kept = any(s.options.return_kept_mass for s in states)
         if all(s.options.greedy for s in states):
-            return greedy
+            return greedy, _greedy_kept(logits, greedy) if wants_kept else None
         params = [s.options for s in states]
         temps = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
         logits = logits / temps.unsqueeze(1)
@@ -53,7 +61,13 @@ class Sampler:
             probs = sampling.apply_min_p(probs, self._column([p.min_p for p in params]))
         sampled = sampling.sample_rows(probs, [self._generator(s) for s in states], self.default)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        return torch.where(is_greedy, greedy, sampled)
+        tokens = torch.where(is_greedy, greedy, sampled)
+        if not wants_kept:
+            return tokens, None
+        # greedy rows were not scaled (temperature 1), so `logits` serves both kinds
+        kept = torch.where(is_greedy, _greedy_kept(logits, greedy),
+                           sampling.kept_log_mass(logits, probs > 0))
+        return tokens, kept
 
     def _generator(self, state: RequestState) -> torch.Generator | None:
         if state.options.seed is None:
@@ -104,3 +118,8 @@ class Sampler:
 
     def _column(self, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+def _greedy_kept(logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Greedy is top-k 1 at temperature 1: the kept mass is the argmax's probability."""
+    return logits.log_softmax(dim=-1).gather(1, greedy.unsqueeze(1)).squeeze(1)

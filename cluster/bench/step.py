@@ -126,8 +126,8 @@ def eight_head_copy(model_dir: str, scratch: str) -> str:
 
 
 COLUMNS = [("plan", ("plan",)), ("dispatch", ("dispatch",)), ("forward", ("prepare", "forward")),
-           ("sample", ("sample",)), ("return", ("return",)),
-           ("engine", ("schedule", "postprocess"))]
+           ("collect.", ("collectives",)), ("sample", ("sample",)),
+           ("return", ("return",)), ("engine", ("schedule", "postprocess"))]
 
 
 def print_table(work: Workload, rows: list[Row], threads: int, skipped: list[str]) -> None:
@@ -145,7 +145,8 @@ def print_table(work: Workload, rows: list[Row], threads: int, skipped: list[str
         step_ms = 1000 * row.seconds / max(1, row.steps)
         print(f"| {row.name:<26} | {cells} | {step_ms:>7.2f} | {row.steps:>5} | "
               f"{work.useful_tokens / row.seconds:>6.1f} | {base / row.seconds:>9.2f}x |")
-    print("(milliseconds per step; forward = input preparation + model incl. its collectives)")
+    print("(milliseconds per step; forward = input preparation + model, including the time "
+          "rank 0 waited in collectives, shown as collect.)")
     if len(rows) > 1:
         transport = [r.per_step_ms["dispatch"] + r.per_step_ms["return"] for r in rows[:2]]
         print(f"Ray executor overhead at TP=1: dispatch + return {transport[1]:.3f} ms/step vs "

@@ -32,6 +32,7 @@ class ProbeBackend:
         self.inner = inner
         self.info = inner.info
         self.tokenizer = inner.tokenizer
+        self.control = inner.control
         self.calls: list[tuple[str, str | None]] = []  # (request_id, routing_key)
         self.fail: Exception | None = None
         self.fail_after_first = False

@@ -9,7 +9,8 @@ from session_server.metrics import render
 
 FAMILIES = {
     "raylane:num_requests_running": "gauge", "raylane:num_requests_waiting": "gauge",
-    "raylane:kv_cache_usage_perc": "gauge", "raylane:prompt_tokens": "counter",
+    "raylane:kv_cache_usage_perc": "gauge", "raylane:weight_version": "gauge",
+    "raylane:prompt_tokens": "counter",
     "raylane:generation_tokens": "counter", "raylane:num_preemptions": "counter",
     "raylane:prefix_cache_queries": "counter", "raylane:prefix_cache_hits": "counter",
     "raylane:request_success": "counter",
@@ -63,7 +64,7 @@ def test_counters_move_with_requests(http, engine):
 def test_replica_snapshots_are_aggregated(engine):
     one = engine.stats_snapshot()
     busy = {**one, "gauges": {**one["gauges"], "kv_cache_usage_perc": 0.5,
-                               "num_requests_running": 3}}
+                               "num_requests_running": 3, "weight_version": 7}}
     merged = samples(render("tiny", [one, busy]).decode())
     counters = one["counters"]
     assert value(merged, "raylane:prompt_tokens_total") == 2 * counters["prompt_tokens"]
@@ -72,6 +73,7 @@ def test_replica_snapshots_are_aggregated(engine):
         "num_requests_running"]
     assert value(merged, "raylane:kv_cache_usage_perc") == pytest.approx(
         (0.5 + one["gauges"]["kv_cache_usage_perc"]) / 2)
+    assert value(merged, "raylane:weight_version") == 7  # the newest, not a sum
     ttft = one["histograms"]["time_to_first_token_seconds"]
     assert value(merged, "raylane:time_to_first_token_seconds_count") == 2 * sum(ttft["counts"])
     assert value(merged, "raylane:time_to_first_token_seconds_sum") == pytest.approx(

@@ -18,6 +18,7 @@ import torch
 
 from actors.engine import LLMEngine, SamplingParams
 from actors.executor import ExecutorError
+from actors.models.weights import TensorSpec
 from tests.ray.tp_helpers import (
     alive_shard_ids,
     assert_group_freed,
@@ -177,6 +178,33 @@ class TestLlama:
         finally:  # later tests expect the checkpoint's weights
             for engine in llama:
                 _load(engine, original)
+        assert_same_outputs(llama.tp2.generate(prompts, params, use_tqdm=False), before, ATOL)
+
+    def test_bucketed_versioned_update_reaches_every_rank(self, llama, tiny_llama_dir):
+        """The RL path: manifest checked on every rank, then safetensors buckets, then the
+        version switch; a wrong shape is refused on every rank before any weight changes."""
+        original = _checkpoint(tiny_llama_dir)
+        perturbed = _perturb(original)
+        prompts = prompts_for(llama.tp1.validator.vocab_size, (19, 36), seed=21)
+        params = greedy(8, logprobs=1)
+        before = llama.tp2.generate(prompts, params, use_tqdm=False)
+        name = "model.layers.1.self_attn.o_proj.weight"
+        wrong = [TensorSpec(name, (64, 80), "float32")]
+        with pytest.raises(ValueError, match="shape"):
+            llama.tp2.begin_weight_update(wrong)
+        assert_same_outputs(llama.tp2.generate(prompts, params, use_tqdm=False), before, ATOL)
+        try:
+            for engine in llama:
+                engine.update_weights(perturbed.items(), engine.weight_version + 1,
+                                      bucket_bytes=64 << 10)
+            ref, got = (engine.generate(prompts, params, use_tqdm=False) for engine in llama)
+            assert_same_outputs(got, ref, ATOL)
+            assert token_ids(got) != token_ids(before)
+            assert {v for o in got for v in o.outputs[0].weight_versions} == {
+                llama.tp2.weight_version}
+        finally:
+            for engine in llama:
+                engine.update_weights(original.items(), engine.weight_version + 1)
         assert_same_outputs(llama.tp2.generate(prompts, params, use_tqdm=False), before, ATOL)
 
     @pytest.mark.parametrize(("name", "shape"), [

@@ -40,6 +40,22 @@ def test_bad_config_names_the_field(data, field):
         ClusterConfig.from_dict(data)
 
 
+def test_admin_api_key_from_yaml_env_and_flag(tmp_path, monkeypatch):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("admin_api_key: from-yaml\napi_keys: [user]\n")
+    assert ClusterConfig.from_yaml(str(path)).admin_api_key == "from-yaml"
+    monkeypatch.setenv("RAYLANE_CONFIG", str(path))
+    monkeypatch.setenv("RAYLANE_ADMIN_API_KEY", "from-env")
+    assert ClusterConfig.from_env().admin_api_key == "from-env"
+    argv = ["serve", "--config", str(path), "--admin-api-key", "from-flag"]
+    assert config_from_args(build_parser(argv).parse_args(argv)).admin_api_key == "from-flag"
+    assert ClusterConfig().admin_api_key is None  # no admin routes unless asked
+    for bad, message in (({"admin_api_key": ""}, "empty"),
+                         ({"admin_api_key": "k", "api_keys": ("k",)}, "differ")):
+        with pytest.raises(ValueError, match=message):
+            ClusterConfig(**bad)
+
+
 def test_yaml_must_be_a_mapping(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("- just\n- a list\n")

@@ -1,0 +1,7 @@
+"""Engine errors the layers above map to responses (HTTP status, client exceptions)."""
+
+from __future__ import annotations
+
+
+class EnginePaused(RuntimeError):
+    """The engine is paused and its queue of requests waiting for a resume is full (HTTP 503)."""

@@ -1,0 +1,259 @@
+"""`raylane bench weights`: how fast a trainer's weights reach the engine replicas.
+
+Starts a local cluster serving the model (float32, admin routes on) and times
+`RolloutClient.update_weights` for every weight of the model, over HTTP (safetensors buckets on
+the admin routes) and in the cluster (each bucket put in the object store once, the Router
+forwarding the reference), against a plain in-memory copy of the same bytes measured in the
+same run (the target: the in-cluster update at >= 50% of the copy's GB/s). Each update is a
+whole transaction: manifest check on every replica, buckets, commit. Then, with requests in
+flight, it times pause("keep") -> update -> resume, and checks that the requests' per-token
+weight versions switch once, where the update happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field
+
+ADMIN_KEY = "bench-weights-admin"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2)")
+    parser.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="updates timed per path")
+    parser.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB")
+    parser.add_argument("--in-flight", type=int, default=32,
+                        help="requests generating during the pause -> update -> resume run")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch threads per replica (default: the cores split)")
+
+
+@dataclass
+class Row:
+    name: str
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def best(self) -> float:
+        return min(self.seconds)
+
+
+@dataclass
+class PauseRun:
+    name: str
+    pause_s: float
+    update_s: float
+    resume_s: float
+    spanning: int  # requests whose tokens switch version once, at the update
+    finished: int
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from cluster.models import resolve_model
+
+    model_dir = resolve_model(args.model)
+    named = load_named(model_dir)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    bucket = args.bucket_mb << 20
+    rows = [time_copy(named, args.repeats), time_clone(named, args.repeats),
+            time_encode(named, bucket, args.repeats)]
+    with serving(model_dir, args) as url:
+        versions = iter(range(1, 10_000))
+        for name, make in (("HTTP (admin routes)", lambda: http_client(url)),
+                           ("in-cluster (object store)", in_cluster_client)):
+            row = Row(name)
+            for _ in tqdm(range(args.repeats), desc=name):
+                row.seconds.append(asyncio.run(timed_update(make, named, next(versions),
+                                                            bucket)))
+            rows.append(row)
+        pauses = [asyncio.run(pause_update_resume(make, url, named, next(versions), bucket,
+                                                  args.in_flight, name))
+                  for name, make in (("in-cluster", in_cluster_client),
+                                     ("HTTP", lambda: http_client(url)))]
+    print_table(rows, pauses, nbytes, len(named), args, torch.get_num_threads())
+    return 0
+
+
+def load_named(model_dir: str) -> list:
+    """The checkpoint's tensors in HF names, float32 (what a trainer would send)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+def time_copy(named: list, repeats: int) -> Row:
+    """The reference: the same bytes copied once in memory into preallocated tensors."""
+    import torch
+
+    dst = [torch.empty_like(t) for _, t in named]
+    row = Row("copy, preallocated (ref.)")
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        start = time.perf_counter()
+        for d, (_, t) in zip(dst, named):
+            d.copy_(t)
+        row.seconds.append(time.perf_counter() - start)
+    row.seconds.pop(0)
+    return row
+
+
+def time_clone(named: list, repeats: int) -> Row:
+    """The same bytes copied into fresh memory (allocation and page faults included, as any
+    path that makes a new buffer pays them)."""
+    row = Row("copy, fresh memory (clone)")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copies = [t.clone() for _, t in named]
+        row.seconds.append(time.perf_counter() - start)
+        del copies
+    return row
+
+
+def time_encode(named: list, bucket: int, repeats: int) -> Row:
+    """The client's own share: encoding every bucket as safetensors bytes (nothing sent)."""
+    from actors.models.weights import encode_bucket, iter_buckets
+
+    row = Row("safetensors encode only")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for b in iter_buckets(named, bucket):
+            encode_bucket(b)
+        row.seconds.append(time.perf_counter() - start)
+    return row
+
+
+class serving:
+    """A local cluster serving `model_dir` in float32 with the admin routes on; yields its URL."""
+
+    def __init__(self, model_dir: str, args: argparse.Namespace):
+        from cluster.bench.serve_targets import free_port
+        from cluster.config import ClusterConfig
+
+        self.config = ClusterConfig(
+            model=model_dir, served_model_name="bench", port=free_port(),
+            replicas=args.replicas, torch_threads=args.torch_threads, admin_api_key=ADMIN_KEY,
+            engine={"dtype": "float32", "max_num_seqs": max(32, args.in_flight)})
+
+    def __enter__(self) -> str:
+        from cluster import launch
+
+        launch.start_ray()
+        try:
+            return launch.deploy(self.config)
+        except BaseException:
+            launch.shutdown()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        from cluster import launch
+
+        launch.shutdown()
+
+
+def http_client(url: str):
+    from cluster.client import RolloutClient
+
+    return RolloutClient(url, admin_key=ADMIN_KEY)
+
+
+def in_cluster_client():
+    from cluster.client import RolloutClient
+
+    return RolloutClient.in_cluster()
+
+
+async def timed_update(make, named: list, version: int, bucket: int) -> float:
+    async with make() as client:
+        start = time.perf_counter()
+        await client.update_weights(named, version, bucket)
+        return time.perf_counter() - start
+
+
+async def pause_update_resume(make, url: str, named: list, version: int, bucket: int,
+                              in_flight: int, name: str) -> PauseRun:
+    """`in_flight` requests generating; then pause("keep") -> update -> resume, timed."""
+    async with make() as client:
+        prompts = [[1 + (31 * i + j) % 1000 for j in range(16 + i % 8)] for i in range(in_flight)]
+        tasks = [asyncio.ensure_future(client.generate(p, temperature=0.0, max_tokens=96,
+                                                       ignore_eos=True, logprobs=None))
+                 for p in prompts]
+        await decoding(url, in_flight)
+        t0 = time.perf_counter()
+        await client.pause("keep")
+        t1 = time.perf_counter()
+        await client.update_weights(named, version, bucket, progress=True)
+        t2 = time.perf_counter()
+        await client.resume()
+        t3 = time.perf_counter()
+        outs = [o[0] for o in await asyncio.gather(*tasks)]
+    spanning = sum(_switches_once(o.weight_versions, version) for o in outs)
+    return PauseRun(name, t1 - t0, t2 - t1, t3 - t2, spanning,
+                    sum(o.finish_reason == "length" for o in outs))
+
+
+async def decoding(url: str, num: int, timeout_s: float = 300.0) -> None:
+    """Wait until `num` requests run, none waits, and each made a few tokens (/metrics)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        start = _metric((await http.get("/metrics")).text, "raylane:generation_tokens")
+        while time.monotonic() < deadline:
+            text = (await http.get("/metrics")).text
+            if (_metric(text, "raylane:num_requests_running") == num
+                    and _metric(text, "raylane:num_requests_waiting") == 0
+                    and _metric(text, "raylane:generation_tokens") >= start + 3 * num):
+                return
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"{num} requests were not all decoding within {timeout_s:.0f} s")
+
+
+def _metric(text: str, name: str) -> float:
+    """The sum of a Prometheus family's samples (counters by their _total sample)."""
+    names = (name, name + "_total")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split("{", 1)[0].split(" ", 1)[0] in names)
+
+
+def _switches_once(versions: list[int], new: int) -> bool:
+    """Old version up to some token, the new one from there on."""
+    if new not in versions or versions[0] == new:
+        return False
+    cut = versions.index(new)
+    return len(set(versions[:cut])) == 1 and set(versions[cut:]) == {new}
+
+
+def print_table(rows: list[Row], pauses: list[PauseRun], nbytes: int, num_tensors: int,
+                args: argparse.Namespace, threads: int) -> None:
+    copy_gbs = nbytes / rows[0].best / 1e9
+    print(f"\nupdate: {num_tensors} tensors, {nbytes / 1e9:.3f} GB float32, {args.bucket_mb} MiB "
+          f"buckets, {args.replicas} replica(s), best of {args.repeats}; driver torch threads "
+          f"{threads}")
+    print(f"| {'path':<28} | {'seconds':>8} | {'median s':>8} | {'GB/s':>6} | {'vs copy':>7} |")
+    print(f"|{'-' * 30}|{'-' * 10}|{'-' * 10}|{'-' * 8}|{'-' * 9}|")
+    for row in rows:
+        gbs = nbytes / row.best / 1e9
+        print(f"| {row.name:<28} | {row.best:>8.3f} | {statistics.median(row.seconds):>8.3f} | "
+              f"{gbs:>6.2f} | {100 * gbs / copy_gbs:>6.0f}% |")
+    clone_gbs = nbytes / rows[1].best / 1e9
+    cluster_gbs = nbytes / rows[-1].best / 1e9
+    print(f"in-cluster update: {100 * cluster_gbs / copy_gbs:.0f}% of the preallocated copy "
+          f"(target >= 50%), {100 * cluster_gbs / clone_gbs:.0f}% of the fresh-memory copy")
+    print(f"\npause('keep') -> update -> resume with {args.in_flight} requests in flight "
+          "(greedy, 96 tokens each):")
+    print(f"| {'path':<10} | {'pause ms':>8} | {'update s':>8} | {'resume ms':>9} | "
+          f"{'total s':>7} | {'switched at the update':>22} | {'finished':>8} |")
+    print(f"|{'-' * 12}|{'-' * 10}|{'-' * 10}|{'-' * 11}|{'-' * 9}|{'-' * 24}|{'-' * 10}|")
+    for p in pauses:
+        total = p.pause_s + p.update_s + p.resume_s
+        print(f"| {p.name:<10} | {1e3 * p.pause_s:>8.1f} | {p.update_s:>8.3f} | "
+              f"{1e3 * p.resume_s:>9.1f} | {total:>7.3f} | "
+              f"{f'{p.spanning}/{args.in_flight}':>22} | {p.finished:>8} |")

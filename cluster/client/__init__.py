@@ -1,0 +1,16 @@
+"""The rollout client library: `from cluster.client import RolloutClient`.
+
+One async API over HTTP (`RolloutClient(base_url, ...)`) and inside the Ray cluster
+(`RolloutClient.in_cluster()`): generate (token ids, logprobs, per-token weight versions,
+routed experts, kept mass), pause/resume, bucketed weight updates, abort, multi-turn sessions,
+and fan-out (fork / release / gather / aggregate).
+"""
+
+from cluster.client.errors import BadRequest, Busy, ClientError, Unauthorized
+from cluster.client.fanout import Branch, aggregate
+from cluster.client.rollout import Rollout
+from cluster.client.rollout_client import RolloutClient
+from cluster.client.session import Session, SessionTurn
+
+__all__ = ["BadRequest", "Branch", "Busy", "ClientError", "Rollout", "RolloutClient", "Session",
+           "SessionTurn", "Unauthorized", "aggregate"]

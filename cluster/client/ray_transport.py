@@ -1,0 +1,195 @@
+"""The rollout client inside the Ray cluster: no HTTP hop.
+
+Generation asks the Router actor for a replica, then streams from that engine replica through
+the Serve deployment handle (as the HTTP ingress does, `cluster/serve_backend.py`); control
+calls go to the Router's control plane, which reaches every replica; weight buckets are put in
+the object store once and every replica fetches the same object.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import Any
+
+from actors.engine.errors import EnginePaused
+from actors.engine.outputs import RequestOutput
+from actors.engine.sampling_params import SamplingParams
+from cluster.client.errors import Busy, NoReplica
+from cluster.client.rollout import Rollout, from_request_output
+from cluster.client.session import SessionTurn
+from router.errors import RouterError
+from router.replica_generator import stream_from_replica
+from router.samples import TrainingSample
+
+ENGINE_DEPLOYMENT = "EngineDeployment"
+
+
+class RayTransport:
+    can_abort = True
+
+    def __init__(self, router: Any, replicas: Any, model: str | None = None,
+                 return_routed_experts: bool = False):
+        self.router = router  # the Router actor's handle
+        self.replicas = replicas  # the engine deployment's DeploymentHandle
+        self.model = model  # the served HF directory: its tokenizer and chat template
+        self.sessions = None if model is None else _router_sessions(
+            router, replicas, model, return_routed_experts)
+        self._tokenizer = None
+
+    @classmethod
+    def connect(cls, app_name: str, model: str | None = None,
+                return_routed_experts: bool = False) -> RayTransport:
+        """Handles of a running app (`ray.init(address=...)` first when outside the cluster).
+        `model`: the HF directory the app serves (its chat template builds session turns)."""
+        import ray
+        from ray import serve
+
+        from router.actor import NAMESPACE, ROUTER_NAME
+
+        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        replicas = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)
+        return cls(router, replicas, model, return_routed_experts)
+
+    async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
+                       routing_key: str | None) -> list[Rollout]:
+        replica_id = await self._choose(routing_key)
+        final: RequestOutput | None = None
+        try:
+            async with aclosing(stream_from_replica(self.replicas, replica_id, prompt, params,
+                                                    request_id)) as stream:
+                async for out in stream:
+                    final = out
+        except ValueError:
+            raise
+        except Exception as e:
+            raise _replica_error(self.router, replica_id, e) from e
+        finally:
+            self.router.done.remote(replica_id)
+        return from_request_output(final)
+
+    async def _choose(self, routing_key: str | None) -> str:
+        replica_id = await self.router.choose.remote(routing_key)
+        if replica_id is None:
+            if not await self.router.ready.remote():
+                raise Busy(503, "no engine replica is ready")
+            raise Busy(429, "every engine replica is busy")
+        return replica_id
+
+    async def tokenize(self, text: str | None, messages: list[dict] | None) -> list[int]:
+        tokenizer = self._tokenizer_of_model()
+        if messages is None:
+            return list(tokenizer.encode(text, add_special_tokens=True))
+        # as the HTTP layer renders a chat (session_server/prompts.py)
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=False)
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+    def _tokenizer_of_model(self):
+        if self.model is None:
+            raise ValueError("tokenize needs the served model: "
+                             "RolloutClient.in_cluster(model=HF_DIR)")
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model)
+        return self._tokenizer
+
+    # --- control (the Router's control plane) -----------------------------------------------
+
+    async def pause(self, mode: str) -> None:
+        await _unwrap(self.router.pause.remote(self.replicas, mode))
+
+    async def resume(self) -> None:
+        await _unwrap(self.router.resume.remote(self.replicas))
+
+    async def weight_version(self) -> int:
+        return await _unwrap(self.router.weight_version.remote())
+
+    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
+        return await _unwrap(self.router.begin_update.remote(self.replicas, version, spec_dicts))
+
+    def stage_bucket(self, payload: bytes) -> Any:
+        import ray
+
+        return ray.put(payload)  # once: every replica fetches this one object
+
+    async def load_bucket(self, update_id: str, staged: Any) -> int:
+        # a list, so the Router forwards the reference without fetching the bytes itself
+        return await _unwrap(self.router.load_bucket.remote(self.replicas, update_id, [staged]))
+
+    async def commit_update(self, update_id: str) -> int:
+        return await _unwrap(self.router.commit_update.remote(self.replicas, update_id))
+
+    async def abort(self, request_ids: list[str]) -> list[Rollout]:
+        outs = await _unwrap(self.router.abort.remote(self.replicas, list(request_ids)))
+        return [r for out in outs for r in from_request_output(out)]
+
+    async def flush_cache(self) -> None:
+        await _unwrap(self.router.flush_cache.remote(self.replicas))
+
+    # --- sessions (the Router hosts them) ---------------------------------------------------
+
+    def _sessions(self):
+        if self.sessions is None:
+            raise ValueError("sessions need the served model: "
+                             "RolloutClient.in_cluster(model=HF_DIR)")
+        return self.sessions
+
+    async def create_session(self, metadata: dict | None) -> str:
+        return await self._sessions().create(metadata)
+
+    async def session_chat(self, session_id: str, messages: list[dict], params: SamplingParams,
+                           tools: list[dict] | None) -> SessionTurn:
+        last = None
+        async with aclosing(self._sessions().chat_stream(session_id, messages, params,
+                                                         tools)) as turn:
+            async for result in turn:
+                last = result
+        out = last.output
+        return SessionTurn(message=last.message, text=out.text, token_ids=list(out.token_ids),
+                           logprobs=list(out.logprobs), finish_reason=out.finish_reason,
+                           weight_version=out.weight_version)
+
+    async def session_sample(self, session_id: str, max_seq_len: int | None) -> TrainingSample:
+        return await self._sessions().sample(session_id, max_seq_len)
+
+    async def describe_session(self, session_id: str) -> dict:
+        return await self._sessions().describe(session_id)
+
+    async def delete_session(self, session_id: str) -> None:
+        await self._sessions().delete(session_id)
+
+    async def close(self) -> None:
+        pass  # the handles belong to the cluster
+
+
+def _router_sessions(router: Any, replicas: Any, model: str, routed: bool):
+    from cluster.serve_backend import RouterSessions
+    from router.session_host import SessionSetup
+
+    # NOTE: must equal the ingress's setup (same model dir, same routed-experts flag), else
+    # the Router takes it for a redeployed model and rebuilds its registry
+    return RouterSessions(router, SessionSetup(model, replicas, return_routed_experts=routed))
+
+
+def _replica_error(router: Any, replica_id: str, e: Exception) -> Exception:
+    """A paused engine's full queue is worth retrying; anything else failed the replica."""
+    if isinstance(e, EnginePaused):
+        return Busy(503, str(e))
+    router.report_failure.remote(replica_id)
+    return Busy(503, f"engine replica failed while serving the request: {type(e).__name__}")
+
+
+async def _unwrap(ref):
+    """The call's result; what the Router raised on purpose (a `RouterError`, a ValueError)
+    as itself."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        return await ref
+    except RayTaskError as e:
+        if isinstance(e.cause, (RouterError, ValueError, RuntimeError)):
+            raise e.cause from None
+        raise
+    except RayActorError as e:
+        raise NoReplica("the Router actor is unavailable; retry") from e

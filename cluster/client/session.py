@@ -1,0 +1,57 @@
+"""A multi-turn session as the rollout client sees it: turns in, a merged training sample out.
+
+The server records every turn token-in/token-out; the agent sends the whole conversation each
+turn, as to any OpenAI chat endpoint, and the session appends only what is new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cluster.client.wire import sampling_params
+from router.samples import TrainingSample
+
+if TYPE_CHECKING:
+    from cluster.client.transport import Transport
+
+
+@dataclass
+class SessionTurn:
+    message: dict  # the assistant message the session stored: echo it back next turn
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    weight_version: int = 0
+
+
+class Session:
+    """`await client.session()`; `async with` deletes it on exit."""
+
+    def __init__(self, transport: Transport, session_id: str):
+        self.transport = transport
+        self.session_id = session_id
+
+    async def chat(self, messages: list[dict], *, tools: list[dict] | None = None,
+                   **sampling: Any) -> SessionTurn:
+        """One turn: `messages` is the whole conversation so far, ending with the new user
+        (or tool) message; `sampling` takes the `SamplingParams` fields."""
+        params = sampling_params(sampling)
+        return await self.transport.session_chat(self.session_id, list(messages), params, tools)
+
+    async def sample(self, max_seq_len: int | None = None) -> TrainingSample:
+        """The turns merged into one training sample (tokens, loss mask, logprobs, ...)."""
+        return await self.transport.session_sample(self.session_id, max_seq_len)
+
+    async def describe(self) -> dict:
+        return await self.transport.describe_session(self.session_id)
+
+    async def delete(self) -> None:
+        await self.transport.delete_session(self.session_id)
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.delete()

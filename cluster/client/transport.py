@@ -1,0 +1,64 @@
+"""The protocol `RolloutClient` drives: one request or control call at a time, over HTTP
+(`HttpTransport`) or Ray handles (`RayTransport`). Retries, timeouts, bucketing and fan-out live
+in the client, so both transports stay thin and behave the same."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from actors.engine.sampling_params import SamplingParams
+from cluster.client.rollout import Rollout
+from cluster.client.session import SessionTurn
+from router.samples import TrainingSample
+
+
+class Transport(Protocol):
+    """Errors: `ValueError` for bad input, `cluster.client.errors.Busy` when no replica can
+    take the request now, `PermissionError` for a missing or wrong admin key."""
+
+    can_abort: bool  # abort() can reach the engines (HTTP: an admin key was given)
+
+    async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
+                       routing_key: str | None) -> list[Rollout]:
+        """The finished request, one rollout per sample; cancelling the call aborts it."""
+        ...
+
+    async def tokenize(self, text: str | None, messages: list[dict] | None) -> list[int]:
+        """The served model's ids for `text` (special tokens added, as /generate does) or for
+        chat `messages` (the chat template, with the generation prompt)."""
+        ...
+
+    async def pause(self, mode: str) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def weight_version(self) -> int: ...
+
+    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str: ...
+
+    def stage_bucket(self, payload: bytes) -> Any:
+        """What `load_bucket` sends for one bucket's safetensors bytes (blocking: the client
+        calls it off the event loop, while the previous bucket travels)."""
+        ...
+
+    async def load_bucket(self, update_id: str, staged: Any) -> int: ...
+
+    async def commit_update(self, update_id: str) -> int: ...
+
+    async def abort(self, request_ids: list[str]) -> list[Rollout]: ...
+
+    async def flush_cache(self) -> None: ...
+
+    async def create_session(self, metadata: dict | None) -> str: ...
+
+    async def session_chat(self, session_id: str, messages: list[dict],
+                           params: SamplingParams, tools: list[dict] | None) -> SessionTurn: ...
+
+    async def session_sample(self, session_id: str,
+                             max_seq_len: int | None) -> TrainingSample: ...
+
+    async def describe_session(self, session_id: str) -> dict: ...
+
+    async def delete_session(self, session_id: str) -> None: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,1 @@
+"""Runnable examples of the rollout client (run them with `python -m cluster.examples.NAME`)."""

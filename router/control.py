@@ -1,0 +1,263 @@
+"""The RL control plane: pause, resume, weight updates and aborts across every engine replica.
+
+The Router actor hosts one for the Serve replicas, `LocalBackend` one for its in-process engine.
+One asyncio.Lock serializes pause, resume and each step of an update, so concurrent callers (two
+trainers, a retry racing its original) see them one after another, never interleaved; every call
+is broadcast and idempotent on the replicas, so a retry, or a Router that restarted and forgot
+its state, is harmless. Aborts, flushes and version reads take no lock: an abort must be able to
+end the stragglers a "wait" pause is waiting for.
+
+An update is a transaction: `begin_update` pauses the cluster (mode "keep") unless it is paused
+and checks the manifest on every replica — a bad name or shape anywhere fails it before any
+weight changes; `load_bucket` applies one bucket on every replica of the transaction;
+`commit_update` switches them all to the new version and resumes what it paused. A replica that
+fails mid-update leaves the transaction and stays at the old version; the Router routes only to
+replicas at the cluster's version, so it serves nothing until a later update reaches it, as does
+a replica Serve restarted from the checkpoint (version 0). Updates reach every healthy replica,
+those behind included: an update with every weight brings them back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from actors.models.weights import TensorSpec
+from router.errors import ControlConflict, ReplicasFailed, UpdateNotFound
+
+log = logging.getLogger(__name__)
+
+# NOTE: actors.engine.async_engine.PAUSE_MODES, which imports torch; the Router does not
+PAUSE_MODES = ("abort", "wait", "keep", "retract")
+
+
+class ReplicaCalls(Protocol):
+    """Calls one engine replica's control method (those of `actors.replica.EngineReplica`:
+    pause, resume, begin_weight_update, load_weight_bucket, finish_weight_update, abort,
+    flush_cache). Raises what the replica raised: `ValueError` for bad input; anything else
+    means the replica failed."""
+
+    async def __call__(self, replica_id: str, method: str, *args: Any) -> Any: ...
+
+
+class ReplicaTable(Protocol):
+    """The replicas a control call reaches, and their weight versions."""
+
+    def reachable(self) -> list[str]:
+        """The ids of the healthy replicas."""
+        ...
+
+    def weight_version(self) -> int:
+        """The cluster's version: the highest any replica reports."""
+        ...
+
+    def set_version(self, replica_id: str, version: int) -> None: ...
+
+    def report_failure(self, replica_id: str) -> None:
+        """A control call failed on this replica: stop routing to it until it recovers."""
+        ...
+
+
+@dataclass
+class Update:
+    """A weight update in progress: where it goes and what it has loaded so far."""
+
+    update_id: str
+    version: int
+    replica_ids: list[str]
+    num_tensors: int  # in the manifest
+    paused_here: bool  # the update paused the cluster, so its commit resumes it
+    loaded: int = 0  # tensors applied so far (on every replica of the update)
+    failed: list[str] = field(default_factory=list)  # replicas that left the update
+
+
+class ControlPlane:
+    def __init__(self, table: ReplicaTable) -> None:
+        self.table = table
+        self.paused_mode: str | None = None
+        self._update: Update | None = None
+        self._committed: tuple[str, int] | None = None  # the last commit, for a retried one
+        self._lock = asyncio.Lock()
+
+    def weight_version(self) -> int:
+        return self.table.weight_version()
+
+    def state(self) -> dict[str, Any]:
+        paused = {"paused": True, "mode": self.paused_mode} if self.paused_mode else {
+            "paused": False}
+        return {**paused, "weight_version": self.weight_version()}
+
+    # --- pause and resume ---------------------------------------------------------------------
+
+    async def pause(self, calls: ReplicaCalls, mode: str) -> dict[str, Any]:
+        """Pause every replica in `mode` (see `AsyncLLMEngine.pause`); pausing again applies
+        the new mode. Returns `state()`."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: {mode!r} is not one of {list(PAUSE_MODES)}")
+        async with self._lock:
+            await self._pause(calls, mode)
+            if self._update is not None:  # paused on purpose: the commit must not resume
+                self._update.paused_here = False
+            return self.state()
+
+    async def resume(self, calls: ReplicaCalls) -> dict[str, Any]:
+        """Resume every replica. An update with nothing loaded yet is dropped; one that is
+        half loaded is a `ControlConflict` (commit it, or begin a new one, first)."""
+        async with self._lock:
+            if self._update is not None:
+                if self._update.loaded:
+                    raise ControlConflict(
+                        f"weight update {self._update.update_id!r} is half loaded: commit it "
+                        "(or begin a new one) before resuming")
+                self._update = None
+            await self._resume(calls)
+            return self.state()
+
+    async def _pause(self, calls: ReplicaCalls, mode: str) -> None:
+        await self._everywhere(calls, self._reachable(), "pause", mode)
+        self.paused_mode = mode
+
+    async def _resume(self, calls: ReplicaCalls) -> None:
+        await self._everywhere(calls, self._reachable(), "resume")
+        self.paused_mode = None
+
+    # --- the update transaction ---------------------------------------------------------------
+
+    async def begin_update(self, calls: ReplicaCalls, version: int,
+                           spec_dicts: list[dict]) -> str:
+        """Open an update to `version` (newer than the cluster's) of the tensors in
+        `spec_dicts` ({"name", "shape", "dtype"}, HF names, full shapes), checked on every
+        replica; a `ValueError` (naming the tensor) leaves every replica as it was. Returns
+        the update id. A begin replaces an update that was not committed."""
+        specs = manifest(spec_dicts)
+        async with self._lock:
+            _check_version(version, self.weight_version())
+            fresh = self.paused_mode is None
+            if fresh:
+                await self._pause(calls, "keep")
+            try:
+                ok = await self._everywhere(calls, self._reachable(), "begin_weight_update",
+                                            [s.to_dict() for s in specs])
+            except BaseException:
+                if fresh:  # nothing was begun anywhere: undo the pause
+                    await self._resume(calls)
+                raise
+            paused_here = fresh or (self._update is not None and self._update.paused_here)
+            self._update = Update(f"upd-{secrets.token_hex(8)}", version, list(ok), len(specs),
+                                  paused_here)
+            return self._update.update_id
+
+    async def load_bucket(self, calls: ReplicaCalls, update_id: str, bucket: Any) -> int:
+        """Apply one bucket (safetensors bytes, or `[ObjectRef]` of them) on every replica of
+        the update; returns how many tensors it held. A `ValueError` (a tensor not in the
+        manifest, or unlike its spec) changes nothing, and the update stays open."""
+        async with self._lock:
+            update = self._open(update_id)
+            ok = await self._everywhere(calls, update.replica_ids, "load_weight_bucket", bucket,
+                                        update=update)
+            count = next(iter(ok.values()))
+            update.loaded += count
+            return count
+
+    async def commit_update(self, calls: ReplicaCalls, update_id: str) -> int:
+        """Switch every replica of the update to its version, and resume the cluster if the
+        update paused it. Returns the version; committing it again returns it again."""
+        async with self._lock:
+            if self._committed is not None and self._committed[0] == update_id:
+                return self._committed[1]
+            update = self._open(update_id)
+            if update.loaded < update.num_tensors:
+                raise ValueError(f"only {update.loaded} of the update's {update.num_tensors} "
+                                 "tensors were loaded; send the rest before committing")
+            ok = await self._everywhere(calls, update.replica_ids, "finish_weight_update",
+                                        update.version, update=update)
+            for rid in ok:
+                self.table.set_version(rid, update.version)
+            self._update, self._committed = None, (update_id, update.version)
+            if update.paused_here:
+                await self._resume_after_commit(calls)
+            return update.version
+
+    async def _resume_after_commit(self, calls: ReplicaCalls) -> None:
+        """The commit stands even if no replica resumes: a later resume retries."""
+        try:
+            await self._resume(calls)
+        except ReplicasFailed as e:
+            log.warning("no engine replica resumed after the weight update: %s", e)
+
+    def _open(self, update_id: str) -> Update:
+        if self._update is None or self._update.update_id != update_id:
+            raise UpdateNotFound(f"no weight update {update_id!r} is open (never begun, "
+                                 "committed, or replaced by a newer begin)", param="update_id")
+        return self._update
+
+    # --- requests and the cache ---------------------------------------------------------------
+
+    async def abort(self, calls: ReplicaCalls, request_ids: list[str]) -> list:
+        """End these requests wherever they run (unknown ids are skipped); their partial
+        outputs (`RequestOutput`, finish reason "abort")."""
+        ids = self.table.reachable()
+        done = await self._everywhere(calls, ids, "abort", list(request_ids)) if ids else {}
+        return [out for outs in done.values() for out in outs]
+
+    async def flush_cache(self, calls: ReplicaCalls) -> None:
+        """Drop every replica's prefix cache."""
+        await self._everywhere(calls, self._reachable(), "flush_cache")
+
+    # --- broadcasting ---------------------------------------------------------------------------
+
+    def _reachable(self) -> list[str]:
+        ids = self.table.reachable()
+        if not ids:
+            raise ReplicasFailed("no engine replica is ready")
+        return ids
+
+    async def _everywhere(self, calls: ReplicaCalls, ids: list[str], method: str, *args: Any,
+                          update: Update | None = None) -> dict[str, Any]:
+        """Call `method` on every replica in `ids` at once; their results by replica id.
+
+        A `ValueError` (the input's fault) raised anywhere is raised here. A replica that
+        failed otherwise is reported, and leaves `update`; only when none succeeded is it an
+        error (`ReplicasFailed`)."""
+        if not ids:
+            raise ReplicasFailed(f"{method}: no engine replica is left to call")
+        results = await asyncio.gather(*(calls(rid, method, *args) for rid in ids),
+                                       return_exceptions=True)
+        ok = {rid: r for rid, r in zip(ids, results) if not isinstance(r, BaseException)}
+        failed = {rid: r for rid, r in zip(ids, results) if isinstance(r, BaseException)}
+        bad_input = next((e for e in failed.values() if isinstance(e, ValueError)), None)
+        if bad_input is not None:
+            raise bad_input
+        for rid, error in failed.items():
+            log.warning("%s failed on engine replica %s: %r", method, rid, error)
+            self.table.report_failure(rid)
+            if update is not None:
+                update.replica_ids.remove(rid)
+                update.failed.append(rid)
+        if not ok:
+            first = next(iter(failed.values()))
+            raise ReplicasFailed(f"{method} failed on every engine replica: "
+                                 f"{type(first).__name__}: {first}") from first
+        return ok
+
+
+def manifest(spec_dicts: list[dict]) -> list[TensorSpec]:
+    """The update's tensors, checked for form (names and shapes are checked by the replicas)."""
+    if not isinstance(spec_dicts, list) or not spec_dicts:
+        raise ValueError("tensors: give a non-empty list of {'name', 'shape', 'dtype'}")
+    specs = [TensorSpec.from_dict(d) for d in spec_dicts]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"tensors: {twice[:3]} appear more than once")
+    return specs
+
+
+def _check_version(version: int, current: int) -> None:
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ValueError(f"version: must be an integer, got {version!r}")
+    if version <= current:
+        raise ValueError(f"version: {version} is not newer than the cluster's {current}")

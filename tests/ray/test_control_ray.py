@@ -1,0 +1,133 @@
+"""The control plane on a local Ray cluster: two Serve engine replicas, updated over the admin
+routes through the Router (bucket bytes put once in the object store, the Router forwarding the
+refs), in one transaction; a failed update changes no replica.
+
+Reference: Hugging Face `generate` on the weights sent (seeded noise on the checkpoint).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from actors.models.weights import encode_bucket, iter_buckets, specs_of
+from router.actor import NAMESPACE, ROUTER_NAME
+from tests.hf_reference import hf_greedy, perturbed_model
+from tests.ray.conftest import free_port
+
+ADMIN_KEY = "admin-ray"
+PROMPTS = [[5, 17, 42, 99, 7, 150, 33], [9, 8, 7, 6, 5, 4], [100, 200, 300, 12]]
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, tiny_llama_dir):
+    """(base URL, Router handle) of two tiny-Llama replicas with the admin routes on."""
+    from cluster import launch
+    from cluster.config import ClusterConfig
+
+    config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", replicas=2,
+                           port=free_port(), torch_threads=1, admin_api_key=ADMIN_KEY,
+                           engine={"num_kv_blocks": 128, "max_model_len": 256})
+    url = launch.deploy(config)
+    yield url, ray_cluster.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_llama_dir, tmp_path_factory) -> tuple[str, list]:
+    return perturbed_model(tiny_llama_dir, str(tmp_path_factory.mktemp("tiny_llama_ray_v1")), 5)
+
+
+@pytest.fixture
+def admin(cluster):
+    url, _ = cluster
+    with httpx.Client(base_url=url, timeout=120,
+                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as client:
+        yield client
+
+
+def call(router, method: str, *args):
+    import ray
+
+    return ray.get(getattr(router, method).remote(*args))
+
+
+def replica_versions(router) -> dict[str, int]:
+    return {r["replica_id"]: r["weight_version"] for r in call(router, "replicas")
+            if r["healthy"]}
+
+
+def greedy(url: str, prompt: list[int], key: str) -> dict:
+    response = httpx.post(f"{url}/generate", timeout=120, headers={"x-routing-key": key},
+                          json={"input_ids": prompt, "sampling_params": {
+                              "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def begin(admin: httpx.Client, named: list, version: int) -> httpx.Response:
+    return admin.post("/admin/update_weights/begin", json={
+        "version": version, "tensors": [s.to_dict() for s in specs_of(named)]})
+
+
+def test_an_update_reaches_both_replicas_at_one_version(cluster, admin, perturbed,
+                                                        tiny_llama_dir):
+    url, router = cluster
+    v1_dir, v1 = perturbed
+    assert set(replica_versions(router).values()) == {0} and len(replica_versions(router)) == 2
+    update_id = begin(admin, v1, 1).json()["update_id"]
+    for bucket in iter_buckets(v1, 50_000):
+        response = admin.post(f"/admin/update_weights/{update_id}/bucket",
+                              content=encode_bucket(bucket))
+        assert response.json() == {"tensors": len(bucket)}, response.text
+    assert admin.post(f"/admin/update_weights/{update_id}/commit").json() == {
+        "weight_version": 1}
+    assert set(replica_versions(router).values()) == {1}
+    served_by = {}
+    for i in range(8):  # spread over both replicas by key
+        prompt = PROMPTS[i % len(PROMPTS)]
+        out = greedy(url, prompt, key=f"k{i}")
+        assert out["output_ids"] == hf_greedy(v1_dir, prompt, 8)[0]
+        assert out["meta_info"]["weight_versions"] == [1] * 8
+        served_by[i] = out
+    routed = [r["routed"] for r in call(router, "replicas")]
+    assert all(n > 0 for n in routed), routed
+    assert admin.get("/admin/weight_version").json() == {"weight_version": 1}
+    assert "raylane:weight_version" in httpx.get(f"{url}/metrics", timeout=30).text
+
+
+def test_a_failed_update_leaves_every_replica_as_it_was(cluster, admin, perturbed):
+    url, router = cluster
+    v1_dir, v1 = perturbed
+    version = admin.get("/admin/weight_version").json()["weight_version"]
+    before = [greedy(url, p, key=f"b{i}")["output_ids"] for i, p in enumerate(PROMPTS)]
+    name, tensor = v1[1]
+    wrong = [*v1[:1], (name, torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:])), *v1[2:]]
+    response = begin(admin, wrong, version + 1)
+    assert response.status_code == 400, response.text
+    assert set(replica_versions(router).values()) == {version}
+    after = [greedy(url, p, key=f"b{i}")["output_ids"] for i, p in enumerate(PROMPTS)]
+    assert after == before  # and not paused: the failed begin resumed what it paused
+    assert call(router, "control_state")["paused"] is False
+
+
+def test_pause_abort_and_resume_across_replicas(cluster, admin):
+    url, _ = cluster
+    body = {"input_ids": PROMPTS[0], "rid": "long-one", "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0}}
+    aborted = {}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        pause = admin.post("/admin/pause", json={"mode": "keep"}).json()
+        assert pause["paused"] is True and pause["mode"] == "keep"
+        aborted = admin.post("/admin/abort", json={"request_ids": ["long-one"]}).json()
+        rest = [line for line in lines if line.startswith("data: {")]
+    [item] = aborted["outputs"]
+    assert item["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(item["output_ids"]) < 200
+    assert '"abort"' in rest[-1]
+    assert admin.post("/admin/resume").json()["paused"] is False
+    assert len(greedy(url, PROMPTS[1], key="after")["output_ids"]) == 8

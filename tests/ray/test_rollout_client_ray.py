@@ -1,0 +1,112 @@
+"""`RolloutClient.in_cluster()` on a local Ray cluster with two tiny-Llama replicas: generation
+through the Router and the deployment handle (no HTTP), a weight update through the object
+store to both replicas (reference: HF `generate` on the weights sent), abort, pause, sessions
+and fan-out; the HTTP client against the same cluster agrees with it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cluster.client import RolloutClient
+from router.actor import NAMESPACE, ROUTER_NAME
+from tests.hf_reference import hf_greedy
+from tests.ray.conftest import free_port
+
+ADMIN_KEY = "admin-client"
+PROMPT = [5, 17, 42, 99, 7, 150, 33]
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def url(ray_cluster, tiny_llama_dir):
+    from cluster import launch
+    from cluster.config import ClusterConfig
+
+    config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", replicas=2,
+                           port=free_port(), torch_threads=1, admin_api_key=ADMIN_KEY,
+                           engine={"num_kv_blocks": 128, "max_model_len": 256})
+    return launch.deploy(config)
+
+
+@pytest.fixture
+def client(url, tiny_llama_dir) -> RolloutClient:
+    return RolloutClient.in_cluster(model=tiny_llama_dir)
+
+
+def versions(ray_cluster) -> list[int]:
+    router = ray_cluster.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    return [r["weight_version"] for r in ray_cluster.get(router.replicas.remote())
+            if r["healthy"]]
+
+
+async def test_generate_in_cluster_equals_http_and_hf(client, url, tiny_llama_dir):
+    (got,) = await client.generate(PROMPT, **GREEDY)
+    want, want_logprobs = hf_greedy(tiny_llama_dir, PROMPT, 8)
+    assert got.token_ids == want and got.prompt_token_ids == PROMPT
+    assert got.logprobs == pytest.approx(want_logprobs, abs=1e-4)
+    assert got.weight_versions == [0] * 8
+    async with RolloutClient(url, admin_key=ADMIN_KEY) as http:
+        (over_http,) = await http.generate(PROMPT, **GREEDY)
+        assert await http.weight_version() == await client.weight_version() == 0
+    assert over_http.token_ids == got.token_ids
+    (text,) = await client.generate("Hello, world!", **GREEDY)
+    assert text.prompt_token_ids == await client.tokenize("Hello, world!")
+
+
+async def test_update_reaches_both_replicas_through_the_object_store(client, ray_cluster,
+                                                                    tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(3)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(tmp_path)
+    assert await client.update_weights(model.named_parameters(), 1, bucket_bytes=64 << 10) == 1
+    assert await client.weight_version() == 1 and versions(ray_cluster) == [1, 1]
+    want, _ = hf_greedy(str(tmp_path), PROMPT, 8)
+    for key in ("a", "b", "c", "d"):  # spread over both replicas
+        (got,) = await client.generate(PROMPT, routing_key=key, **GREEDY)
+        assert got.token_ids == want and got.weight_versions == [1] * 8
+
+
+async def test_abort_and_pause_in_cluster(client):
+    rid = "ray-abort"
+    running = asyncio.ensure_future(client.generate(PROMPT, request_id=rid, routing_key="k",
+                                                    max_tokens=200, ignore_eos=True))
+    partial = []
+    for _ in range(200):  # until it is running on its replica
+        await asyncio.sleep(0.05)
+        partial = await client.abort([rid])
+        if partial:
+            break
+    assert partial and partial[0].finish_reason == "abort"
+    (ended,) = await running
+    assert ended.finish_reason == "abort" and len(ended.token_ids) < 200
+
+    await client.pause("keep")
+    waiting = asyncio.ensure_future(client.generate(PROMPT, **GREEDY))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()  # queued while paused
+    await client.resume()
+    (got,) = await asyncio.wait_for(waiting, 60)
+    assert got.finish_reason == "length"
+
+
+async def test_session_and_fork_in_cluster(client):
+    session = await client.session()
+    turn = await session.chat([{"role": "user", "content": "Hello, world!"}], max_tokens=4,
+                              temperature=0.0)
+    sample = await session.sample()
+    await session.delete()
+    assert [t for t, m in zip(sample.tokens, sample.loss_mask) if m] == turn.token_ids
+
+    prefix = [(7 * i) % 200 + 3 for i in range(40)]
+    suffixes = [[11, 12], [21, 22], [31, 32]]
+    fanned = await client.gather(await client.fork(prefix, 3, suffixes=suffixes, **GREEDY))
+    one_by_one = [(await client.generate(prefix + s, **GREEDY))[0] for s in suffixes]
+    assert [r.token_ids for r in fanned] == [r.token_ids for r in one_by_one]
