@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import numpy as np
+
 from actors.engine.errors import EnginePaused
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
@@ -87,7 +89,8 @@ class RouterControl:
 
         # stored once, read by every replica; in a list so the Router passes the ref on
         # instead of fetching the bytes. NOTE: the ref must live until the call returns
-        ref = await asyncio.to_thread(ray.put, payload)
+        # (a uint8 array, which a replica reads in place; bytes would be copied out)
+        ref = await asyncio.to_thread(ray.put, np.frombuffer(payload, dtype=np.uint8))
         return await _unwrap(self.router.load_bucket.remote(self.replicas, update_id, [ref]))
 
     async def commit_update(self, update_id: str) -> int:

@@ -23,6 +23,7 @@ from actors.engine.stats import EngineStats, StepTimer
 from actors.engine.validate import RequestValidator
 from actors.models.weights import (
     DEFAULT_BUCKET_BYTES,
+    Payload,
     TensorSpec,
     WeightUpdate,
     bucket_specs,
@@ -98,12 +99,13 @@ class LLMEngine:
                                      [(s.name, s.shape, s.dtype) for s in specs])
         self._update = WeightUpdate({s.name: s for s in specs})
 
-    def load_weight_bucket(self, bucket: bytes | dict[str, torch.Tensor]) -> int:
-        """Apply one bucket (safetensors bytes or named tensors) of the begun update; each
-        tensor must be in its manifest, with that shape and dtype (checked before any copy)."""
+    def load_weight_bucket(self, bucket: Payload | dict[str, torch.Tensor]) -> int:
+        """Apply one bucket (safetensors bytes, or a uint8 array of them, or named tensors) of
+        the begun update; each tensor must be in its manifest, with that shape and dtype
+        (checked before any copy)."""
         update = self._require_update()
-        specs = bucket_specs(bucket) if isinstance(bucket, (bytes, bytearray)) else [
-            TensorSpec.of(name, t) for name, t in bucket.items()]
+        specs = [TensorSpec.of(name, t) for name, t in bucket.items()] if isinstance(
+            bucket, dict) else bucket_specs(bucket)
         update.check(specs)
         update.dirty = True  # from here on, the weights are neither old nor new until finish
         self.executor.load_weight_bucket(bucket)

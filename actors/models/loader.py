@@ -120,12 +120,13 @@ def _plain_loader(param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> 
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, Loaded]],
-                 partial: bool = False) -> None:
+                 partial: bool = False) -> set[str]:
     """Copy checkpoint tensors (or `LazyTensor` views) into `model`, each parameter taking its
     TP rank's slice; ValueError on unknown or missing weights and on shape mismatches.
+    Returns the names of the parameters it wrote.
 
     `partial`: a bucket of a weight update: missing weights are fine, and the caller re-packs
-    (`refresh_packed_weights`) once the last bucket is in.
+    what changed (`repack_changed`).
     """
     params = dict(model.named_parameters())
     experts = model.expert_params_mapping() if hasattr(model, "expert_params_mapping") else []
@@ -142,11 +143,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Loaded]],
             getattr(param, "weight_loader", _plain_loader)(param, tensor, shard)
             loaded.add(ours)
     if partial:
-        return
+        return loaded
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
     refresh_packed_weights(model)
+    return loaded
 
 
 def check_weights(model_class: type, config: Any, tp: TPGroup, dtype: torch.dtype,

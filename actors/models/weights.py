@@ -10,19 +10,25 @@ pickle: a bucket decodes only to named tensors. Importing this module does not i
 from __future__ import annotations
 
 import json
+import math
 import struct
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+
+Payload = bytes | bytearray | memoryview | Any  # safetensors bytes, or a uint8 numpy array
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 # our dtype names -> safetensors' header names
 _SAFETENSORS_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 _FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_NAMES.items()}
+_ITEM_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -95,10 +101,16 @@ def specs_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSp
     return [TensorSpec.of(name, t) for name, t in named_tensors]
 
 
-def bucket_specs(payload: bytes | bytearray | memoryview) -> list[TensorSpec]:
+def bucket_specs(payload: Payload) -> list[TensorSpec]:
     """The specs of a safetensors payload, read from its header alone (no tensor decoded);
     ValueError when it is not a well-formed safetensors payload."""
-    view = memoryview(payload)
+    return [spec for spec, _ in _entries(payload)[0]]
+
+
+def _entries(payload: Payload) -> tuple[list[tuple[TensorSpec, tuple[int, int]]], int]:
+    """Each tensor's spec and byte range in the body, and where the body starts; ValueError
+    unless the header is well formed and every range lies in the body with its tensor's size."""
+    view = memoryview(payload).cast("B")
     if len(view) < 8:
         raise ValueError("bucket: not a safetensors payload (shorter than its header size)")
     (size,) = struct.unpack("<Q", view[:8])
@@ -108,32 +120,85 @@ def bucket_specs(payload: bytes | bytearray | memoryview) -> list[TensorSpec]:
         header = json.loads(bytes(view[8:8 + size]))
     except ValueError:
         raise ValueError("bucket: not a safetensors payload (bad header)") from None
-    specs = []
+    if not isinstance(header, dict):
+        raise ValueError("bucket: not a safetensors payload (bad header)")
+    body = len(view) - 8 - size
+    entries = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         if not isinstance(entry, dict) or entry.get("dtype") not in _FROM_SAFETENSORS:
             raise ValueError(f"bucket: tensor {name!r} has an unsupported dtype")
-        specs.append(TensorSpec(name, tuple(entry.get("shape", ())),
-                                _FROM_SAFETENSORS[entry["dtype"]]))
-    return specs
+        dtype = _FROM_SAFETENSORS[entry["dtype"]]
+        shape = entry.get("shape", ())
+        if not isinstance(shape, list):
+            raise ValueError(f"bucket: tensor {name!r} has a bad shape {shape!r}")
+        spec = TensorSpec(name, tuple(shape), dtype)
+        span = entry.get("data_offsets")
+        nbytes = math.prod(spec.shape) * _ITEM_SIZES[dtype]
+        if (not isinstance(span, list) or len(span) != 2
+                or not all(isinstance(x, int) for x in span)
+                or not 0 <= span[0] <= span[1] <= body or span[1] - span[0] != nbytes):
+            raise ValueError(f"bucket: tensor {name!r} has bad data offsets {span!r}")
+        entries.append((spec, (span[0], span[1])))
+    return entries, 8 + size
+
+
+def pack_bucket(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                scratch: np.ndarray | None = None) -> np.ndarray:
+    """The tensors in safetensors layout in one uint8 array: a header, then each tensor's
+    bytes, copied once. A Ray object store holds it without a copy on the reading side.
+    `scratch`: a uint8 array to write into when it is large enough (the result is then a view
+    of it, valid until the next use; fresh memory costs page faults on every bucket)."""
+    import numpy as np
+    import torch
+
+    tensors = [(name, t.detach()) for name, t in named_tensors]
+    header, offset = {}, 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_NAMES[dtype_name(t.dtype)],
+                        "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the body starts 8-byte aligned, as safetensors writes it
+    total = 8 + len(head) + offset
+    out = scratch[:total] if scratch is not None and scratch.size >= total else np.empty(
+        total, dtype=np.uint8)
+    out[:8] = np.frombuffer(struct.pack("<Q", len(head)), dtype=np.uint8)
+    out[8:8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    body = torch.from_numpy(out[8 + len(head):])
+    for (name, t), entry in zip(tensors, header.values()):
+        begin, end = entry["data_offsets"]
+        if end > begin:
+            body[begin:end].copy_(t.to("cpu").contiguous().reshape(-1).view(torch.uint8))
+    return out
 
 
 def encode_bucket(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> bytes:
-    """Safetensors bytes of the tensors (contiguous CPU copies where needed)."""
-    from safetensors.torch import save
-
-    return save({name: t.detach().to("cpu").contiguous() for name, t in named_tensors})
+    """Safetensors bytes of the tensors (what an HTTP bucket carries)."""
+    return pack_bucket(named_tensors).tobytes()
 
 
-def decode_bucket(payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """The named tensors of a safetensors payload; ValueError when it is not one."""
-    from safetensors.torch import load
+def decode_bucket(payload: Payload) -> dict[str, torch.Tensor]:
+    """The named tensors of a safetensors payload, as views into it (no copy: the loaders copy
+    them into the model); ValueError when it is not a well-formed payload."""
+    import torch
 
-    try:
-        return load(bytes(payload))
-    except Exception as e:  # safetensors raises its own error types
-        raise ValueError(f"bucket: not a safetensors payload ({e})") from None
+    entries, start = _entries(payload)
+    view = memoryview(payload).cast("B")
+    tensors = {}
+    with warnings.catch_warnings():  # a read-only payload (bytes, the object store) is only read
+        warnings.simplefilter("ignore", UserWarning)
+        for spec, (begin, end) in entries:
+            dtype = torch_dtype(spec.dtype)
+            if end == begin:
+                tensors[spec.name] = torch.empty(spec.shape, dtype=dtype)
+                continue
+            flat = torch.frombuffer(view, dtype=torch.uint8, count=end - begin,
+                                    offset=start + begin)
+            tensors[spec.name] = flat.view(dtype).view(spec.shape)
+    return tensors
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],

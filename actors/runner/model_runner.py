@@ -18,8 +18,8 @@ import torch
 
 from actors.models import TPGroup, load_model, load_weights
 from actors.models.loader import check_weights
-from actors.models.packing import refresh_packed_weights
-from actors.models.weights import decode_bucket, torch_dtype
+from actors.models.packing import repack_changed
+from actors.models.weights import Payload, decode_bucket, torch_dtype
 from actors.runner.config import RunnerConfig, RunnerInfo
 from actors.runner.inputs import InputPreparer, StepInputs
 from actors.runner.kv_cache import KVCache
@@ -95,16 +95,18 @@ class ModelRunner:
         check_weights(type(self.model), self.hf_config, self.tp, self.dtype,
                       [(name, tuple(shape), torch_dtype(dtype)) for name, shape, dtype in specs])
 
-    def load_weight_bucket(self, bucket: bytes | dict[str, torch.Tensor]) -> int:
-        """Copy a bucket (safetensors bytes, or named tensors) into this rank's slices; the
-        caller checked its names and shapes first. Returns the number of tensors."""
-        tensors = decode_bucket(bucket) if isinstance(bucket, (bytes, bytearray)) else bucket
-        load_weights(self.model, tensors.items(), partial=True)
+    def load_weight_bucket(self, bucket: Payload | dict[str, torch.Tensor]) -> int:
+        """Copy a bucket (safetensors bytes or a uint8 array of them, read in place; or named
+        tensors) into this rank's slices; the caller checked its names and shapes first.
+        Returns the number of tensors."""
+        tensors = bucket if isinstance(bucket, dict) else decode_bucket(bucket)
+        # packs are rebuilt per bucket, for what it changed: the work overlaps the sender
+        # preparing the next bucket, instead of all of it waiting for the commit
+        repack_changed(self.model, load_weights(self.model, tensors.items(), partial=True))
         return len(tensors)
 
     def finish_weight_update(self) -> None:
-        """The last bucket is in: rebuild what derives from the weights (packed copies)."""
-        refresh_packed_weights(self.model)
+        """The last bucket is in (its packs rebuilt with it): nothing is left to derive."""
 
     # --- results (sampling rank) --------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import numpy as np
 
 from actors.engine.sampling_params import SamplingParams
 from cluster.client.errors import from_status
@@ -59,8 +60,8 @@ class HttpTransport:
         return (await self._post("/admin/update_weights/begin", body, admin=True)).json()[
             "update_id"]
 
-    def stage_bucket(self, payload: bytes) -> bytes:
-        return payload
+    def stage_bucket(self, payload: np.ndarray) -> bytes:
+        return payload.tobytes()  # the body: safetensors bytes
 
     async def load_bucket(self, update_id: str, staged: bytes) -> int:
         resp = await self._request("POST", f"/admin/update_weights/{update_id}/bucket",

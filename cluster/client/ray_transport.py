@@ -11,6 +11,8 @@ from __future__ import annotations
 from contextlib import aclosing
 from typing import Any
 
+import numpy as np
+
 from actors.engine.errors import EnginePaused
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
@@ -108,10 +110,12 @@ class RayTransport:
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
         return await _unwrap(self.router.begin_update.remote(self.replicas, version, spec_dicts))
 
-    def stage_bucket(self, payload: bytes) -> Any:
+    def stage_bucket(self, payload: np.ndarray) -> Any:
         import ray
 
-        return ray.put(payload)  # once: every replica fetches this one object
+        # stored once for every replica; a numpy array, so a replica on this node reads it in
+        # place from shared memory (bytes would be copied out on every get)
+        return ray.put(payload)
 
     async def load_bucket(self, update_id: str, staged: Any) -> int:
         # a list, so the Router forwards the reference without fetching the bytes itself

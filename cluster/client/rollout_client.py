@@ -9,9 +9,10 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from tqdm import tqdm
 
-from actors.models.weights import DEFAULT_BUCKET_BYTES, encode_bucket, iter_buckets, specs_of
+from actors.models.weights import DEFAULT_BUCKET_BYTES, iter_buckets, pack_bucket, specs_of
 from cluster.client.errors import Busy
 from cluster.client.fanout import Branch, aggregate, branch_seeds, join_prompt
 from cluster.client.rollout import Rollout
@@ -49,6 +50,7 @@ class RolloutClient:
         self.transport = transport
         self.timeout = timeout
         self.busy_timeout_s = busy_timeout_s
+        self._scratch: np.ndarray | None = None  # where weight buckets are packed
 
     @classmethod
     def in_cluster(cls, app_name: str | None = None, *, model: str | None = None,
@@ -166,7 +168,12 @@ class RolloutClient:
                 sending.cancel()
 
     def _stage(self, bucket: list[tuple[str, torch.Tensor]]) -> Any:
-        return self.transport.stage_bucket(encode_bucket(bucket))
+        # one bucket is staged at a time and staging copies it out (into the object store, or
+        # into the HTTP body), so one scratch buffer serves every bucket
+        packed = pack_bucket(bucket, self._scratch)
+        if self._scratch is None or packed.base is not self._scratch:
+            self._scratch = packed
+        return self.transport.stage_bucket(packed)
 
     # --- sessions ---------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import numpy as np
+
 from actors.engine.sampling_params import SamplingParams
 from cluster.client.rollout import Rollout
 from cluster.client.session import SessionTurn
@@ -36,9 +38,10 @@ class Transport(Protocol):
 
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str: ...
 
-    def stage_bucket(self, payload: bytes) -> Any:
-        """What `load_bucket` sends for one bucket's safetensors bytes (blocking: the client
-        calls it off the event loop, while the previous bucket travels)."""
+    def stage_bucket(self, payload: np.ndarray) -> Any:
+        """What `load_bucket` sends for one bucket in safetensors layout (`pack_bucket`'s uint8
+        array; blocking: the client calls it off the event loop, while the previous bucket
+        travels). It must copy the bucket out: the array is reused for the next one."""
         ...
 
     async def load_bucket(self, update_id: str, staged: Any) -> int: ...

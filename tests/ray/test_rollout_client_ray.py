@@ -8,11 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from cluster.client import RolloutClient
 from router.actor import NAMESPACE, ROUTER_NAME
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy, perturbed_model
 from tests.ray.conftest import free_port
 
 ADMIN_KEY = "admin-client"
@@ -58,17 +57,10 @@ async def test_generate_in_cluster_equals_http_and_hf(client, url, tiny_llama_di
 
 async def test_update_reaches_both_replicas_through_the_object_store(client, ray_cluster,
                                                                     tiny_llama_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(3)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(tmp_path)
-    assert await client.update_weights(model.named_parameters(), 1, bucket_bytes=64 << 10) == 1
+    v1_dir, named = perturbed_model(tiny_llama_dir, str(tmp_path), 3)
+    assert await client.update_weights(named, 1, bucket_bytes=64 << 10) == 1
     assert await client.weight_version() == 1 and versions(ray_cluster) == [1, 1]
-    want, _ = hf_greedy(str(tmp_path), PROMPT, 8)
+    want, _ = hf_greedy(v1_dir, PROMPT, 8)
     for key in ("a", "b", "c", "d"):  # spread over both replicas
         (got,) = await client.generate(PROMPT, routing_key=key, **GREEDY)
         assert got.token_ids == want and got.weight_versions == [1] * 8

@@ -59,7 +59,7 @@ class FakeTransport:
     def stage_bucket(self, payload):
         self.staged_live += 1
         self.max_staged_live = max(self.max_staged_live, self.staged_live)
-        return payload
+        return payload.tobytes()  # staging copies the bucket out, as the real ones do
 
     async def load_bucket(self, update_id, staged):
         await asyncio.sleep(0.01)
