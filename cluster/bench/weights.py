@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from cluster.bench.cache_versions import POLICIES, measure, print_cache_table
     from cluster.models import resolve_model
 
     model_dir = resolve_model(args.model)
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
                   for name, make in (("in-cluster", in_cluster_client),
                                      ("HTTP", lambda: http_client(url)))]
     print_table(rows, pauses, nbytes, len(named), args, torch.get_num_threads())
+    print_cache_table([measure(policy) for policy in POLICIES])
     return 0
 
 

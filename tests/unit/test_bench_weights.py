@@ -26,3 +26,13 @@ def test_switches_once_at_the_update():
     assert not _switches_once([3, 3], 4)
     assert not _switches_once([3, 4, 3, 4], 4)
     assert not _switches_once([2, 3, 4], 4)
+
+
+def test_both_cache_policies_stop_stale_hits_and_keep_the_cache_working():
+    from cluster.bench.cache_versions import measure
+
+    unsafe = measure("none", num_prompts=4, prompt_blocks=5, block_size=4)
+    assert unsafe.stale_hits > 0  # the hazard: old KV found after the update
+    for policy in ("fold", "flush"):
+        row = measure(policy, num_prompts=4, prompt_blocks=5, block_size=4)
+        assert row.stale_hits == 0 and row.hits_after == unsafe.stale_hits
