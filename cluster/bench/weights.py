@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [time_copy(named, args.repeats), time_clone(named, args.repeats),
             time_encode(named, bucket, args.repeats)]
     with serving(model_dir, args) as url:
+        rows.append(time_put(named, bucket, args.repeats))
         versions = iter(range(1, 10_000))
         for name, make in (("HTTP (admin routes)", lambda: http_client(url)),
                            ("in-cluster (object store)", in_cluster_client)):
@@ -120,14 +121,35 @@ def time_clone(named: list, repeats: int) -> Row:
 
 
 def time_encode(named: list, bucket: int, repeats: int) -> Row:
-    """The client's own share: encoding every bucket as safetensors bytes (nothing sent)."""
-    from actors.models.weights import encode_bucket, iter_buckets
+    """The client's own share: packing every bucket in safetensors layout into its reused
+    buffer (nothing sent)."""
+    from actors.models.weights import iter_buckets, pack_bucket
 
-    row = Row("safetensors encode only")
-    for _ in range(repeats):
+    row = Row("client: pack buckets only")
+    scratch = None
+    for _ in range(repeats + 1):  # the first pass allocates the buffer
         start = time.perf_counter()
         for b in iter_buckets(named, bucket):
-            encode_bucket(b)
+            scratch = pack_bucket(b, scratch)
+        row.seconds.append(time.perf_counter() - start)
+    row.seconds.pop(0)
+    return row
+
+
+def time_put(named: list, bucket: int, repeats: int) -> Row:
+    """Ray's share of the in-cluster path: every bucket put in the object store (and freed),
+    nothing else; the floor of any update through it on this machine."""
+    import ray
+
+    from actors.models.weights import iter_buckets, pack_bucket
+
+    row = Row("object store: ray.put only")
+    packed = [pack_bucket(b) for b in iter_buckets(named, bucket)]
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for p in packed:
+            del_ref = ray.put(p)
+            del del_ref
         row.seconds.append(time.perf_counter() - start)
     return row
 
@@ -247,8 +269,10 @@ def print_table(rows: list[Row], pauses: list[PauseRun], nbytes: int, num_tensor
               f"{gbs:>6.2f} | {100 * gbs / copy_gbs:>6.0f}% |")
     clone_gbs = nbytes / rows[1].best / 1e9
     cluster_gbs = nbytes / rows[-1].best / 1e9
+    put_gbs = nbytes / next(r for r in rows if r.name.startswith("object store")).best / 1e9
     print(f"in-cluster update: {100 * cluster_gbs / copy_gbs:.0f}% of the preallocated copy "
-          f"(target >= 50%), {100 * cluster_gbs / clone_gbs:.0f}% of the fresh-memory copy")
+          f"(target >= 50%), {100 * cluster_gbs / clone_gbs:.0f}% of the fresh-memory copy, "
+          f"{100 * cluster_gbs / put_gbs:.0f}% of ray.put alone")
     print(f"\npause('keep') -> update -> resume with {args.in_flight} requests in flight "
           "(greedy, 96 tokens each):")
     print(f"| {'path':<10} | {'pause ms':>8} | {'update s':>8} | {'resume ms':>9} | "

@@ -240,3 +240,46 @@ async def test_gather_fail_fast_aborts_the_siblings(client, local):
         await client.gather(branches)
     assert all(b.done() for b in branches)
     await until(lambda: kv_idle(local))  # the siblings were aborted, not left to run
+
+
+async def test_graph_of_thought_example_equals_its_sequential_version(client, local):
+    """The example's propose -> score -> aggregate, against the same prompts and seeds run one
+    after another: the same proposals and answer, in fewer engine steps."""
+    from cluster.examples import graph_of_thought as got
+
+    question, k, max_tokens = "How many legs do 3 spiders have?", 3, 12
+    await client.flush_cache()
+    start = counters(local)
+    proposals = await got.propose(client, question, k, keep=k, max_tokens=max_tokens, seed=5)
+    best = client.aggregate(proposals, 2, score=got.confidence)
+    final = await got.aggregate_answer(client, question, best, max_tokens)
+    mid = counters(local)
+
+    await client.flush_cache()
+    after_flush = counters(local)
+    prefix = await client.tokenize(messages=[
+        {"role": "system", "content": "You solve problems carefully and state the answer."},
+        {"role": "user", "content": question}])
+    one_by_one = []
+    for i, approach in enumerate(got.APPROACHES[:k]):
+        suffix = await got._ids(client, " " + approach)
+        (r,) = await client.generate(prefix + suffix, temperature=0.7, seed=5 + i,
+                                     max_tokens=max_tokens)
+        one_by_one.append(r)
+    ranked = sorted(one_by_one, key=got.confidence, reverse=True)[:2]
+    drafts = "\n\n".join(f"Draft {i + 1}:\n{r.text.strip()}" for i, r in enumerate(ranked))
+    (answer,) = await client.generate(await client.tokenize(messages=[{"role": "user", "content": (
+        f"{question}\n\nHere are draft solutions:\n\n{drafts}\n\n"
+        "Combine the drafts into one short, correct final answer.")}]), temperature=0.0,
+        max_tokens=max_tokens)
+    end = counters(local)
+
+    assert [r.token_ids for r in proposals] == [r.token_ids for r in one_by_one]
+    assert [r.token_ids for r in best] == [r.token_ids for r in ranked]
+    assert final.token_ids == answer.token_ids
+    fan = {c: mid[c] - start[c] for c in start}
+    seq = {c: end[c] - after_flush[c] for c in end}
+    assert fan["generation_tokens"] == seq["generation_tokens"] + 1  # + fork's warm-up token
+    assert fan["steps"] < seq["steps"]  # the branches decoded in the same steps
+    with pytest.raises(ValueError):
+        client.aggregate(proposals, k + 1)
