@@ -33,7 +33,26 @@ async def _run_and_kill(store: MemoryStore, dsn: str, bank: str) -> int:
     finally:
         child.kill()  # SIGKILL: no cleanup, no goodbye to PostgreSQL
         await child.wait()
+    await _until_backend_gone(dsn)
     return await _consolidated(store, bank)
+
+
+async def _until_backend_gone(dsn: str, timeout_s: float = 10.0) -> None:
+    """PostgreSQL drops a dead client's session (and its advisory lock) once its backend sees
+    the socket closed, which can lag the kill by a moment on a loaded machine: a rerun before
+    that finds the bank busy, as it should."""
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        for _ in range(int(timeout_s / 0.02)):
+            if not await conn.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = "
+                                       "'advisory'"):
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("the killed worker's advisory lock was never released")
+    finally:
+        await conn.close()
 
 
 async def test_killed_runs_lose_and_duplicate_nothing(store, pg_dsn, bank, metrics) -> None:

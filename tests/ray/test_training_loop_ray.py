@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -47,14 +48,15 @@ def weight_sets(tiny_llama_dir, tmp_path_factory) -> list[tuple[str, list]]:
     return [(tiny_llama_dir, v0), odd]
 
 
-async def stream_rollout(http: httpx.AsyncClient, i: int, started: asyncio.Event) -> dict:
+async def stream_rollout(http: httpx.AsyncClient, i: int, key: str, started: asyncio.Event,
+                         ) -> dict:
     """One streamed greedy /generate on its own routing key; its last item. `started` is
     set once three tokens are out."""
     body = {"input_ids": PROMPTS[i], "rid": f"loop-{i}-{id(started)}", "stream": True,
             "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True}}
     last, seen = None, 0
     async with http.stream("POST", "/generate", json=body,
-                           headers={"x-routing-key": f"key-{i}"}) as response:
+                           headers={"x-routing-key": key}) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
@@ -63,6 +65,28 @@ async def stream_rollout(http: httpx.AsyncClient, i: int, started: asyncio.Event
                     started.set()
     started.set()
     return last
+
+
+@pytest.fixture(scope="module")
+def keys(url, ray_cluster) -> list[str]:
+    """One routing key per prompt, two owned by each replica (by the Router's own hash ring),
+    so the group runs on both."""
+    from router.policy import HashRing
+
+    router = ray_cluster.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    for _ in range(600):  # replicas register with the Router as they start
+        ids = sorted(r["replica_id"] for r in ray_cluster.get(router.replicas.remote()))
+        if len(ids) == 2:
+            break
+        time.sleep(0.1)
+    assert len(ids) == 2, ids
+    ring = HashRing()
+    ring.rebuild(ids)
+    owned: dict[str, list[str]] = {rid: [] for rid in ids}
+    for i in range(1000):
+        key = f"key-{i}"
+        owned[next(ring.walk(key))].append(key)
+    return [owned[ids[i % 2]][i // 2] for i in range(len(PROMPTS))]
 
 
 def replica_versions(ray_cluster) -> list[int]:
@@ -77,12 +101,12 @@ def routed_counts(ray_cluster) -> list[int]:
 
 
 async def run_round(url: str, client: RolloutClient, mode: str, named: list, version: int,
-                    ) -> list[dict]:
+                    keys: list[str]) -> list[dict]:
     """Start the group, pause in `mode` once every rollout has tokens out, update to
     `version`, resume; the group's last items."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         started = [asyncio.Event() for _ in PROMPTS]
-        group = [asyncio.ensure_future(stream_rollout(http, i, e))
+        group = [asyncio.ensure_future(stream_rollout(http, i, keys[i], e))
                  for i, e in enumerate(started)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
         await client.pause(mode)
@@ -92,12 +116,12 @@ async def run_round(url: str, client: RolloutClient, mode: str, named: list, ver
 
 
 @pytest.mark.parametrize("mode", ["wait", "abort", "keep", "retract"])
-async def test_pause_update_resume_round(mode, url, weight_sets, ray_cluster):
+async def test_pause_update_resume_round(mode, url, keys, weight_sets, ray_cluster):
     async with RolloutClient(url, admin_key=ADMIN_KEY) as client:
         old = await client.weight_version()
         new = old + 1
         (old_dir, _), (new_dir, named) = weight_sets[old % 2], weight_sets[new % 2]
-        lasts = await run_round(url, client, mode, named, new)
+        lasts = await run_round(url, client, mode, named, new, keys)
         assert replica_versions(ray_cluster) == [new, new]  # both switched, together
         for prompt, last in zip(PROMPTS, lasts):
             ids, versions = last["output_ids"], last["meta_info"]["weight_versions"]
@@ -118,7 +142,7 @@ async def test_pause_update_resume_round(mode, url, weight_sets, ray_cluster):
         # after the update: greedy equals HF on the new weights on both replicas, also for
         # the group's prompts, whose prefixes were cached under the old version
         for i, prompt in enumerate(PROMPTS):
-            (got,) = await client.generate(prompt, routing_key=f"key-{i}", max_tokens=8,
+            (got,) = await client.generate(prompt, routing_key=keys[i], max_tokens=8,
                                            temperature=0.0, ignore_eos=True)
             assert got.token_ids == hf_greedy(new_dir, prompt, 8)[0]
             assert got.weight_versions == [new] * 8
