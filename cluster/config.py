@@ -63,19 +63,21 @@ class ClusterConfig:
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:
-        import yaml
+        return cls.from_dict(_read_yaml(path))
 
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: the config file must hold a mapping of options")
-        return cls.from_dict(data)
+    @classmethod
+    def for_serve_app(cls, args: dict) -> ClusterConfig:
+        """What a RayService / `serve run` app gets: the YAML at `RAYLANE_CONFIG` (if set), the
+        app's `args` on top (engine options merged key by key), the environment on top."""
+        data = _read_yaml(os.environ["RAYLANE_CONFIG"]) if os.environ.get("RAYLANE_CONFIG") else {}
+        engine = {**(data.get("engine") or {}), **(args.get("engine") or {})}
+        return cls.from_env(cls.from_dict({**data, **args, "engine": engine}))
 
     @classmethod
     def from_env(cls, base: ClusterConfig | None = None) -> ClusterConfig:
-        """`RAYLANE_CONFIG` (a YAML file), then `RAYLANE_MODEL`, `RAYLANE_REPLICAS`,
-        `RAYLANE_PORT`, `RAYLANE_API_KEYS` (comma separated) and `RAYLANE_ADMIN_API_KEY` on
-        top."""
+        """`base`, or else the YAML file at `RAYLANE_CONFIG` (or the defaults), with
+        `RAYLANE_MODEL`, `RAYLANE_REPLICAS`, `RAYLANE_PORT`, `RAYLANE_API_KEYS` (comma
+        separated) and `RAYLANE_ADMIN_API_KEY` on top."""
         config = base or (cls.from_yaml(os.environ["RAYLANE_CONFIG"])
                           if os.environ.get("RAYLANE_CONFIG") else cls())
         updates: dict = {}
@@ -95,3 +97,13 @@ class ClusterConfig:
 
     def replica_threads(self) -> int:
         return self.torch_threads or max(1, (os.cpu_count() or 1) // self.replicas)
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config file must hold a mapping of options")
+    return data

@@ -108,7 +108,7 @@ def shard_group_bundles(engine: EngineConfig) -> list[dict[str, float]]:
 
 def app_builder(args: dict):
     """RayService / `serve run` entry point: `cluster.serve:app_builder key=value ...`."""
-    return build_application(ClusterConfig.from_env(ClusterConfig.from_dict(dict(args))))
+    return build_application(ClusterConfig.for_serve_app(dict(args)))
 
 
 def _model_facts(model_dir: str, config: ClusterConfig):

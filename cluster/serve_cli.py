@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     from cluster.config import ClusterConfig
 
-    config = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig()
-    config = ClusterConfig.from_env(config)
+    # --config wins over RAYLANE_CONFIG; without it, from_env reads RAYLANE_CONFIG
+    config = ClusterConfig.from_env(ClusterConfig.from_yaml(args.config) if args.config else None)
     updates = {name: getattr(args, name) for name in
                ("model", "replicas", "host", "port", "served_model_name", "ray_address",
                 "admin_api_key")

@@ -21,7 +21,10 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
-    assert error["type"] == ("invalid_request_error" if status < 429 else error["type"])
+    # OpenAI's error types by status: the client's fault, its rate, or the server's
+    want = ("invalid_request_error" if status < 429 else "rate_limit_error" if status == 429
+            else "server_error")
+    assert error["type"] == want, error
     if param is not None:
         assert error["param"] == param, error
     if code is not None:

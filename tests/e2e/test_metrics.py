@@ -61,24 +61,39 @@ def test_counters_move_with_requests(http, engine):
     assert value(after, "raylane:num_requests_running") == 0
 
 
+def _busier(snapshot: dict) -> dict:
+    """Another replica's snapshot: every counter, histogram and finish count differs (and is
+    non-zero), so a merge that dropped, doubled or mixed up a replica shows."""
+    counters = {k: v + 10 + i for i, (k, v) in enumerate(snapshot["counters"].items())}
+    histograms = {name: {**h, "counts": [c + 1 + i for i, c in enumerate(h["counts"])],
+                         "sum": h["sum"] + 2.5} for name, h in snapshot["histograms"].items()}
+    finished = {**{r: c + 3 for r, c in snapshot["finished"].items()}, "length": 5 + snapshot[
+        "finished"].get("length", 0), "abort": 2 + snapshot["finished"].get("abort", 0)}
+    gauges = {**snapshot["gauges"], "kv_cache_usage_perc": 0.5, "num_requests_running": 3,
+              "weight_version": 7}
+    return {**snapshot, "gauges": gauges, "counters": counters, "histograms": histograms,
+            "finished": finished}
+
+
 def test_replica_snapshots_are_aggregated(engine):
     one = engine.stats_snapshot()
-    busy = {**one, "gauges": {**one["gauges"], "kv_cache_usage_perc": 0.5,
-                               "num_requests_running": 3, "weight_version": 7}}
+    busy = _busier(one)
     merged = samples(render("tiny", [one, busy]).decode())
-    counters = one["counters"]
-    assert value(merged, "raylane:prompt_tokens_total") == 2 * counters["prompt_tokens"]
-    assert value(merged, "raylane:prefix_cache_hits_total") == 2 * counters["prefix_cache_hits"]
+    for name in ("prompt_tokens", "prefix_cache_hits", "generation_tokens"):
+        want = one["counters"][name] + busy["counters"][name]
+        assert value(merged, f"raylane:{name}_total") == want, name
     assert value(merged, "raylane:num_requests_running") == 3 + one["gauges"][
         "num_requests_running"]
     assert value(merged, "raylane:kv_cache_usage_perc") == pytest.approx(
         (0.5 + one["gauges"]["kv_cache_usage_perc"]) / 2)
     assert value(merged, "raylane:weight_version") == 7  # the newest, not a sum
-    ttft = one["histograms"]["time_to_first_token_seconds"]
-    assert value(merged, "raylane:time_to_first_token_seconds_count") == 2 * sum(ttft["counts"])
+    ttft = [s["histograms"]["time_to_first_token_seconds"] for s in (one, busy)]
+    assert value(merged, "raylane:time_to_first_token_seconds_count") == sum(
+        sum(h["counts"]) for h in ttft)
     assert value(merged, "raylane:time_to_first_token_seconds_sum") == pytest.approx(
-        2 * ttft["sum"])
-    for reason, count in one["finished"].items():
-        assert value(merged, "raylane:request_success_total", finished_reason=reason) == 2 * count
+        sum(h["sum"] for h in ttft))
+    for reason in set(one["finished"]) | set(busy["finished"]):
+        want = one["finished"].get(reason, 0) + busy["finished"][reason]
+        assert value(merged, "raylane:request_success_total", finished_reason=reason) == want
     empty = samples(render("tiny", []).decode())
     assert value(empty, "raylane:generation_tokens_total") == 0

@@ -30,6 +30,27 @@ def test_yaml_then_env_then_flags(tmp_path, monkeypatch):
     assert flags.engine["max_num_seqs"] == 4
 
 
+def test_raylane_config_reaches_the_cli_and_the_serve_app(tmp_path, monkeypatch):
+    """The paths `raylane serve` and a RayService really take: no --config flag, and Serve
+    args on top of the YAML."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text("model: /models/a\nreplicas: 2\nmax_queue_per_replica: 7\n"
+                    "engine:\n  max_num_seqs: 8\n  dtype: float32\n")
+    monkeypatch.setenv("RAYLANE_CONFIG", str(path))
+    monkeypatch.setenv("RAYLANE_PORT", "9300")
+    argv = ["serve", "--max-model-len", "128"]
+    cli = config_from_args(build_parser(argv).parse_args(argv))
+    assert (cli.model, cli.replicas, cli.max_queue_per_replica, cli.port) == (
+        "/models/a", 2, 7, 9300)
+    assert cli.engine == {"max_num_seqs": 8, "dtype": "float32", "max_model_len": 128}
+    app = ClusterConfig.for_serve_app({"replicas": 3, "engine": {"max_num_seqs": 16}})
+    assert (app.model, app.replicas, app.max_queue_per_replica, app.port) == (
+        "/models/a", 3, 7, 9300)
+    assert app.engine == {"max_num_seqs": 16, "dtype": "float32"}
+    monkeypatch.delenv("RAYLANE_CONFIG")
+    assert ClusterConfig.for_serve_app({"replicas": 3}).model is None
+
+
 @pytest.mark.parametrize("data, field", [
     ({"replicas": 0}, "replicas"),
     ({"engine": {"max_num_seqz": 4}}, "max_num_seqz"),
