@@ -11,6 +11,7 @@ from session_server.auth import ADMIN_PREFIX, AdminAuth, ApiKeyAuth
 from session_server.backend import EngineBackend
 from session_server.body_limit import BodyLimit
 from session_server.errors import install_error_handlers
+from session_server.header_limit import HeaderLimit
 
 
 def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
@@ -23,7 +24,7 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     `api_keys` turns on bearer-key auth for every route but /health; bodies over
     `max_body_bytes` get 413. `admin_api_key` adds the admin routes (/admin/..., the RL
     control plane), which only that key opens; their weight buckets may be up to
-    `max_bucket_bytes`.
+    `max_bucket_bytes`. More than 100 headers or 64 KiB of them get 431.
     """
     _check_limits(max_body_bytes, max_bucket_bytes)
     if admin_api_key is not None and admin_api_key in (api_keys or []):
@@ -44,6 +45,7 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     if api_keys:
         app.add_middleware(ApiKeyAuth, api_keys=list(api_keys),
                            pass_prefixes=(ADMIN_PREFIX,) if admin else ())
+    app.add_middleware(HeaderLimit)  # first of all: nothing reads a header flood
     return app
 
 

@@ -7,6 +7,7 @@ Keys are compared in constant time and never logged or echoed back.
 from __future__ import annotations
 
 import hmac
+import re
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -14,6 +15,13 @@ from session_server.errors import error_response
 
 OPEN_PATHS = frozenset({"/health"})
 ADMIN_PREFIX = "/admin/"
+_SLASHES = re.compile(r"/{2,}")
+
+
+def canonical_path(scope: Scope) -> str:
+    """The path as the checks see it: repeated slashes collapsed, so `//admin/x` is checked
+    as `/admin/x` (the server has already percent-decoded it)."""
+    return _SLASHES.sub("/", scope["path"])
 
 
 class ApiKeyAuth:
@@ -30,8 +38,9 @@ class ApiKeyAuth:
         self.pass_prefixes = pass_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
-                or scope["path"].startswith(self.pass_prefixes) or _matches(scope, self.keys)):
+        path = canonical_path(scope) if scope["type"] == "http" else ""
+        if (scope["type"] != "http" or path in OPEN_PATHS
+                or path.startswith(self.pass_prefixes) or _matches(scope, self.keys)):
             await self.app(scope, receive, send)
             return
         response = error_response(401, "Incorrect or missing API key: send it as "
@@ -53,7 +62,7 @@ class AdminAuth:
         self.keys = [admin_key.encode()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(ADMIN_PREFIX):
+        if scope["type"] != "http" or not canonical_path(scope).startswith(ADMIN_PREFIX):
             await self.app(scope, receive, send)
             return
         if _bearer(scope) is None:

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           403: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 409: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error"}
+          413: "invalid_request_error", 429: "rate_limit_error",
+          431: "invalid_request_error"}
 # "SamplingParams.top_p must ...", "prompt: 9 tokens ...", "logprobs: 30 is more than ..."
 # pydantic names the union member that failed ("str", "list[int]", "function-after[...]")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|.*\[.*\])$")
