@@ -52,7 +52,8 @@ class EngineReplica:
             try:
                 if self._serving():
                     await self.router.heartbeat.remote(self.replica_id,
-                                                       self.engine.weight_version)
+                                                       self.engine.weight_version,
+                                                       self.engine.num_requests)
                 else:
                     await self.router.report_failure.remote(self.replica_id)
             except Exception as e:  # the Router restarts; keep trying

@@ -49,8 +49,10 @@ class Router:
         self.policy.add(replica_id, time.monotonic())
         self.heartbeat(replica_id)
 
-    def heartbeat(self, replica_id: str, weight_version: int | None = None) -> None:
-        """The replica is alive, at this weight version (None: it does not say)."""
+    def heartbeat(self, replica_id: str, weight_version: int | None = None,
+                  held: int | None = None) -> None:
+        """The replica is alive, at this weight version, holding `held` requests (None: it
+        does not say)."""
         state = self.policy.replicas.get(replica_id)
         if state is None:  # the Router restarted and lost its table: re-learn the replica
             self.policy.add(replica_id, time.monotonic())
@@ -59,6 +61,8 @@ class Router:
         state.healthy = True
         if weight_version is not None:
             self.policy.set_version(replica_id, weight_version)
+        if held is not None:
+            state.report(held)
 
     def unregister(self, replica_id: str) -> None:
         self.policy.remove(replica_id)

@@ -18,12 +18,29 @@ def _hash(text: str) -> int:
 
 @dataclass
 class ReplicaState:
+    """What the Router knows of one replica.
+
+    `in_flight` is self-healing: the replica's own count of the requests it holds, from its
+    last heartbeat, plus the requests routed to it since, minus those reported done since. A
+    `done` that never comes (an ingress that died mid-request) is forgotten at the next
+    heartbeat instead of holding a slot for good.
+    """
+
     replica_id: str
-    in_flight: int = 0  # requests routed to it and not yet done
+    reported: int = 0  # requests the replica held at its last heartbeat
+    since_report: int = 0  # started minus finished since then (may go below 0 for a while)
     routed: int = 0  # requests routed to it since it registered
     healthy: bool = True
     last_seen: float = 0.0  # monotonic time of its last heartbeat
     weight_version: int | None = None  # None: it never said (treated as current)
+
+    @property
+    def in_flight(self) -> int:
+        return max(0, self.reported + self.since_report)
+
+    def report(self, held: int) -> None:
+        """The replica's own count, as its heartbeat carried it."""
+        self.reported, self.since_report = held, 0
 
 
 class HashRing:
@@ -126,10 +143,10 @@ class RoutingPolicy:
 
     def started(self, replica_id: str) -> None:
         if replica_id in self.replicas:
-            self.replicas[replica_id].in_flight += 1
+            self.replicas[replica_id].since_report += 1
             self.replicas[replica_id].routed += 1
 
     def finished(self, replica_id: str) -> None:
         state = self.replicas.get(replica_id)
         if state is not None and state.in_flight > 0:
-            state.in_flight -= 1
+            state.since_report -= 1

@@ -88,6 +88,11 @@ class AsyncLLMEngine:
         return self._paused
 
     @property
+    def num_requests(self) -> int:
+        """Requests this engine holds: streaming, or waiting for a resume."""
+        return len(self._queues) + self._num_held
+
+    @property
     def weight_version(self) -> int:
         return self.engine.weight_version
 

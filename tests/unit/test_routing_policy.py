@@ -70,3 +70,32 @@ def test_full_replicas_refuse_instead_of_queueing():
 def test_no_replica_means_no_choice():
     policy = RoutingPolicy()
     assert policy.choose() is None and policy.choose("key") is None
+
+
+def test_a_lost_done_heals_at_the_next_heartbeat():
+    """An ingress that died mid-request never says `done`: the slot must not stay taken."""
+    policy = policy_with("a", capacity=2)
+    for _ in range(2):
+        policy.started(policy.choose())  # routed; one ingress dies, the other finishes
+    policy.finished("a")
+    assert policy.choose() == "a"  # one slot left
+    policy.started("a")
+    assert policy.choose() is None  # full: one real request and one leaked count
+    policy.replicas["a"].report(1)  # the replica's heartbeat: it holds only the real one
+    assert policy.replicas["a"].in_flight == 1 and policy.choose() == "a"
+    policy.started("a")  # routed after the report, still counted until the next one
+    assert policy.replicas["a"].in_flight == 2 and policy.choose() is None
+    policy.finished("a")
+    policy.finished("a")
+    policy.finished("a")  # a done that crossed the report: never below zero
+    assert policy.replicas["a"].in_flight == 0
+
+
+def test_the_router_takes_the_count_from_heartbeats():
+    from router.actor import Router
+
+    router = Router(capacity=1)  # the plain class: Ray wraps it only when it is started
+    router.register("r1")
+    assert router.choose() == "r1" and router.choose() is None  # its ingress then died
+    router.heartbeat("r1", 0, held=0)
+    assert router.choose() == "r1"

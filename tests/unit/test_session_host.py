@@ -147,7 +147,7 @@ async def test_a_replicas_bad_input_stays_a_value_error(router):
 async def test_full_queues_are_429_and_no_replica_is_503(router):
     session_id = await router.create_session(setup(FakeHandle()))
     owner = router.policy.choose(session_id)
-    router.policy.replicas[owner].in_flight = router.policy.capacity
+    router.policy.replicas[owner].report(router.policy.capacity)  # its heartbeat: full
     with pytest.raises(ReplicasBusy) as err:
         await turn(router, session_id)
     assert err.value.status == 429
