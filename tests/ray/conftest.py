@@ -40,3 +40,37 @@ def served(ray_cluster, tiny_llama_dir):
                            engine={"num_kv_blocks": 256, "max_num_seqs": 32})
     url = launch.deploy(config)
     yield url, config
+
+
+def wait_healthy(ray, count: int, timeout_s: float = 120.0) -> list[str]:
+    """The ids of `count` healthy replicas, once the Router sees them all. Ray's workers run at
+    nice 15: while the test driver computes a reference at full priority, a replica's
+    heartbeats can lag long enough for the Router to skip it for a moment."""
+    import time
+
+    from router.actor import NAMESPACE, ROUTER_NAME
+
+    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ids = sorted(r["replica_id"] for r in ray.get(router.replicas.remote()) if r["healthy"])
+        if len(ids) == count:
+            return ids
+        assert time.monotonic() < deadline, f"{len(ids)} of {count} replicas healthy"
+        time.sleep(0.1)
+
+
+def keys_owned(replica_ids: list[str], per_replica: int) -> list[str]:
+    """Routing keys, `per_replica` owned by each replica in turn, by the Router's own hash ring
+    (so a test spreads requests over replicas on purpose, not by luck)."""
+    from router.policy import HashRing
+
+    ring = HashRing()
+    ring.rebuild(sorted(replica_ids))
+    owned: dict[str, list[str]] = {rid: [] for rid in replica_ids}
+    i = 0
+    while min(map(len, owned.values())) < per_replica:
+        key = f"key-{i}"
+        owned[next(ring.walk(key))].append(key)
+        i += 1
+    return [owned[rid][k] for k in range(per_replica) for rid in replica_ids]

@@ -14,7 +14,7 @@ import torch
 from actors.models.weights import encode_bucket, iter_buckets, specs_of
 from router.actor import NAMESPACE, ROUTER_NAME
 from tests.hf_reference import hf_greedy, perturbed_model
-from tests.ray.conftest import free_port
+from tests.ray.conftest import free_port, keys_owned, wait_healthy
 
 ADMIN_KEY = "admin-ray"
 PROMPTS = [[5, 17, 42, 99, 7, 150, 33], [9, 8, 7, 6, 5, 4], [100, 200, 300, 12]]
@@ -71,7 +71,7 @@ def begin(admin: httpx.Client, named: list, version: int) -> httpx.Response:
 
 
 def test_an_update_reaches_both_replicas_at_one_version(cluster, admin, perturbed,
-                                                        tiny_llama_dir):
+                                                        tiny_llama_dir, ray_cluster):
     url, router = cluster
     v1_dir, v1 = perturbed
     assert set(replica_versions(router).values()) == {0} and len(replica_versions(router)) == 2
@@ -83,15 +83,16 @@ def test_an_update_reaches_both_replicas_at_one_version(cluster, admin, perturbe
     assert admin.post(f"/admin/update_weights/{update_id}/commit").json() == {
         "weight_version": 1}
     assert set(replica_versions(router).values()) == {1}
-    served_by = {}
-    for i in range(8):  # spread over both replicas by key
-        prompt = PROMPTS[i % len(PROMPTS)]
-        out = greedy(url, prompt, key=f"k{i}")
-        assert out["output_ids"] == hf_greedy(v1_dir, prompt, 8)[0]
+    ids = wait_healthy(ray_cluster, 2)
+    keys = keys_owned(ids, 4)  # spread over both replicas by key
+    before = {r["replica_id"]: r["routed"] for r in call(router, "replicas")}
+    outs = [greedy(url, PROMPTS[i % len(PROMPTS)], key) for i, key in enumerate(keys)]
+    routed = {r["replica_id"]: r["routed"] - before[r["replica_id"]]
+              for r in call(router, "replicas")}
+    assert routed == dict.fromkeys(ids, 4), routed
+    for i, out in enumerate(outs):  # the references after: they starve the replicas meanwhile
+        assert out["output_ids"] == hf_greedy(v1_dir, PROMPTS[i % len(PROMPTS)], 8)[0]
         assert out["meta_info"]["weight_versions"] == [1] * 8
-        served_by[i] = out
-    routed = [r["routed"] for r in call(router, "replicas")]
-    assert all(n > 0 for n in routed), routed
     assert admin.get("/admin/weight_version").json() == {"weight_version": 1}
     assert "raylane:weight_version" in httpx.get(f"{url}/metrics", timeout=30).text
 

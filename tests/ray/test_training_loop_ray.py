@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from cluster.client import RolloutClient
 from router.actor import NAMESPACE, ROUTER_NAME
 from tests.hf_reference import hf_greedy, hf_model, perturbed_model
-from tests.ray.conftest import free_port
+from tests.ray.conftest import free_port, keys_owned, wait_healthy
 
 ADMIN_KEY = "admin-loop"
 LONG = 160  # tokens: long enough to pause a group while it runs
@@ -69,24 +68,8 @@ async def stream_rollout(http: httpx.AsyncClient, i: int, key: str, started: asy
 
 @pytest.fixture(scope="module")
 def keys(url, ray_cluster) -> list[str]:
-    """One routing key per prompt, two owned by each replica (by the Router's own hash ring),
-    so the group runs on both."""
-    from router.policy import HashRing
-
-    router = ray_cluster.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    for _ in range(600):  # replicas register with the Router as they start
-        ids = sorted(r["replica_id"] for r in ray_cluster.get(router.replicas.remote()))
-        if len(ids) == 2:
-            break
-        time.sleep(0.1)
-    assert len(ids) == 2, ids
-    ring = HashRing()
-    ring.rebuild(ids)
-    owned: dict[str, list[str]] = {rid: [] for rid in ids}
-    for i in range(1000):
-        key = f"key-{i}"
-        owned[next(ring.walk(key))].append(key)
-    return [owned[ids[i % 2]][i // 2] for i in range(len(PROMPTS))]
+    """One routing key per prompt, alternating between the two replicas' own keys."""
+    return keys_owned(wait_healthy(ray_cluster, 2), len(PROMPTS) // 2)
 
 
 def replica_versions(ray_cluster) -> list[int]:
@@ -118,6 +101,7 @@ async def run_round(url: str, client: RolloutClient, mode: str, named: list, ver
 @pytest.mark.parametrize("mode", ["wait", "abort", "keep", "retract"])
 async def test_pause_update_resume_round(mode, url, keys, weight_sets, ray_cluster):
     async with RolloutClient(url, admin_key=ADMIN_KEY) as client:
+        wait_healthy(ray_cluster, 2)
         old = await client.weight_version()
         new = old + 1
         (old_dir, _), (new_dir, named) = weight_sets[old % 2], weight_sets[new % 2]

@@ -1,0 +1,91 @@
+"""An ingress that dies mid-request never tells the Router its requests are done; the counts
+must heal from the replica's own heartbeats, or a full replica answers 429 forever.
+
+One replica with room for two requests: two long streams fill it, the ingress process is
+SIGKILLed, and the endpoint must serve again once the replica has let the orphans go.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from router.actor import NAMESPACE, ROUTER_NAME
+from tests.ray.conftest import free_port
+
+INGRESS_CLASS = "ServeReplica:raylane:Ingress"
+
+
+@pytest.fixture(scope="module")
+def url(ray_cluster, tiny_llama_dir) -> str:
+    from cluster import launch
+    from cluster.config import ClusterConfig
+
+    config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", replicas=1,
+                           port=free_port(), torch_threads=1, max_queue_per_replica=2,
+                           engine={"num_kv_blocks": 128, "max_model_len": 256})
+    return launch.deploy(config)
+
+
+def body(max_new: int) -> dict:
+    return {"input_ids": [5, 6, 7, 8], "stream": max_new > 8,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+
+
+def in_flight(ray) -> int:
+    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    return sum(r["in_flight"] for r in ray.get(router.replicas.remote()))
+
+
+def ingress_pids() -> list[int]:
+    import ray
+
+    return [a["Pid"] for a in ray._private.state.actors().values()
+            if a["ActorClassName"] == INGRESS_CLASS and a["State"] == "ALIVE" and a.get("Pid")]
+
+
+def stream_until_broken(url: str) -> None:
+    try:
+        with httpx.stream("POST", f"{url}/generate", json=body(240), timeout=120) as response:
+            for _ in response.iter_lines():
+                pass
+    except httpx.HTTPError:
+        pass  # the ingress died under it
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_counts_heal_after_the_ingress_dies_mid_request(url, ray_cluster):
+    ray = ray_cluster
+    assert httpx.post(f"{url}/generate", json=body(4), timeout=60).status_code == 200
+    streams = [threading.Thread(target=stream_until_broken, args=(url,)) for _ in range(2)]
+    for t in streams:
+        t.start()
+    wait_for(lambda: in_flight(ray) == 2, 60, "two requests in flight")
+    assert httpx.post(f"{url}/generate", json=body(4), timeout=60).status_code == 429  # full
+    (pid,) = ingress_pids()
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert b"Ingress" in f.read(), "not the ingress process"
+    os.kill(pid, signal.SIGKILL)
+    for t in streams:
+        t.join(timeout=120)
+
+    def serves() -> bool:
+        try:
+            return httpx.post(f"{url}/generate", json=body(4), timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(serves, 120, "the endpoint to serve again after the ingress died")
+    wait_for(lambda: in_flight(ray) == 0, 30, "the Router's counts to return to zero")
