@@ -3,11 +3,17 @@ top-level fields ignored as OpenAI does, SGLang's `sampling_params` checked by n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 128
+MAX_STOP = 64  # stop strings per request (each is matched against every new token's text)
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries; bounds what is parsed before the field is refused
+
+StopList = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
+StopTokenIds = Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None
 
 
 class _Body(BaseModel):
@@ -25,21 +31,22 @@ class OpenAISampling(_Body):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: StopList = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # rejected when non-empty
+    # rejected when non-empty
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # extensions (vLLM names)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
@@ -109,8 +116,8 @@ class SGLangSamplingParams(BaseModel):
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopList = None
+    stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = None

@@ -49,6 +49,11 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ("/v1/completions", {**COMPLETION, "prompt": "x" * 2000}, "prompt"),
     ("/v1/completions", {**COMPLETION, "n": True}, "n"),
     ("/v1/completions", {**COMPLETION, "echo": True}, "echo"),
+    ("/v1/completions", {**COMPLETION, "stop": ["s"] * 65}, "stop"),  # caps against floods
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": [1] * 1025}, "stop_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {str(i): 1.0 for i in range(1025)}},
+     "logit_bias"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": ["s"] * 65}}, "sampling_params"),
     # these pass the schema and are refused by the engine (its ValueError names the field)
     ("/v1/completions", {**COMPLETION, "temperature": -1}, "temperature"),
     ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
