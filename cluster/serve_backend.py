@@ -50,18 +50,23 @@ class ServeBackend:
             self.router.done.remote(replica_id)
 
     async def _choose(self, routing_key: str | None) -> str:
-        replica_id = await self.router.choose.remote(routing_key)
+        # a Router that died or restarts is a 503 (ReplicaFailed), never a 500
+        replica_id = await _unwrap(self.router.choose.remote(routing_key))
         if replica_id is None:
-            if not await self.router.ready.remote():
+            if not await self.ready():
                 raise ReplicaFailed("no engine replica is ready")
             raise QueueFull(retry_after=1.0)
         return replica_id
 
     async def ready(self) -> bool:
-        return await self.router.ready.remote()
+        try:
+            return await _unwrap(self.router.ready.remote())
+        except ReplicaFailed:  # the Router is down: not ready until it is back
+            return False
 
     async def stats(self) -> list[dict]:
-        ids = [r["replica_id"] for r in await self.router.replicas.remote() if r["healthy"]]
+        ids = [r["replica_id"] for r in await _unwrap(self.router.replicas.remote())
+               if r["healthy"]]
         calls = [self.replicas.stats.remote(target_replica=rid) for rid in ids]
         results = await asyncio.gather(*calls, return_exceptions=True)
         return [r for r in results if isinstance(r, dict)]
