@@ -10,6 +10,10 @@ import threading
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("Multi-turn sessions (/sessions) live in the Router actor's memory: a "
+                     "Router restart loses them. A session unused for an hour expires, and at "
+                     "most 10,000 are kept (the least recently used goes first); either way its "
+                     "id then answers 404 saying it expired.")
     parser.add_argument("--model", help="HF directory or .gguf file (default: the embedded "
                                         "SmolLM2-135M-Instruct)")
     parser.add_argument("--config", help="a YAML file with ClusterConfig fields; flags win")

@@ -51,9 +51,18 @@ class SessionNotFound(SessionError):
     status = 404
     error_type = "not_found_error"
 
-    def __init__(self, session_id: str) -> None:
-        super().__init__(f"session {session_id!r} does not exist (never created, or deleted)")
+    def __init__(self, session_id: str, expired: str | None = None) -> None:
+        why = (f"expired ({expired}); start a new session" if expired
+               else "does not exist (never created, or deleted)")
+        super().__init__(f"session {session_id!r} {why}")
         self.session_id = session_id
+
+
+class TooManySessions(SessionError):
+    """Every live session is in a turn and the registry is at `max_sessions`."""
+
+    status = 429
+    error_type = "rate_limit_error"
 
 
 class BadSessionRequest(SessionError):

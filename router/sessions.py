@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.engine.sampling_params import SamplingParams
-from router.errors import BadSessionRequest, SessionNotFound
+from router.errors import BadSessionRequest, SessionNotFound, TooManySessions
 from router.generator import TurnGenerator, TurnOutput
 from router.messages import Message, normalize_message, normalize_messages
 from router.rollback import TurnPlan, plan_turn
@@ -35,8 +35,15 @@ class SessionConfig:
     max_rollback_steps: int = 1  # generated turns one request may discard
     drop_blobs: bool = True  # False keeps every turn's blob: O(turns x prefix), for benchmarks
     sample_mode: str = "merged"  # one sample per session
+    ttl_s: float | None = 3600.0  # a session unused this long is dropped (None: never)
+    max_sessions: int | None = 10_000  # live sessions; past it the least recently used goes
 
     def __post_init__(self) -> None:
+        if self.ttl_s is not None and not self.ttl_s > 0:
+            raise ValueError("SessionConfig.ttl_s must be > 0 seconds, or None")
+        if self.max_sessions is not None and (not isinstance(self.max_sessions, int)
+                                              or self.max_sessions < 1):
+            raise ValueError("SessionConfig.max_sessions must be an int >= 1, or None")
         if not isinstance(self.max_rollback_steps, int) or self.max_rollback_steps < 0:
             raise ValueError("SessionConfig.max_rollback_steps must be an int >= 0")
         if self.sample_mode == "per_turn":
@@ -60,6 +67,7 @@ class Session:
     trajectory: Trajectory = field(default_factory=Trajectory)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     deleted: bool = False
+    last_used: float = 0.0  # the registry's clock
 
     def describe(self) -> dict[str, Any]:
         """JSON-ready: metadata, the conversation and the records (without blobs)."""
@@ -108,12 +116,15 @@ class SessionRegistry:
 
     def __init__(self, splicer: TemplateSplicer, generator: TurnGenerator,
                  config: SessionConfig | None = None,
-                 reply_parser: ReplyParser = default_reply) -> None:
+                 reply_parser: ReplyParser = default_reply,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.splicer = splicer
         self.generator = generator
         self.config = config or SessionConfig()
         self.reply_parser = reply_parser
-        self._sessions: dict[str, Session] = {}
+        self.clock = clock
+        self._sessions: dict[str, Session] = {}  # least recently used first
+        self._gone: dict[str, str] = {}  # ids dropped by the TTL or the cap -> why (bounded)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -122,15 +133,51 @@ class SessionRegistry:
         return session_id in self._sessions
 
     def create(self, metadata: dict[str, Any] | None = None) -> str:
+        self._expire()
+        self._make_room()
         session_id = "sess-" + secrets.token_urlsafe(18)  # 144 random bits: unguessable
-        self._sessions[session_id] = Session(session_id, dict(metadata or {}))
+        self._sessions[session_id] = Session(session_id, dict(metadata or {}),
+                                             last_used=self.clock())
         return session_id
 
     def get(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
+        """The session, marked as just used; SessionNotFound (saying so when it expired)."""
+        self._expire()
+        session = self._sessions.pop(session_id, None)
         if session is None:
-            raise SessionNotFound(session_id)
+            raise SessionNotFound(session_id, self._gone.get(session_id))
+        session.last_used = self.clock()
+        self._sessions[session_id] = session  # most recently used now
         return session
+
+    # --- the TTL and the cap ---------------------------------------------------------------
+
+    def _expire(self) -> None:
+        """Drop the sessions idle for longer than the TTL (not those in a turn)."""
+        if self.config.ttl_s is None:
+            return
+        cutoff = self.clock() - self.config.ttl_s
+        idle = [s for s in self._sessions.values()
+                if s.last_used < cutoff and not s.lock.locked()]
+        for session in idle:
+            self._drop(session, f"unused for over {self.config.ttl_s:g} s")
+
+    def _make_room(self) -> None:
+        """At the cap, drop the least recently used session that is not in a turn."""
+        limit = self.config.max_sessions
+        if limit is None or len(self._sessions) < limit:
+            return
+        victim = next((s for s in self._sessions.values() if not s.lock.locked()), None)
+        if victim is None:
+            raise TooManySessions(f"all {limit} live sessions are in a turn; retry later")
+        self._drop(victim, f"the least recently used of {limit} live sessions")
+
+    def _drop(self, session: Session, why: str) -> None:
+        session.deleted = True
+        del self._sessions[session.id]
+        self._gone[session.id] = why
+        while len(self._gone) > max(1024, self.config.max_sessions or 0):
+            del self._gone[next(iter(self._gone))]
 
     def describe(self, session_id: str) -> dict[str, Any]:
         return self.get(session_id).describe()
@@ -177,8 +224,8 @@ class SessionRegistry:
         """
         session = self.get(session_id)
         async with session.lock:
-            if session.deleted:  # deleted while this turn waited for the lock
-                raise SessionNotFound(session_id)
+            if session.deleted:  # deleted (or dropped) while this turn waited for the lock
+                raise SessionNotFound(session_id, self._gone.get(session_id))
             turn = self._prepare(session, messages, params, tools, chat_template_kwargs or {})
             final = None
             async with aclosing(self.generator.generate(turn.full_prompt, turn.params,
@@ -191,6 +238,7 @@ class SessionRegistry:
             if final is None:
                 raise RuntimeError("the turn generator stopped before a finished output")
             message, index = self._commit(session, turn, final)
+            session.last_used = self.clock()  # the TTL counts from the end of a turn
         yield turn.result(final, message, index)
 
     def _prepare(self, session: Session, messages: list[Message], params: SamplingParams | None,
