@@ -42,6 +42,17 @@ def served(ray_cluster, tiny_llama_dir):
     yield url, config
 
 
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2) -> None:
+    """Poll `predicate` until it holds; fail the test, naming `what`, after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(poll_s)
+
+
 def wait_healthy(ray, count: int, timeout_s: float = 120.0) -> list[str]:
     """The ids of `count` healthy replicas, once the Router sees them all. Ray's workers run at
     nice 15: while the test driver computes a reference at full priority, a replica's

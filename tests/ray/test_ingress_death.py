@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
 from router.actor import NAMESPACE, ROUTER_NAME
-from tests.ray.conftest import free_port
+from tests.ray.conftest import free_port, wait_for
 
 INGRESS_CLASS = "ServeReplica:raylane:Ingress"
 
@@ -56,14 +55,6 @@ def stream_until_broken(url: str) -> None:
                 pass
     except httpx.HTTPError:
         pass  # the ingress died under it
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def test_counts_heal_after_the_ingress_dies_mid_request(url, ray_cluster):

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from router.actor import NAMESPACE, ROUTER_NAME
-from tests.ray.conftest import free_port
+from tests.ray.conftest import free_port, wait_for
 from tests.ray.test_serve_cli import _wait_for
 
 REPLICA_CLASS = "ServeReplica:raylane:EngineDeployment"
@@ -56,13 +56,6 @@ def healthy_replicas(ray) -> set[str]:
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     return {r["replica_id"] for r in ray.get(router.replicas.remote()) if r["healthy"]}
 
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(1.0)
 
 
 # --- `raylane serve --tensor-parallel-size 3` on the embedded SmolLM2 ------------------------
