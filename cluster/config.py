@@ -33,6 +33,7 @@ class ClusterConfig:
     max_queue_per_replica: int = 256  # requests in flight per replica before 429
     torch_threads: int | None = None  # per replica; default: the cores split between replicas
     max_body_bytes: int = 8 << 20
+    request_timeout_s: float | None = None  # default deadline of a generation (body: timeout)
     ray_address: str | None = None  # join this cluster instead of starting a local one
 
     def __post_init__(self) -> None:
@@ -47,6 +48,10 @@ class ClusterConfig:
         self.engine_config(self.model or "<embedded>")  # bad values fail here, not in a replica
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         self._check_admin_key()
+        if self.request_timeout_s is not None:
+            check_type("ClusterConfig", "request_timeout_s", self.request_timeout_s, (int, float))
+            if not self.request_timeout_s > 0:
+                raise ValueError("ClusterConfig.request_timeout_s must be > 0 seconds")
 
     def _check_admin_key(self) -> None:
         if self.admin_api_key is None:

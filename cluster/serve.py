@@ -63,7 +63,8 @@ class Ingress:
 
         return build_app(self.backend, api_keys=list(self.config.api_keys) or None,
                          max_body_bytes=self.config.max_body_bytes,
-                         admin_api_key=self.config.admin_api_key)
+                         admin_api_key=self.config.admin_api_key,
+                         request_timeout_s=self.config.request_timeout_s)
 
 
 def build_application(config: ClusterConfig, model_dir: str | None = None):

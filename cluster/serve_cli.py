@@ -27,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="turn on the admin routes (/admin/...: pause, resume, weight "
                              "updates, abort), which need 'Authorization: Bearer KEY'; user "
                              "keys get 403 there (also RAYLANE_ADMIN_API_KEY)")
+    parser.add_argument("--request-timeout", type=float, dest="request_timeout_s",
+                        metavar="SECONDS",
+                        help="default deadline of a generation (a body's 'timeout' wins): "
+                             "past it the request ends with its partial output, finish "
+                             "reason 'abort'")
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-model-len", type=int, help="context length limit")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
@@ -48,7 +53,7 @@ def config_from_args(args: argparse.Namespace):
     config = ClusterConfig.from_env(ClusterConfig.from_yaml(args.config) if args.config else None)
     updates = {name: getattr(args, name) for name in
                ("model", "replicas", "host", "port", "served_model_name", "ray_address",
-                "admin_api_key")
+                "admin_api_key", "request_timeout_s")
                if getattr(args, name) is not None}
     if args.api_keys:
         updates["api_keys"] = tuple(args.api_keys)

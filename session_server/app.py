@@ -16,7 +16,8 @@ from session_server.header_limit import HeaderLimit
 
 def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
               max_body_bytes: int = 8 << 20, admin_api_key: str | None = None,
-              max_bucket_bytes: int = 1 << 30) -> FastAPI:
+              max_bucket_bytes: int = 1 << 30,
+              request_timeout_s: float | None = None) -> FastAPI:
     """The HTTP surface: OpenAI routes, SGLang-style /generate, /tokenize, /detokenize,
     multi-turn /sessions, /health and /metrics, with the OpenAI error body for every error.
 
@@ -25,6 +26,8 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     `max_body_bytes` get 413. `admin_api_key` adds the admin routes (/admin/..., the RL
     control plane), which only that key opens; their weight buckets may be up to
     `max_bucket_bytes`. More than 100 headers or 64 KiB of them get 431.
+    `request_timeout_s`: the default deadline of a generation (a body's `timeout` wins); past
+    it the request ends with its partial output, finish reason "abort".
     """
     _check_limits(max_body_bytes, max_bucket_bytes)
     if admin_api_key is not None and admin_api_key in (api_keys or []):
@@ -32,6 +35,9 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     app = FastAPI(title="raylane", summary="OpenAI-compatible and native LLM serving")
     app.state.backend = backend
     app.state.created = int(time.time())
+    if request_timeout_s is not None and not request_timeout_s > 0:
+        raise ValueError("request_timeout_s must be > 0 seconds, or None")
+    app.state.request_timeout_s = request_timeout_s
     install_error_handlers(app)
     admin = admin_api_key is not None
     modules = [openai_routes, native_routes, session_routes, metrics]

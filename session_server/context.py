@@ -23,6 +23,11 @@ def check_model(name: str | None, info: ModelInfo) -> None:
                        f"{info.name!r}", param="model", code="model_not_found")
 
 
+def timeout_of(request: Request, from_body: float | None) -> float | None:
+    """The request's deadline in seconds: its own `timeout`, else the server's default."""
+    return from_body if from_body is not None else request.app.state.request_timeout_s
+
+
 def routing_key(request: Request, from_body: str | None) -> str | None:
     """Requests with the same key stick to one replica: a header wins over the body's field."""
     for header in ROUTING_HEADERS:

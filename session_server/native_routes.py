@@ -8,7 +8,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from session_server.context import backend_of, check_model, new_id, routing_key
+from session_server.context import backend_of, check_model, new_id, routing_key, timeout_of
 from session_server.errors import bad_request, error_response, from_exception
 from session_server.native_format import NativeFormatter
 from session_server.prompts import chat_text, encode, generate_prompts
@@ -33,7 +33,7 @@ async def generate(body: GenerateRequest, request: Request):
         formatter = NativeFormatter(body.rid or new_id("gen"), body, params, backend.tokenizer,
                                     len(prompts))
         stream = start(backend, prompts, params, formatter.id,
-                       routing_key(request, body.routing_key))
+                       routing_key(request, body.routing_key), timeout_of(request, body.timeout))
         if body.stream:
             return sse_response(await primed(request, _renamed(stream)), formatter.chunks,
                                 list)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from session_server.context import backend_of, check_model, new_id, routing_key
+from session_server.context import backend_of, check_model, new_id, routing_key, timeout_of
 from session_server.errors import bad_request
 from session_server.openai_format import ChatFormatter, CompletionFormatter
 from session_server.prompts import completion_prompts, render_chat
@@ -47,7 +47,8 @@ async def completions(body: CompletionRequest, request: Request):
     params = openai_params(body, max_tokens, body.logprobs)
     formatter = CompletionFormatter(new_id("cmpl"), backend.info.name, body, params,
                                     backend.tokenizer, body.logprobs or 0)
-    stream = start(backend, prompts, params, formatter.id, routing_key(request, body.user))
+    stream = start(backend, prompts, params, formatter.id, routing_key(request, body.user),
+                   timeout_of(request, body.timeout))
     if body.stream:
         return sse_response(await primed(request, stream), formatter.chunks, formatter.tail)
     return JSONResponse(formatter.response(await final_outputs(request, stream, len(prompts))))
@@ -65,7 +66,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = openai_params(body, max_tokens, num_top if body.logprobs else None)
     formatter = ChatFormatter(new_id("chatcmpl"), backend.info.name, body, params,
                               backend.tokenizer, num_top)
-    stream = start(backend, [prompt], params, formatter.id, routing_key(request, body.user))
+    stream = start(backend, [prompt], params, formatter.id, routing_key(request, body.user),
+                   timeout_of(request, body.timeout))
     if body.stream:
         return sse_response(await primed(request, stream), formatter.chunks, formatter.tail)
     return JSONResponse(formatter.response(await final_outputs(request, stream, 1)))

@@ -38,6 +38,8 @@ class OpenAISampling(_Body):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # seconds; past it the request ends with its partial output, finish reason "abort"
+    timeout: float | None = Field(None, gt=0)
     # rejected when non-empty
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # extensions (vLLM names)
@@ -144,6 +146,7 @@ class GenerateRequest(_Body):
     stream: bool = False
     rid: str | None = None
     routing_key: str | None = None
+    timeout: float | None = Field(None, gt=0)  # seconds, as on the OpenAI routes
 
 
 class TokenizeRequest(ChatTemplateFields):

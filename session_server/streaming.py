@@ -8,6 +8,7 @@ on the backend is cancelled) — so the engine aborts the request and frees its 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -28,8 +29,19 @@ DONE = "data: [DONE]\n\n"
 
 
 def start(backend: EngineBackend, prompts: list[list[int]], params: SamplingParams,
-          request_id: str, routing_key: str | None) -> AsyncIterator[Indexed]:
-    """One backend request per prompt (ids `<request_id>-<i>` when several), merged."""
+          request_id: str, routing_key: str | None,
+          timeout_s: float | None = None) -> AsyncIterator[Indexed]:
+    """One backend request per prompt (ids `<request_id>-<i>` when several), merged. Past
+    `timeout_s` the requests still running end with their partial outputs, finish reason
+    "abort" (and are aborted on the engine)."""
+    merged = _start(backend, prompts, params, request_id, routing_key)
+    if timeout_s is None:
+        return merged
+    return _with_deadline(merged, prompts, params, request_id, timeout_s)
+
+
+def _start(backend: EngineBackend, prompts: list[list[int]], params: SamplingParams,
+           request_id: str, routing_key: str | None) -> AsyncIterator[Indexed]:
     if len(prompts) == 1:
         return _single(backend.generate(prompts[0], params, request_id, routing_key))
     iterators = []
@@ -41,6 +53,42 @@ def start(backend: EngineBackend, prompts: list[list[int]], params: SamplingPara
             _close_soon(it)
         raise
     return _merge(iterators)
+
+
+async def _with_deadline(stream: AsyncIterator[Indexed], prompts: list[list[int]],
+                         params: SamplingParams, request_id: str,
+                         timeout_s: float) -> AsyncIterator[Indexed]:
+    last: dict[int, RequestOutput] = {}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with aclosing(stream):  # closing it aborts what still runs on the engine
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    i, out = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                break
+            last[i] = out
+            yield i, out
+    for i, prompt in enumerate(prompts):
+        if i not in last or not last[i].finished:
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            yield i, _ended_at_deadline(last.get(i), prompt, params, rid)
+
+
+def _ended_at_deadline(out: RequestOutput | None, prompt: list[int], params: SamplingParams,
+                       request_id: str) -> RequestOutput:
+    """The partial output as final, every unfinished sample's finish reason "abort"."""
+    if out is None:  # nothing came back yet: empty samples
+        asked = [] if params.logprobs is not None else None
+        empty = [CompletionOutput(k, "", [], logprobs=asked, top_logprobs=asked)
+                 for k in range(params.n)]
+        out = RequestOutput(request_id, None, list(prompt), empty, False)
+    samples = [c if c.finished else dataclasses.replace(c, finish_reason="abort")
+               for c in out.outputs]
+    return dataclasses.replace(out, outputs=samples, finished=True)
 
 
 async def _single(iterator: AsyncIterator[RequestOutput]) -> AsyncIterator[Indexed]:
