@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+from actors.engine.output_delta import DeltaEncoder
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
 
@@ -74,9 +75,12 @@ class EngineReplica:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                        target_replica: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs; cancelling the call aborts the request here."""
+        """Stream the request's outputs as deltas (`DeltaEncoder`: what each sample gained since
+        the last one; `stream_from_replica` rebuilds them); cancelling the call aborts the
+        request here."""
+        encoder = DeltaEncoder()
         async for out in self.engine.generate(prompt_ids, params, request_id):
-            yield out
+            yield encoder.encode(out)
 
     async def stats(self, target_replica: str | None = None) -> dict:
         return self.engine.stats_snapshot()

@@ -13,6 +13,7 @@ from contextlib import aclosing
 from typing import Any, Protocol
 
 from actors.engine.errors import EnginePaused
+from actors.engine.output_delta import DeltaDecoder
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
 from router.errors import SessionError
@@ -50,14 +51,16 @@ async def stream_from_replica(handle: Any, replica_id: str, prompt_ids: list[int
                               params: SamplingParams, request_id: str,
                               ) -> AsyncIterator[RequestOutput]:
     """Cumulative outputs of one request on the chosen replica (`handle`: the engine
-    deployment's DeploymentHandle). Leaving early cancels the call, which aborts the request
-    on the replica; a ValueError (bad input) or EnginePaused (its paused queue is full) raised
-    there arrives as itself."""
+    deployment's DeploymentHandle), rebuilt from the deltas the replica streams. Leaving early
+    cancels the call, which aborts the request on the replica; a ValueError (bad input) or
+    EnginePaused (its paused queue is full) raised there arrives as itself."""
     stream = handle.options(stream=True).generate.remote(
         prompt_ids, params, request_id, target_replica=replica_id)
+    decoder = DeltaDecoder()
     finished = False
     try:
-        async for out in stream:
+        async for delta in stream:
+            out = decoder.decode(delta)
             finished = out.finished
             yield out
     except Exception as e:

@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 
+from actors.engine.output_delta import DeltaEncoder
 from actors.engine.outputs import CompletionOutput, RequestOutput
 from router.actor import Router
 from router.errors import MalformedTrajectory, RollbackTooDeep, SessionNotFound
@@ -58,7 +59,8 @@ class FakeHandle:
         self.targets.append(target_replica)
         ids = [5, 6]
         outs = [self._out(prompt_ids, ids[:n], params, n == len(ids)) for n in (1, 2)]
-        self.streams.append(FakeStream(outs, self.fail))
+        encoder = DeltaEncoder()  # as a replica streams them
+        self.streams.append(FakeStream([encoder.encode(o) for o in outs], self.fail))
         return self.streams[-1]
 
     @staticmethod
