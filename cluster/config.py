@@ -34,10 +34,11 @@ class ClusterConfig:
     torch_threads: int | None = None  # per replica; default: the cores split between replicas
     max_body_bytes: int = 8 << 20
     request_timeout_s: float | None = None  # default deadline of a generation (body: timeout)
+    max_n: int = 128  # samples one request may ask for (n)
     ray_address: str | None = None  # join this cluster instead of starting a local one
 
     def __post_init__(self) -> None:
-        for name in ("replicas", "port", "max_queue_per_replica", "max_body_bytes"):
+        for name in ("replicas", "port", "max_queue_per_replica", "max_body_bytes", "max_n"):
             check_type("ClusterConfig", name, getattr(self, name), int)
             if getattr(self, name) < 1:
                 raise ValueError(f"ClusterConfig.{name} must be >= 1")

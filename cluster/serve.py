@@ -64,7 +64,8 @@ class Ingress:
         return build_app(self.backend, api_keys=list(self.config.api_keys) or None,
                          max_body_bytes=self.config.max_body_bytes,
                          admin_api_key=self.config.admin_api_key,
-                         request_timeout_s=self.config.request_timeout_s)
+                         request_timeout_s=self.config.request_timeout_s,
+                         max_n=self.config.max_n)
 
 
 def build_application(config: ClusterConfig, model_dir: str | None = None):

@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default deadline of a generation (a body's 'timeout' wins): "
                              "past it the request ends with its partial output, finish "
                              "reason 'abort'")
+    parser.add_argument("--max-n", type=int, metavar="N",
+                        help="the most samples one request may ask for (n; default 128)")
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-model-len", type=int, help="context length limit")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
@@ -53,7 +55,7 @@ def config_from_args(args: argparse.Namespace):
     config = ClusterConfig.from_env(ClusterConfig.from_yaml(args.config) if args.config else None)
     updates = {name: getattr(args, name) for name in
                ("model", "replicas", "host", "port", "served_model_name", "ray_address",
-                "admin_api_key", "request_timeout_s")
+                "admin_api_key", "request_timeout_s", "max_n")
                if getattr(args, name) is not None}
     if args.api_keys:
         updates["api_keys"] = tuple(args.api_keys)

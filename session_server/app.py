@@ -12,12 +12,13 @@ from session_server.backend import EngineBackend
 from session_server.body_limit import BodyLimit
 from session_server.errors import install_error_handlers
 from session_server.header_limit import HeaderLimit
+from session_server.schemas import MAX_N
 
 
 def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
               max_body_bytes: int = 8 << 20, admin_api_key: str | None = None,
               max_bucket_bytes: int = 1 << 30,
-              request_timeout_s: float | None = None) -> FastAPI:
+              request_timeout_s: float | None = None, max_n: int = 128) -> FastAPI:
     """The HTTP surface: OpenAI routes, SGLang-style /generate, /tokenize, /detokenize,
     multi-turn /sessions, /health and /metrics, with the OpenAI error body for every error.
 
@@ -27,7 +28,8 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     control plane), which only that key opens; their weight buckets may be up to
     `max_bucket_bytes`. More than 100 headers or 64 KiB of them get 431.
     `request_timeout_s`: the default deadline of a generation (a body's `timeout` wins); past
-    it the request ends with its partial output, finish reason "abort".
+    it the request ends with its partial output, finish reason "abort". `max_n`: the most
+    samples one request may ask for.
     """
     _check_limits(max_body_bytes, max_bucket_bytes)
     if admin_api_key is not None and admin_api_key in (api_keys or []):
@@ -38,6 +40,9 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     if request_timeout_s is not None and not request_timeout_s > 0:
         raise ValueError("request_timeout_s must be > 0 seconds, or None")
     app.state.request_timeout_s = request_timeout_s
+    if not 1 <= max_n <= MAX_N:
+        raise ValueError(f"max_n must be in [1, {MAX_N}]")
+    app.state.max_n = max_n
     install_error_handlers(app)
     admin = admin_api_key is not None
     modules = [openai_routes, native_routes, session_routes, metrics]

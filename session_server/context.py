@@ -7,7 +7,7 @@ import uuid
 from fastapi import Request
 
 from session_server.backend import EngineBackend, ModelInfo
-from session_server.errors import APIError
+from session_server.errors import APIError, bad_request
 
 ROUTING_HEADERS = ("x-routing-key", "x-session-id")
 
@@ -21,6 +21,13 @@ def check_model(name: str | None, info: ModelInfo) -> None:
     if name is not None and name != info.name:
         raise APIError(404, f"The model {name!r} does not exist; this server serves "
                        f"{info.name!r}", param="model", code="model_not_found")
+
+
+def check_n(request: Request, n: int) -> None:
+    """`n` within the server's limit (`build_app(max_n=)`, `raylane serve --max-n`)."""
+    limit = request.app.state.max_n
+    if n > limit:
+        raise bad_request(f"n: {n} samples asked, this server allows at most {limit}", "n")
 
 
 def timeout_of(request: Request, from_body: float | None) -> float | None:

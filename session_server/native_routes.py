@@ -8,7 +8,14 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from session_server.context import backend_of, check_model, new_id, routing_key, timeout_of
+from session_server.context import (
+    backend_of,
+    check_model,
+    check_n,
+    new_id,
+    routing_key,
+    timeout_of,
+)
 from session_server.errors import bad_request, error_response, from_exception
 from session_server.native_format import NativeFormatter
 from session_server.prompts import chat_text, encode, generate_prompts
@@ -22,6 +29,7 @@ router = APIRouter()
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request):
     backend = backend_of(request)
+    check_n(request, body.sampling_params.n)
     prompts, batched = generate_prompts(body.text, body.input_ids, backend.tokenizer)
     try:
         max_tokens = resolve_max_tokens(body.sampling_params.max_new_tokens, prompts,

@@ -5,7 +5,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from session_server.context import backend_of, check_model, new_id, routing_key, timeout_of
+from session_server.context import (
+    backend_of,
+    check_model,
+    check_n,
+    new_id,
+    routing_key,
+    timeout_of,
+)
 from session_server.errors import bad_request
 from session_server.openai_format import ChatFormatter, CompletionFormatter
 from session_server.prompts import completion_prompts, render_chat
@@ -40,6 +47,7 @@ async def _model_card(request: Request) -> dict:
 async def completions(body: CompletionRequest, request: Request):
     backend = backend_of(request)
     check_model(body.model, backend.info)
+    check_n(request, body.n)
     _reject_unsupported(body)
     prompts = completion_prompts(body.prompt, backend.tokenizer)
     max_tokens = resolve_max_tokens(body.max_tokens, prompts, backend.info, "max_tokens",
@@ -58,6 +66,7 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     backend = backend_of(request)
     check_model(body.model, backend.info)
+    check_n(request, body.n)
     check_chat(body)
     prompt = render_chat(backend.tokenizer, body)
     asked, field = chat_max_tokens(body)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_N = 128
+MAX_N = 4096  # what the schema parses at all; the server's own limit is `build_app(max_n=)`
 MAX_STOP = 64  # stop strings per request (each is matched against every new token's text)
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries; bounds what is parsed before the field is refused

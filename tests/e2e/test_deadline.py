@@ -1,5 +1,6 @@
 """A request's deadline (`timeout` in the body, or the server's default): past it the request
-ends with its partial output and finish reason "abort", and nothing runs on in the engine.
+ends with its partial output and finish reason "abort", and nothing runs on in the engine. And
+the server's own limit on `n`.
 
 Reference: the same greedy request without a deadline (its first tokens must be the partial
 output's)."""
@@ -31,7 +32,7 @@ def deadline_engine(tiny_llama_dir) -> LLMEngine:
 @pytest.fixture(scope="module")
 def url(deadline_engine) -> Iterator[str]:
     app = build_app(LocalBackend(AsyncLLMEngine(deadline_engine), MODEL),
-                    max_body_bytes=MAX_BODY, request_timeout_s=0.4)
+                    max_body_bytes=MAX_BODY, request_timeout_s=0.4, max_n=3)
     with ServerThread(app) as srv:
         yield srv.url
 
@@ -88,3 +89,14 @@ def test_chat_with_n_ends_every_sample(url, deadline_engine):
 def test_a_bad_timeout_is_400(url, bad):
     response = generate(url, 4, timeout=bad)
     assert response.status_code == 400 and response.json()["error"]["param"] == "timeout"
+
+
+def test_the_servers_n_limit_is_a_400_naming_n(url):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/chat/completions", json={**chat, "n": 3}).status_code == 200
+    for route, body in (("/v1/chat/completions", {**chat, "n": 4}),
+                        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 4}),
+                        ("/generate", {"text": "hi", "sampling_params": {"n": 4}})):
+        response = httpx.post(f"{url}{route}", json=body, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "n", route
+        assert "at most 3" in response.json()["error"]["message"]

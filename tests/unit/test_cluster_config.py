@@ -38,8 +38,9 @@ def test_raylane_config_reaches_the_cli_and_the_serve_app(tmp_path, monkeypatch)
                     "engine:\n  max_num_seqs: 8\n  dtype: float32\n")
     monkeypatch.setenv("RAYLANE_CONFIG", str(path))
     monkeypatch.setenv("RAYLANE_PORT", "9300")
-    argv = ["serve", "--max-model-len", "128"]
+    argv = ["serve", "--max-model-len", "128", "--max-n", "8", "--request-timeout", "2.5"]
     cli = config_from_args(build_parser(argv).parse_args(argv))
+    assert (cli.max_n, cli.request_timeout_s) == (8, 2.5)
     assert (cli.model, cli.replicas, cli.max_queue_per_replica, cli.port) == (
         "/models/a", 2, 7, 9300)
     assert cli.engine == {"max_num_seqs": 8, "dtype": "float32", "max_model_len": 128}
