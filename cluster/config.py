@@ -27,8 +27,10 @@ class ClusterConfig:
     replicas: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: tuple[str, ...] = ()
-    admin_api_key: str | None = None  # turns on the admin routes (/admin/..., RL control)
+    # keys stay out of repr, so a logged or printed config never shows them
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # turns on the admin routes (/admin/..., RL control)
+    admin_api_key: str | None = field(default=None, repr=False)
     engine: dict = field(default_factory=dict)
     max_queue_per_replica: int = 256  # requests in flight per replica before 429
     torch_threads: int | None = None  # per replica; default: the cores split between replicas

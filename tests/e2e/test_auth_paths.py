@@ -121,3 +121,16 @@ def test_header_floods_get_431(server, count, size):
     if body:  # the server itself may refuse a flood this large before the app sees it
         assert json.loads(body)["error"]["code"] == "headers_too_large"
     assert raw(server, "GET", "/v1/models", user + flood[:20])[0] == 200
+
+
+def test_keys_never_reach_the_logs(server, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    wrong = "sk-wrong-key-7f3a"
+    for key in (wrong, USER_KEY, ADMIN_KEY):
+        for path in ("/v1/models", "/admin/weight_version", "/nope"):
+            raw(server, "GET", path, [("Authorization", f"Bearer {key}")])
+    raw(server, "POST", "/generate", [("Authorization", f"Bearer {USER_KEY}")], b"{bad json")
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert not [k for k in (wrong, USER_KEY, ADMIN_KEY) if k in logged]

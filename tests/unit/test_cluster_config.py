@@ -151,3 +151,9 @@ def test_tp1_deploys_without_a_placement_group():
 
     config = ClusterConfig(replicas=2)
     assert engine_deployment_options(config, config.engine_config("m")) == {"num_replicas": 2}
+
+
+def test_keys_never_show_in_a_printed_config():
+    config = ClusterConfig(api_keys=("sk-user-secret-1",), admin_api_key="sk-admin-secret-2")
+    for text in (repr(config), str(config), f"{config}"):
+        assert "secret" not in text
