@@ -31,17 +31,13 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     it the request ends with its partial output, finish reason "abort". `max_n`: the most
     samples one request may ask for.
     """
-    _check_limits(max_body_bytes, max_bucket_bytes)
+    _check_limits(max_body_bytes, max_bucket_bytes, request_timeout_s, max_n)
     if admin_api_key is not None and admin_api_key in (api_keys or []):
         raise ValueError("admin_api_key must differ from every user API key")
     app = FastAPI(title="raylane", summary="OpenAI-compatible and native LLM serving")
     app.state.backend = backend
     app.state.created = int(time.time())
-    if request_timeout_s is not None and not request_timeout_s > 0:
-        raise ValueError("request_timeout_s must be > 0 seconds, or None")
     app.state.request_timeout_s = request_timeout_s
-    if not 1 <= max_n <= MAX_N:
-        raise ValueError(f"max_n must be in [1, {MAX_N}]")
     app.state.max_n = max_n
     install_error_handlers(app)
     admin = admin_api_key is not None
@@ -60,8 +56,13 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     return app
 
 
-def _check_limits(max_body_bytes: int, max_bucket_bytes: int) -> None:
+def _check_limits(max_body_bytes: int, max_bucket_bytes: int,
+                  request_timeout_s: float | None, max_n: int) -> None:
     for name, value in (("max_body_bytes", max_body_bytes),
                         ("max_bucket_bytes", max_bucket_bytes)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1")
+    if request_timeout_s is not None and not request_timeout_s > 0:
+        raise ValueError("request_timeout_s must be > 0 seconds, or None")
+    if not 1 <= max_n <= MAX_N:
+        raise ValueError(f"max_n must be in [1, {MAX_N}]")

@@ -20,16 +20,9 @@ from actors.engine.scheduler import Scheduler, SchedulerOutput
 from actors.engine.sequence import Sequence
 from actors.engine.setup import EngineParts, build_engine_parts
 from actors.engine.stats import EngineStats, StepTimer
-from actors.engine.validate import RequestValidator
-from actors.models.weights import (
-    DEFAULT_BUCKET_BYTES,
-    Payload,
-    TensorSpec,
-    WeightUpdate,
-    bucket_specs,
-    iter_buckets,
-    specs_of,
-)
+from actors.engine.validate import RequestValidator, as_params_list, as_prompt_list
+from actors.engine.weight_sync import WeightSync, too_stale
+from actors.models.weights import DEFAULT_BUCKET_BYTES, Payload, TensorSpec, iter_buckets, specs_of
 from actors.runner.plan import StepResult
 
 if TYPE_CHECKING:
@@ -61,8 +54,7 @@ class LLMEngine:
         self.validator = RequestValidator(parts)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        self.weight_version = 0
-        self._update: WeightUpdate | None = None
+        self.weights = WeightSync(self.executor, self.block_manager)
         self._ids = itertools.count()
         # NOTE: a weak method, so an engine that is dropped is not kept alive until exit
         self._atexit = weakref.WeakMethod(self.shutdown)
@@ -95,51 +87,33 @@ class LLMEngine:
     def begin_weight_update(self, specs: list[TensorSpec]) -> None:
         """Check an update's manifest on every rank (ValueError naming the first tensor that
         would not load); no weight changes. A second begin replaces an unfinished update."""
-        self.executor.collective_rpc("check_weight_update",
-                                     [(s.name, s.shape, s.dtype) for s in specs])
-        self._update = WeightUpdate({s.name: s for s in specs})
+        self.weights.begin(specs)
 
     def load_weight_bucket(self, bucket: Payload | dict[str, torch.Tensor]) -> int:
         """Apply one bucket (safetensors bytes, or a uint8 array of them, or named tensors) of
         the begun update; each tensor must be in its manifest, with that shape and dtype
         (checked before any copy)."""
-        update = self._require_update()
-        specs = [TensorSpec.of(name, t) for name, t in bucket.items()] if isinstance(
-            bucket, dict) else bucket_specs(bucket)
-        update.check(specs)
-        update.dirty = True  # from here on, the weights are neither old nor new until finish
-        self.executor.load_weight_bucket(bucket)
-        update.loaded.update(s.name for s in specs)
-        return len(specs)
+        return self.weights.load(bucket)
 
     def finish_weight_update(self, version: int | None = None) -> list[RequestOutput]:
-        """Switch to the new weights as `version` (default: the next; must be newer): new
-        prefills root their prefix-cache chains at it and new tokens carry it. Returns the
-        outputs of requests this ended as "stale"."""
-        self._require_update()
-        version = self.weight_version + 1 if version is None else version
-        if version <= self.weight_version:
-            raise ValueError(f"version: {version} is not newer than the current "
-                             f"{self.weight_version}")
-        self.executor.collective_rpc("finish_weight_update")
-        self._update = None
-        self.weight_version = self.block_manager.version = version
+        """Switch to the new weights as `version` (default: the next; must be newer). Returns
+        the outputs of requests this ended as "stale"."""
+        self.weights.finish(version)
         return self._end_stale()
+
+    @property
+    def weight_version(self) -> int:
+        return self.weights.version
 
     @property
     def weight_update_open(self) -> bool:
         """A begun update is not finished: its buckets may be half in (do not step)."""
-        return self._update is not None and self._update.dirty
-
-    def _require_update(self) -> WeightUpdate:
-        if self._update is None:
-            raise RuntimeError("no weight update is open: call begin_weight_update first")
-        return self._update
+        return self.weights.is_open
 
     def _end_stale(self) -> list[RequestOutput]:
         """Requests whose tokens would now span more than their max_weight_lag versions end
         with their partial output, finish reason "stale"."""
-        stale = [r for r in self.requests.values() if _too_stale(r, self.weight_version)]
+        stale = [r for r in self.requests.values() if too_stale(r, self.weight_version)]
         outputs = []
         for request in stale:
             for seq in request.seqs:
@@ -226,7 +200,7 @@ class LLMEngine:
         outputs = [r.output(self.weight_version) for r in touched]
         for r in touched:
             if r.finished:
-                self._record_finished(r)
+                self.stats.request_finished(r, time.monotonic())
                 del self.requests[r.request_id]
         return outputs
 
@@ -243,7 +217,7 @@ class LLMEngine:
             if token is None:
                 continue
             request = self.requests[seq.request_id]
-            self._record_token(request, now)
+            self.stats.token(request, now)
             seq.append_token(token, result.logprobs[i], result.top_logprobs[i],
                              self.weight_version, result.kept_mass[i])
             self.stop_checker.check(seq, request.detokenize(seq))
@@ -258,24 +232,8 @@ class LLMEngine:
     def _record_scheduled(self, batch: SchedulerOutput) -> None:
         now = time.monotonic()
         for item in batch.scheduled:
-            request = self.requests[item.seq.request_id]
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-                self.stats.prompt_tokens += item.seq.num_prompt_tokens
-                self.stats.observe("request_queue_time_seconds", now - request.arrival_time)
-
-    def _record_token(self, request: Request, now: float) -> None:
-        self.stats.generation_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
-            self.stats.observe("time_to_first_token_seconds", now - request.arrival_time)
-        elif request.params.n == 1:
-            self.stats.observe("inter_token_latency_seconds", now - request.last_token_time)
-        request.last_token_time = now
-
-    def _record_finished(self, request: Request) -> None:
-        self.stats.finished[request.seqs[0].finish_reason] += 1
-        self.stats.observe("e2e_request_latency_seconds", time.monotonic() - request.arrival_time)
+            self.stats.scheduled(self.requests[item.seq.request_id], item.seq.num_prompt_tokens,
+                                 now)
 
     def stats_snapshot(self, paused: bool = False) -> dict:
         return self.stats.snapshot(self.scheduler, self.block_manager, self.weight_version,
@@ -297,8 +255,8 @@ class LLMEngine:
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in the order of `prompts`."""
-        prompts = _as_prompt_list(prompts)
-        params_list = _as_params_list(params, len(prompts))
+        prompts = as_prompt_list(prompts)
+        params_list = as_params_list(params, len(prompts))
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p)
@@ -320,36 +278,10 @@ class LLMEngine:
         return self.generate(prompts, params, use_tqdm)
 
 
-def _too_stale(request: Request, version: int) -> bool:
-    lag = request.params.max_weight_lag
-    if lag is None:
-        return False
-    firsts = [s.weight_versions[0] for s in request.seqs if s.weight_versions]
-    return bool(firsts) and version - min(firsts) > lag
-
-
 def _call_if_alive(method_ref: weakref.WeakMethod) -> None:
     method = method_ref()
     if method is not None:
         method()
-
-
-def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # a single prompt of token ids
-    if not isinstance(prompts, list) or not prompts:
-        raise ValueError("prompts must be a string, a list of token ids, or a non-empty list")
-    return prompts
-
-
-def _as_params_list(params, count: int) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * count
-    if len(params) != count:
-        raise ValueError(f"params: got {len(params)} SamplingParams for {count} prompts")
-    return list(params)
 
 
 def _progress(total: int, enabled: bool):

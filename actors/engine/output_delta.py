@@ -74,6 +74,7 @@ class DeltaDecoder:
 
 
 def _joined(before: list | None, new: list | None) -> list | None:
+    """A new list when there is something new; otherwise the one before (never mutated)."""
     if before is None:
         return None if new is None else list(new)
-    return before + (new or [])
+    return before + new if new else before

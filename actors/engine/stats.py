@@ -98,6 +98,28 @@ class EngineStats:
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)
 
+    # --- a request's milestones (`Request`: its times are stamped here) ----------------------
+
+    def scheduled(self, request, num_prompt_tokens: int, now: float) -> None:
+        """Counted once, the first time the request is scheduled."""
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+            self.prompt_tokens += num_prompt_tokens
+            self.observe("request_queue_time_seconds", now - request.arrival_time)
+
+    def token(self, request, now: float) -> None:
+        self.generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.observe("time_to_first_token_seconds", now - request.arrival_time)
+        elif request.params.n == 1:
+            self.observe("inter_token_latency_seconds", now - request.last_token_time)
+        request.last_token_time = now
+
+    def request_finished(self, request, now: float) -> None:
+        self.finished[request.seqs[0].finish_reason] += 1
+        self.observe("e2e_request_latency_seconds", now - request.arrival_time)
+
     def snapshot(self, scheduler, block_manager, weight_version: int = 0,
                  paused: bool = False) -> dict:
         return {

@@ -72,3 +72,23 @@ class RequestValidator:
         template_kwargs.setdefault("add_generation_prompt", True)
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **template_kwargs)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def as_prompt_list(prompts) -> list[str | list[int]]:
+    """`generate`'s prompts as a list: one string, one list of ids, or a list of those."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt of token ids
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("prompts must be a string, a list of token ids, or a non-empty list")
+    return prompts
+
+
+def as_params_list(params, count: int) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt (one given, or None, serves them all)."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    if len(params) != count:
+        raise ValueError(f"params: got {len(params)} SamplingParams for {count} prompts")
+    return list(params)

@@ -171,7 +171,7 @@ class RolloutClient:
         # one bucket is staged at a time and staging copies it out (into the object store, or
         # into the HTTP body), so one scratch buffer serves every bucket
         packed = pack_bucket(bucket, self._scratch)
-        if self._scratch is None or packed.base is not self._scratch:
+        if packed.base is None:  # the scratch was too small: keep the larger buffer
             self._scratch = packed
         return self.transport.stage_bucket(packed)
 
