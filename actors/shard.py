@@ -28,7 +28,7 @@ from typing import Any
 
 from actors.runner import wire
 from actors.runner.config import RunnerConfig, RunnerInfo
-from actors.runner.plan import ChannelCommand, StepPlan, StepResult
+from actors.runner.plan import ChannelCommand, StepError, StepPlan, StepResult
 
 LOOPBACK = "127.0.0.1"
 # a collective waits this long for a peer before failing (a dead peer usually fails it at once)
@@ -73,9 +73,12 @@ class ModelShard:
         self.runner = ModelRunner(self.config, tp)
         return self.runner.info()
 
-    def execute(self, plan: StepPlan) -> StepResult | None:
+    def execute(self, plan: StepPlan) -> StepResult | StepError | None:
         """One step as a Ray call (the fallback when the engine is on another node)."""
-        return self.runner.execute(plan)
+        reply = self._step(plan)
+        if isinstance(reply, RuntimeError):
+            raise reply
+        return reply
 
     def rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call a ModelRunner method on this rank (the executor's `collective_rpc`)."""
@@ -115,10 +118,13 @@ class ModelShard:
                 self._conn.close()
                 return "closed"
 
-    def _step(self, plan: StepPlan) -> StepResult | RuntimeError | None:
+    def _step(self, plan: StepPlan) -> StepResult | StepError | RuntimeError | None:
         try:
             return self.runner.execute(plan)
-        except Exception as e:  # the group is poisoned: the engine kills it on this reply
+        except Exception as e:
+            if self.world_size == 1:  # no peer waits in a collective: fail this step only
+                return StepError(repr(e))
+            # a peer may be left in a collective: the engine kills the group on this reply
             return RuntimeError(f"rank {self.rank}: {e!r}")
 
     def stop(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine.errors import EnginePaused
+from actors.engine.errors import EnginePaused, RequestFailed
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
 from router.errors import RouterError
@@ -40,7 +40,8 @@ class ServeBackend:
             async with aclosing(stream):
                 async for out in stream:
                     yield out
-        except (ValueError, EnginePaused):  # the request's fault, or a pause: the replica is fine
+        # the request's fault, a pause, or a step that failed only it: the replica is fine
+        except (ValueError, EnginePaused, RequestFailed):
             raise
         except Exception as e:
             self.router.report_failure.remote(replica_id)

@@ -63,24 +63,84 @@ def kept_log_mass(logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return full.masked_fill(~kept, float("-inf")).logsumexp(dim=-1)
 
 
-def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None],
-                default: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token per row by the exponential race `argmax(p / E)`, `E ~ Exp(1)`.
+# Philox2x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011)
+PHILOX_M = 0xD256D193  # round multiplier
+PHILOX_W = 0x9E3779B9  # key increment per round (golden ratio)
+PHILOX_ROUNDS = 10
+MASK32 = 0xFFFF_FFFF
 
-    A row with its own generator consumes exactly `vocab` draws from it per call, whatever the
-    batch, which makes seeded requests batch-independent. Returns [B] int64.
+
+def _mulhilo32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32-bit words of `PHILOX_M * x` for int64 x in [0, 2^32), exactly.
+
+    The product reaches 2^64, past int64, so the multiplier goes in 16-bit halves and no
+    intermediate reaches 2^49.
     """
-    noise = torch.empty_like(probs)
-    shared = [i for i, g in enumerate(generators) if g is None]
-    if shared:
-        idx = torch.tensor(shared, device=probs.device)
-        noise[idx] = torch.empty(len(shared), probs.shape[1], device=probs.device,
-                                 dtype=probs.dtype).exponential_(generator=default)
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            noise[i].exponential_(generator=gen)
-    # a zero draw would turn a zero-probability token into nan; clamp keeps it at 0
-    return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
+    low_part = x * (PHILOX_M & 0xFFFF)  # < 2^48
+    high_part = x * (PHILOX_M >> 16)  # < 2^48; stands for high_part * 2^16
+    # product = (high_part >> 16) * 2^32 + partial
+    partial = low_part + ((high_part & 0xFFFF) << 16)  # < 2^49
+    return (high_part >> 16) + (partial >> 32), partial & MASK32
+
+
+def philox2x32(key: torch.Tensor, ctr0: torch.Tensor,
+               ctr1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Philox2x32-10 of one 2x32-bit counter under one 32-bit key per row.
+
+    All three are int64 holding unsigned 32-bit values, of one shape or broadcastable ([B], or
+    [B, 1] against [1, N]); returns the two output words in the broadcast shape.
+    Plain tensor ops (no host sync, no generator), so it runs on any device and in a CUDA graph.
+    """
+    for _ in range(PHILOX_ROUNDS):
+        hi, lo = _mulhilo32(ctr0)
+        ctr0, ctr1 = hi ^ key ^ ctr1, lo
+        key = (key + PHILOX_W) & MASK32
+    return ctr0, ctr1
+
+
+def philox_uniform(key: torch.Tensor, ctr0: torch.Tensor, ctr1: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, [B] float64 with 53 random bits: a pure function of the
+    row's (key, counter), whatever the batch or device."""
+    word0, word1 = philox2x32(key, ctr0, ctr1)
+    bits = ((word0 >> 5) << 26) | (word1 >> 6)  # 27 + 26 bits, < 2^53: exact in float64
+    return bits.double() * 2.0 ** -53
+
+
+RACE_BLOCK = 256  # tokens per block of the two-level race
+
+
+def sample_race(probs: torch.Tensor, key: torch.Tensor, ctr0: torch.Tensor,
+                ctr1: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row by the exponential race `argmax(p_i / E_i)`, `E_i ~ Exp(1)`,
+    with every E_i a pure function of the row's Philox (key, counter): [B] int64.
+
+    Two levels, so only a few hundred draws per row are made instead of one per token: a
+    race among blocks of RACE_BLOCK tokens, weighted by their mass, then a race inside the
+    winning block. P(block) * P(token | block) = (m_b / M) * (p_i / m_b) = p_i / M, exactly.
+    Unlike an inverse-CDF draw (one uniform against a running sum over the vocabulary), the
+    winner only changes when two scores are all but tied, so a logit that differs in the last
+    bits (another batch, another TP split) almost never changes a seeded request's token.
+    probs [B, V] (rows need not sum to 1); key, ctr0, ctr1 [B] unsigned 32-bit words.
+    """
+    batch, vocab = probs.shape
+    num_blocks = -(-vocab // RACE_BLOCK)
+    blocks = torch.nn.functional.pad(probs, (0, num_blocks * RACE_BLOCK - vocab))
+    blocks = blocks.view(batch, num_blocks, RACE_BLOCK)
+    # the row's own key for this draw: (stream, position) -> 64 bits, then one counter per E_i
+    row_key, row_ctr = philox2x32(key, ctr0, ctr1)
+    mass = blocks.sum(dim=-1, dtype=torch.float64)  # [B, num_blocks]
+    block = (mass / _exponentials(row_key, row_ctr, 0, num_blocks)).argmax(dim=-1)
+    inside = blocks[torch.arange(batch, device=probs.device), block].double()  # [B, BLOCK]
+    pick = (inside / _exponentials(row_key, row_ctr, 1 << 31, RACE_BLOCK)).argmax(dim=-1)
+    return block * RACE_BLOCK + pick
+
+
+def _exponentials(key: torch.Tensor, ctr: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Exp(1) draws [B, count] float64 at counters (ctr, first + j) under each row's key."""
+    index = torch.arange(first, first + count, device=key.device).unsqueeze(0)  # [1, count]
+    u = philox_uniform(key.unsqueeze(1), ctr.unsqueeze(1), index)  # [B, count] in [0, 1)
+    # -log(1 - u) > 0; a zero (u = 0, odds 2^-53) would make 0 / 0 for a zero-mass entry
+    return torch.log1p(-u).neg_().clamp_(min=1e-300)
 
 
 def top_logprobs(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.engine.errors import EnginePaused
+from actors.engine.errors import EnginePaused, RequestFailed
 
 
 class HandleCalls:
@@ -30,6 +30,8 @@ def unwrapped(error: Exception) -> Exception:
         return ValueError(str(cause))
     if isinstance(cause, EnginePaused):
         return EnginePaused(str(cause))
+    if isinstance(cause, RequestFailed):
+        return RequestFailed(str(cause))
     return error
 
 

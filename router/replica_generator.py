@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, Protocol
 
-from actors.engine.errors import EnginePaused
+from actors.engine.errors import EnginePaused, RequestFailed
 from actors.engine.output_delta import DeltaDecoder
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
@@ -92,8 +92,8 @@ class ReplicaTurnGenerator:
             async with aclosing(stream):
                 async for out in stream:
                     yield turn_output(out)
-        except ValueError:  # the request's fault: a 400, and the replica is fine
-            raise
+        except (ValueError, RequestFailed):  # the request's fault (400) or its step's: the
+            raise  # replica is fine
         except EnginePaused as e:  # paused for a weight update, and its queue is full
             raise NoReplica(f"{e}; send the turn again") from None
         except Exception as e:

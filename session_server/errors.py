@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from actors.engine.errors import EnginePaused
+from actors.engine.errors import EnginePaused, RequestFailed
 from router.errors import RouterError
 from session_server.backend import QueueFull, ReplicaFailed
 
@@ -87,6 +87,8 @@ def from_exception(exc: BaseException, param_names: dict[str, str] | None = None
         return APIError(503, str(exc) or "the engine replica failed", code="replica_failed")
     if isinstance(exc, EnginePaused):
         return APIError(503, str(exc), code="engine_paused", headers={"Retry-After": "1"})
+    if isinstance(exc, RequestFailed):  # a step it was in raised; the engine serves on
+        return APIError(500, str(exc), code="request_failed")
     if isinstance(exc, RouterError):
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         return APIError(exc.status, str(exc), param=exc.param, code=exc.code, headers=headers,

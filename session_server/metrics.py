@@ -38,6 +38,7 @@ COUNTERS = {
     "num_preemptions": "Cumulative number of preemptions from the engine.",
     "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
     "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+    "steps_planned_ahead": "Engine steps planned while the step before ran (async scheduling).",
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
@@ -46,7 +47,7 @@ HISTOGRAMS = {
     "request_queue_time_seconds": "Histogram of time spent waiting in the queue in seconds.",
 }
 
-FINISH_REASONS = frozenset({"stop", "length", "abort", "stale"})
+FINISH_REASONS = frozenset({"stop", "length", "abort", "stale", "error"})
 
 router = APIRouter()
 

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from actors.engine.config import EngineConfig
-from actors.engine.errors import EnginePaused
+from actors.engine.errors import EnginePaused, RequestFailed
 from actors.engine.llm_engine import LLMEngine, Prompt
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
@@ -19,10 +19,10 @@ class AsyncLLMEngine:
     """Steps the engine in a task on the event loop and fans outputs out to per-request queues.
 
     `generate` yields cumulative `RequestOutput`s; leaving the iterator early (break, cancel, a
-    client disconnect) aborts the request and frees its blocks. Each step runs on the loop's
-    own thread and yields to other tasks between steps: measured here, stepping on a second
-    thread cost ~25% of throughput (two threads' OpenMP teams competing for the cores), while
-    a step blocks the loop only for one step (tens of ms in decode).
+    client disconnect) aborts the request and frees its blocks. The engine's bookkeeping runs
+    on the loop's thread; the model runs on the executor's side (a worker thread, or shard
+    actors), and the loop awaits each step, so it serves other tasks while the model computes.
+    An output whose request failed (a step raised) raises `RequestFailed` in its consumer.
     """
 
     def __init__(self, engine: LLMEngine, max_paused_requests: int = 1024):
@@ -64,6 +64,8 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailed(f"request {request_id}: {item.error}")
                 yield item
         finally:
             self._queues.pop(request_id, None)
@@ -109,6 +111,8 @@ class AsyncLLMEngine:
             raise ValueError(f"mode: {mode!r} is not one of {list(PAUSE_MODES)}")
         self._paused = mode
         self._resumed.clear()
+        # a step in flight (the step loop may be awaiting it) is folded in first
+        self._fan_out(self.engine.drain())
         if mode == "abort":
             await self.abort(list(self.engine.requests))
         elif mode == "retract":
@@ -187,10 +191,14 @@ class AsyncLLMEngine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                self._fan_out(self.engine.step())
-                # let consumers, new requests and aborts in; a true (1 ms) sleep, because with
-                # sleep(0) a client disconnect was not seen by Starlette until the request ended
-                await asyncio.sleep(0.001)
+                due = self.engine.begin_step()
+                if due is not None:
+                    # the step runs on the executor's side: consumers, new requests, aborts
+                    # and client disconnects are served meanwhile
+                    await asyncio.wait([asyncio.wrap_future(due)])
+                else:
+                    await asyncio.sleep(0.001)  # nothing ran (e.g. only failed plans)
+                self._fan_out(self.engine.end_step())
         except Exception as e:  # surface to every waiter instead of hanging them
             self._error = e
             for queue in self._queues.values():

@@ -103,15 +103,18 @@ class BlockManager:
 
     # --- after a step -------------------------------------------------------------------------
 
-    def commit_full_blocks(self, seq: Sequence) -> None:
-        """Register the hashes of blocks that became full (all their tokens computed)."""
+    def commit_full_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Register the hashes of blocks that became full: all their tokens computed, by steps
+        whose results arrived (`num_computed`, default the sequence's count)."""
         if not self.enable_prefix_caching:
             return
         start = seq.num_hashed_blocks
         parent = self.blocks[seq.block_table[start - 1]].hash if start else _root(seq.cache_version)
         if parent is None:
             return  # the cache was reset under this sequence: its chain cannot be extended
-        for i in range(start, seq.num_computed_tokens // self.block_size):
+        if num_computed is None:
+            num_computed = seq.num_computed_tokens
+        for i in range(start, num_computed // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 tokens = tuple(seq.block_tokens(i))

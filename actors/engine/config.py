@@ -41,13 +41,15 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     max_logprobs: int = 20
+    # plan step N+1 while step N runs (vLLM's --async-scheduling); outputs are the same
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model", "dtype", "device", "attention_backend"):
             check_type("EngineConfig", name, getattr(self, name), str)
         if self.tokenizer is not None:
             check_type("EngineConfig", "tokenizer", self.tokenizer, str)
-        for name in ("enable_prefix_caching", "enable_return_routed_experts"):
+        for name in ("enable_prefix_caching", "enable_return_routed_experts", "async_scheduling"):
             check_type("EngineConfig", name, getattr(self, name), bool)
         check_type("EngineConfig", "seed", self.seed, int)
         check_type("EngineConfig", "kv_cache_memory_gb", self.kv_cache_memory_gb, (int, float))

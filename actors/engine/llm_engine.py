@@ -7,22 +7,24 @@ import itertools
 import time
 import weakref
 from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from actors.engine.config import EngineConfig
 from actors.engine.outputs import RequestOutput
 from actors.engine.planner import StepPlanner
+from actors.engine.postprocessor import Postprocessor
 from actors.engine.request import Request
 from actors.engine.sampling_params import SamplingParams
-from actors.engine.scheduler import Scheduler, SchedulerOutput
-from actors.engine.sequence import Sequence
+from actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from actors.engine.setup import EngineParts, build_engine_parts
 from actors.engine.stats import EngineStats, StepTimer
 from actors.engine.validate import RequestValidator, as_params_list, as_prompt_list
 from actors.engine.weight_sync import WeightSync, too_stale
+from actors.executor.base import StepFailed
 from actors.models.weights import DEFAULT_BUCKET_BYTES, Payload, TensorSpec, iter_buckets, specs_of
+from actors.runner.faults import Faults
 from actors.runner.plan import StepResult
 
 if TYPE_CHECKING:
@@ -55,6 +57,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.weights = WeightSync(self.executor, self.block_manager)
+        self.post = Postprocessor(self.scheduler, self.planner, self.stop_checker, self.stats,
+                                  self.requests, lambda: self.weights.version)
+        self.faults = Faults()
+        self._in_flight: LaunchedStep | None = None  # launched, to be collected by a later step
+        self._due: LaunchedStep | None = None  # launched, to be collected by this step
+        self._held: list[RequestOutput] = []  # outputs of steps drained outside step()
         self._ids = itertools.count()
         # NOTE: a weak method, so an engine that is dropped is not kept alive until exit
         self._atexit = weakref.WeakMethod(self.shutdown)
@@ -67,6 +75,7 @@ class LLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
         """Load HF-named (full, unsharded) tensors into every rank, then drop the prefix cache,
         whose blocks were computed with the old weights. Call between steps."""
+        self._quiesce()
         self.executor.load_weights(weights)
         self.block_manager.reset_prefix_cache()
 
@@ -87,6 +96,7 @@ class LLMEngine:
     def begin_weight_update(self, specs: list[TensorSpec]) -> None:
         """Check an update's manifest on every rank (ValueError naming the first tensor that
         would not load); no weight changes. A second begin replaces an unfinished update."""
+        self._quiesce()
         self.weights.begin(specs)
 
     def load_weight_bucket(self, bucket: Payload | dict[str, torch.Tensor]) -> int:
@@ -114,22 +124,16 @@ class LLMEngine:
         """Requests whose tokens would now span more than their max_weight_lag versions end
         with their partial output, finish reason "stale"."""
         stale = [r for r in self.requests.values() if too_stale(r, self.weight_version)]
-        outputs = []
         for request in stale:
-            for seq in request.seqs:
-                if seq.finish_reason is None:
-                    seq.finish_reason = "stale"
-                    self._capture_routing(seq)
-                    self._release(seq)
-            outputs.extend(self._finish([request]))
-        return outputs
+            self.post.end(request, "stale")
+        return self.post.outputs(stale)
 
     def retract_all(self) -> int:
         """Free the KV of every running sequence; when scheduled again each re-prefills its
         prompt and generated tokens (under the weights of that time). Returns how many."""
+        self._quiesce()
         retracted = self.scheduler.retract_all()
-        for seq in retracted:
-            self.planner.preempt(seq)
+        self.planner.preempted(retracted)
         return len(retracted)
 
     def flush_cache(self) -> None:
@@ -156,7 +160,8 @@ class LLMEngine:
         self.scheduler.add(request.seqs[0])
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
-        """Stop requests and free their blocks; returns their final ("abort") outputs."""
+        """Stop requests and free their blocks; returns their final ("abort") outputs. A step
+        in flight that holds them computes on, and what it computes for them is dropped."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         outputs = []
         for rid in ids:
@@ -167,7 +172,7 @@ class LLMEngine:
             for seq in request.seqs:
                 if seq.finish_reason is None:
                     seq.finish_reason = "abort"
-                    self._release(seq)
+                    self.post.release(seq, keep_routing=False)
             outputs.append(request.output(self.weight_version))
         return outputs
 
@@ -180,52 +185,88 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the cumulative output of every request it advanced."""
+        """Run one scheduling step; returns the cumulative output of every request it advanced.
+
+        Serial: launch a step, wait for it, fold its result in. With async scheduling the
+        step after it is launched (planned on the assumption that every running sequence goes
+        on) before its result is waited for, so the runners never wait for the engine's
+        bookkeeping; one step is then in flight between calls.
+        """
+        self.begin_step()
+        return self.end_step()
+
+    def begin_step(self) -> Future[StepResult] | None:
+        """The first half of `step`: launch what is due; returns the future `end_step` will
+        wait for (None: nothing to wait for). An event loop awaits it, then calls end_step."""
+        if self._in_flight is None:
+            self._in_flight = self._launch()
+        self._due, self._in_flight = self._in_flight, None
+        if self._due is not None and self.config.async_scheduling:
+            self._in_flight = self._launch()
+            self.stats.steps_planned_ahead += self._in_flight is not None
+        return None if self._due is None else self._due.future
+
+    def end_step(self) -> list[RequestOutput]:
+        """The second half of `step`: fold in the step begin_step launched (if drain has not)."""
+        outputs, self._held = self._held, []
+        due, self._due = self._due, None
+        return outputs if due is None else outputs + self._collect(due)
+
+    def drain(self) -> list[RequestOutput]:
+        """Wait for every step in flight and fold them in, planning nothing new (before a
+        pause, a weight update or a retract); returns their outputs."""
+        outputs = self.end_step()
+        if self._in_flight is not None:
+            self._due, self._in_flight = self._in_flight, None
+            outputs += self.end_step()
+        return outputs
+
+    def arm_fault(self, stage: str, times: int = 1) -> None:
+        """Test hook: the next `times` steps raise at `stage`: "plan" (here), "prepare" or
+        "forward" (on every runner). Their requests end with finish reason "error"."""
+        if stage == "plan":
+            self.faults.arm(stage, times)
+        else:
+            Faults().arm(stage, times)  # the same check of the arguments, before any rank
+            self.executor.collective_rpc("arm_fault", stage, times)
+
+    def _quiesce(self) -> None:
+        """No step in flight from here on; its outputs come with the next step()."""
+        self._held = self.drain()
+
+    def _launch(self) -> LaunchedStep | None:
+        """Schedule, plan and submit a step (None when there is nothing to run)."""
         timer = StepTimer()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            self.planner.preempted(batch.preempted)
+            return None
         self._record_scheduled(batch)
         timer.mark("schedule")
-        plan = self.planner.plan(batch)
+        try:
+            self.faults.check("plan")
+            plan = self.planner.plan(batch)
+        except Exception as e:  # its requests fail; the engine goes on
+            self.planner.preempted(batch.preempted)
+            self._held += self.post.fail(batch.scheduled, e)
+            return None
         timer.mark("plan")
-        result = self.executor.execute(plan)
-        timer.mark("execute")
-        outputs = self._finish(self._postprocess(batch, result))
-        timer.mark("postprocess")
-        self.stats.step_times.add(timer, result.timings)
-        return outputs
+        future = self.executor.submit(plan)
+        for item in batch.scheduled:
+            self.scheduler.launched(item)
+        return LaunchedStep(batch.scheduled, future, timer)
 
-    def _finish(self, touched: list[Request]) -> list[RequestOutput]:
-        outputs = [r.output(self.weight_version) for r in touched]
-        for r in touched:
-            if r.finished:
-                self.stats.request_finished(r, time.monotonic())
-                del self.requests[r.request_id]
+    def _collect(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step and fold its result in."""
+        try:
+            result = step.future.result()
+        except StepFailed as e:  # the runners dropped its requests and serve on
+            return self.post.fail(step.scheduled, e)
+        step.timer.mark("execute")
+        outputs = self.post.apply(step.scheduled, result)
+        step.timer.mark("postprocess")
+        self.stats.step_times.add(step.timer, result.timings)
         return outputs
-
-    def _postprocess(self, batch: SchedulerOutput, result: StepResult) -> list[Request]:
-        touched: dict[str, Request] = {}
-        now = time.monotonic()
-        for i, item in enumerate(batch.scheduled):
-            seq = item.seq
-            self.scheduler.advance(item)
-            seq.prompt_logprobs.extend(result.prompt_logprobs[i])
-            if result.routed_experts[i] is not None:
-                seq.routing_parts.append(result.routed_experts[i])
-            token = result.token_ids[i]
-            if token is None:
-                continue
-            request = self.requests[seq.request_id]
-            self.stats.token(request, now)
-            seq.append_token(token, result.logprobs[i], result.top_logprobs[i],
-                             self.weight_version, result.kept_mass[i])
-            self.stop_checker.check(seq, request.detokenize(seq))
-            if seq.finish_reason is not None:
-                self._capture_routing(seq)
-                self._release(seq)
-            touched[seq.request_id] = request
-        return list(touched.values())
 
     # --- statistics ---------------------------------------------------------------------------
 
@@ -238,16 +279,6 @@ class LLMEngine:
     def stats_snapshot(self, paused: bool = False) -> dict:
         return self.stats.snapshot(self.scheduler, self.block_manager, self.weight_version,
                                    paused)
-
-    def _capture_routing(self, seq: Sequence) -> None:
-        if seq.params.return_routed_experts and seq.routing_parts:
-            # every position but the last sampled token was fed through the model
-            seq.routed_experts = np.concatenate(seq.routing_parts)[:len(seq) - 1]
-            seq.routing_parts = []
-
-    def _release(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        self.planner.forget(seq)
 
     # --- batch helpers ------------------------------------------------------------------------
 
@@ -276,6 +307,15 @@ class LLMEngine:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.validator.render_chat(conv, **template_kwargs) for conv in convs]
         return self.generate(prompts, params, use_tqdm)
+
+
+@dataclass
+class LaunchedStep:
+    """A step on its way to the runners."""
+
+    scheduled: list[ScheduledSeq]  # its flat order, as scheduled
+    future: Future[StepResult]
+    timer: StepTimer
 
 
 def _call_if_alive(method_ref: weakref.WeakMethod) -> None:

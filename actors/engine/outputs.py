@@ -14,7 +14,8 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None  # raw logprob of each sampled token
     top_logprobs: list[dict[int, float]] | None = None
-    # "stop", "length", "abort", "stale" (see SamplingParams.max_weight_lag) or None while running
+    # "stop", "length", "abort", "stale" (see SamplingParams.max_weight_lag), "error" (a step
+    # failed: RequestOutput.error says why) or None while running
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     routed_experts: np.ndarray | None = None  # int32 [prompt + output - 1, moe_layers, top_k]
@@ -37,3 +38,4 @@ class RequestOutput:
     weight_version: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the request failed (finish reason "error")

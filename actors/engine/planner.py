@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass
 
 from actors.engine.sampling_params import SamplingParams
-from actors.engine.scheduler import ScheduledSeq, SchedulerOutput
+from actors.engine.scheduler import SchedulerOutput
 from actors.engine.sequence import Sequence
 from actors.runner.plan import CachedRequest, NewRequest, SamplingOptions, StepPlan
 
@@ -34,55 +34,55 @@ class StepPlanner:
         self._step_ids = itertools.count()
 
     def plan(self, batch: SchedulerOutput) -> StepPlan:
-        preempted = self._preempted + [s.seq_id for s in batch.preempted
-                                       if self._mark_preempted(s)]
-        self._preempted = []
-        new, cached = [], []
+        """The plan of one step; the planner's memory changes only once it is built (a plan
+        that raises leaves nothing half-recorded)."""
+        new, cached, known = [], [], {}
         for item in batch.scheduled:
-            if item.seq.seq_id in self._known:
-                cached.append(self._delta(item.seq))
+            seq = item.seq
+            if seq.seq_id in self._known:
+                cached.append(self._delta(seq))
             else:
-                new.append(self._new(item))
-        finished, self._finished = tuple(self._finished), []
-        return StepPlan(
+                # NOTE: a sequence is new to the runners only before its first step, so its
+                # tokens are exactly the prompt (a preempted one comes back as a resumed delta)
+                new.append(NewRequest(seq.seq_id, seq.index, tuple(seq.token_ids),
+                                      tuple(seq.block_table), seq.num_computed_tokens,
+                                      sampling_options(seq.params)))
+            known[seq.seq_id] = _Known(len(seq), len(seq.block_table))
+        self.preempted(batch.preempted)
+        plan = StepPlan(
             step_id=next(self._step_ids), new_requests=tuple(new), cached_requests=tuple(cached),
             scheduled=tuple((item.seq.seq_id, item.num_new) for item in batch.scheduled),
-            num_prefills=len(batch.prefills), finished_seq_ids=finished,
-            preempted_seq_ids=tuple(preempted))
+            num_prefills=len(batch.prefills), finished_seq_ids=tuple(self._finished),
+            preempted_seq_ids=tuple(self._preempted))
+        self._known.update(known)
+        self._finished, self._preempted = [], []
+        return plan
+
+    def preempted(self, seqs: list[Sequence]) -> None:
+        """These sequences lost their blocks (the scheduler preempted them, or a retract): the
+        next plan tells the runners to forget their block tables."""
+        for seq in seqs:
+            if self._mark_preempted(seq):
+                self._preempted.append(seq.seq_id)
 
     def forget(self, seq: Sequence) -> None:
         """The sequence finished or was aborted: the next plan tells the runners to drop it."""
         if self._known.pop(seq.seq_id, None) is not None:
             self._finished.append(seq.seq_id)
 
-    def preempt(self, seq: Sequence) -> None:
-        """The sequence lost its blocks between steps: the next plan tells the runners."""
-        if self._mark_preempted(seq):
-            self._preempted.append(seq.seq_id)
-
     @property
     def num_known(self) -> int:
         return len(self._known)
 
-    def _new(self, item: ScheduledSeq) -> NewRequest:
-        seq = item.seq
-        self._known[seq.seq_id] = _Known(len(seq), len(seq.block_table))
-        # NOTE: a sequence is new to the runners only before its first step, so its tokens are
-        # exactly the prompt (a preempted one comes back as a resumed CachedRequest)
-        return NewRequest(seq.seq_id, seq.index, tuple(seq.token_ids), tuple(seq.block_table),
-                          seq.num_computed_tokens, sampling_options(seq.params))
-
     def _delta(self, seq: Sequence) -> CachedRequest:
         known = self._known[seq.seq_id]
-        delta = CachedRequest(seq.seq_id, tuple(seq.token_ids[known.num_tokens:]),
-                              tuple(seq.block_table[known.num_blocks:]), seq.num_computed_tokens,
-                              known.resumed)
-        self._known[seq.seq_id] = _Known(len(seq), len(seq.block_table))
-        return delta
+        return CachedRequest(seq.seq_id, tuple(seq.runner_token_ids(known.num_tokens)),
+                             tuple(seq.block_table[known.num_blocks:]), seq.num_computed_tokens,
+                             known.resumed)
 
     def _mark_preempted(self, seq: Sequence) -> bool:
         known = self._known.get(seq.seq_id)
-        if known is None:
+        if known is None or seq.seq_id in self._preempted:
             return False
         known.num_blocks, known.resumed = 0, True
         return True

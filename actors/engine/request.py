@@ -20,6 +20,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time = 0.0
+        self.error: str | None = None  # a step it was in failed
         self.seqs = [Sequence(request_id, i, prompt_token_ids, params, block_size)
                      for i in range(params.n)]
         # samples 2..n start once the first one's prompt is in the cache, so they share its blocks
@@ -49,6 +50,7 @@ class Request:
             prompt_logprobs=list(head.prompt_logprobs) if self.params.prompt_logprobs is not None
             else None,
             metrics=self._metrics(),
+            error=self.error,
         )
 
     def _completion(self, seq: Sequence) -> CompletionOutput:

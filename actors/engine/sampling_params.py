@@ -16,7 +16,7 @@ class SamplingParams:
 
     `logprobs=N` returns the raw logprob of each sampled token (temperature 1, before any
     truncation or penalty) plus the top-N alternatives; `prompt_logprobs=N` does the same for the
-    prompt. `seed` gives the request its own generator, so its tokens do not depend on the batch.
+    prompt. `seed` makes its tokens a function of (seed, sample index, output position) alone.
     """
 
     n: int = 1

@@ -11,13 +11,18 @@ from actors.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledSeq:
+    """A sequence's part of one step, as it was when the step was scheduled."""
+
     seq: Sequence
     num_new: int  # tokens computed for it this step
+    start: int = field(init=False)  # tokens in its KV cache before the step
+    samples: bool = field(init=False)  # the chunk reaches the end: its logits give a token
+    preemptions: int = field(init=False)  # its preemption count then (a later one voids it)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so its logits give a token."""
-        return self.seq.num_computed_tokens + self.num_new == len(self.seq)
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new == len(self.seq)
+        self.preemptions = self.seq.num_preemptions
 
     @property
     def is_decode(self) -> bool:
@@ -76,8 +81,12 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: list[Sequence] = []
         queue = list(self.running)
+        waiting_on_last: list[Sequence] = []
         while queue and budget > 0:
             seq = queue.pop(0)
+            if seq.will_finish:  # its last token is in flight: nothing more to compute
+                waiting_on_last.append(seq)
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_new)):
                 victim = queue.pop() if queue else seq
@@ -90,7 +99,7 @@ class Scheduler:
                 scheduled.append(seq)
                 budget -= num_new
         # sequences left in `queue` got no budget this step and keep their place
-        self.running = scheduled + queue
+        self.running = scheduled + waiting_on_last + queue
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -155,12 +164,20 @@ class Scheduler:
 
     # --- after the step -----------------------------------------------------------------------
 
-    def advance(self, item: ScheduledSeq) -> None:
-        """Record that the step computed `item.num_new` tokens (before any token is appended)."""
+    def launched(self, item: ScheduledSeq) -> None:
+        """The step is on its way: schedule on as if it had computed its tokens, and count the
+        token it will sample as pending (the next step can then be planned before it ends)."""
+        item.seq.num_computed_tokens += item.num_new
+        if item.samples:
+            item.seq.num_pending += 1
+
+    def confirm(self, item: ScheduledSeq) -> None:
+        """The step's result arrived: its full blocks join the prefix cache (unless the
+        sequence was preempted since), and a finished prompt releases the n > 1 siblings."""
         seq = item.seq
-        seq.num_computed_tokens += item.num_new
-        self.blocks.commit_full_blocks(seq)
-        if seq.prompt_done and seq.siblings:
+        if seq.num_preemptions == item.preemptions:
+            self.blocks.commit_full_blocks(seq, item.start + item.num_new)
+        if item.start + item.num_new >= seq.num_prompt_tokens and seq.siblings:
             for sibling in reversed(seq.siblings):  # n > 1: they now hit the prompt's blocks
                 self.waiting.appendleft(sibling)
             seq.siblings = []
@@ -173,6 +190,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free_sequence(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.num_pending = 0  # what steps in flight sample for it is dropped
         for sibling in seq.siblings:  # aborted before its prompt finished
             sibling.status = SequenceStatus.FINISHED
         seq.siblings = []

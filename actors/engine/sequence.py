@@ -6,6 +6,7 @@ import enum
 import itertools
 
 from actors.engine.sampling_params import SamplingParams
+from actors.runner.plan import PLACEHOLDER
 
 _ids = itertools.count()
 
@@ -26,7 +27,10 @@ class Sequence:
         self.index = index
         self.params = params
         self.block_size = block_size
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)  # known tokens (no placeholders)
+        # tokens sampled by steps still in flight (async scheduling): scheduled as if known,
+        # resolved in order when their step's result arrives
+        self.num_pending = 0
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
@@ -53,7 +57,14 @@ class Sequence:
         self.siblings: list[Sequence] = []  # n > 1: started once this one's prompt is computed
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        """Tokens as the scheduler sees them: the known ones and the pending ones."""
+        return len(self.token_ids) + self.num_pending
+
+    def runner_token_ids(self, start: int) -> list[int]:
+        """Tokens from `start` as the runner holds them: a pending one is PLACEHOLDER, which
+        the runner fills in with what it sampled."""
+        known = self.token_ids[start:]
+        return known + [PLACEHOLDER] * min(self.num_pending, len(self) - start)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -65,7 +76,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self) - self.num_computed_tokens
 
     @property
     def prompt_done(self) -> bool:
@@ -81,9 +92,18 @@ class Sequence:
     def block_tokens(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
+    @property
+    def will_finish(self) -> bool:
+        """Its pending tokens reach max_tokens: no step after theirs can add to it."""
+        max_tokens = self.params.max_tokens
+        return (self.num_pending > 0 and max_tokens is not None
+                and self.num_output_tokens + self.num_pending >= max_tokens)
+
     def append_token(self, token_id: int, logprob: float | None,
                      top: dict[int, float] | None, weight_version: int = 0,
                      kept_mass: float | None = None) -> None:
+        """The oldest pending token arrived (async scheduling), or a token of a serial step."""
+        self.num_pending = max(0, self.num_pending - 1)
         self.token_ids.append(token_id)
         self.weight_versions.append(weight_version)
         if kept_mass is not None:

@@ -3,27 +3,39 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from actors.runner.config import RunnerInfo
-from actors.runner.plan import StepPlan, StepResult
+from actors.runner.plan import StepError, StepPlan, StepResult
 
 
 class ExecutorError(RuntimeError):
-    """A step (or a call to every rank) failed on the runners; the executor may be unusable."""
+    """The runners can no longer serve (a shard died, or a rank raised while its peers waited
+    in a collective); every later call raises too."""
+
+
+class StepFailed(RuntimeError):
+    """One step raised on the runners, which dropped its requests and serve on."""
 
 
 class Executor(Protocol):
     """Runs step plans on one model, whatever the number of ranks or processes.
 
     `info` is known once the constructor returns (the runners are loaded and their KV caches
-    sized). `execute` returns the sampling rank's result. `collective_rpc` calls a method of the
-    `ModelRunner` on every rank and returns their answers in rank order: the hook for weight
-    updates and anything else that must reach every shard. After an `ExecutorError` the engine
+    sized). `submit` starts a step and returns a future of the sampling rank's result; steps
+    run in the order they were submitted, so a plan may be submitted while the one before it
+    runs (async scheduling). The future raises StepFailed when only that step failed, and
+    ExecutorError when the runners are gone. `execute` is `submit(plan).result()`.
+    `collective_rpc` calls a method of the `ModelRunner` on every rank and returns their
+    answers in rank order: the hook for weight updates and anything else that must reach every
+    shard. After an `ExecutorError` the engine
     reports itself unhealthy; `check_health` raises from then on.
     """
 
     info: RunnerInfo
+
+    def submit(self, plan: StepPlan) -> Future[StepResult]: ...
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
@@ -40,3 +52,10 @@ class Executor(Protocol):
         rank (no remote call), reporting only failures already seen."""
 
     def shutdown(self) -> None: ...
+
+
+def result_or_step_failed(result: object, what: str) -> StepResult:
+    """The reply of a step that may have raised on its own (a StepError): StepFailed then."""
+    if isinstance(result, StepError):
+        raise StepFailed(f"{what}: {result.message}")
+    return result

@@ -29,9 +29,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from actors.executor.base import ExecutorError
+from actors.executor.base import ExecutorError, result_or_step_failed
 from actors.executor.placement import ShardPlacement, place_shards, shard_bundle
 from actors.executor.step_channel import ShardFailed, StepChannels
 from actors.runner.config import RunnerConfig, RunnerInfo
@@ -53,6 +54,8 @@ class RayExecutor:
         self._error: BaseException | None = None
         self.channels: StepChannels | None = None
         self._serving: list | None = None  # the shards' serve_steps calls, while they run
+        self._collector = ThreadPoolExecutor(1, thread_name_prefix="raylane-step-collector")
+        self._last: Future | None = None  # the newest step submitted
         self.placement: ShardPlacement | None = place_shards(bundle, self.world_size)
         self.shards = self._spawn(config, bundle)
         self.info = self._start()
@@ -105,23 +108,43 @@ class RayExecutor:
 
     # --- the protocol -------------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
+        """Send the plan to every shard now; the future's result is read on the collector
+        thread, in order (a shard takes its next plan off the socket as soon as it is done
+        with the one before)."""
         self._raise_if_down()
         sent = time.perf_counter()
         if self.channels is None:
             refs = [s.execute.remote(plan) for s in self.shards]
-            result = self._gather(refs, kill_on_error=True)[0]
+            wait = lambda: self._gather(refs, kill_on_error=True)[0]  # noqa: E731
         else:
             if self._serving is None:  # the shards' main threads take steps from the channel
                 self._serving = [s.serve_steps.remote() for s in self.shards]
-            result = self._on_channel(self.channels.step, plan)
+            self._on_channel(self.channels.send, plan)
+            wait = lambda: self._on_channel(self.channels.collect_step, None)  # noqa: E731
+        future = self._collector.submit(self._collect, wait, plan.step_id, sent)
+        self._last = future
+        return future
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.submit(plan).result()
+
+    def _collect(self, wait, step_id: int, sent: float) -> StepResult:
+        result = result_or_step_failed(wait(), f"step {step_id} failed")
         result.timings.update(sent_at=sent, received_at=time.perf_counter())
         return result
+
+    def _quiesce(self) -> None:
+        """Wait out the steps in flight (their futures report their own errors)."""
+        if self._last is not None:
+            wait([self._last])
+            self._last = None
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `ModelRunner.<method>` on every rank; answers in rank order. An exception the
         method raises comes back as itself (the group stays up); a dead rank kills the group."""
         self._raise_if_down()
+        self._quiesce()
         self._release_channel()
         return self._gather([s.rpc.remote(method, *args, **kwargs) for s in self.shards])
 
@@ -142,8 +165,8 @@ class RayExecutor:
         (a shard that died while idle is seen here, not only by the next step). A ping is
         answered on the shard's Ray thread, beside a step running on its channel thread."""
         self._raise_if_down()
-        if not ping:
-            return
+        if not ping or (self._last is not None and not self._last.done()):
+            return  # a step in flight reports a dead shard itself
         if self._serving is not None:  # the shards take no Ray call while serving steps
             self._on_channel(self.channels.command, "ping")
         else:
@@ -173,6 +196,7 @@ class RayExecutor:
         """Kill every shard and remove the placement group we made (idempotent)."""
         self._error = self._error or ExecutorError("the executor was shut down")
         self._kill()
+        self._collector.shutdown(wait=False)
 
     def _fail(self, error: BaseException) -> None:
         self._error = error

@@ -12,7 +12,7 @@ import selectors
 import socket
 
 from actors.runner import wire
-from actors.runner.plan import ChannelCommand, StepPlan, StepResult
+from actors.runner.plan import ChannelCommand, StepError, StepPlan, StepResult
 from actors.shard import LOOPBACK
 
 
@@ -34,8 +34,21 @@ class StepChannels:
             self.close()
             raise
 
-    def step(self, plan: StepPlan) -> StepResult:
-        return self._round(plan)[0]
+    def send(self, plan: StepPlan) -> None:
+        """Write a step's plan to every rank; `collect_step` reads its replies (in order)."""
+        payload = wire.encode(plan)
+        try:
+            for sock in self.socks:
+                wire.send_frame(sock, payload)
+        except OSError as e:
+            raise ShardFailed(f"lost a shard: {e}") from e
+
+    def collect_step(self, _=None) -> StepResult | StepError:
+        """The replies of the oldest step sent and not yet collected: rank 0's result."""
+        try:
+            return self._gather()[0]
+        except OSError as e:
+            raise ShardFailed(f"lost a shard: {e}") from e
 
     def command(self, kind: str) -> list:
         """Send "ping" or "release" to every rank; their replies in rank order."""

@@ -16,7 +16,7 @@ class KVCache:
     the computation that filled the block.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, layers, routing: np.ndarray | None,
+    def __init__(self, num_blocks: int, block_size: int, layers, routing: torch.Tensor | None,
                  dtype: torch.dtype, device: torch.device):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -39,16 +39,25 @@ class KVCache:
         routing = None
         if config.enable_return_routed_experts:
             shape = (num_blocks * config.block_size, model.num_moe_layers, model.moe_top_k)
-            routing = np.zeros(shape, dtype=np.int32)
+            routing = torch.zeros(shape, dtype=torch.int32, device=device)
         return cls(num_blocks, config.block_size, layers, routing, dtype, device)
 
     def store_routing(self, slot_mapping: torch.Tensor, routed: torch.Tensor) -> None:
+        """Record a step's routing on the device (no host sync inside the step)."""
         if self.routing is not None:
             # routed [T, num_moe_layers, top_k]
-            self.routing[slot_mapping.cpu().numpy()] = routed.to(torch.int32).cpu().numpy()
+            self.routing[slot_mapping] = routed.to(torch.int32)
 
-    def read_routing(self, block_table: list[int], start: int, end: int) -> np.ndarray:
-        """Routing of positions [start, end) of a sequence: [end - start, layers, k] int32."""
-        positions = np.arange(start, end)
-        blocks = np.asarray(block_table, dtype=np.int64)[positions // self.block_size]
-        return self.routing[blocks * self.block_size + positions % self.block_size]
+    def read_routing(self, spans: list[tuple[list[int], int, int]]) -> list[np.ndarray]:
+        """Routing of positions [start, end) of each (block table, start, end), copied to the
+        host in one transfer after the step: [end - start, layers, k] int32 each."""
+        slots = [_slots(table, start, end, self.block_size) for table, start, end in spans]
+        flat = torch.from_numpy(np.concatenate(slots)).to(self.routing.device)
+        rows = self.routing.index_select(0, flat).cpu().numpy()
+        return np.split(rows, np.cumsum([len(s) for s in slots])[:-1])
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
+    positions = np.arange(start, end)
+    blocks = np.asarray(block_table, dtype=np.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size

@@ -21,6 +21,7 @@ from actors.models.loader import check_weights
 from actors.models.packing import repack_changed
 from actors.models.weights import Payload, decode_bucket, torch_dtype
 from actors.runner.config import RunnerConfig, RunnerInfo
+from actors.runner.faults import Faults
 from actors.runner.inputs import InputPreparer, StepInputs
 from actors.runner.kv_cache import KVCache
 from actors.runner.plan import StepPlan, StepResult
@@ -48,6 +49,7 @@ class ModelRunner:
         self.sampler = Sampler(hf_config.vocab_size, list(config.eos_token_ids), self.device,
                                config.seed)
         self.requests = RequestTable()
+        self.faults = Faults()
         self.vocab_size = hf_config.vocab_size
 
     @property
@@ -62,13 +64,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
-        """Run one step; the sampling rank returns its result, the others None."""
+        """Run one step; the sampling rank returns its result, the others None. When it raises,
+        the step's requests are dropped here first (the engine ends them with an error)."""
+        try:
+            return self._execute(plan)
+        except Exception:
+            self.requests.fail(plan)
+            raise
+
+    def _execute(self, plan: StepPlan) -> StepResult | None:
         start = time.perf_counter()
-        scheduled = self.requests.apply(plan)
+        entries = self.requests.apply(plan)
+        scheduled = [item for item in entries if item is not None]
         if not scheduled:
-            return StepResult.empty(0) if self.samples else None
-        step = self.inputs.prepare(scheduled, plan.num_prefills)
+            return StepResult.empty(len(entries)) if self.samples else None
+        self.faults.check("prepare")
+        step = self.inputs.prepare(scheduled, sum(1 for item in entries[:plan.num_prefills]
+                                                  if item is not None))
         prepared = time.perf_counter()
+        self.faults.check("forward")
         hidden, routed = self.model(step.input_ids, step.positions, step.attn)
         if routed is not None:
             self.kv.store_routing(step.attn.slot_mapping, routed)
@@ -76,12 +90,20 @@ class ModelRunner:
         computed = time.perf_counter()
         result = self._result(scheduled, step, logits) if self.samples else None
         self._advance(scheduled, step)
-        if result is not None:
-            finished = time.perf_counter()
-            result.timings = {"started_at": start, "prepare": prepared - start,
-                              "forward": computed - prepared, "sample": finished - computed,
-                              "collectives": self.tp.clock.take(), "finished_at": finished}
+        if result is None:
+            return None
+        if len(scheduled) < len(entries):  # entries of failed requests come back empty
+            result = result.spread([i for i, item in enumerate(entries) if item is not None],
+                                   len(entries))
+        finished = time.perf_counter()
+        result.timings = {"started_at": start, "prepare": prepared - start,
+                          "forward": computed - prepared, "sample": finished - computed,
+                          "collectives": self.tp.clock.take(), "finished_at": finished}
         return result
+
+    def arm_fault(self, stage: str, times: int = 1) -> None:
+        """Test hook: make the next `times` steps raise at `stage` ("prepare", "forward")."""
+        self.faults.arm(stage, times)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (full, HF-named) checkpoint tensors; each parameter takes its rank's slice."""
@@ -125,7 +147,7 @@ class ModelRunner:
                 scheduled[i].state.last_sampled = sampled.token_ids[k]
         for i, item in enumerate(scheduled):
             result.prompt_logprobs[i] = self._prompt_logprobs(item, step.logits_rows[i], logits)
-            result.routed_experts[i] = self._routed_experts(item)
+        self._routed_experts(scheduled, result)
         return result
 
     def _prompt_logprobs(self, item: ScheduledRequest, rows: tuple[int, int],
@@ -147,16 +169,23 @@ class ModelRunner:
             entries.append(entry)
         return entries
 
-    def _routed_experts(self, item: ScheduledRequest):
-        """Positions newly in this sequence's record: a cache hit's prefix, then this chunk."""
-        state = item.state
-        if not state.options.return_routed_experts or self.kv.routing is None:
-            return None
-        start, end = state.num_routed_reported, item.context_len
-        if end <= start:  # a recompute after preemption: already reported
-            return None
-        state.num_routed_reported = end
-        return self.kv.read_routing(state.block_ids, start, end)
+    def _routed_experts(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
+        """Positions newly in each asking sequence's record (a cache hit's prefix, then this
+        chunk), read from the device record in one copy after the step."""
+        if self.kv.routing is None:
+            return
+        rows, spans = [], []
+        for i, item in enumerate(scheduled):
+            state = item.state
+            start, end = state.num_routed_reported, item.context_len
+            # end <= start: a recompute after preemption, already reported
+            if state.options.return_routed_experts and end > start:
+                state.num_routed_reported = end
+                rows.append(i)
+                spans.append((state.block_ids, start, end))
+        if spans:
+            for i, routing in zip(rows, self.kv.read_routing(spans)):
+                result.routed_experts[i] = routing
 
     # --- bookkeeping (every rank) -------------------------------------------------------------
 

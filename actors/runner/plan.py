@@ -103,6 +103,14 @@ class ChannelCommand:
     kind: str
 
 
+@dataclass(frozen=True)
+class StepError:
+    """A shard's reply when its step raised but the shard can serve on (one rank: no peer is
+    left waiting in a collective). The runner dropped that step's requests."""
+
+    message: str
+
+
 @dataclass
 class StepResult:
     """What comes back from a step, one entry per `plan.scheduled` entry, in that order."""
@@ -126,3 +134,14 @@ class StepResult:
     def empty(cls, size: int) -> StepResult:
         return cls([None] * size, [None] * size, [None] * size, [[] for _ in range(size)],
                    [None] * size, [None] * size)
+
+    def spread(self, rows: list[int], size: int) -> StepResult:
+        """This result's entries at `rows` of a result of `size` entries (the others empty)."""
+        out = StepResult.empty(size)
+        for name in ("token_ids", "logprobs", "top_logprobs", "prompt_logprobs",
+                     "routed_experts", "kept_mass"):
+            column = getattr(out, name)
+            for row, value in zip(rows, getattr(self, name)):
+                column[row] = value
+        out.timings = self.timings
+        return out

@@ -2,7 +2,7 @@
 
 Every rank applies the same plans, so every rank holds the same token histories, block tables
 and counters (the logit rows a step computes depend on them, and collectives need equal shapes
-on all ranks). Only the rank that samples fills in `last_sampled` and owns seeded generators.
+on all ranks). Only the rank that samples fills in `last_sampled`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class RequestState:
 
     __slots__ = ("seq_id", "sample_index", "options", "token_ids", "num_prompt_tokens",
                  "block_ids", "num_computed_tokens", "last_sampled", "num_prompt_logprobs_done",
-                 "num_routed_reported", "generator")
+                 "num_routed_reported")
 
     def __init__(self, seq_id: int, sample_index: int, token_ids: list[int],
                  block_ids: list[int], num_computed_tokens: int, options: SamplingOptions):
@@ -32,7 +32,6 @@ class RequestState:
         # prompt positions whose logprobs were reported; position 0 has none to report
         self.num_prompt_logprobs_done = 1 if options.prompt_logprobs is not None else 0
         self.num_routed_reported = 0  # positions whose routed experts were reported
-        self.generator = None  # a seeded request's torch.Generator, made by the sampler
 
     @classmethod
     def from_plan(cls, new: NewRequest) -> RequestState:
@@ -82,26 +81,43 @@ class ScheduledRequest:
 
 
 class RequestTable:
-    """All requests a runner knows; `apply(plan)` brings them up to the plan's step."""
+    """All requests a runner knows; `apply(plan)` brings them up to the plan's step.
+
+    When a step raises, `fail` drops the state of its requests: the engine ends them with an
+    error, but a plan built before it knew (async scheduling) may still name them, so their
+    entries in later plans are skipped until a plan says they finished.
+    """
 
     def __init__(self) -> None:
         self.states: dict[int, RequestState] = {}
+        self.failed: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.states)
 
-    def apply(self, plan: StepPlan) -> list[ScheduledRequest]:
-        """Forget, add and update as the plan says; returns the step's requests in flat order."""
+    def apply(self, plan: StepPlan) -> list[ScheduledRequest | None]:
+        """Forget, add and update as the plan says; returns the step's requests in flat order
+        (None for a failed request's entry)."""
         for seq_id in plan.finished_seq_ids:
             self.states.pop(seq_id, None)
+            self.failed.discard(seq_id)
         for seq_id in plan.preempted_seq_ids:
-            state = self.states[seq_id]
-            state.block_ids, state.num_computed_tokens = [], 0
+            if seq_id not in self.failed:
+                state = self._get(seq_id)
+                state.block_ids, state.num_computed_tokens = [], 0
         for new in plan.new_requests:
             self.states[new.seq_id] = RequestState.from_plan(new)
         for delta in plan.cached_requests:
-            self._get(delta.seq_id).update(delta)
-        return [ScheduledRequest(self._get(seq_id), n) for seq_id, n in plan.scheduled]
+            if delta.seq_id not in self.failed:
+                self._get(delta.seq_id).update(delta)
+        return [None if seq_id in self.failed else ScheduledRequest(self._get(seq_id), n)
+                for seq_id, n in plan.scheduled]
+
+    def fail(self, plan: StepPlan) -> None:
+        """The plan's step raised: drop the state of every request it named."""
+        for seq_id in [new.seq_id for new in plan.new_requests] + [s for s, _ in plan.scheduled]:
+            self.states.pop(seq_id, None)
+            self.failed.add(seq_id)
 
     def _get(self, seq_id: int) -> RequestState:
         state = self.states.get(seq_id)

@@ -19,14 +19,16 @@ class SampleResult:
 
 
 class Sampler:
-    """Samples the rows of one step. A seeded request's state owns its generator for its whole
-    life (preemption included), so its tokens do not depend on the batch."""
+    """Samples the rows of one step. Each row's random numbers are a pure function of (seed,
+    stream, output position): a seeded request's stream is its sample index, an unseeded one's
+    is its seq_id under the engine seed. So a seeded request's tokens do not depend on its batch,
+    row order, async scheduling, TP size or preemption."""
 
     def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device, seed: int):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
-        self.default = torch.Generator(device=device).manual_seed(seed)
+        self.seed = seed  # the engine's, for unseeded requests
 
     def __call__(self, logits: torch.Tensor, states: list[RequestState]) -> SampleResult:
         logits = logits[:, :self.vocab_size].float()  # [B, V]
@@ -59,7 +61,8 @@ class Sampler:
         probs = sampling.apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
             probs = sampling.apply_min_p(probs, self._column([p.min_p for p in params]))
-        sampled = sampling.sample_rows(probs, [self._generator(s) for s in states], self.default)
+        words = self._column([row_words(s, self.seed) for s in states], torch.long)  # [B, 3]
+        sampled = sampling.sample_race(probs, words[:, 0], words[:, 1], words[:, 2])
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         tokens = torch.where(is_greedy, greedy, sampled)
         if not wants_kept:
@@ -68,15 +71,6 @@ class Sampler:
         kept = torch.where(is_greedy, _greedy_kept(logits, greedy),
                            sampling.kept_log_mass(logits, probs > 0))
         return tokens, kept
-
-    def _generator(self, state: RequestState) -> torch.Generator | None:
-        if state.options.seed is None:
-            return None
-        if state.generator is None:
-            # sample i of a seeded request gets its own stream, stable across runs
-            seed = hash((state.options.seed, state.sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
-            state.generator = torch.Generator(self.device).manual_seed(seed)
-        return state.generator
 
     def _mask_stop_tokens(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         """Before min_tokens are out, EOS and stop_token_ids cannot be sampled."""
@@ -118,6 +112,42 @@ class Sampler:
 
     def _column(self, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+_MASK32, _MASK64 = 0xFFFF_FFFF, 0xFFFF_FFFF_FFFF_FFFF
+# domain tags: a request seeded with the engine seed still gets other numbers than unseeded rows
+_SEEDED, _UNSEEDED = 0x5EED_5EED_5EED_5EED, 0x0DE1_A17E_D0DE_1A17
+
+
+def row_words(state: RequestState, engine_seed: int) -> tuple[int, int, int]:
+    """The row's Philox (key, counter0, counter1): (seed, stream) hashed to 64 bits gives the key
+    and one counter word, the output position of the token being sampled the other."""
+    if state.options.seed is not None:
+        base = _mix64(_fold64(state.options.seed) ^ _SEEDED)
+        stream = state.sample_index  # the n samples of one request differ
+    else:
+        base = _mix64(_fold64(engine_seed) ^ _UNSEEDED)
+        stream = state.seq_id
+    # _mix64 is a bijection: for one seed, distinct streams never share words
+    mixed = _mix64(base ^ (stream & _MASK64))
+    return mixed & _MASK32, mixed >> 32, state.num_output_tokens & _MASK32
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser (a bijection of 64-bit ints): nearby seeds get unrelated words."""
+    x = ((x ^ (x >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _fold64(seed: int) -> int:
+    """Any Python int (SamplingParams does not bound seeds) to 64 bits: an int64 seed is its
+    two's complement, a wider one has its higher 64-bit chunks mixed in."""
+    folded = seed & _MASK64
+    while not -2**63 <= seed < 2**63:
+        seed >>= 64
+        folded = _mix64(folded) ^ (seed & _MASK64)
+    return folded
 
 
 def _greedy_kept(logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ _ALLOWED = {
     ("actors.runner.plan", "StepPlan"), ("actors.runner.plan", "NewRequest"),
     ("actors.runner.plan", "CachedRequest"), ("actors.runner.plan", "SamplingOptions"),
     ("actors.runner.plan", "StepResult"), ("actors.runner.plan", "ChannelCommand"),
+    ("actors.runner.plan", "StepError"),
     ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
     ("numpy._core.multiarray", "_reconstruct"), ("numpy._core.numeric", "_frombuffer"),
     ("numpy.core.numeric", "_frombuffer"), ("builtins", "RuntimeError"),

@@ -6,7 +6,8 @@ splits the average step into: plan build, dispatch (plan to the runner), forward
 preparation + model), sample, return (result back to the engine) and the engine's own
 bookkeeping (schedule + postprocess). The Ray executor's overhead is its dispatch + return
 beyond the in-process executor's. Each configuration runs the workload twice and times the
-second pass.
+second pass, serial and with async scheduling (the next step planned while one runs: its step
+time should approach max(engine work, runner work), not their sum).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of the engine (split between ranks; default: all)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--async-scheduling", choices=("both", "off", "on"), default="both",
+                        help="run each executor serial, with async scheduling, or both "
+                             "(default, side by side)")
 
 
 @dataclass
@@ -96,12 +100,15 @@ def run(args: argparse.Namespace) -> int:
             configs.append((f"Ray executor, TP={tp}", {"tensor_parallel_size": tp}))
         except ValueError as e:
             skipped.append(f"TP={tp} skipped: {e}")
+    modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.async_scheduling]
     rows = []
     try:
         for name, kw in configs:
-            row = run_config(model_dir, work, args.max_num_batched_tokens, **kw)
-            row.name = name
-            rows.append(row)
+            for on in modes:
+                row = run_config(model_dir, work, args.max_num_batched_tokens,
+                                 async_scheduling=on, **kw)
+                row.name = f"{name}{', async' if on else ''}"
+                rows.append(row)
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -135,21 +142,38 @@ def print_table(work: Workload, rows: list[Row], threads: int, skipped: list[str
           f", useful output tokens {work.useful_tokens}, greedy, ignore_eos, float32, "
           f"{threads} torch threads split between the ranks")
     heads = " | ".join(f"{c:>8}" for c, _ in COLUMNS)
-    print(f"| {'executor':<26} | {heads} | {'step ms':>7} | {'steps':>5} | {'tok/s':>6} |"
+    print(f"| {'executor':<33} | {heads} | {'step ms':>7} | {'steps':>5} | {'tok/s':>6} |"
           f" {'vs in-proc':>10} |")
-    print("|" + "|".join("-" * (w + 2) for w in [26] + [8] * len(COLUMNS) + [7, 5, 6, 10]) + "|")
+    print("|" + "|".join("-" * (w + 2) for w in [33] + [8] * len(COLUMNS) + [7, 5, 6, 10]) + "|")
     base = rows[0].seconds
     for row in rows:
         ms = row.per_step_ms
         cells = " | ".join(f"{sum(ms[p] for p in parts):>8.3f}" for _, parts in COLUMNS)
         step_ms = 1000 * row.seconds / max(1, row.steps)
-        print(f"| {row.name:<26} | {cells} | {step_ms:>7.2f} | {row.steps:>5} | "
+        print(f"| {row.name:<33} | {cells} | {step_ms:>7.2f} | {row.steps:>5} | "
               f"{work.useful_tokens / row.seconds:>6.1f} | {base / row.seconds:>9.2f}x |")
     print("(milliseconds per step; forward = input preparation + model, including the time "
           "rank 0 waited in collectives, shown as collect.)")
-    if len(rows) > 1:
-        transport = [r.per_step_ms["dispatch"] + r.per_step_ms["return"] for r in rows[:2]]
+    serial = [r for r in rows if not r.name.endswith(", async")]
+    if len(serial) > 1:
+        transport = [r.per_step_ms["dispatch"] + r.per_step_ms["return"] for r in serial[:2]]
         print(f"Ray executor overhead at TP=1: dispatch + return {transport[1]:.3f} ms/step vs "
               f"{transport[0]:.3f} ms in process: {transport[1] - transport[0]:+.3f} ms/step")
+    for row in rows:
+        serial_row = next((r for r in rows if r.name + ", async" == row.name), None)
+        if serial_row is not None:
+            print(overlap_line(serial_row, row, work))
     for line in skipped:
         print(line)
+
+
+def overlap_line(serial: Row, async_row: Row, work: Workload) -> str:
+    """Serial step time is the engine's work plus the runner's; async should approach max."""
+    ms = serial.per_step_ms
+    engine = ms["schedule"] + ms["plan"] + ms["postprocess"]
+    runner = ms["dispatch"] + ms["prepare"] + ms["forward"] + ms["sample"] + ms["return"]
+    step_ms = [1000 * r.seconds / max(1, r.steps) for r in (serial, async_row)]
+    return (f"{serial.name}: engine {engine:.2f} + runner {runner:.2f} ms/step; serial step "
+            f"{step_ms[0]:.2f} ms, async {step_ms[1]:.2f} ms (max of the two "
+            f"{max(engine, runner):.2f}); throughput async / serial "
+            f"{serial.seconds / async_row.seconds:.3f}x")

@@ -1,4 +1,5 @@
-"""`raylane bench throughput`: the offline engine against transformers' static-batch generate."""
+"""`raylane bench throughput`: the offline engine, serial and with async scheduling, at several
+batch sizes (max_num_seqs), against transformers' static-batch generate."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--batch-sizes", default="32", metavar="N[,N...]",
+                        help="max_num_seqs values to run the engine at (default 32: the whole "
+                             "default workload at once)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers "
                                                                "reference")
 
@@ -40,17 +44,22 @@ def make_workload(num: int, prompt_len: tuple[int, int], output_len: tuple[int, 
     return Workload(prompts, [rng.randint(*output_len) for _ in range(num)])
 
 
-def run_engine(model_dir: str, work: Workload, max_batched: int) -> float:
+def run_engine(model_dir: str, work: Workload, max_batched: int, max_num_seqs: int = 128,
+               async_scheduling: bool = False) -> float:
     from actors.engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32",
-                                    max_num_batched_tokens=max_batched))
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for n in work.output_lens]
-    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = engine.generate(work.prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_num_seqs=max_num_seqs,
+                                    max_num_batched_tokens=max_batched,
+                                    async_scheduling=async_scheduling))
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in work.output_lens]
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outs = engine.generate(work.prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.shutdown()
     got = sum(len(o.outputs[0].token_ids) for o in outs)
     assert got == work.useful_tokens, (got, work.useful_tokens)
     return elapsed
@@ -87,7 +96,12 @@ def run(args: argparse.Namespace) -> int:
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab,
                          args.seed)
-    rows = [("raylane LLMEngine", run_engine(model_dir, work, args.max_num_batched_tokens))]
+    rows = []
+    for size in (int(x) for x in args.batch_sizes.split(",")):
+        # serial and async alternate, so drift on a shared machine hits both alike
+        for mode, on in (("serial", False), ("async scheduling", True)):
+            seconds = run_engine(model_dir, work, args.max_num_batched_tokens, size, on)
+            rows.append((f"raylane, max_num_seqs={size}, {mode}", seconds))
     if not args.skip_hf:
         rows.append(("transformers generate (static batch)", run_hf(model_dir, work)))
     print_table(work, rows, torch.get_num_threads())
@@ -104,3 +118,11 @@ def print_table(work: Workload, rows: list[tuple[str, float]], threads: int) -> 
     for name, secs in rows:
         print(f"| {name:<38} | {secs:>8.2f} | {work.useful_tokens / secs:>12.1f} | "
               f"{ref / secs:>5.2f}x |")
+    print("(ratio: against the last row)")
+    serial = {name.removesuffix(", serial"): secs for name, secs in rows if
+              name.endswith(", serial")}
+    for name, secs in rows:
+        base = serial.get(name.removesuffix(", async scheduling"))
+        if name.endswith(", async scheduling") and base:
+            print(f"{name.removesuffix(', async scheduling')}: async / serial throughput "
+                  f"{base / secs:.3f}x")

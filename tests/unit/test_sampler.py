@@ -10,7 +10,7 @@ import torch
 from actors.engine.planner import sampling_options
 from actors.engine.sampling_params import SamplingParams
 from actors.runner.requests import RequestState
-from actors.runner.sampler import Sampler
+from actors.runner.sampler import Sampler, row_words
 
 torch.set_num_threads(1)
 
@@ -22,9 +22,9 @@ def make_sampler(seed: int = 0) -> Sampler:
 
 
 def make_seq(prompt: list[int] | None = None, outputs: list[int] = (), index: int = 0,
-             **params) -> RequestState:
+             seq_id: int = 0, **params) -> RequestState:
     options = sampling_options(SamplingParams(**params))  # validated as the engine does
-    seq = RequestState(0, index, prompt or [1, 2, 3], [], 0, options)
+    seq = RequestState(seq_id, index, prompt or [1, 2, 3], [], 0, options)
     seq.token_ids.extend(outputs)
     return seq
 
@@ -164,7 +164,7 @@ def test_penalties_change_the_choice_as_the_naive_computation_says():
     assert changed >= 5  # the cases really exercise the penalties
 
 
-# --- seeded and truncated sampling ------------------------------------------------------------
+# --- the random stream: a function of (seed, stream, output position) -------------------------
 
 
 def run_steps(sampler: Sampler, seqs: list[RequestState], watch: RequestState,
@@ -179,6 +179,15 @@ def run_steps(sampler: Sampler, seqs: list[RequestState], watch: RequestState,
     return watch.output_token_ids
 
 
+def other_rows(variant: int) -> list[RequestState]:
+    """Six neighbours, a different mix for each variant."""
+    rows = [make_seq(temperature=1.0, seq_id=11), make_seq(seed=99, top_k=4, seq_id=12),
+            make_seq(temperature=0, seq_id=13), make_seq(seed=5, min_p=0.2, index=3, seq_id=14),
+            make_seq(temperature=0.5, logprobs=2, seq_id=15),
+            make_seq(presence_penalty=1.0, top_p=0.7, seq_id=16)]
+    return rows[variant:] + [make_seq(seed=variant, seq_id=20 + i) for i in range(variant)]
+
+
 @pytest.mark.parametrize("params", [
     {"seed": 42},
     {"seed": 7, "temperature": 0.8, "top_p": 0.9, "top_k": 8},
@@ -189,17 +198,50 @@ def test_seeded_rows_are_batch_independent(params):
     index = params.pop("index", 0)
     alone = make_seq(index=index, **params)
     alone_tokens = run_steps(make_sampler(seed=0), [alone], alone, steps=12)
-    twin = make_seq(index=index, **params)
-    others = [make_seq(temperature=1.0), make_seq(seed=99, top_k=4), make_seq(temperature=0)]
-    batch = [others[0], twin, *others[1:]]
-    assert run_steps(make_sampler(seed=123), batch, twin, steps=12) == alone_tokens
+    for position, variant in ((1, 0), (5, 2)):  # a batch of 7, the row at two positions
+        twin = make_seq(index=index, seq_id=40 + position, **params)
+        batch = other_rows(variant)
+        batch.insert(position, twin)
+        assert run_steps(make_sampler(seed=123 + variant), batch, twin, 12) == alone_tokens
     assert len(set(alone_tokens)) > 1
 
 
-def test_samples_of_one_seeded_request_differ():
-    a, b = make_seq(seed=5, index=0), make_seq(seed=5, index=1)
-    sampler = make_sampler()
-    assert run_steps(sampler, [a, b], a, 12) != b.output_token_ids
+def tokens_of(steps: int = 12, engine_seed: int = 0, **params) -> list[int]:
+    """A fresh row's tokens over `steps` steps, alone, on fixed logits rows."""
+    seq = make_seq(**params)
+    return run_steps(make_sampler(engine_seed), [seq], seq, steps)
+
+
+@pytest.mark.parametrize("a, b, same", [
+    ({"seed": 5}, {"seed": 5}, True),  # two runs
+    ({"seed": 5, "seq_id": 1}, {"seed": 5, "seq_id": 9, "engine_seed": 3}, True),
+    ({"seed": 5, "index": 0}, {"seed": 5, "index": 1}, False),  # the n samples of one request
+    ({"seed": 5}, {"seed": 6}, False),
+    ({"seed": -1}, {"seed": 2**64 - 1}, False),
+    ({"seq_id": 1}, {"seq_id": 1, "index": 3}, True),  # unseeded: the seq_id is the stream
+    ({"seq_id": 1}, {"seq_id": 2}, False),
+    ({"seq_id": 1}, {"seq_id": 1, "engine_seed": 1}, False),
+    ({"seed": 0, "seq_id": 0}, {"seq_id": 0}, False),  # seed 0 is not the engine's seed 0
+])
+def test_what_the_tokens_depend_on(a, b, same):
+    assert (tokens_of(**a) == tokens_of(**b)) is same
+
+
+def test_a_rebuilt_state_draws_what_the_running_one_did():
+    """The draw depends on the output position only, not on the calls made before: a state
+    rebuilt from its tokens (as a recompute would see them) samples the same."""
+    running = make_seq(seed=8, index=2, temperature=1.5)
+    tokens = run_steps(make_sampler(), [running], running, steps=10)
+    for k in range(10):
+        rebuilt = make_seq(outputs=tokens[:k], seed=8, index=2, temperature=1.5, seq_id=77)
+        assert make_sampler(seed=4)(random_logits(1, seed=k), [rebuilt]).token_ids == [tokens[k]]
+
+
+def test_any_int_seed_gets_its_own_words():
+    seeds = [-2**100, -2**64 + 5, -2**63, -1, 0, 5, 2**63 - 1, 2**63, 2**64 - 1, 2**64 + 5, 2**100]
+    seqs = [make_seq(seed=s) for s in seeds]
+    assert len({row_words(seq, 0)[:2] for seq in seqs}) == len(seeds)
+    assert len(make_sampler()(random_logits(len(seeds), seed=1), seqs).token_ids) == len(seeds)
 
 
 def test_top_k_one_equals_greedy():
@@ -210,12 +252,22 @@ def test_top_k_one_equals_greedy():
     assert result.token_ids == [argmax(r) for r in vocab_rows(logits)]
 
 
-def test_sampled_rows_follow_the_temperature_distribution():
-    row = [math.log(p) for p in (0.5, 0.3, 0.15, 0.05)] + [-30.0] * (VOCAB - 4)
-    logits = torch.tensor([row + [100.0] * PAD] * 4000)
-    seqs = [make_seq(temperature=1.0) for _ in range(4000)]
-    tokens = make_sampler(seed=1)(logits, seqs).token_ids
-    counts = [tokens.count(t) for t in range(4)]
-    expected = [4000 * p for p in (0.5, 0.3, 0.15, 0.05)]
-    assert sum(counts) == 4000
-    assert sum((c - e) ** 2 / e for c, e in zip(counts, expected)) < 25
+ROWS_BY = {  # rows that differ only in what picks their random stream
+    "seq_id": lambda i: make_seq(seq_id=i),
+    "index": lambda i: make_seq(index=i, seed=3),
+    "seed": lambda i: make_seq(seed=i),
+    "position": lambda i: make_seq(outputs=[0] * i, seed=3),
+}
+
+
+@pytest.mark.parametrize("vary", list(ROWS_BY))
+def test_sampled_rows_follow_the_temperature_distribution(vary):
+    probs = (0.5, 0.3, 0.0, 0.15, 0.05)
+    row = [math.log(p) if p else -math.inf for p in probs] + [-30.0] * (VOCAB - 5)
+    n = 1500 if vary == "position" else 4000
+    seqs = [ROWS_BY[vary](i) for i in range(n)]
+    tokens = make_sampler(seed=1)(torch.tensor([row + [100.0] * PAD] * n), seqs).token_ids
+    counts = [tokens.count(t) for t in range(5)]
+    assert sum(counts) == n and counts[2] == 0
+    # 3 degrees of freedom: P(chi2 > 25) is about 2e-5
+    assert sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p) < 25

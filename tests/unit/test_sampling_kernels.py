@@ -26,6 +26,10 @@ def rows(t: torch.Tensor) -> list[list[float]]:
     return t.tolist()
 
 
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
 # --- penalties --------------------------------------------------------------------------------
 
 
@@ -150,25 +154,49 @@ def test_min_p_matches_naive():
     torch.testing.assert_close(off, torch.tensor(probs))
 
 
-# --- drawing ----------------------------------------------------------------------------------
+# --- the counter-based random stream ----------------------------------------------------------
 
 
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def py_philox(key: int, ctr0: int, ctr1: int) -> tuple[int, int]:
+    """Philox2x32-10 on Python ints, which are exact: the reference for the int64 tensor ops."""
+    for _ in range(10):
+        product = 0xD256D193 * ctr0
+        ctr0, ctr1 = (product >> 32) ^ key ^ ctr1, product & 0xFFFF_FFFF
+        key = (key + 0x9E3779B9) & 0xFFFF_FFFF
+    return ctr0, ctr1
 
 
-def test_seeded_row_is_batch_independent():
-    probs = torch.tensor(DIST)
-    g_alone, g_batch = gen(7), gen(7)
-    alone, batched = [], []
-    for _ in range(30):
-        alone.append(sampling.sample_rows(probs[1:2], [g_alone]).item())
-        other = torch.softmax(torch.randn(3, 5), dim=-1)
-        batch = torch.cat([other[:2], probs[1:2], other[2:]])
-        out = sampling.sample_rows(batch, [None, gen(1), g_batch, None], gen(99))
-        batched.append(out[2].item())
-    assert alone == batched
-    assert len(set(alone)) > 1  # it really samples
+def philox_rows(triples: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
+    key, ctr0, ctr1 = torch.tensor(triples, dtype=torch.long).unbind(1)
+    words = sampling.philox2x32(key, ctr0, ctr1)
+    return words[0].tolist(), words[1].tolist()
+
+
+def test_philox_matches_the_random123_known_answers():
+    # Random123's kat_vectors (the authors' library), here as (key, ctr0, ctr1) -> (out0, out1)
+    got = philox_rows([(0, 0, 0), (0xFFFF_FFFF,) * 3, (0x13198A2E, 0x243F6A88, 0x85A308D3)])
+    assert list(zip(*got)) == [(0xFF1DAE59, 0x6CD10DF2), (0x2C3F628B, 0xAB4FD7AD),
+                               (0xDD7CE038, 0xF62A4C12)]
+
+
+EDGES = [0, 1, 0xFFFF, 0x1_0000, 0x7FFF_FFFF, 0x8000_0000, 0xD256_D193, 0xFFFF_FFFE, 0xFFFF_FFFF]
+
+
+def test_philox_matches_python_ints_near_the_word_limits():
+    g = gen(8)
+    randoms = torch.randint(0, 2**32, (200, 3), generator=g).tolist()
+    triples = [(k, a, b) for k in EDGES for a in EDGES for b in EDGES[::2]] + randoms
+    got = philox_rows(triples)
+    assert list(zip(*got)) == [py_philox(*t) for t in triples]
+
+
+def test_uniform_packs_53_bits_of_both_words():
+    triples = [(k, a, 7) for k in EDGES for a in range(40)]
+    key, ctr0, ctr1 = torch.tensor(triples, dtype=torch.long).unbind(1)
+    got = sampling.philox_uniform(key, ctr0, ctr1).tolist()
+    want = [((w0 >> 5) * 2**26 + (w1 >> 6)) / 2**53 for w0, w1 in (py_philox(*t) for t in triples)]
+    assert got == want
+    assert all(0 <= u < 1 for u in got) and any(int(u * 2**53) % 2 for u in got)
 
 
 def chi_square(counts: list[int], probs: list[float]) -> float:
@@ -176,37 +204,80 @@ def chi_square(counts: list[int], probs: list[float]) -> float:
     return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs) if p > 0)
 
 
-@pytest.mark.parametrize("row", DIST[:2])
-def test_empirical_distribution_matches_probs(row):
+def test_uniforms_are_uniform():
+    u_ctr = torch.arange(20000)
+    u = sampling.philox_uniform(torch.full_like(u_ctr, 99), u_ctr, torch.zeros_like(u_ctr))
+    counts = torch.histc(u.float(), bins=10, min=0, max=1).tolist()
+    # 9 degrees of freedom: P(chi2 > 35) is about 6e-5
+    assert chi_square([int(c) for c in counts], [0.1] * 10) < 35
+
+
+# --- the two-level exponential race ---------------------------------------------------------
+
+
+def race(probs: torch.Tensor, key: int = 5, ctr0: int = 17, ctr1=None) -> list[int]:
+    """Draw every row of `probs` with one key; `ctr1` defaults to the row number (a position)."""
+    n = probs.shape[0]
+    if not isinstance(ctr1, torch.Tensor):
+        ctr1 = torch.arange(n) if ctr1 is None else torch.full((n,), ctr1)
+    return sampling.sample_race(probs, torch.full((n,), key), torch.full((n,), ctr0),
+                                ctr1).tolist()
+
+
+@pytest.mark.parametrize("row", [
+    DIST[0], DIST[1], [0.1, 0.0, 0.6, 0.3, 0.0],  # zeros between and last
+    [3.0, 0.0, 1.0, 4.0],  # need not sum to 1
+    # more than one block, most of the mass in the second block's tail
+    [0.001] * 300 + [0.0] * 100 + [0.2, 0.3] + [0.0] * 111,
+])
+def test_draws_over_many_counters_follow_the_probs(row):
     draws = 20000
-    probs = torch.tensor([row]).repeat(draws, 1)
-    tokens = sampling.sample_rows(probs, [None] * draws, gen(3)).tolist()
+    tokens = race(torch.tensor([row]).repeat(draws, 1))
     counts = [tokens.count(t) for t in range(len(row))]
     total = sum(row)
-    # 4 degrees of freedom: P(chi2 > 30) is about 5e-6
+    assert all(c == 0 for c, p in zip(counts, row) if p == 0)
+    if len(row) > 10:  # pool the many small tokens into one bin
+        small = [i for i, p in enumerate(row) if 0 < p < 0.01]
+        big = [i for i, p in enumerate(row) if p >= 0.01]
+        counts = [sum(counts[i] for i in small)] + [counts[i] for i in big]
+        row = [sum(row[i] for i in small)] + [row[i] for i in big]
+    # at most 4 degrees of freedom: P(chi2 > 30) is about 5e-6
     assert chi_square(counts, [p / total for p in row]) < 30
 
 
-def test_seeded_generator_distribution_matches_probs():
-    row = [0.1, 0.0, 0.6, 0.3]
-    g = gen(11)
-    tokens = [sampling.sample_rows(torch.tensor([row]), [g]).item() for _ in range(3000)]
-    counts = [tokens.count(t) for t in range(4)]
-    assert counts[1] == 0
-    assert chi_square(counts, row) < 25
+def test_a_draw_is_a_function_of_its_words_alone():
+    probs = torch.randn(64, 700, generator=gen(6)).softmax(-1)
+    again = race(probs.flip(0), ctr1=torch.arange(64).flip(0))[::-1]  # rows reordered
+    assert race(probs) == race(probs.clone()) == again
+    # another key, counter word or position gives other draws
+    for kwargs in ({"key": 6}, {"ctr0": 18}, {"ctr1": 1000}):
+        assert race(probs, **kwargs) != race(probs)
 
 
-def test_zero_probability_tokens_are_never_drawn():
-    probs = torch.tensor([[0.0, 0.7, 0.0, 0.3]]).repeat(5000, 1)
-    tokens = set(sampling.sample_rows(probs, [None] * 5000, gen(5)).tolist())
-    assert tokens == {1, 3}
+def test_last_bit_noise_in_the_logits_almost_never_changes_a_draw():
+    """The point of the race over an inverse CDF: logits that differ in the last bits (another
+    batch's or TP split's rounding) give the same tokens. An inverse-CDF draw (one uniform
+    against a running sum over this 49k vocabulary) moves in a few percent of draws."""
+    logits = torch.randn(400, 49152, generator=gen(7)) * 3
+    noisy = logits + 1e-4 * torch.randn(logits.shape, generator=gen(8))
+    probs, noisy = logits.softmax(-1), noisy.softmax(-1)
+    same = sum(a == b for a, b in zip(race(probs, ctr1=3), race(noisy, ctr1=3)))
+    assert same >= 398
+    u = torch.rand(400, generator=gen(9), dtype=torch.float64)
+    moved = (inverse_cdf(probs, u) != inverse_cdf(noisy, u)).sum().item()
+    assert moved >= 5  # the data does tell the two kinds of draw apart
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
 
 
 def test_top_k_one_draw_is_argmax():
     logits = torch.randn(6, 50, generator=gen(2))
     masked = sampling.apply_top_k_top_p(logits, torch.ones(6, dtype=torch.long), None)
-    drawn = sampling.sample_rows(masked.softmax(-1), [None, gen(1)] * 3, gen(0))
-    assert drawn.tolist() == [max(range(50), key=lambda t: r[t]) for r in rows(logits)]
+    drawn = race(masked.softmax(-1))
+    assert drawn == [max(range(50), key=lambda t: r[t]) for r in rows(logits)]
 
 
 # --- logprobs ---------------------------------------------------------------------------------

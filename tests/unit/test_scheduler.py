@@ -42,9 +42,10 @@ class FakeEngine:
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
         for item in out.scheduled:
-            seq, samples = item.seq, item.samples  # `samples` must be read before advance()
+            seq, samples = item.seq, item.samples
             self._compute(seq, item.num_new)
-            self.sched.advance(item)
+            self.sched.launched(item)
+            self.sched.confirm(item)
             if samples:
                 seq.append_token(next_token(seq), None, None)
                 if seq.num_output_tokens >= seq.params.max_tokens:
@@ -94,7 +95,8 @@ def test_long_prompt_is_chunked_by_the_token_budget():
         assert [i.seq for i in out.prefills] == [seq] and not out.decodes
         chunks.append((out.prefills[0].num_new, out.prefills[0].samples))
         for item in out.scheduled:
-            eng.sched.advance(item)
+            eng.sched.launched(item)
+            eng.sched.confirm(item)
     assert chunks == [(8, False), (8, False), (4, True)]
     seq.append_token(1, None, None)
     out = eng.sched.schedule()

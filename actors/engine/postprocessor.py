@@ -1,0 +1,100 @@
+"""Postprocessor: folds a step's result into the sequences, and ends requests.
+
+With async scheduling the next step was planned before this one's result arrived, assuming
+every running sequence goes on; reconciling happens here. A sequence that ended since the
+step was launched (aborted, failed, stale, or finished by the step before) gets nothing from
+it: its work in the step is dropped, and so is whatever a later step in flight computes for
+it. A sequence that finishes here is released at once; the step after it (already on its way)
+computed one more token for it, which is dropped in turn. So no token beyond the serial
+engine's reaches an output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from actors.engine.detokenizer import StopChecker
+from actors.engine.outputs import RequestOutput
+from actors.engine.planner import StepPlanner
+from actors.engine.request import Request
+from actors.engine.scheduler import ScheduledSeq, Scheduler
+from actors.engine.sequence import Sequence
+from actors.engine.stats import EngineStats
+from actors.runner.plan import StepResult
+
+
+class Postprocessor:
+    def __init__(self, scheduler: Scheduler, planner: StepPlanner, stop_checker: StopChecker,
+                 stats: EngineStats, requests: dict[str, Request],
+                 weight_version: Callable[[], int]):
+        self.scheduler = scheduler
+        self.planner = planner
+        self.stop_checker = stop_checker
+        self.stats = stats
+        self.requests = requests
+        self.weight_version = weight_version
+
+    def apply(self, scheduled: list[ScheduledSeq], result: StepResult) -> list[RequestOutput]:
+        """Fold a step's result in; returns the outputs of the requests it advanced."""
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            if seq.finish_reason is not None:
+                continue  # ended while the step ran: its work is dropped
+            self.scheduler.confirm(item)
+            seq.prompt_logprobs.extend(result.prompt_logprobs[i])
+            if result.routed_experts[i] is not None:
+                seq.routing_parts.append(result.routed_experts[i])
+            token = result.token_ids[i]
+            if token is None:
+                continue
+            request = self.requests[seq.request_id]
+            self.stats.token(request, now)
+            seq.append_token(token, result.logprobs[i], result.top_logprobs[i],
+                             self.weight_version(), result.kept_mass[i])
+            self.stop_checker.check(seq, request.detokenize(seq))
+            if seq.finish_reason is not None:
+                self.release(seq)
+            touched[seq.request_id] = request
+        return self.outputs(list(touched.values()))
+
+    def fail(self, scheduled: list[ScheduledSeq], error: BaseException) -> list[RequestOutput]:
+        """The step raised: every request in it ends with finish reason "error"."""
+        failed: dict[str, Request] = {}
+        for item in scheduled:
+            request = self.requests.get(item.seq.request_id)
+            if item.seq.finish_reason is None and request is not None:
+                failed[request.request_id] = request
+        for request in failed.values():
+            request.error = f"the engine step failed: {error}"
+            self.end(request, "error", keep_routing=False)
+        return self.outputs(list(failed.values()))
+
+    def end(self, request: Request, reason: str, keep_routing: bool = True) -> None:
+        """End every sequence of the request still running, with `reason`."""
+        for seq in request.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = reason
+                self.release(seq, keep_routing)
+
+    def release(self, seq: Sequence, keep_routing: bool = True) -> None:
+        """A finished sequence: keep its routing record, free its blocks, tell the runners."""
+        if keep_routing and seq.params.return_routed_experts and seq.routing_parts:
+            # every position but the last sampled token was fed through the model
+            seq.routed_experts = np.concatenate(seq.routing_parts)[:len(seq.token_ids) - 1]
+            seq.routing_parts = []
+        self.scheduler.finish(seq)
+        self.planner.forget(seq)
+
+    def outputs(self, touched: list[Request]) -> list[RequestOutput]:
+        """The requests' outputs; finished ones are counted and forgotten."""
+        outputs = [r.output(self.weight_version()) for r in touched]
+        for r in touched:
+            if r.finished:
+                self.stats.request_finished(r, time.monotonic())
+                del self.requests[r.request_id]
+        return outputs

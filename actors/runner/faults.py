@@ -1,0 +1,34 @@
+"""Injected failures, a test hook: make the next step fail at a chosen stage.
+
+`arm(stage)` makes the next `check(stage)` raise `InjectedFault` (`times` checks in a row).
+The engine checks "plan" while it plans a step; every ModelRunner checks "prepare" before it
+builds a step's input tensors and "forward" before the model runs. Reached from tests through
+`LLMEngine.arm_fault`, which arms the runners with a collective_rpc, so it works the same on
+the in-process executor and on shard actors.
+"""
+
+from __future__ import annotations
+
+STAGES = ("plan", "prepare", "forward")
+
+
+class InjectedFault(RuntimeError):
+    """A failure a test asked for."""
+
+
+class Faults:
+    def __init__(self) -> None:
+        self._armed: dict[str, int] = {}
+
+    def arm(self, stage: str, times: int = 1) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"stage: {stage!r} is not one of {list(STAGES)}")
+        if not isinstance(times, int) or times < 0:
+            raise ValueError(f"times must be an int >= 0, got {times!r}")
+        self._armed[stage] = times
+
+    def check(self, stage: str) -> None:
+        left = self._armed.get(stage, 0)
+        if left:
+            self._armed[stage] = left - 1
+            raise InjectedFault(f"injected fault in {stage}")
