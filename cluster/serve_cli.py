@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fails at once if no node can hold one replica")
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="record MoE routing so requests can ask for routed experts")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        help="plan each engine step while the one before runs (default on; "
+                             "--no-async-scheduling runs steps one after another)")
     parser.add_argument("--ray-address", help="join an existing Ray cluster (default: start one)")
 
 
@@ -65,6 +68,8 @@ def config_from_args(args: argparse.Namespace):
             engine[name] = getattr(args, name)
     if args.enable_return_routed_experts:
         engine["enable_return_routed_experts"] = True
+    if args.async_scheduling is not None:
+        engine["async_scheduling"] = args.async_scheduling
     return dataclasses.replace(config, engine=engine, **updates)
 
 

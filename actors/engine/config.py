@@ -41,8 +41,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     max_logprobs: int = 20
-    # plan step N+1 while step N runs (vLLM's --async-scheduling); outputs are the same
-    async_scheduling: bool = False
+    # plan step N+1 while step N runs (vLLM's --async-scheduling); outputs are the same as
+    # serial ones (tests/unit/test_async_*.py), so it is on by default
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("model", "dtype", "device", "attention_backend"):

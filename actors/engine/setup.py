@@ -65,7 +65,8 @@ def runner_config(config: EngineConfig, model_dir: str, eos: list[int]) -> Runne
         kv_cache_memory_gb=config.kv_cache_memory_gb,
         enable_return_routed_experts=config.enable_return_routed_experts, seed=config.seed,
         attention_backend=config.attention_backend,
-        tensor_parallel_size=config.tensor_parallel_size, eos_token_ids=tuple(eos))
+        tensor_parallel_size=config.tensor_parallel_size, eos_token_ids=tuple(eos),
+        sample_on_every_rank=config.async_scheduling and config.tensor_parallel_size > 1)
 
 
 def _eos_token_ids(hf_config, tokenizer, model_dir: str) -> list[int]:

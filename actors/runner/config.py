@@ -26,6 +26,10 @@ class RunnerConfig:
     tensor_parallel_size: int = 1
     eos_token_ids: tuple[int, ...] = ()
     pack_weights: bool = True  # oneDNN-packed linears on CPU float32 (see actors/models/packing)
+    # every rank draws the step's tokens, not only rank 0: with async scheduling each rank
+    # fills the next plan's placeholders with what it drew (identical logits and counter-based
+    # random words make the draws identical on every rank)
+    sample_on_every_rank: bool = False
 
 
 @dataclass(frozen=True)

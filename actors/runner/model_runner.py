@@ -1,12 +1,13 @@
 """One ModelRunner per tensor-parallel rank: owns its model slice, KV cache, request state and
 sampler, and turns a `StepPlan` into a `StepResult`.
 
-Sampling happens once, on rank 0. Every rank computes the full logits rows (the LM head's
-all-gather needs the same rows everywhere), but only rank 0 draws tokens, computes logprobs and
-reads routed experts, and only its result goes back to the engine; the other ranks return
-None. Sampling on every rank instead would give the same tokens (all ranks hold the same
-logits and seeds) but spend each rank's cores on work that is thrown away, which on a shared
-CPU slows the whole group.
+Results are made once, on rank 0. Every rank computes the full logits rows (the LM head's
+all-gather needs the same rows everywhere), but only rank 0 computes logprobs and reads routed
+experts, and only its result goes back to the engine; the other ranks return None. The other
+ranks draw tokens only under async scheduling (`RunnerConfig.sample_on_every_rank`), where
+each must fill the next plan's placeholders itself: the draws agree, because every rank holds
+the same logits and the random words are a function of (seed, stream, position). Otherwise
+they skip it, since on a shared CPU that work would slow the whole group.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
         computed = time.perf_counter()
         result = self._result(scheduled, step, logits) if self.samples else None
+        if not self.samples and self.config.sample_on_every_rank:
+            self._draw_only(scheduled, step, logits)
         self._advance(scheduled, step)
         if result is None:
             return None
@@ -149,6 +152,17 @@ class ModelRunner:
             result.prompt_logprobs[i] = self._prompt_logprobs(item, step.logits_rows[i], logits)
         self._routed_experts(scheduled, result)
         return result
+
+    def _draw_only(self, scheduled: list[ScheduledRequest], step: StepInputs,
+                   logits: torch.Tensor) -> None:
+        """A rank that does not report: draw the same tokens as rank 0, to fill placeholders."""
+        picks = [i for i, item in enumerate(scheduled) if item.samples]
+        if picks:
+            rows = [step.logits_rows[i][0] + step.logits_rows[i][1] - 1 for i in picks]
+            states = [scheduled[i].state for i in picks]
+            drawn = self.sampler(logits[rows], states, tokens_only=True)
+            for state, token in zip(states, drawn.token_ids):
+                state.last_sampled = token
 
     def _prompt_logprobs(self, item: ScheduledRequest, rows: tuple[int, int],
                          logits: torch.Tensor) -> list[dict[int, float]]:

@@ -30,25 +30,28 @@ class Sampler:
         self.device = device
         self.seed = seed  # the engine's, for unseeded requests
 
-    def __call__(self, logits: torch.Tensor, states: list[RequestState]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, states: list[RequestState],
+                 tokens_only: bool = False) -> SampleResult:
+        """Sample a token per row; `tokens_only` skips logprobs and kept mass (a rank that
+        only needs to know what was sampled)."""
         logits = logits[:, :self.vocab_size].float()  # [B, V]
-        wants_logprobs = any(s.options.logprobs is not None for s in states)
+        wants_logprobs = any(s.options.logprobs is not None for s in states) and not tokens_only
         raw = logits.log_softmax(dim=-1) if wants_logprobs else None
         logits = self._mask_stop_tokens(logits, states)
         if any(s.options.uses_penalties for s in states):
             logits = self._penalise(logits, states)
-        tokens, kept = self._draw(logits, states)
+        tokens, kept = self._draw(logits, states, tokens_only)
         kept_mass = [None] * len(states)
         if kept is not None:
             kept_mass = [m if s.options.return_kept_mass else None
                          for m, s in zip(kept.tolist(), states)]
         return SampleResult(tokens.tolist(), *self._logprobs(raw, tokens, states), kept_mass)
 
-    def _draw(self, logits: torch.Tensor, states: list[RequestState],
+    def _draw(self, logits: torch.Tensor, states: list[RequestState], tokens_only: bool = False,
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled ids, and the log kept mass of each row when any row asks for it."""
         greedy = logits.argmax(dim=-1)
-        wants_kept = any(s.options.return_kept_mass for s in states)
+        wants_kept = any(s.options.return_kept_mass for s in states) and not tokens_only
         if all(s.options.greedy for s in states):
             return greedy, _greedy_kept(logits, greedy) if wants_kept else None
         params = [s.options for s in states]

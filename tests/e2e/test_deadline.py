@@ -14,19 +14,20 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from actors.engine import AsyncLLMEngine, LLMEngine
+from actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from session_server.app import build_app
 from session_server.backend import LocalBackend
-from tests.e2e.conftest import MAX_BODY, MODEL, tiny_config
+from tests.e2e.conftest import MAX_BODY, MODEL
 from tests.e2e.server import ServerThread
 
 PROMPT = [5, 17, 42, 99, 7, 150, 33]
-LONG = 220  # tokens: far longer than the deadlines below allow on this machine
+# tokens: far longer than the deadlines below allow (the tiny model decodes ~1-2 ms a step)
+LONG = 1000
 
 
 @pytest.fixture(scope="module")
 def deadline_engine(tiny_llama_dir) -> LLMEngine:
-    return LLMEngine(tiny_config(tiny_llama_dir))
+    return LLMEngine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_model_len=1024))
 
 
 @pytest.fixture(scope="module")

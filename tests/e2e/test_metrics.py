@@ -13,7 +13,7 @@ FAMILIES = {
     "raylane:prompt_tokens": "counter",
     "raylane:generation_tokens": "counter", "raylane:num_preemptions": "counter",
     "raylane:prefix_cache_queries": "counter", "raylane:prefix_cache_hits": "counter",
-    "raylane:request_success": "counter",
+    "raylane:steps_planned_ahead": "counter", "raylane:request_success": "counter",
     "raylane:time_to_first_token_seconds": "histogram",
     "raylane:inter_token_latency_seconds": "histogram",
     "raylane:e2e_request_latency_seconds": "histogram",
@@ -59,6 +59,10 @@ def test_counters_move_with_requests(http, engine):
         assert moved(f"raylane:{hist}_bucket", le="+Inf") == 1
     assert moved("raylane:inter_token_latency_seconds_count") == 4
     assert value(after, "raylane:num_requests_running") == 0
+    # async scheduling (the default) planned the steps after the first one ahead: the 4
+    # decodes, and possibly one more before the 5th token's result showed it was the last
+    assert engine.config.async_scheduling
+    assert moved("raylane:steps_planned_ahead_total") >= 4
 
 
 def _busier(snapshot: dict) -> dict:

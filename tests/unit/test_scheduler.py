@@ -2,7 +2,9 @@
 
 A `FakeEngine` plays the engine without a model: schedule, advance every item, append a token
 where the item samples. It also keeps a fake KV cache (slot -> the token prefix whose K/V the
-slot holds) so every step can check that a sequence's context really is in its blocks.
+slot holds) so every step can check that a sequence's context really is in its blocks. With
+`async_=True` it launches step N+1 before it folds in step N, as async scheduling does (the
+fake runner computes a step when it is folded in, in launch order, as the real one would).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 
 from actors.engine.block_manager import BlockManager
 from actors.engine.sampling_params import SamplingParams
-from actors.engine.scheduler import Scheduler, SchedulerOutput
+from actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from actors.engine.sequence import Sequence, SequenceStatus
 
 
@@ -23,7 +25,10 @@ def next_token(seq: Sequence) -> int:
 
 class FakeEngine:
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 8,
-                 budget: int = 64, caching: bool = True):
+                 budget: int = 64, caching: bool = True, async_: bool = False):
+        self.async_ = async_
+        self.in_flight: list[ScheduledSeq] | None = None
+        self.folded = 0  # items the last step folded in
         self.bm = BlockManager(num_blocks, block_size, caching)
         self.sched = Scheduler(self.bm, max_num_seqs, budget)
         self.block_size = block_size
@@ -40,21 +45,42 @@ class FakeEngine:
         return seqs
 
     def step(self) -> SchedulerOutput:
-        out = self.sched.schedule()
+        if not self.async_:
+            out = self.sched.schedule()
+            self._fold_in(self._launch(out))
+            return out
+        if self.in_flight is None:
+            self.in_flight = self._launch(self.sched.schedule())
+        out = self.sched.schedule()  # planned while the step before is in flight
+        due, self.in_flight = self.in_flight, self._launch(out)
+        self._fold_in(due)
+        return out
+
+    def _launch(self, out: SchedulerOutput) -> list[ScheduledSeq]:
         for item in out.scheduled:
-            seq, samples = item.seq, item.samples
-            self._compute(seq, item.num_new)
             self.sched.launched(item)
+        return out.scheduled
+
+    def _fold_in(self, scheduled: list[ScheduledSeq]) -> None:
+        self.folded = len(scheduled)
+        for item in scheduled:
+            seq = item.seq
+            if seq.is_finished:
+                continue  # its work in the step is dropped
+            if seq.num_preemptions == item.preemptions:  # else it is recomputed later
+                self._compute(seq, item.start, item.num_new)
             self.sched.confirm(item)
-            if samples:
+            if item.samples:
                 seq.append_token(next_token(seq), None, None)
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     self.sched.finish(seq)
-        return out
+
+    def busy(self) -> bool:
+        return self.sched.has_unfinished() or bool(self.in_flight)
 
     def run(self, max_steps: int = 500) -> int:
         for steps in range(max_steps):
-            if not self.sched.has_unfinished():
+            if not self.busy():
                 return steps
             assert_progress(self.step())
         raise AssertionError(f"not finished after {max_steps} steps")
@@ -62,9 +88,8 @@ class FakeEngine:
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _compute(self, seq: Sequence, num_new: int) -> None:
+    def _compute(self, seq: Sequence, start: int, num_new: int) -> None:
         """Check the cached context is this sequence's own prefix, then write the new K/V."""
-        start = seq.num_computed_tokens
         for pos in range(start):
             assert self.kv.get(self._slot(seq, pos)) == tuple(seq.token_ids[:pos + 1]), (
                 f"seq {seq.seq_id}: KV at position {pos} is not its own")
@@ -324,10 +349,11 @@ request_st = st.tuples(
     max_num_seqs=st.integers(1, 4),
     caching=st.booleans(),
     requests=st.lists(request_st, min_size=1, max_size=6),
+    async_=st.booleans(),
 )
 def test_random_workloads_finish_with_invariants(block_size, num_blocks, budget, max_num_seqs,
-                                                 caching, requests):
-    eng = FakeEngine(num_blocks, block_size, max_num_seqs, budget, caching)
+                                                 caching, requests, async_):
+    eng = FakeEngine(num_blocks, block_size, max_num_seqs, budget, caching, async_)
     pools = [[p] * 2 + prompt_of(10, base=p) for p in range(3)]
     pending = sorted(requests, key=lambda r: r[4])
     for step in range(400):
@@ -336,10 +362,10 @@ def test_random_workloads_finish_with_invariants(block_size, num_blocks, budget,
             # like the validator: each sequence must fit in the cache on its own
             max_tokens = min(max_tokens, num_blocks * block_size - plen)
             eng.add(pools[pool][:plen], max_tokens, n)
-        if not pending and not eng.sched.has_unfinished():
+        if not pending and not eng.busy():
             break
         out = eng.step()
-        if not pending:
+        if not pending and not eng.folded:  # async: folding in a step is progress too
             assert_progress(out)
         check_invariants(eng, out)
     else:
