@@ -143,6 +143,14 @@ def _exponentials(key: torch.Tensor, ctr: torch.Tensor, first: int, count: int) 
     return torch.log1p(-u).neg_().clamp_(min=1e-300)
 
 
+def unpack_token_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A grammar's int32 bit sets [R, W] (bit t of word t // 32 allows token t) as bool [R,
+    vocab]. Plain tensor ops: no host sync, any device."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]; >> keeps the sign bit: & 1 drops it
+    return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
+
+
 def top_logprobs(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The n largest logprobs per row and their token ids: ([B, n], [B, n])."""
     values, ids = logprobs.topk(n, dim=-1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from actors.engine.config import EngineConfig
 from actors.engine.outputs import CompletionOutput, RequestOutput
-from actors.engine.sampling_params import SamplingParams
+from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -21,4 +21,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput",
-           "SamplingParams"]
+           "SamplingParams", "StructuredOutputsParams"]

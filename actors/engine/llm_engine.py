@@ -54,6 +54,7 @@ class LLMEngine:
                                    config.max_num_batched_tokens)
         self.stop_checker = parts.stop_checker
         self.validator = RequestValidator(parts)
+        self.grammars = parts.grammars
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.weights = WeightSync(self.executor, self.block_manager)
@@ -156,6 +157,9 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         request = Request(request_id, text, token_ids, params, self.config.block_size,
                           self.tokenizer)
+        if params.structured_outputs is not None:
+            for seq in request.seqs:
+                seq.matcher = self.grammars.matcher(params.structured_outputs)
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
 
@@ -201,7 +205,8 @@ class LLMEngine:
         if self._in_flight is None:
             self._in_flight = self._launch()
         self._due, self._in_flight = self._in_flight, None
-        if self._due is not None and self.config.async_scheduling:
+        # a grammar's next mask needs the token in flight: constrained batches step serially
+        if self._due is not None and self.config.async_scheduling and not self._constrained():
             self._in_flight = self._launch()
             self.stats.steps_planned_ahead += self._in_flight is not None
         return None if self._due is None else self._due.future
@@ -245,7 +250,7 @@ class LLMEngine:
         timer.mark("schedule")
         try:
             self.faults.check("plan")
-            plan = self.planner.plan(batch)
+            plan = self.planner.plan(batch, self._token_masks(batch))
         except Exception as e:  # its requests fail; the engine goes on
             self.planner.preempted(batch.preempted)
             self._held += self.post.fail(batch.scheduled, e)
@@ -255,6 +260,16 @@ class LLMEngine:
         for item in batch.scheduled:
             self.scheduler.launched(item)
         return LaunchedStep(batch.scheduled, future, timer)
+
+    def _token_masks(self, batch: SchedulerOutput) -> dict[int, object]:
+        """The grammar masks of the step's constrained rows that sample, by seq_id."""
+        seqs = [item.seq for item in batch.scheduled if item.samples and item.seq.matcher]
+        if not seqs:
+            return {}
+        return dict(zip((s.seq_id for s in seqs), self.grammars.masks([s.matcher for s in seqs])))
+
+    def _constrained(self) -> bool:
+        return any(seq.matcher is not None for seq in self.scheduler.running)
 
     def _collect(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step and fold its result in."""

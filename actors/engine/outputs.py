@@ -21,6 +21,9 @@ class CompletionOutput:
     routed_experts: np.ndarray | None = None  # int32 [prompt + output - 1, moe_layers, top_k]
     weight_versions: list[int] = field(default_factory=list)  # one per token in token_ids
     kept_mass_logprobs: list[float] | None = None  # when SamplingParams.return_kept_mass
+    # its tokens were drawn under a grammar's mask (structured outputs); `logprobs` are still
+    # the model's own, taken before the mask
+    constrained: bool = False
 
     @property
     def finished(self) -> bool:

@@ -33,7 +33,8 @@ class StepPlanner:
         self._preempted: list[int] = []  # preempted between steps (a retract)
         self._step_ids = itertools.count()
 
-    def plan(self, batch: SchedulerOutput) -> StepPlan:
+    def plan(self, batch: SchedulerOutput, token_masks: dict[int, object] | None = None,
+             ) -> StepPlan:
         """The plan of one step; the planner's memory changes only once it is built (a plan
         that raises leaves nothing half-recorded)."""
         new, cached, known = [], [], {}
@@ -53,7 +54,8 @@ class StepPlanner:
             step_id=next(self._step_ids), new_requests=tuple(new), cached_requests=tuple(cached),
             scheduled=tuple((item.seq.seq_id, item.num_new) for item in batch.scheduled),
             num_prefills=len(batch.prefills), finished_seq_ids=tuple(self._finished),
-            preempted_seq_ids=tuple(self._preempted))
+            preempted_seq_ids=tuple(self._preempted),
+            token_masks=tuple((token_masks or {}).items()))
         self._known.update(known)
         self._finished, self._preempted = [], []
         return plan

@@ -57,10 +57,20 @@ class Postprocessor:
             seq.append_token(token, result.logprobs[i], result.top_logprobs[i],
                              self.weight_version(), result.kept_mass[i])
             self.stop_checker.check(seq, request.detokenize(seq))
+            if seq.matcher is not None:
+                self._advance_grammar(seq, token)
             if seq.finish_reason is not None:
                 self.release(seq)
             touched[seq.request_id] = request
         return self.outputs(list(touched.values()))
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> None:
+        """The grammar takes the token; a complete grammar (nothing may follow) ends the
+        sequence even under ignore_eos, since its next mask would allow no token."""
+        seq.matcher.consume_token(token)
+        if seq.finish_reason is None and (seq.matcher.is_stopped() or seq.matcher.is_error()):
+            seq.finish_reason = "stop"
 
     def fail(self, scheduled: list[ScheduledSeq], error: BaseException) -> list[RequestOutput]:
         """The step raised: every request in it ends with finish reason "error"."""

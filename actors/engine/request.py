@@ -66,6 +66,7 @@ class Request:
             routed_experts=seq.routed_experts,
             weight_versions=list(seq.weight_versions),
             kept_mass_logprobs=list(seq.kept_mass) if self.params.return_kept_mass else None,
+            constrained=self.params.structured_outputs is not None,
         )
 
     def _metrics(self) -> dict[str, float]:

@@ -7,6 +7,45 @@ from dataclasses import dataclass, field
 from actors.engine.strict import check_type, strict_fields
 
 _NUM = (int, float)
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a language (vLLM's names; set exactly one):
+    `json` a JSON schema (dict or JSON text), `json_object` any JSON object, `regex`, `choice`
+    one of the strings, `grammar` a Lark grammar (EBNF-like; GBNF is accepted too). JSON comes
+    out compact (no free whitespace) unless `whitespace_flexible`."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError("SamplingParams.structured_outputs must set exactly one of "
+                             f"{list(_KINDS)}, got {set_ or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("SamplingParams.structured_outputs.json must be a JSON schema "
+                             "(an object or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"SamplingParams.structured_outputs.{name} must be a "
+                                 "non-empty string")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("SamplingParams.structured_outputs.choice must be a non-empty "
+                             "list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
 
 @strict_fields
@@ -40,11 +79,17 @@ class SamplingParams:
     return_routed_experts: bool = False
     max_weight_lag: int | None = None
     return_kept_mass: bool = False
+    # constrain the output to a JSON schema, regex, choice or grammar (None: free text)
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_stops()
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("SamplingParams.structured_outputs must be a "
+                             "StructuredOutputsParams")
 
     def _check_numbers(self) -> None:
         for name in ("n", "top_k", "min_tokens"):

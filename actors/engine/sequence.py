@@ -55,6 +55,7 @@ class Sequence:
         self.routing_parts: list = []
         self.routed_experts = None  # [len - 1, moe_layers, top_k] once finished
         self.siblings: list[Sequence] = []  # n > 1: started once this one's prompt is computed
+        self.matcher = None  # structured outputs: its grammar's state (an llguidance matcher)
 
     def __len__(self) -> int:
         """Tokens as the scheduler sees them: the known ones and the pending ones."""

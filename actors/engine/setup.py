@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import StopChecker
+from actors.engine.grammar import GrammarCompiler
 from actors.executor import Executor, create_executor
 from actors.runner.config import RunnerConfig, RunnerInfo
 
@@ -25,6 +26,7 @@ class EngineParts:
     stop_checker: StopChecker
     vocab_size: int
     num_moe_layers: int
+    grammars: GrammarCompiler  # structured outputs: specs compiled once, masks per step
 
     @property
     def runner_info(self) -> RunnerInfo:
@@ -55,6 +57,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         stop_checker=StopChecker(eos, max_len),
         vocab_size=hf_config.vocab_size,
         num_moe_layers=info.num_moe_layers,
+        grammars=GrammarCompiler(tokenizer, info.vocab_size),
     )
 
 

@@ -11,6 +11,7 @@ class RequestValidator:
         self.config = parts.config
         self.vocab_size = parts.vocab_size
         self.num_moe_layers = parts.num_moe_layers
+        self.grammars = parts.grammars
 
     def check(self, prompt, params: SamplingParams) -> list[int]:
         """Validate and return the prompt's token ids."""
@@ -62,6 +63,8 @@ class RequestValidator:
             if not self.config.enable_return_routed_experts:
                 raise ValueError("return_routed_experts: start the engine with "
                                  "EngineConfig(enable_return_routed_experts=True)")
+        if params.structured_outputs is not None:
+            self.grammars.grammar(params.structured_outputs)  # compiles once; ValueError if bad
 
     def render_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
         if not isinstance(messages, list) or not messages:

@@ -89,9 +89,10 @@ class ModelRunner:
             self.kv.store_routing(step.attn.slot_mapping, routed)
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
         computed = time.perf_counter()
-        result = self._result(scheduled, step, logits) if self.samples else None
+        masks = dict(plan.token_masks)
+        result = self._result(scheduled, step, logits, masks) if self.samples else None
         if not self.samples and self.config.sample_on_every_rank:
-            self._draw_only(scheduled, step, logits)
+            self._draw_only(scheduled, step, logits, masks)
         self._advance(scheduled, step)
         if result is None:
             return None
@@ -136,12 +137,14 @@ class ModelRunner:
     # --- results (sampling rank) --------------------------------------------------------------
 
     def _result(self, scheduled: list[ScheduledRequest], step: StepInputs,
-                logits: torch.Tensor) -> StepResult:
+                logits: torch.Tensor, masks: dict[int, object]) -> StepResult:
         result = StepResult.empty(len(scheduled))
         picks = [i for i, item in enumerate(scheduled) if item.samples]
         if picks:
             rows = [step.logits_rows[i][0] + step.logits_rows[i][1] - 1 for i in picks]
-            sampled = self.sampler(logits[rows], [scheduled[i].state for i in picks])
+            states = [scheduled[i].state for i in picks]
+            sampled = self.sampler(logits[rows], states,
+                                   masks=[masks.get(s.seq_id) for s in states])
             for k, i in enumerate(picks):
                 result.token_ids[i] = sampled.token_ids[k]
                 result.logprobs[i] = sampled.logprobs[k]
@@ -154,13 +157,14 @@ class ModelRunner:
         return result
 
     def _draw_only(self, scheduled: list[ScheduledRequest], step: StepInputs,
-                   logits: torch.Tensor) -> None:
+                   logits: torch.Tensor, masks: dict[int, object]) -> None:
         """A rank that does not report: draw the same tokens as rank 0, to fill placeholders."""
         picks = [i for i, item in enumerate(scheduled) if item.samples]
         if picks:
             rows = [step.logits_rows[i][0] + step.logits_rows[i][1] - 1 for i in picks]
             states = [scheduled[i].state for i in picks]
-            drawn = self.sampler(logits[rows], states, tokens_only=True)
+            drawn = self.sampler(logits[rows], states, tokens_only=True,
+                                 masks=[masks.get(s.seq_id) for s in states])
             for state, token in zip(states, drawn.token_ids):
                 state.last_sampled = token
 

@@ -85,6 +85,9 @@ class StepPlan:
     num_prefills: int = 0  # the first entries of `scheduled` are prefill chunks
     finished_seq_ids: tuple[int, ...] = ()  # finished or aborted: forget everything
     preempted_seq_ids: tuple[int, ...] = ()  # blocks freed: forget the table, keep the history
+    # structured outputs: (seq_id, int32 bit set [ceil(vocab / 32)]) for rows whose next token
+    # a grammar constrains (bit t of word t // 32 allows token t)
+    token_masks: tuple[tuple[int, object], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from actors.runner.requests import RequestState
@@ -31,12 +32,15 @@ class Sampler:
         self.seed = seed  # the engine's, for unseeded requests
 
     def __call__(self, logits: torch.Tensor, states: list[RequestState],
-                 tokens_only: bool = False) -> SampleResult:
+                 tokens_only: bool = False, masks: list | None = None) -> SampleResult:
         """Sample a token per row; `tokens_only` skips logprobs and kept mass (a rank that
-        only needs to know what was sampled)."""
+        only needs to know what was sampled). `masks`: per row, None or a grammar's int32 bit
+        set of the allowed tokens, applied after the raw logprobs are taken."""
         logits = logits[:, :self.vocab_size].float()  # [B, V]
         wants_logprobs = any(s.options.logprobs is not None for s in states) and not tokens_only
         raw = logits.log_softmax(dim=-1) if wants_logprobs else None
+        if masks is not None and any(m is not None for m in masks):
+            logits = self._apply_grammar(logits, masks)
         logits = self._mask_stop_tokens(logits, states)
         if any(s.options.uses_penalties for s in states):
             logits = self._penalise(logits, states)
@@ -74,6 +78,15 @@ class Sampler:
         kept = torch.where(is_greedy, _greedy_kept(logits, greedy),
                            sampling.kept_log_mass(logits, probs > 0))
         return tokens, kept
+
+    def _apply_grammar(self, logits: torch.Tensor, masks: list) -> torch.Tensor:
+        """Tokens a row's grammar does not allow get -inf (rows without a mask unchanged)."""
+        rows = [i for i, m in enumerate(masks) if m is not None]
+        words = torch.from_numpy(np.stack([masks[i] for i in rows])).to(self.device)
+        allowed = sampling.unpack_token_bitmask(words, logits.shape[1])  # [R, V] bool
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        return logits
 
     def _mask_stop_tokens(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         """Before min_tokens are out, EOS and stop_token_ids cannot be sampled."""
