@@ -32,7 +32,7 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
 # "SamplingParams.top_p must ...", "prompt: 9 tokens ...", "logprobs: 30 is more than ..."
 # pydantic names the union member that failed ("str", "list[int]", "function-after[...]")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|.*\[.*\])$")
-_PARAM = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)(?::| must| is)")
+_PARAM = re.compile(r"^(?:SamplingParams\.)?([a-z_.]+)(?::| must| is)")
 
 
 class APIError(Exception):
@@ -126,8 +126,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), code=code,
                               headers=getattr(exc, "headers", None))
 
-    async def on_any(_: Request, exc: Exception) -> JSONResponse:
-        return api_error_response(from_exception(exc))
+    async def on_any(request: Request, exc: Exception) -> JSONResponse:
+        # a route may name the fields engine errors refer to in the client's words
+        names = getattr(request.state, "param_names", None)
+        return api_error_response(from_exception(exc, names))
 
     async def on_gone(_: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"

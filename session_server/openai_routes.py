@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -14,9 +16,14 @@ from session_server.context import (
     timeout_of,
 )
 from session_server.errors import bad_request
-from session_server.openai_format import ChatFormatter, CompletionFormatter
+from session_server.openai_format import ChatFormatter, CompletionFormatter, Echo
 from session_server.prompts import completion_prompts, render_chat
-from session_server.sampling import chat_max_tokens, openai_params, resolve_max_tokens
+from session_server.sampling import (
+    chat_max_tokens,
+    name_engine_errors,
+    openai_params,
+    resolve_max_tokens,
+)
 from session_server.schemas import ChatCompletionRequest, CompletionRequest
 from session_server.streaming import final_outputs, primed, sse_response, start
 
@@ -50,11 +57,17 @@ async def completions(body: CompletionRequest, request: Request):
     check_n(request, body.n)
     _reject_unsupported(body)
     prompts = completion_prompts(body.prompt, backend.tokenizer)
-    max_tokens = resolve_max_tokens(body.max_tokens, prompts, backend.info, "max_tokens",
-                                    "prompt")
+    echo = _echo(body, prompts, backend.tokenizer)
+    # max_tokens 0 (echo only): the engine needs max_tokens >= 1, so run with 1; the formatter
+    # drops that token (Echo.prompt_only)
+    asked = 1 if echo is not None and echo.prompt_only else body.max_tokens
+    max_tokens = resolve_max_tokens(asked, prompts, backend.info, "max_tokens", "prompt")
     params = openai_params(body, max_tokens, body.logprobs)
+    name_engine_errors(request, body)
+    if echo is not None and body.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     formatter = CompletionFormatter(new_id("cmpl"), backend.info.name, body, params,
-                                    backend.tokenizer, body.logprobs or 0)
+                                    backend.tokenizer, body.logprobs or 0, echo=echo)
     stream = start(backend, prompts, params, formatter.id, routing_key(request, body.user),
                    timeout_of(request, body.timeout))
     if body.stream:
@@ -73,6 +86,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = resolve_max_tokens(asked, [prompt], backend.info, field, "messages")
     num_top = body.top_logprobs or 0
     params = openai_params(body, max_tokens, num_top if body.logprobs else None)
+    name_engine_errors(request, body)
     formatter = ChatFormatter(new_id("chatcmpl"), backend.info.name, body, params,
                               backend.tokenizer, num_top)
     stream = start(backend, [prompt], params, formatter.id, routing_key(request, body.user),
@@ -82,9 +96,22 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return JSONResponse(formatter.response(await final_outputs(request, stream, 1)))
 
 
+def _echo(body: CompletionRequest, prompts: list[list[int]], tokenizer) -> Echo | None:
+    """What `echo: true` puts before each completion: the prompt as sent (token ids decoded)."""
+    if not body.echo:
+        return None
+    if isinstance(body.prompt, str):
+        texts = [body.prompt]
+    elif isinstance(body.prompt[0], str):
+        texts = list(body.prompt)
+    else:
+        texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+    return Echo(texts, prompt_only=body.max_tokens == 0)
+
+
 def _reject_unsupported(body: CompletionRequest) -> None:
-    if body.echo:
-        raise bad_request("echo is not supported", "echo")
+    if body.echo and body.max_tokens == 0 and body.min_tokens:
+        raise bad_request("min_tokens must be 0 when max_tokens is 0", "min_tokens")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -96,7 +123,3 @@ def check_chat(body: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise bad_request(f"response_format {kind!r} is not supported; use 'text'",
-                          "response_format")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.engine.sampling_params import SamplingParams
+from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from session_server.backend import ModelInfo
 from session_server.errors import bad_request
 from session_server.schemas import ChatCompletionRequest, OpenAISampling, SGLangSamplingParams
@@ -10,7 +10,12 @@ from session_server.schemas import ChatCompletionRequest, OpenAISampling, SGLang
 # engine field -> SGLang field, so a /generate error names what the client sent
 SGLANG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
                 "logprobs": "top_logprobs_num", "prompt": "input_ids",
-                "include_stop_str_in_output": "no_stop_trim"}
+                "include_stop_str_in_output": "no_stop_trim",
+                "structured_outputs.json": "json_schema", "structured_outputs.regex": "regex",
+                "structured_outputs.grammar": "ebnf"}
+_SO_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
 # SamplingParams fields both APIs carry (under SGLANG_NAMES' names in /generate)
 _SHARED = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
            "presence_penalty", "frequency_penalty", "min_tokens", "stop", "stop_token_ids",
@@ -50,8 +55,66 @@ def openai_params(body: OpenAISampling, max_tokens: int | None,
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     fields = {name: _or(getattr(body, name), _OPENAI_NULLS.get(name)) for name in _SHARED}
+    spec, _ = structured_outputs_of(body)
     return SamplingParams(**fields, seed=body.seed, max_tokens=max_tokens, logprobs=logprobs,
-                          return_routed_experts=body.return_routed_experts)
+                          return_routed_experts=body.return_routed_experts,
+                          structured_outputs=spec)
+
+
+def structured_outputs_of(body: OpenAISampling) -> tuple[StructuredOutputsParams | None, str]:
+    """The constraint an OpenAI request asks for, and the field it asked in (errors the
+    engine finds in it are named after that field)."""
+    found = []
+    if body.response_format is not None:
+        spec = _response_format(body.response_format)
+        if spec is not None:
+            found.append((spec, "response_format"))
+    if body.structured_outputs is not None:
+        found.append((_spec(dict(body.structured_outputs), "structured_outputs"),
+                      "structured_outputs"))
+    for name, kind in _GUIDED.items():
+        if getattr(body, name) is not None:
+            found.append((_spec({kind: getattr(body, name)}, name), name))
+    if len(found) > 1:
+        raise bad_request(f"give one of {[f for _, f in found]}, not several", found[1][1])
+    return found[0] if found else (None, "response_format")
+
+
+def name_engine_errors(request, body: OpenAISampling) -> None:
+    """Engine errors about the constraint (structured_outputs.json: ...) name the field the
+    client sent it in (response_format, guided_json, ...): see errors.install_error_handlers."""
+    _, field = structured_outputs_of(body)
+    request.state.param_names = {f"structured_outputs.{kind}": field for kind in _SO_KINDS}
+
+
+def _response_format(value: dict) -> StructuredOutputsParams | None:
+    kind = value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type must be 'text', 'json_object' or "
+                          f"'json_schema', got {kind!r}", "response_format")
+    wrapper = value.get("json_schema")
+    schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema must be a JSON schema object "
+                          "({'type': 'json_schema', 'json_schema': {'name': ..., 'schema': "
+                          "{...}}})", "response_format")
+    # strict or not, the output follows the schema: constrained decoding has no looser mode
+    return _spec({"json": schema}, "response_format")
+
+
+def _spec(fields: dict, field: str) -> StructuredOutputsParams:
+    unknown = sorted(set(fields) - {*_SO_KINDS, "whitespace_flexible"})
+    if unknown:
+        raise bad_request(f"{field}: unknown keys {unknown}; use one of {list(_SO_KINDS)}",
+                          field)
+    try:
+        return StructuredOutputsParams(**fields)
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"{field}: {str(e).removeprefix('SamplingParams.')}", field) from None
 
 
 def sglang_params(sp: SGLangSamplingParams, max_tokens: int | None, logprobs: int | None,
@@ -60,7 +123,20 @@ def sglang_params(sp: SGLangSamplingParams, max_tokens: int | None, logprobs: in
     seed = sp.seed if sp.seed is not None else sp.sampling_seed
     return SamplingParams(**fields, seed=seed, max_tokens=max_tokens, logprobs=logprobs,
                           return_routed_experts=return_routed_experts,
-                          max_weight_lag=sp.max_weight_lag, return_kept_mass=sp.return_kept_mass)
+                          max_weight_lag=sp.max_weight_lag, return_kept_mass=sp.return_kept_mass,
+                          structured_outputs=_sglang_spec(sp))
+
+
+def _sglang_spec(sp: SGLangSamplingParams) -> StructuredOutputsParams | None:
+    given = {name: value for name, value in (("json_schema", sp.json_schema), ("regex", sp.regex),
+                                             ("ebnf", sp.ebnf)) if value is not None}
+    if len(given) > 1:
+        raise bad_request(f"give one of {sorted(given)}, not several", sorted(given)[1])
+    if not given:
+        return None
+    (name, value), = given.items()
+    kind = {"json_schema": "json", "ebnf": "grammar"}.get(name, name)
+    return _spec({kind: value}, name)
 
 
 def _or(value, default):

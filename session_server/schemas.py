@@ -53,6 +53,15 @@ class OpenAISampling(_Body):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     return_routed_experts: bool = False
+    # structured outputs: OpenAI's response_format ({"type": "text" | "json_object" |
+    # "json_schema"}), vLLM's structured_outputs {json | json_object | regex | choice | grammar},
+    # or vLLM's older guided_* fields; one of them per request
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -63,7 +72,7 @@ class CompletionRequest(OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False  # rejected when true
+    echo: bool = False  # the prompt before the completion (text and logprobs)
     suffix: str | None = None  # rejected when set
     best_of: int | None = None  # only best_of == n
 
@@ -97,7 +106,6 @@ class ChatCompletionRequest(ChatTemplateFields, OpenAISampling):
     top_logprobs: int | None = None
     tool_choice: Any = None  # accepted; tool calls are not parsed out of the text
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
 
 class CreateSessionRequest(_Body):
@@ -133,6 +141,10 @@ class SGLangSamplingParams(BaseModel):
     # RL extensions: end as "stale" past this many weight versions; per-token kept mass
     max_weight_lag: int | None = Field(None, ge=0)
     return_kept_mass: bool = False
+    # structured outputs (SGLang's names): a JSON schema (text), a regex, an EBNF grammar
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(_Body):
