@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from actors.engine.config import EngineConfig
 from actors.engine.strict import check_type, strict_fields
+from session_server.tool_calls import PARSERS
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
 
@@ -37,6 +38,7 @@ class ClusterConfig:
     max_body_bytes: int = 8 << 20
     request_timeout_s: float | None = None  # default deadline of a generation (body: timeout)
     max_n: int = 128  # samples one request may ask for (n)
+    tool_call_parser: str | None = None  # "hermes" | "llama3"; None: from the chat template
     ray_address: str | None = None  # join this cluster instead of starting a local one
 
     def __post_init__(self) -> None:
@@ -51,6 +53,9 @@ class ClusterConfig:
         self.engine_config(self.model or "<embedded>")  # bad values fail here, not in a replica
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         self._check_admin_key()
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"ClusterConfig.tool_call_parser must be one of {list(PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.request_timeout_s is not None:
             check_type("ClusterConfig", "request_timeout_s", self.request_timeout_s, (int, float))
             if not self.request_timeout_s > 0:

@@ -65,7 +65,8 @@ class Ingress:
                          max_body_bytes=self.config.max_body_bytes,
                          admin_api_key=self.config.admin_api_key,
                          request_timeout_s=self.config.request_timeout_s,
-                         max_n=self.config.max_n)
+                         max_n=self.config.max_n,
+                         tool_call_parser=self.config.tool_call_parser)
 
 
 def build_application(config: ClusterConfig, model_dir: str | None = None):

@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 
+from session_server.tool_calls import PARSERS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("Multi-turn sessions (/sessions) live in the Router actor's memory: a "
@@ -34,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reason 'abort'")
     parser.add_argument("--max-n", type=int, metavar="N",
                         help="the most samples one request may ask for (n; default 128)")
+    parser.add_argument("--tool-call-parser", choices=PARSERS,
+                        help="the format tool calls are read from the model's text in "
+                             "(tool_choice 'auto'; default: picked from the chat template)")
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-model-len", type=int, help="context length limit")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
@@ -58,7 +63,7 @@ def config_from_args(args: argparse.Namespace):
     config = ClusterConfig.from_env(ClusterConfig.from_yaml(args.config) if args.config else None)
     updates = {name: getattr(args, name) for name in
                ("model", "replicas", "host", "port", "served_model_name", "ray_address",
-                "admin_api_key", "request_timeout_s", "max_n")
+                "admin_api_key", "request_timeout_s", "max_n", "tool_call_parser")
                if getattr(args, name) is not None}
     if args.api_keys:
         updates["api_keys"] = tuple(args.api_keys)

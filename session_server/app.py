@@ -13,12 +13,14 @@ from session_server.body_limit import BodyLimit
 from session_server.errors import install_error_handlers
 from session_server.header_limit import HeaderLimit
 from session_server.schemas import MAX_N
+from session_server.tool_calls import PARSERS, detect_parser
 
 
 def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
               max_body_bytes: int = 8 << 20, admin_api_key: str | None = None,
               max_bucket_bytes: int = 1 << 30,
-              request_timeout_s: float | None = None, max_n: int = 128) -> FastAPI:
+              request_timeout_s: float | None = None, max_n: int = 128,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The HTTP surface: OpenAI routes, SGLang-style /generate, /tokenize, /detokenize,
     multi-turn /sessions, /health and /metrics, with the OpenAI error body for every error.
 
@@ -29,16 +31,22 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     `max_bucket_bytes`. More than 100 headers or 64 KiB of them get 431.
     `request_timeout_s`: the default deadline of a generation (a body's `timeout` wins); past
     it the request ends with its partial output, finish reason "abort". `max_n`: the most
-    samples one request may ask for.
+    samples one request may ask for. `tool_call_parser` ("hermes" or "llama3"): the format
+    tool calls are read in (`tool_choice` "auto"); None picks it from the chat template.
     """
     _check_limits(max_body_bytes, max_bucket_bytes, request_timeout_s, max_n)
     if admin_api_key is not None and admin_api_key in (api_keys or []):
         raise ValueError("admin_api_key must differ from every user API key")
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {list(PARSERS)}, got "
+                         f"{tool_call_parser!r}")
     app = FastAPI(title="raylane", summary="OpenAI-compatible and native LLM serving")
     app.state.backend = backend
     app.state.created = int(time.time())
     app.state.request_timeout_s = request_timeout_s
     app.state.max_n = max_n
+    app.state.tool_call_parser = tool_call_parser or detect_parser(
+        getattr(backend.tokenizer, "chat_template", None))
     install_error_handlers(app)
     admin = admin_api_key is not None
     modules = [openai_routes, native_routes, session_routes, metrics]

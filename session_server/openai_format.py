@@ -15,6 +15,8 @@ from actors.engine.sampling_params import SamplingParams
 from session_server import formatting as fmt
 from session_server.schemas import OpenAISampling
 from session_server.streaming import ChoiceCursor, Delta, hold_for
+from session_server.tool_calls import ToolParser, openai_deltas
+from session_server.tool_calls.choice import ToolPlan
 
 
 class _Formatter:
@@ -207,6 +209,11 @@ def _joined(head: dict | None, tail: dict | None) -> dict | None:
 class ChatFormatter(_Formatter):
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, *args, tools: ToolPlan | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tools = tools  # None: the text is the message, no tool calls are read from it
+        self.parsers: dict[tuple[int, int], ToolParser] = {}  # streamed choices' parsers
+
     def response(self, finals: dict[int, RequestOutput]) -> dict:
         out0 = finals[0]
         self._saw([out0])
@@ -218,24 +225,51 @@ class ChatFormatter(_Formatter):
         return body
 
     def _choice(self, idx: int, c: CompletionOutput) -> dict:
-        choice = {"index": idx, "message": self._message(c),
+        message = self._message(c)
+        reason = c.finish_reason
+        if self.tools is not None:
+            reason = self.tools.finish_reason(reason, "tool_calls" in message)
+        choice = {"index": idx, "message": message,
                   "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                  "finish_reason": reason, "stop_reason": c.stop_reason}
         return self._extras(choice, c, c.token_ids)
 
     def _message(self, c: CompletionOutput) -> dict:
-        return {"role": "assistant", "content": c.text}
+        if self.tools is None:
+            return {"role": "assistant", "content": c.text}
+        content, calls = self.tools.new_parser().parse(c.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        return message
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict]:
         chunks = [] if self.last else [self._role_chunk(out)]
         for idx, c, d in self._deltas(i, out):
-            choice = {"index": idx, "delta": {"content": d.text} if d.text else {},
+            deltas = self._message_deltas(i, c, d)
+            if not deltas and not (d.finished or self._token_level):
+                continue  # the tool-call parser holds the text back for now
+            # a delta with several message pieces: all but the last go out on their own
+            chunks += [self._chunk([{"index": idx, "delta": delta, "logprobs": None,
+                                     "finish_reason": None}]) for delta in deltas[:-1]]
+            choice = {"index": idx, "delta": deltas[-1] if deltas else {},
                       "logprobs": self._logprobs(d.token_ids, d.logprobs, d.top_logprobs),
-                      "finish_reason": c.finish_reason if d.finished else None}
+                      "finish_reason": self._stream_finish(i, c) if d.finished else None}
             if d.finished:
                 choice["stop_reason"] = c.stop_reason
             chunks.append(self._chunk([self._extras(choice, c, d.token_ids)]))
         return chunks
+
+    def _message_deltas(self, i: int, c: CompletionOutput, d: Delta) -> list[dict]:
+        if self.tools is None:
+            return [{"content": d.text}] if d.text else []
+        parser = self.parsers.setdefault((i, c.index), self.tools.new_parser())
+        return openai_deltas(parser.feed(d.text) + (parser.finish() if d.finished else []))
+
+    def _stream_finish(self, i: int, c: CompletionOutput) -> str | None:
+        if self.tools is None:
+            return c.finish_reason
+        return self.tools.finish_reason(c.finish_reason, self.parsers[(i, c.index)].called)
 
     def _role_chunk(self, out: RequestOutput) -> dict:
         """The first chunk names the role of every choice, as OpenAI's stream does."""

@@ -26,6 +26,7 @@ from session_server.sampling import (
 )
 from session_server.schemas import ChatCompletionRequest, CompletionRequest
 from session_server.streaming import final_outputs, primed, sse_response, start
+from session_server.tool_calls.choice import tool_plan
 
 router = APIRouter()
 
@@ -81,14 +82,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_model(body.model, backend.info)
     check_n(request, body.n)
     check_chat(body)
+    tools = tool_plan(body, request.app.state.tool_call_parser)  # None: no calls to read
     prompt = render_chat(backend.tokenizer, body)
     asked, field = chat_max_tokens(body)
     max_tokens = resolve_max_tokens(asked, [prompt], backend.info, field, "messages")
     num_top = body.top_logprobs or 0
     params = openai_params(body, max_tokens, num_top if body.logprobs else None)
     name_engine_errors(request, body)
+    if tools is not None:
+        params = tools.constrain(params, request)
     formatter = ChatFormatter(new_id("chatcmpl"), backend.info.name, body, params,
-                              backend.tokenizer, num_top)
+                              backend.tokenizer, num_top, tools=tools)
     stream = start(backend, [prompt], params, formatter.id, routing_key(request, body.user),
                    timeout_of(request, body.timeout))
     if body.stream:

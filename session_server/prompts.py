@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from session_server.errors import bad_request
@@ -64,14 +65,30 @@ def chat_text(tokenizer, body: ChatTemplateFields) -> str:
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as plain dicts for the template; text content parts are joined."""
+    """Messages as plain dicts for the template; text content parts are joined, and tool-call
+    arguments (JSON text in OpenAI's format) become objects, as templates expect (vLLM too)."""
     out = []
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             d["content"] = "".join(_part_text(p.type, p.text, i) for p in m.content)
+        if isinstance(d.get("tool_calls"), list):
+            d["tool_calls"] = [_call_for_template(c) for c in d["tool_calls"]]
         out.append(d)
     return out
+
+
+def _call_for_template(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except (ValueError, RecursionError):
+        return call  # not JSON (or nested too deep): the template gets the text as it came
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": arguments}}
 
 
 def _part_text(kind: str, text: str | None, i: int) -> str:

@@ -104,8 +104,10 @@ class ChatCompletionRequest(ChatTemplateFields, OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tool_choice: Any = None  # accepted; tool calls are not parsed out of the text
-    parallel_tool_calls: bool | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    # (session_server/tool_calls/choice.py); None: "auto" with tools, else "none"
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # None: true
 
 
 class CreateSessionRequest(_Body):

@@ -15,7 +15,7 @@ from .grouping import chunked, group_by_tags
 from .llm import LLM
 from .metrics import ConsolidationMetrics, default_metrics
 from .perf import BatchPerf, ConsolidationResult
-from .prompt import JSON_RESPONSE_FORMAT, build_messages, parse_answer
+from .prompt import answer_format, build_messages, parse_answer
 from .records import Action, Memory, ObservationView, Tags
 from .scope import ScopeSnapshot, TagScope
 from .store import MemoryStore
@@ -170,11 +170,12 @@ class Consolidator:
     async def _ask(self, memories: Sequence[Memory], observations: list[ObservationView],
                    perf: BatchPerf) -> list[Action]:
         messages = build_messages(memories, observations)
+        response_format = answer_format([m.id for m in memories], [o.id for o in observations])
         perf.llm_calls += 1
         perf.prompt_chars += sum(len(m["content"]) for m in messages)
         started = time.perf_counter()
         try:
-            text = await self.llm.complete(messages, response_format=JSON_RESPONSE_FORMAT)
+            text = await self.llm.complete(messages, response_format=response_format)
         finally:
             perf.llm_seconds += time.perf_counter() - started
         return parse_answer(text, [m.id for m in memories], [o.id for o in observations])

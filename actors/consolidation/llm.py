@@ -52,6 +52,20 @@ class OpenAICompatibleLLM:
         return response.choices[0].message.content or ""
 
 
+def _constrained(params: Any, response_format: dict | None) -> Any:
+    if response_format is None or response_format.get("type", "text") == "text":
+        return params
+    import dataclasses
+
+    from actors.engine import StructuredOutputsParams
+
+    if response_format["type"] == "json_object":
+        spec = StructuredOutputsParams(json_object=True)
+    else:
+        spec = StructuredOutputsParams(json=response_format["json_schema"]["schema"])
+    return dataclasses.replace(params, structured_outputs=spec)
+
+
 class _Engine(Protocol):
     def generate(self, prompt: str, params: Any, request_id: str) -> AsyncIterator[Any]: ...
 
@@ -70,8 +84,8 @@ def _default_sampling_params(max_tokens: int) -> Any:
 class EngineLLM:
     """An in-process engine: render the chat template, generate greedily, return the text.
 
-    `response_format` is ignored: the engine has no constrained decoding, and the answer is
-    validated anyway.
+    A `response_format` (OpenAI's json_object / json_schema) constrains the output through
+    the engine's structured outputs, as the HTTP endpoint would.
     """
 
     def __init__(self, engine: _Engine, tokenizer: _ChatTokenizer, *, max_tokens: int = 1024,
@@ -85,7 +99,7 @@ class EngineLLM:
                        response_format: dict | None = None) -> str:
         prompt = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                     add_generation_prompt=True)
-        params = self._sampling_params(self.max_tokens)
+        params = _constrained(self._sampling_params(self.max_tokens), response_format)
         request_id = f"consolidation-{uuid.uuid4().hex}"
         text = ""
         try:

@@ -2,8 +2,12 @@
 
 Request: the last user message holds exactly one JSON object
 `{"memories": [{"id", "text", "tags"}], "observations": [{"id", "text"}]}`.
-Answer: one JSON object `{"actions": [...]}` of create / update / skip actions that accounts
-for every memory of the batch and names only the batch's memories and the scope's observations.
+Answer: one JSON object keyed by every memory id of the batch, each an action for that memory:
+`{"<id>": {"action": "create", "text"} | {"action": "update", "observation_id", "text"} |
+{"action": "skip"}}`. `answer_format` turns a batch into the JSON schema of exactly that (every
+id required, observation ids an enum of the scope's, text bounded), sent as a `json_schema`
+response format: an endpoint with constrained decoding can only produce a valid answer.
+The older `{"actions": [...]}` answer (a list of actions over several memories) is read too.
 """
 
 from __future__ import annotations
@@ -16,17 +20,40 @@ from .errors import InvalidAnswer
 from .records import Action, Memory, ObservationView
 
 JSON_RESPONSE_FORMAT = {"type": "json_object"}
+MAX_TEXT_CHARS = 240  # an observation's text in a constrained answer
 
 SYSTEM_PROMPT = """\
 You consolidate an agent's memories into durable observations.
 You get new memories and the existing observations of the same scope. Answer with one JSON
-object {"actions": [...]} and nothing else. Each action is one of:
-  {"action": "create", "memory_ids": [...], "text": "..."}  a new observation from memories
-  {"action": "update", "observation_id": "...", "memory_ids": [...], "text": "..."}
-      rewrite an existing observation so it also reflects these memories
-  {"action": "skip", "memory_ids": [...]}  memories with nothing worth keeping
-Every memory id must appear in at least one action. Prefer updating an observation over creating
-a near-duplicate. Use only the ids you were given."""
+object keyed by every memory id, and nothing else. Each value is one of:
+  {"action": "create", "text": "..."}  a new observation from this memory (memories given the
+      same text become one observation)
+  {"action": "update", "observation_id": "...", "text": "..."}  rewrite an existing
+      observation so it also reflects this memory
+  {"action": "skip"}  a memory with nothing worth keeping
+Prefer updating an observation over creating a near-duplicate. Use only the ids you were given."""
+
+
+def answer_format(memory_ids: Sequence[int], observation_ids: Sequence[int]) -> dict[str, Any]:
+    """The `json_schema` response format of a valid answer for this batch and scope."""
+    text = {"type": "string", "minLength": 1, "maxLength": MAX_TEXT_CHARS, "pattern": r"^\S"}
+    choices: list[dict[str, Any]] = [
+        _action_schema("skip", {}),
+        _action_schema("create", {"text": text}),
+    ]
+    if observation_ids:
+        choices.append(_action_schema("update", {
+            "observation_id": {"enum": [str(i) for i in observation_ids]}, "text": text}))
+    ids = [str(i) for i in memory_ids]
+    schema = {"type": "object", "properties": {i: {"anyOf": choices} for i in ids},
+              "required": ids, "additionalProperties": False}
+    return {"type": "json_schema",
+            "json_schema": {"name": "consolidation", "schema": schema, "strict": True}}
+
+
+def _action_schema(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": {"action": {"const": kind}, **fields},
+            "required": ["action", *fields], "additionalProperties": False}
 
 USER_LEAD = "Consolidate these memories:\n"
 
@@ -60,7 +87,9 @@ def parse_answer(text: str, memory_ids: Sequence[int],
                  observation_ids: Sequence[int]) -> list[Action]:
     """Validate a model answer against its batch and scope; raises InvalidAnswer."""
     obj = _load_json(text)
-    raw_actions = obj.get("actions") if isinstance(obj, dict) else None
+    if not isinstance(obj, dict):
+        raise InvalidAnswer("the answer is not a JSON object")
+    raw_actions = obj.get("actions") if "actions" in obj else _from_keyed(obj)
     if not isinstance(raw_actions, list):
         raise InvalidAnswer('the answer is not an object with an "actions" list')
     memories = {str(i): i for i in memory_ids}
@@ -68,6 +97,22 @@ def parse_answer(text: str, memory_ids: Sequence[int],
     actions = [_action(raw, memories, scope) for raw in raw_actions]
     _check_accounting(actions, memory_ids)
     return actions
+
+
+def _from_keyed(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """A keyed answer as actions: skips in one, updates by observation, creates by text."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for memory_id, value in obj.items():
+        if not isinstance(value, dict):
+            raise InvalidAnswer(f"memory {memory_id}: not an action object")
+        kind = value.get("action")
+        key = (kind, value.get("observation_id") if kind == "update" else None,
+               value.get("text") if kind == "create" else None)
+        group = groups.setdefault(key, {**value, "memory_ids": []})
+        group["memory_ids"].append(memory_id)
+        if kind == "update" and value.get("text") not in group["text"]:
+            group["text"] = f"{group['text']}; {value.get('text')}"
+    return list(groups.values())
 
 
 def _load_json(text: str) -> Any:

@@ -41,7 +41,10 @@ class GrammarCompiler:
 
     def grammar(self, spec: StructuredOutputsParams) -> str:
         """The spec compiled and checked (cached by its text): the llguidance grammar."""
-        key = _spec_key(spec)
+        try:
+            key = _spec_key(spec)
+        except (TypeError, ValueError) as e:  # a dict json.dumps cannot write (a set, ...)
+            raise ValueError(f"structured_outputs.{spec.kind}: not JSON: {e}") from None
         grammar = self._grammars.get(key)
         if grammar is None:
             grammar = self._compile(spec)

@@ -304,8 +304,12 @@ class LLMEngine:
         prompts = as_prompt_list(prompts)
         params_list = as_params_list(params, len(prompts))
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list):
+                self.add_request(rid, prompt, p)
+        except ValueError:  # one bad request: none of the batch stays queued
+            self.abort_request([rid for rid in ids if rid in self.requests])
+            raise
         finished: dict[str, RequestOutput] = {}
         with _progress(len(prompts), use_tqdm) as bar:
             while len(finished) < len(ids):

@@ -58,18 +58,24 @@ class Postprocessor:
                              self.weight_version(), result.kept_mass[i])
             self.stop_checker.check(seq, request.detokenize(seq))
             if seq.matcher is not None:
-                self._advance_grammar(seq, token)
-            if seq.finish_reason is not None:
+                self._advance_grammar(seq, request, token)
+            if seq.finish_reason is not None and not seq.is_finished:
                 self.release(seq)
             touched[seq.request_id] = request
         return self.outputs(list(touched.values()))
 
-    @staticmethod
-    def _advance_grammar(seq: Sequence, token: int) -> None:
+    def _advance_grammar(self, seq: Sequence, request: Request, token: int) -> None:
         """The grammar takes the token; a complete grammar (nothing may follow) ends the
-        sequence even under ignore_eos, since its next mask would allow no token."""
-        seq.matcher.consume_token(token)
-        if seq.finish_reason is None and (seq.matcher.is_stopped() or seq.matcher.is_error()):
+        sequence even under ignore_eos, since its next mask would allow no token. A grammar
+        that rejects the token (e.g. text it spelled as a special token it then refuses) ends
+        the request with an error, never with a "stop" whose text is not in the language."""
+        matcher = seq.matcher
+        if not matcher.consume_token(token) or matcher.is_error():
+            request.error = (f"the structured-output grammar rejected token {token}: "
+                             f"{matcher.get_error() or 'not allowed'}")
+            seq.finish_reason = None
+            self.end(request, "error", keep_routing=False)
+        elif seq.finish_reason is None and matcher.is_stopped():
             seq.finish_reason = "stop"
 
     def fail(self, scheduled: list[ScheduledSeq], error: BaseException) -> list[RequestOutput]:

@@ -48,7 +48,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": "x" * 2000}, "prompt"),
     ("/v1/completions", {**COMPLETION, "n": True}, "n"),
-    ("/v1/completions", {**COMPLETION, "echo": True}, "echo"),
+    ("/v1/completions", {**COMPLETION, "echo": True, "max_tokens": 0, "min_tokens": 1},
+     "min_tokens"),
     ("/v1/completions", {**COMPLETION, "stop": ["s"] * 65}, "stop"),  # caps against floods
     ("/v1/chat/completions", {**CHAT, "stop_token_ids": [1] * 1025}, "stop_token_ids"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {str(i): 1.0 for i in range(1025)}},

@@ -16,7 +16,6 @@ from actors.consolidation import (
     MemoryStore,
 )
 from actors.consolidation.fake_llm import FakeLLM
-from actors.consolidation.prompt import JSON_RESPONSE_FORMAT
 from tests.pg.checks import assert_each_memory_once, assert_one_observation_per_scope
 
 
@@ -41,7 +40,10 @@ async def test_run_consolidates_everything_once(store, bank, metrics) -> None:
     assert (result.total.consolidated, result.total.skipped, result.total.failed) == (11, 1, 0)
     assert (result.total.created, result.total.updated) == (3, result.total.llm_calls - 3)
     assert result.total.llm_calls == len(llm.calls) == len(result.batches)
-    assert all(c.response_format == JSON_RESPONSE_FORMAT for c in llm.calls)
+    for call in llm.calls:  # each call carries the schema of its own batch's answer
+        schema = call.response_format["json_schema"]["schema"]
+        assert call.response_format["type"] == "json_schema"
+        assert schema["required"] == [str(i) for i in call.memory_ids]
     row = await store.operations.get(result.op_id)
     assert row["status"] == "completed" and row["error"] is None
     assert row["stats"]["created"] == 3 and len(row["perf"]) == len(result.batches)
