@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed passes per mode after a warm pass (the best is reported)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers "
                                                                "reference")
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="instead: tok/s with every request constrained to this JSON schema "
+                             "vs unconstrained, at the first --batch-sizes value (e.g. "
+                             "cluster/examples/bench_schema.json)")
 
 
 def make_workload(num: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
@@ -114,6 +118,14 @@ def run(args: argparse.Namespace) -> int:
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab,
                          args.seed)
+    if args.json_schema:
+        from cluster.bench.structured import print_schema_table, run_schema
+
+        size = int(args.batch_sizes.split(",")[0])
+        print_schema_table(run_schema(model_dir, work, args.json_schema,
+                                      args.max_num_batched_tokens, size, args.repeats),
+                           args.json_schema, size)
+        return 0
     rows = []
     for size in (int(x) for x in args.batch_sizes.split(",")):
         passes = run_engines(model_dir, work, args.max_num_batched_tokens, size, (False, True),
