@@ -62,14 +62,19 @@ class StepTimes:
         self.steps = 0
         self.totals = dict.fromkeys(self.PARTS, 0.0)
         self.total_execute = 0.0
+        self._runner_free_at = 0.0  # when the runner finished the step before
 
     def add(self, timer: StepTimer, runner: dict[str, float]) -> None:
         self.steps += 1
         laps = {**timer.laps, **{k: runner[k] for k in ("prepare", "forward", "collectives",
                                                         "sample") if k in runner}}
         if "sent_at" in runner and "started_at" in runner:
-            laps["dispatch"] = runner["started_at"] - runner["sent_at"]
+            # async scheduling sends a plan while the runner is busy: its wait in the queue
+            # is not transport
+            ready = max(runner["sent_at"], self._runner_free_at)
+            laps["dispatch"] = max(0.0, runner["started_at"] - ready)
             laps["return"] = runner["received_at"] - runner["finished_at"]
+            self._runner_free_at = runner["finished_at"]
         for name, seconds in laps.items():
             if name in self.totals:
                 self.totals[name] += seconds
