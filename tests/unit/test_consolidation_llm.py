@@ -76,10 +76,28 @@ def params(max_tokens: int) -> dict:
 async def test_engine_llm_returns_the_final_cumulative_text() -> None:
     engine = FakeEngine(['{"act', 'ions": ', "[]}"])
     llm = EngineLLM(engine, FakeTokenizer(), max_tokens=32, sampling_params=params)
-    assert await llm.complete(MESSAGES, response_format=JSON_RESPONSE_FORMAT) == '{"actions": []}'
+    assert await llm.complete(MESSAGES) == '{"actions": []}'
     (prompt, sent, request_id), = engine.requests
     assert prompt == "hi|assistant:" and sent == params(32)
     assert request_id.startswith("consolidation-")
+
+
+async def test_engine_llm_constrains_the_output_to_the_response_format() -> None:
+    from actors.consolidation.prompt import answer_format
+    from actors.engine import SamplingParams, StructuredOutputsParams
+
+    schema_format = answer_format([1, 2], [9])
+    for response_format, spec in (
+            (JSON_RESPONSE_FORMAT, StructuredOutputsParams(json_object=True)),
+            (schema_format,
+             StructuredOutputsParams(json=schema_format["json_schema"]["schema"])),
+            (None, None), ({"type": "text"}, None)):
+        engine = FakeEngine(["{}"])
+        await EngineLLM(engine, FakeTokenizer(), max_tokens=32).complete(
+            MESSAGES, response_format=response_format)
+        (_, sent, _), = engine.requests
+        assert isinstance(sent, SamplingParams) and sent.max_tokens == 32
+        assert sent.structured_outputs == spec
 
 
 async def test_engine_rejecting_the_prompt_is_a_failed_call() -> None:

@@ -10,7 +10,7 @@ import pytest
 from actors.consolidation import ConsolidationConfig, InvalidAnswer
 from actors.consolidation.fake_llm import default_answer
 from actors.consolidation.grouping import chunked, group_by_tags
-from actors.consolidation.prompt import build_messages, parse_answer, read_request
+from actors.consolidation.prompt import answer_format, build_messages, parse_answer, read_request
 from actors.consolidation.records import Action, Memory, ObservationView, normalize_tags
 
 NOW = datetime(2025, 1, 1, tzinfo=timezone.utc)
@@ -54,7 +54,8 @@ def test_markdown_fenced_json_is_accepted() -> None:
 
 @pytest.mark.parametrize("text, reason", [
     ("not json", "not valid JSON"),
-    ('["actions"]', '"actions" list'),
+    ('["actions"]', "not a JSON object"),
+    ('{"actions": {}}', '"actions" list'),
     (answer({"action": "merge", "memory_ids": ["1"]}), "create/update/skip"),
     (answer({"action": "create", "memory_ids": ["1", "7"], "text": "x"}), "outside the batch"),
     (answer({"action": "create", "memory_ids": ["1"], "text": ""}), "without text"),
@@ -103,3 +104,23 @@ def test_config_defaults_and_is_frozen() -> None:
     assert (config.batch_size, config.llm_batch_size) == (50, 8)
     with pytest.raises(AttributeError):
         config.batch_size = 3  # type: ignore[misc]
+
+
+def test_a_keyed_answer_fits_its_schema_and_becomes_grouped_actions() -> None:
+    import jsonschema
+
+    schema = answer_format([1, 2, 3, 4], [9])["json_schema"]["schema"]
+    keyed = {"1": {"action": "create", "text": "tea"}, "2": {"action": "create", "text": "tea"},
+             "3": {"action": "skip"},
+             "4": {"action": "update", "observation_id": "9", "text": "dog"}}
+    jsonschema.validate(keyed, schema)
+    actions = parse_answer(json.dumps(keyed), [1, 2, 3, 4], [9])
+    assert sorted(actions, key=lambda a: a.kind) == [
+        Action("create", (1, 2), text="tea"), Action("skip", (3,)),
+        Action("update", (4,), text="dog", observation_id=9)]
+    for broken in ({k: v for k, v in keyed.items() if k != "3"},  # a memory left out
+                   {**keyed, "4": {"action": "update", "observation_id": "8", "text": "x"}},
+                   {**keyed, "5": {"action": "skip"}},  # a memory outside the batch
+                   {**keyed, "1": {"action": "create", "text": "x" * 241}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, schema)
