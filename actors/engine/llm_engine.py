@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import time
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from actors.engine.config import EngineConfig
@@ -17,9 +15,10 @@ from actors.engine.planner import StepPlanner
 from actors.engine.postprocessor import Postprocessor
 from actors.engine.request import Request
 from actors.engine.sampling_params import SamplingParams
-from actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from actors.engine.scheduler import Scheduler
 from actors.engine.setup import EngineParts, build_engine_parts
-from actors.engine.stats import EngineStats, StepTimer
+from actors.engine.stats import EngineStats
+from actors.engine.step_launcher import LaunchedStep, StepLauncher
 from actors.engine.validate import RequestValidator, as_params_list, as_prompt_list
 from actors.engine.weight_sync import WeightSync, too_stale
 from actors.executor.base import StepFailed
@@ -60,7 +59,8 @@ class LLMEngine:
         self.weights = WeightSync(self.executor, self.block_manager)
         self.post = Postprocessor(self.scheduler, self.planner, self.stop_checker, self.stats,
                                   self.requests, lambda: self.weights.version)
-        self.faults = Faults()
+        self.launcher = StepLauncher(self.scheduler, self.planner, self.executor, self.grammars,
+                                     self.post, self.stats)
         self._in_flight: LaunchedStep | None = None  # launched, to be collected by a later step
         self._due: LaunchedStep | None = None  # launched, to be collected by this step
         self._held: list[RequestOutput] = []  # outputs of steps drained outside step()
@@ -173,10 +173,7 @@ class LLMEngine:
             if request is None:
                 continue
             self.stats.finished["abort"] += 1
-            for seq in request.seqs:
-                if seq.finish_reason is None:
-                    seq.finish_reason = "abort"
-                    self.post.release(seq, keep_routing=False)
+            self.post.end(request, "abort", keep_routing=False)
             outputs.append(request.output(self.weight_version))
         return outputs
 
@@ -203,17 +200,19 @@ class LLMEngine:
         """The first half of `step`: launch what is due; returns the future `end_step` will
         wait for (None: nothing to wait for). An event loop awaits it, then calls end_step."""
         if self._in_flight is None:
-            self._in_flight = self._launch()
+            self._in_flight = self.launcher.launch()
         self._due, self._in_flight = self._in_flight, None
         # a grammar's next mask needs the token in flight: constrained batches step serially
-        if self._due is not None and self.config.async_scheduling and not self._constrained():
-            self._in_flight = self._launch()
+        if (self._due is not None and self.config.async_scheduling
+                and not self.launcher.constrained()):
+            self._in_flight = self.launcher.launch()
             self.stats.steps_planned_ahead += self._in_flight is not None
         return None if self._due is None else self._due.future
 
     def end_step(self) -> list[RequestOutput]:
         """The second half of `step`: fold in the step begin_step launched (if drain has not)."""
-        outputs, self._held = self._held, []
+        outputs, self._held = self._held + self.launcher.failed, []
+        self.launcher.failed = []
         due, self._due = self._due, None
         return outputs if due is None else outputs + self._collect(due)
 
@@ -230,7 +229,7 @@ class LLMEngine:
         """Test hook: the next `times` steps raise at `stage`: "plan" (here), "prepare" or
         "forward" (on every runner). Their requests end with finish reason "error"."""
         if stage == "plan":
-            self.faults.arm(stage, times)
+            self.launcher.faults.arm(stage, times)
         else:
             Faults().arm(stage, times)  # the same check of the arguments, before any rank
             self.executor.collective_rpc("arm_fault", stage, times)
@@ -238,38 +237,6 @@ class LLMEngine:
     def _quiesce(self) -> None:
         """No step in flight from here on; its outputs come with the next step()."""
         self._held = self.drain()
-
-    def _launch(self) -> LaunchedStep | None:
-        """Schedule, plan and submit a step (None when there is nothing to run)."""
-        timer = StepTimer()
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            self.planner.preempted(batch.preempted)
-            return None
-        self._record_scheduled(batch)
-        timer.mark("schedule")
-        try:
-            self.faults.check("plan")
-            plan = self.planner.plan(batch, self._token_masks(batch))
-        except Exception as e:  # its requests fail; the engine goes on
-            self.planner.preempted(batch.preempted)
-            self._held += self.post.fail(batch.scheduled, e)
-            return None
-        timer.mark("plan")
-        future = self.executor.submit(plan)
-        for item in batch.scheduled:
-            self.scheduler.launched(item)
-        return LaunchedStep(batch.scheduled, future, timer)
-
-    def _token_masks(self, batch: SchedulerOutput) -> dict[int, object]:
-        """The grammar masks of the step's constrained rows that sample, by seq_id."""
-        seqs = [item.seq for item in batch.scheduled if item.samples and item.seq.matcher]
-        if not seqs:
-            return {}
-        return dict(zip((s.seq_id for s in seqs), self.grammars.masks([s.matcher for s in seqs])))
-
-    def _constrained(self) -> bool:
-        return any(seq.matcher is not None for seq in self.scheduler.running)
 
     def _collect(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step and fold its result in."""
@@ -284,12 +251,6 @@ class LLMEngine:
         return outputs
 
     # --- statistics ---------------------------------------------------------------------------
-
-    def _record_scheduled(self, batch: SchedulerOutput) -> None:
-        now = time.monotonic()
-        for item in batch.scheduled:
-            self.stats.scheduled(self.requests[item.seq.request_id], item.seq.num_prompt_tokens,
-                                 now)
 
     def stats_snapshot(self, paused: bool = False) -> dict:
         return self.stats.snapshot(self.scheduler, self.block_manager, self.weight_version,
@@ -326,15 +287,6 @@ class LLMEngine:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.validator.render_chat(conv, **template_kwargs) for conv in convs]
         return self.generate(prompts, params, use_tqdm)
-
-
-@dataclass
-class LaunchedStep:
-    """A step on its way to the runners."""
-
-    scheduled: list[ScheduledSeq]  # its flat order, as scheduled
-    future: Future[StepResult]
-    timer: StepTimer
 
 
 def _call_if_alive(method_ref: weakref.WeakMethod) -> None:

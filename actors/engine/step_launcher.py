@@ -1,0 +1,84 @@
+"""StepLauncher: schedule a step, compute its grammar masks, plan it and send it to the runners.
+
+What it launches is a `LaunchedStep`: the scheduled sequences and the future of the runners'
+result. Launching advances the scheduler as if the step had already run (its sequences'
+tokens count as computed, the token it samples as pending), so the next step can be launched
+before this one's result arrives (async scheduling); the engine folds results in, in order.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from actors.engine.grammar import GrammarCompiler
+from actors.engine.outputs import RequestOutput
+from actors.engine.planner import StepPlanner
+from actors.engine.postprocessor import Postprocessor
+from actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from actors.engine.stats import EngineStats, StepTimer
+from actors.executor.base import Executor
+from actors.runner.faults import Faults
+from actors.runner.plan import StepResult
+
+
+@dataclass
+class LaunchedStep:
+    """A step on its way to the runners."""
+
+    scheduled: list[ScheduledSeq]  # its flat order, as scheduled
+    future: Future[StepResult]
+    timer: StepTimer
+
+
+class StepLauncher:
+    def __init__(self, scheduler: Scheduler, planner: StepPlanner, executor: Executor,
+                 grammars: GrammarCompiler, post: Postprocessor, stats: EngineStats):
+        self.scheduler = scheduler
+        self.planner = planner
+        self.executor = executor
+        self.grammars = grammars
+        self.post = post
+        self.stats = stats
+        self.faults = Faults()  # the "plan" stage of LLMEngine.arm_fault
+        self.failed: list[RequestOutput] = []  # outputs of requests whose plan raised
+
+    def launch(self) -> LaunchedStep | None:
+        """Schedule, plan and submit a step (None when there is nothing to run)."""
+        timer = StepTimer()
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            self.planner.preempted(batch.preempted)
+            return None
+        self._record_scheduled(batch)
+        timer.mark("schedule")
+        try:
+            self.faults.check("plan")
+            plan = self.planner.plan(batch, self._token_masks(batch))
+        except Exception as e:  # its requests fail; the engine goes on
+            self.planner.preempted(batch.preempted)
+            self.failed += self.post.fail(batch.scheduled, e)
+            return None
+        timer.mark("plan")
+        future = self.executor.submit(plan)
+        for item in batch.scheduled:
+            self.scheduler.launched(item)
+        return LaunchedStep(batch.scheduled, future, timer)
+
+    def constrained(self) -> bool:
+        """A running sequence follows a grammar: its next mask needs its token in flight."""
+        return any(seq.matcher is not None for seq in self.scheduler.running)
+
+    def _token_masks(self, batch: SchedulerOutput) -> dict[int, object]:
+        """The grammar masks of the step's constrained rows that sample, by seq_id."""
+        seqs = [item.seq for item in batch.scheduled if item.samples and item.seq.matcher]
+        if not seqs:
+            return {}
+        return dict(zip((s.seq_id for s in seqs), self.grammars.masks([s.matcher for s in seqs])))
+
+    def _record_scheduled(self, batch: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for item in batch.scheduled:
+            request = self.post.requests[item.seq.request_id]
+            self.stats.scheduled(request, item.seq.num_prompt_tokens, now)
