@@ -71,6 +71,7 @@ CONFIGS = {
     "gpu-tp4": example("gpu-tp4"),
     "metrics-with-literal-key": {"metrics": {"serviceMonitor": {"enabled": True}},
                                  "auth": {"apiKey": {"value": "k"}}},
+    "llama3-tools-serial": {"serving": {"toolCallParser": "llama3", "asyncScheduling": False}},
 }
 
 
@@ -125,6 +126,8 @@ def test_serve_config_imports_and_its_args_load(name, monkeypatch):
     assert config.engine["tensor_parallel_size"] == serving.get("tensorParallelSize", 1)
     assert config.model == (values.get("model", {}).get("path") or None)
     assert not config.api_keys and config.admin_api_key is None  # keys never in the config
+    assert config.engine["async_scheduling"] == serving.get("asyncScheduling", True)
+    assert config.tool_call_parser == (serving.get("toolCallParser") or None)
 
 
 def test_gpu_tp4_workers_shm_and_head():
@@ -225,6 +228,7 @@ def test_no_secret_value_outside_a_secret():
     ({"serving": {"replica": 2}}, "replica"),  # misspelled
     ({"servng": {}}, "servng"),
     ({"serving": {"tensorParallelSize": 0}}, "tensorParallelSize"),
+    ({"serving": {"toolCallParser": "mistral"}}, "toolCallParser"),
     ({"model": {"dtype": "fp8"}}, "dtype"),
     ({"service": {"port": 70000}}, "port"),
     ({"serving": {"tensorParallelSize": 4}, "workers": {"gpusPerWorker": 2}},

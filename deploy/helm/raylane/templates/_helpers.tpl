@@ -123,13 +123,14 @@ Arguments: (list $ ENV_NAME .Values.path.to.secret "chart-secret-key")
 
 {{/* The arguments of cluster.serve:app_builder (ClusterConfig fields; no secrets here). */}}
 {{- define "raylane.serveArgs" -}}
-{{- $engine := dict "tensor_parallel_size" (int .Values.serving.tensorParallelSize) "max_num_seqs" (int .Values.serving.maxNumSeqs) "dtype" .Values.model.dtype "enable_prefix_caching" .Values.serving.enablePrefixCaching "enable_return_routed_experts" .Values.serving.enableReturnRoutedExperts -}}
+{{- $engine := dict "tensor_parallel_size" (int .Values.serving.tensorParallelSize) "max_num_seqs" (int .Values.serving.maxNumSeqs) "dtype" .Values.model.dtype "enable_prefix_caching" .Values.serving.enablePrefixCaching "enable_return_routed_experts" .Values.serving.enableReturnRoutedExperts "async_scheduling" .Values.serving.asyncScheduling -}}
 {{- if gt (int .Values.model.maxModelLen) 0 -}}
 {{- $_ := set $engine "max_model_len" (int .Values.model.maxModelLen) -}}
 {{- end -}}
 {{- $args := dict "replicas" (int .Values.serving.replicas) "max_queue_per_replica" (int .Values.serving.maxQueuePerReplica) "max_body_bytes" (int .Values.serving.maxBodyBytes) "engine" $engine -}}
 {{- with .Values.model.path }}{{ $_ := set $args "model" . }}{{ end -}}
 {{- with .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" . }}{{ end -}}
+{{- with .Values.serving.toolCallParser }}{{ $_ := set $args "tool_call_parser" . }}{{ end -}}
 {{- toYaml $args -}}
 {{- end -}}
 
