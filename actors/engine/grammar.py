@@ -33,11 +33,13 @@ class GrammarCompiler:
         self._executor = None
         self._grammars: OrderedDict[str, str] = OrderedDict()  # spec key -> checked grammar
 
-    def matcher(self, spec: StructuredOutputsParams):
-        """A fresh matcher for one sequence; ValueError naming the field if the spec is bad."""
+    def matchers(self, spec: StructuredOutputsParams, count: int) -> list:
+        """Fresh matchers for `count` sequences (the samples of one request), from one
+        compiled grammar; ValueError naming the field if the spec is bad."""
         import llguidance
 
-        return llguidance.LLMatcher(self._tokenizer(), self.grammar(spec))
+        grammar = self.grammar(spec)
+        return [llguidance.LLMatcher(self._tokenizer(), grammar) for _ in range(count)]
 
     def grammar(self, spec: StructuredOutputsParams) -> str:
         """The spec compiled and checked (cached by its text): the llguidance grammar."""
@@ -47,7 +49,7 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{spec.kind}: not JSON: {e}") from None
         grammar = self._grammars.get(key)
         if grammar is None:
-            grammar = self._compile(spec)
+            grammar = self._compile(spec, key)
             self._grammars[key] = grammar
             if len(self._grammars) > _CACHE_SIZE:
                 self._grammars.popitem(last=False)
@@ -74,11 +76,11 @@ class GrammarCompiler:
                                                               n_vocab=self.vocab_size)
         return self._ll_tokenizer
 
-    def _compile(self, spec: StructuredOutputsParams) -> str:
+    def _compile(self, spec: StructuredOutputsParams, key: str) -> str:
         import llguidance
 
         field = f"structured_outputs.{spec.kind}"
-        if len(_spec_key(spec)) > MAX_SPEC_CHARS:
+        if len(key) > MAX_SPEC_CHARS:
             raise ValueError(f"{field}: larger than {MAX_SPEC_CHARS} characters")
         try:
             grammar = _grammar_text(spec)

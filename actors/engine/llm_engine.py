@@ -158,8 +158,9 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, self.config.block_size,
                           self.tokenizer)
         if params.structured_outputs is not None:
-            for seq in request.seqs:
-                seq.matcher = self.grammars.matcher(params.structured_outputs)
+            matchers = self.grammars.matchers(params.structured_outputs, len(request.seqs))
+            for seq, matcher in zip(request.seqs, matchers):
+                seq.matcher = matcher
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
 

@@ -139,18 +139,13 @@ class ModelRunner:
     def _result(self, scheduled: list[ScheduledRequest], step: StepInputs,
                 logits: torch.Tensor, masks: dict[int, object]) -> StepResult:
         result = StepResult.empty(len(scheduled))
-        picks = [i for i, item in enumerate(scheduled) if item.samples]
-        if picks:
-            rows = [step.logits_rows[i][0] + step.logits_rows[i][1] - 1 for i in picks]
-            states = [scheduled[i].state for i in picks]
-            sampled = self.sampler(logits[rows], states,
-                                   masks=[masks.get(s.seq_id) for s in states])
-            for k, i in enumerate(picks):
-                result.token_ids[i] = sampled.token_ids[k]
-                result.logprobs[i] = sampled.logprobs[k]
-                result.top_logprobs[i] = sampled.top_logprobs[k]
-                result.kept_mass[i] = sampled.kept_mass[k]
-                scheduled[i].state.last_sampled = sampled.token_ids[k]
+        picks, sampled = self._draw(scheduled, step, logits, masks)
+        for k, i in enumerate(picks):
+            result.token_ids[i] = sampled.token_ids[k]
+            result.logprobs[i] = sampled.logprobs[k]
+            result.top_logprobs[i] = sampled.top_logprobs[k]
+            result.kept_mass[i] = sampled.kept_mass[k]
+            scheduled[i].state.last_sampled = sampled.token_ids[k]
         for i, item in enumerate(scheduled):
             result.prompt_logprobs[i] = self._prompt_logprobs(item, step.logits_rows[i], logits)
         self._routed_experts(scheduled, result)
@@ -159,14 +154,21 @@ class ModelRunner:
     def _draw_only(self, scheduled: list[ScheduledRequest], step: StepInputs,
                    logits: torch.Tensor, masks: dict[int, object]) -> None:
         """A rank that does not report: draw the same tokens as rank 0, to fill placeholders."""
+        picks, drawn = self._draw(scheduled, step, logits, masks, tokens_only=True)
+        for k, i in enumerate(picks):
+            scheduled[i].state.last_sampled = drawn.token_ids[k]
+
+    def _draw(self, scheduled: list[ScheduledRequest], step: StepInputs, logits: torch.Tensor,
+              masks: dict[int, object], tokens_only: bool = False):
+        """Sample the rows whose chunk reaches the end of its sequence: (their indices in
+        `scheduled`, the SampleResult), or ([], None) when none does."""
         picks = [i for i, item in enumerate(scheduled) if item.samples]
-        if picks:
-            rows = [step.logits_rows[i][0] + step.logits_rows[i][1] - 1 for i in picks]
-            states = [scheduled[i].state for i in picks]
-            drawn = self.sampler(logits[rows], states, tokens_only=True,
-                                 masks=[masks.get(s.seq_id) for s in states])
-            for state, token in zip(states, drawn.token_ids):
-                state.last_sampled = token
+        if not picks:
+            return picks, None
+        rows = [step.logits_rows[i][0] + step.logits_rows[i][1] - 1 for i in picks]
+        states = [scheduled[i].state for i in picks]
+        return picks, self.sampler(logits[rows], states, tokens_only=tokens_only,
+                                   masks=[masks.get(s.seq_id) for s in states])
 
     def _prompt_logprobs(self, item: ScheduledRequest, rows: tuple[int, int],
                          logits: torch.Tensor) -> list[dict[int, float]]:
