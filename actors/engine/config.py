@@ -10,6 +10,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTOR_BACKENDS = ("uni", "ray")
 
 
+def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then steps of 8 up to max_num_seqs (vLLM's ladder)."""
+    return tuple(n for n in (1, 2, 4, *range(8, max_num_seqs + 8, 8)) if n <= max_num_seqs)
+
+
 @strict_fields
 @dataclass(frozen=True)
 class EngineConfig:
@@ -44,6 +49,13 @@ class EngineConfig:
     # plan step N+1 while step N runs (vLLM's --async-scheduling); outputs are the same as
     # serial ones (tests/unit/test_async_*.py), so it is on by default
     async_scheduling: bool = True
+    # decode batches replayed from graphs captured at start-up (vLLM's names). None: graphs
+    # where they capture (CUDA), eager on the CPU; False on the CPU runs the same graph runner
+    # with an eager "replay" over its padded static buffers (its logic, tested without a GPU)
+    enforce_eager: bool | None = None
+    # batch sizes captured; a decode batch is padded to the next one. None: 1, 2, 4, 8, then
+    # steps of 8 up to max_num_seqs (and max_num_seqs itself), see `capture_sizes`
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "dtype", "device", "attention_backend"):
@@ -71,6 +83,26 @@ class EngineConfig:
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("EngineConfig.kv_cache_memory_gb must be > 0")
         self._check_executor()
+        self._check_graphs()
+
+    def _check_graphs(self) -> None:
+        if self.enforce_eager is not None:
+            check_type("EngineConfig", "enforce_eager", self.enforce_eager, bool)
+        sizes = self.cudagraph_capture_sizes
+        if sizes is None:
+            return
+        if not isinstance(sizes, (tuple, list)) or not sizes or any(
+                isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+            raise ValueError("EngineConfig.cudagraph_capture_sizes must be a non-empty list of "
+                             f"batch sizes >= 1, got {sizes!r}")
+        object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
+
+    @property
+    def capture_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes to capture: the configured ones up to max_num_seqs, or the
+        default ladder; max_num_seqs itself is always one, so every decode batch fits."""
+        ladder = self.cudagraph_capture_sizes or default_capture_sizes(self.max_num_seqs)
+        return tuple(sorted({n for n in ladder if n < self.max_num_seqs} | {self.max_num_seqs}))
 
     def _check_executor(self) -> None:
         if self.shard_resources is not None:

@@ -249,6 +249,7 @@ class LLMEngine:
         outputs = self.post.apply(step.scheduled, result)
         step.timer.mark("postprocess")
         self.stats.step_times.add(step.timer, result.timings)
+        self.stats.graph_replays += result.graph_replayed
         return outputs
 
     # --- statistics ---------------------------------------------------------------------------

@@ -44,10 +44,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     eos = _eos_token_ids(hf_config, tokenizer, model_dir)
     max_len = config.max_model_len or getattr(hf_config, "max_position_embeddings", 4096)
+    config = dataclasses.replace(config, max_model_len=max_len)
     executor = create_executor(runner_config(config, model_dir, eos), config.executor_backend,
                                config.shard_resources)
     info = executor.info
-    config = dataclasses.replace(config, max_model_len=max_len, num_kv_blocks=info.num_kv_blocks)
+    config = dataclasses.replace(config, num_kv_blocks=info.num_kv_blocks)
     return EngineParts(
         config=config,
         tokenizer=tokenizer,
@@ -69,7 +70,9 @@ def runner_config(config: EngineConfig, model_dir: str, eos: list[int]) -> Runne
         enable_return_routed_experts=config.enable_return_routed_experts, seed=config.seed,
         attention_backend=config.attention_backend,
         tensor_parallel_size=config.tensor_parallel_size, eos_token_ids=tuple(eos),
-        sample_on_every_rank=config.async_scheduling and config.tensor_parallel_size > 1)
+        sample_on_every_rank=config.async_scheduling and config.tensor_parallel_size > 1,
+        enforce_eager=config.enforce_eager, cudagraph_capture_sizes=config.capture_sizes,
+        max_model_len=config.max_model_len)
 
 
 def _eos_token_ids(hf_config, tokenizer, model_dir: str) -> list[int]:

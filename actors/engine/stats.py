@@ -91,6 +91,7 @@ class EngineStats:
     def __init__(self):
         self.step_times = StepTimes()
         self.steps_planned_ahead = 0  # launched while the step before was in flight (async)
+        self.graph_replays = 0  # decode steps replayed from a captured graph (eager on CPU)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: Counter[str] = Counter()
@@ -139,6 +140,7 @@ class EngineStats:
             "counters": {
                 "steps": self.step_times.steps,
                 "steps_planned_ahead": self.steps_planned_ahead,
+                "graph_replays": self.graph_replays,
                 "prompt_tokens": self.prompt_tokens,
                 "generation_tokens": self.generation_tokens,
                 "num_preemptions": scheduler.num_preemptions,

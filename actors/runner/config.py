@@ -30,6 +30,10 @@ class RunnerConfig:
     # fills the next plan's placeholders with what it drew (identical logits and counter-based
     # random words make the draws identical on every rank)
     sample_on_every_rank: bool = False
+    # decode batches through the graph runner (see graph_runner.py): None = on CUDA only
+    enforce_eager: bool | None = None
+    cudagraph_capture_sizes: tuple[int, ...] = (1,)
+    max_model_len: int = 2048  # the longest context a captured graph's block tables hold
 
 
 @dataclass(frozen=True)

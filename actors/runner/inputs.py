@@ -29,10 +29,9 @@ class StepInputs:
 
 
 class InputPreparer:
-    def __init__(self, block_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, block_size: int, device: torch.device):
         self.block_size = block_size
         self.device = device
-        self.dtype = dtype
 
     def prepare(self, scheduled: list[ScheduledRequest], num_prefills: int) -> StepInputs:
         ids: list[int] = []
@@ -49,7 +48,7 @@ class InputPreparer:
             logits_idx.extend(rows)
         slices = [SeqSlice(i.num_new, i.context_len, i.state.block_ids) for i in scheduled]
         attn = build_metadata(slices[:num_prefills], slices[num_prefills:], self.block_size,
-                              self.device, self.dtype)
+                              self.device)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return StepInputs(as_tensor(ids), as_tensor(positions), attn, as_tensor(logits_idx),
                           logits_rows)

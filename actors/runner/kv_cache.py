@@ -14,6 +14,9 @@ class KVCache:
     For MoE models with routing capture, `routing[slot]` holds the experts that the token in that
     slot was routed to ([num_moe_layers, top_k]), so a prefix-cache hit returns the routing of
     the computation that filled the block.
+
+    One block more than `num_blocks` is allocated: the scratch block, never handed out, where
+    the padding rows of a graph-replayed batch write their K/V and read their context.
     """
 
     def __init__(self, num_blocks: int, block_size: int, layers, routing: torch.Tensor | None,
@@ -21,7 +24,8 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.routing = routing
-        num_slots = num_blocks * block_size
+        self.scratch_block = num_blocks
+        num_slots = (num_blocks + 1) * block_size
         for layer in layers:
             shape = (num_slots, layer.num_kv_heads, layer.head_dim)
             # zeros, not empty: padded gathers read unused slots and 0 * nan would poison outputs
@@ -38,9 +42,13 @@ class KVCache:
             1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
         routing = None
         if config.enable_return_routed_experts:
-            shape = (num_blocks * config.block_size, model.num_moe_layers, model.moe_top_k)
+            shape = ((num_blocks + 1) * config.block_size, model.num_moe_layers, model.moe_top_k)
             routing = torch.zeros(shape, dtype=torch.int32, device=device)
         return cls(num_blocks, config.block_size, layers, routing, dtype, device)
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.scratch_block * self.block_size
 
     def store_routing(self, slot_mapping: torch.Tensor, routed: torch.Tensor) -> None:
         """Record a step's routing on the device (no host sync inside the step)."""

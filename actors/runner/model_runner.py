@@ -23,6 +23,7 @@ from actors.models.packing import repack_changed
 from actors.models.weights import Payload, decode_bucket, torch_dtype
 from actors.runner.config import RunnerConfig, RunnerInfo
 from actors.runner.faults import Faults
+from actors.runner.graph_runner import GraphRunner
 from actors.runner.inputs import InputPreparer, StepInputs
 from actors.runner.kv_cache import KVCache
 from actors.runner.plan import StepPlan, StepResult
@@ -46,12 +47,25 @@ class ModelRunner:
         for layer in layers:
             layer.backend = backend
         self.kv = KVCache.allocate(config, layers, model, self.dtype, self.device)
-        self.inputs = InputPreparer(config.block_size, self.device, self.dtype)
+        self.inputs = InputPreparer(config.block_size, self.device)
+        self.graphs = self._graph_runner(config)
         self.sampler = Sampler(hf_config.vocab_size, list(config.eos_token_ids), self.device,
                                config.seed)
         self.requests = RequestTable()
         self.faults = Faults()
         self.vocab_size = hf_config.vocab_size
+
+    def _graph_runner(self, config: RunnerConfig) -> GraphRunner | None:
+        eager = config.enforce_eager
+        if eager is None:
+            eager = self.device.type != "cuda"
+        if eager:
+            return None
+        graphs = GraphRunner(self.model, self.kv, config.cudagraph_capture_sizes,
+                             config.max_model_len, self.device)
+        if self.device.type == "cuda":
+            graphs.capture()
+        return graphs
 
     @property
     def samples(self) -> bool:
@@ -84,10 +98,10 @@ class ModelRunner:
                                                   if item is not None))
         prepared = time.perf_counter()
         self.faults.check("forward")
-        hidden, routed = self.model(step.input_ids, step.positions, step.attn)
+        replayed = self.graphs is not None and self.graphs.fits(step)
+        logits, routed = self.graphs.run(step) if replayed else self._forward(step)
         if routed is not None:
             self.kv.store_routing(step.attn.slot_mapping, routed)
-        logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
         computed = time.perf_counter()
         masks = dict(plan.token_masks)
         result = self._result(scheduled, step, logits, masks) if self.samples else None
@@ -100,10 +114,16 @@ class ModelRunner:
             result = result.spread([i for i, item in enumerate(entries) if item is not None],
                                    len(entries))
         finished = time.perf_counter()
+        result.graph_replayed = replayed
         result.timings = {"started_at": start, "prepare": prepared - start,
                           "forward": computed - prepared, "sample": finished - computed,
                           "collectives": self.tp.clock.take(), "finished_at": finished}
         return result
+
+    def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Eager: (logits [rows, vocab] of the rows that need them, routed [T, ...] or None)."""
+        hidden, routed = self.model(step.input_ids, step.positions, step.attn)
+        return self.model.compute_logits(hidden.index_select(0, step.logits_indices)), routed
 
     def arm_fault(self, stage: str, times: int = 1) -> None:
         """Test hook: make the next `times` steps raise at `stage` ("prepare", "forward")."""

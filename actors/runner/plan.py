@@ -132,6 +132,7 @@ class StepResult:
     # seconds spent in prepare / forward / sample, and perf_counter stamps: started_at and
     # finished_at by the runner, sent_at and received_at by the executor
     timings: dict[str, float] = field(default_factory=dict)
+    graph_replayed: bool = False  # the forward replayed a captured (or, on CPU, eager) graph
 
     @classmethod
     def empty(cls, size: int) -> StepResult:
@@ -146,5 +147,5 @@ class StepResult:
             column = getattr(out, name)
             for row, value in zip(rows, getattr(self, name)):
                 column[row] = value
-        out.timings = self.timings
+        out.timings, out.graph_replayed = self.timings, self.graph_replayed
         return out

@@ -6,13 +6,13 @@ and runs everywhere.
 
 from __future__ import annotations
 
-from kernels.attention.metadata import AttentionMetadata, PaddedBatch
+from kernels.attention.metadata import AttentionMetadata, SeqSlice
 from kernels.attention.registry import AttentionBackend, available_backends, get_backend
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
-    "PaddedBatch",
+    "SeqSlice",
     "available_backends",
     "get_backend",
 ]

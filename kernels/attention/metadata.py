@@ -3,44 +3,54 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 
-@dataclass
-class PaddedBatch:
-    """A group of sequences laid out padded, so one batched attention call covers them all.
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence's part of a step: `num_new` tokens ending at context length `context_len`."""
 
-    The step's flat tokens `[start, start + num_tokens)` belong to this group, sequence after
-    sequence; `flat_index` scatters them into the padded `[batch, max_q]` query grid.
-    """
-
-    start: int  # first flat token of the group
-    num_tokens: int
-    max_q: int  # longest query (1 for decode)
-    flat_index: torch.Tensor | None  # [num_tokens] int64 into batch * max_q; None when max_q == 1
-    gather_slots: torch.Tensor  # [batch, max_ctx] int64 KV slots of every context position (0 pad)
-    # [batch, 1, max_q, max_ctx] additive, in the model's dtype: 0 where a query may attend,
-    # -inf elsewhere (a float mask saves every layer a bool -> float conversion)
-    mask: torch.Tensor
-    # every sequence starts at position 0 (no cached context): plain causal attention over the
-    # step's own K/V, with no mask and no gather from the cache
-    fresh: bool = False
-
-    @property
-    def batch(self) -> int:
-        return self.gather_slots.shape[0]
+    num_new: int
+    context_len: int  # tokens in the KV cache after this step (cached + new)
+    block_table: list[int]
 
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs for one step; tokens are flat, prefill chunks before decodes."""
+    """Everything attention needs for one step, in the flat layout kernels read.
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64: the KV slot each new token is written to
-    # consecutive runs of the flat tokens, each attended in one padded call: the prefills, then
-    # the decodes (split by context length so short contexts are not padded to the longest)
-    groups: list[PaddedBatch]
+    Sequences are prefill chunks first (any number of new tokens, after any cached context),
+    then decodes (one new token each). Query j of sequence i sits at position
+    `seq_lens[i] - q_len_i + j` and attends positions 0 .. that one, read from the paged cache
+    (the backend stores the step's K/V first). No masks: kernels derive them from the lengths,
+    so decode metadata has the same shapes every step and can live in a captured graph.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: the KV slot each new token is written to
+    query_start_loc: torch.Tensor  # [B + 1] int32: sequence i's tokens are [qsl[i], qsl[i+1])
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, W] int32: blocks of each sequence, padded with 0
+    num_prefills: int  # sequences [0, num_prefills) are prefill chunks, the rest decodes
+    num_prefill_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int  # slots per KV block: slot = block * block_size + offset
+    # the host-side facts behind the tensors, for backends that plan on the host (the torch
+    # reference's prefill path); None for a decode batch replayed from a graph's buffers
+    seqs: list[SeqSlice] | None = None
+    # a backend's own per-step data (`AttentionBackend.plan`), shared by every layer
+    plan: Any = None
 
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_seqs - self.num_prefills

@@ -34,8 +34,25 @@ def _torch_backend() -> AttentionBackend:
     return TorchAttention()
 
 
-# name -> (is_available, factory)
+def _triton_backend() -> AttentionBackend:
+    from kernels.attention.triton_backend import TritonAttention
+
+    return TritonAttention()
+
+
+def _has_triton(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# name -> (is_available, factory), in order of preference for "auto"
 _BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], AttentionBackend]]] = {
+    "triton": (_has_triton, _triton_backend),
     "torch": (lambda device: True, _torch_backend),
 }
 

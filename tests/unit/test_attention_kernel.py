@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.attention import get_backend
-from kernels.attention.builder import SeqSlice, build_metadata, split_by_length
+from kernels.attention.builder import SeqSlice, build_metadata
 from kernels.attention.torch_ref import TorchAttention
 
 torch.set_num_threads(1)
@@ -80,7 +80,7 @@ def run_backend(prefills, decodes, block_size: int, seed: int = 0,
     k = torch.cat([s.k[s.context_len - s.num_new:] for s in seqs])
     v = torch.cat([s.v[s.context_len - s.num_new:] for s in seqs])
     slices = [SeqSlice(s.num_new, s.context_len, s.block_table) for s in seqs]
-    meta = build_metadata(slices[:len(prefills)], slices[len(prefills):], block_size, "cpu", dtype)
+    meta = build_metadata(slices[:len(prefills)], slices[len(prefills):], block_size)
     out = TorchAttention().forward(q, k, v, k_cache, v_cache, meta, SCALE)
     return seqs, out, k_cache, v_cache
 
@@ -91,7 +91,7 @@ CASES = {
     "single_token_chunk": ([(1, 6)], []),
     "decodes": ([], [(1, 1), (1, 9), (1, 16), (1, 33)]),
     "mixed": ([(7, 7), (5, 21), (2, 4)], [(1, 3), (1, 20), (1, 17)]),
-    # short and long contexts: the decodes are attended in two groups
+    # short and long contexts in one decode batch: the short ones are masked past their end
     "split_decodes": ([(3, 9)], [(1, 2 + i) for i in range(10)]
                       + [(1, 60 + 3 * i) for i in range(10)]),
 }
@@ -143,10 +143,3 @@ def test_registry_returns_the_torch_reference():
     assert get_backend("torch", "cpu").name == "torch"
     with pytest.raises(ValueError, match="attention_backend"):
         get_backend("no-such-backend", "cpu")
-
-
-def test_decodes_of_very_different_lengths_split_into_groups():
-    short, long = [SeqSlice(1, 4 + i, [i]) for i in range(10)], [SeqSlice(1, 300, [0] * 19)] * 10
-    assert [len(g) for g in split_by_length(short + long)] == [10, 10]
-    assert [len(g) for g in split_by_length(long + long)] == [20]  # nothing to gain
-    assert [len(g) for g in split_by_length(short[:5] + long[:5])] == [10]  # too few to split

@@ -157,3 +157,22 @@ def test_keys_never_show_in_a_printed_config():
     config = ClusterConfig(api_keys=("sk-user-secret-1",), admin_api_key="sk-admin-secret-2")
     for text in (repr(config), str(config), f"{config}"):
         assert "secret" not in text
+
+
+def test_dtype_and_graph_options_from_flags_and_yaml(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("engine:\n  dtype: float32\n  cudagraph_capture_sizes: [8, 1, 4]\n")
+    argv = ["serve", "--config", str(path), "--dtype", "bfloat16", "--enforce-eager"]
+    flags = config_from_args(build_parser(argv).parse_args(argv))
+    assert flags.engine["dtype"] == "bfloat16"  # the flag wins over the YAML
+    engine = flags.engine_config("/models/a")
+    assert engine.enforce_eager is True
+    assert engine.cudagraph_capture_sizes == (1, 4, 8)  # sorted, as a tuple
+    argv = ["serve", "--config", str(path)]
+    assert config_from_args(build_parser(argv).parse_args(argv)).engine_config(
+        "/m").enforce_eager is None  # graphs where they capture
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+        ClusterConfig.from_dict({"engine": {"cudagraph_capture_sizes": [0, 8]}})
+    with pytest.raises(SystemExit):
+        argv = ["serve", "--dtype", "float64"]
+        build_parser(argv).parse_args(argv)

@@ -37,6 +37,18 @@ def test_weight_update_refreshes_packed_copies(tiny_llama_dir, tmp_path):
     torch.testing.assert_close(_logits(model), _logits(fresh), atol=1e-5, rtol=0)
 
 
-def test_bfloat16_weights_are_not_packed(tiny_llama_dir):
-    model, _, _ = load_model(tiny_llama_dir, "bfloat16")
+def test_bfloat16_packed_model_matches_unpacked(tiny_qwen3_dir):
+    packed, _, _ = load_model(tiny_qwen3_dir, "bfloat16")
+    plain, _, _ = load_model(tiny_qwen3_dir, "bfloat16", pack_weights=False)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN: nothing is packed")
+    assert packed.lm_head.packed is not None and plain.lm_head.packed is None
+    assert packed.lm_head.packed.dtype == torch.bfloat16
+    # both accumulate in float32 and round each linear's output to bfloat16; a rounding that
+    # differs by one bf16 ulp (2**-8 relative) in one layer moves the logits by about that much
+    torch.testing.assert_close(_logits(packed), _logits(plain), atol=3e-2, rtol=1e-2)
+
+
+def test_float16_weights_are_not_packed(tiny_llama_dir):
+    model, _, _ = load_model(tiny_llama_dir, "float16")
     assert pack_linear_weights(model) == 0 and model.lm_head.packed is None

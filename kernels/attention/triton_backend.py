@@ -1,0 +1,33 @@
+"""The GPU attention backend: the Triton kernels of triton_kernels.py behind the backend API.
+
+Everything is launched from the metadata's tensors and host ints, with no host sync, so a
+decode step captures in a CUDA graph (the split count follows `meta.max_seq_len`, which a
+graph's metadata fixes at the model's maximum).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import triton_kernels as tk
+from kernels.attention.metadata import AttentionMetadata
+
+
+class TritonAttention:
+    name = "triton"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        split, first = meta.num_prefill_tokens, meta.num_prefills
+        if meta.num_prefills:
+            tk.prefill_attention(
+                q[:split], k_cache, v_cache, meta.block_tables[:first], meta.seq_lens[:first],
+                meta.query_start_loc[:first + 1], meta.max_query_len, scale, meta.block_size,
+                out[:split])
+        if meta.num_decodes:
+            splits = tk.pick_num_splits(meta.num_decodes, k_cache.shape[1], meta.max_seq_len)
+            tk.decode_attention(
+                q[split:], k_cache, v_cache, meta.block_tables[first:], meta.seq_lens[first:],
+                scale, meta.block_size, out[split:], num_splits=splits)
+        return out
