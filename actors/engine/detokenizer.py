@@ -48,7 +48,7 @@ class StopChecker:
                 return None
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return self._finish(seq, "length", None)
-        if len(seq) >= self.max_model_len:
+        if len(seq.token_ids) >= self.max_model_len:  # known tokens: pending ones may follow
             return self._finish(seq, "length", None)
         return None
 

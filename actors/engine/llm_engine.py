@@ -50,7 +50,7 @@ class LLMEngine:
         self.planner = StepPlanner()
         self.block_manager = parts.block_manager
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, config.max_model_len)
         self.stop_checker = parts.stop_checker
         self.validator = RequestValidator(parts)
         self.grammars = parts.grammars

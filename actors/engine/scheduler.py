@@ -55,8 +55,10 @@ class Scheduler:
     sequence is preempted by recompute and goes back to the head of the queue.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None):
         self.blocks = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -84,7 +86,7 @@ class Scheduler:
         waiting_on_last: list[Sequence] = []
         while queue and budget > 0:
             seq = queue.pop(0)
-            if seq.will_finish:  # its last token is in flight: nothing more to compute
+            if seq.will_finish(self.max_model_len):  # its last token is in flight
                 waiting_on_last.append(seq)
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)

@@ -93,12 +93,15 @@ class Sequence:
     def block_tokens(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
-    @property
-    def will_finish(self) -> bool:
-        """Its pending tokens reach max_tokens: no step after theirs can add to it."""
+    def will_finish(self, max_model_len: int | None = None) -> bool:
+        """Its pending tokens reach max_tokens or the context limit: no step after theirs can
+        add to it."""
+        if self.num_pending == 0:
+            return False
+        if max_model_len is not None and len(self) >= max_model_len:
+            return True
         max_tokens = self.params.max_tokens
-        return (self.num_pending > 0 and max_tokens is not None
-                and self.num_output_tokens + self.num_pending >= max_tokens)
+        return max_tokens is not None and self.num_output_tokens + self.num_pending >= max_tokens
 
     def append_token(self, token_id: int, logprob: float | None,
                      top: dict[int, float] | None, weight_version: int = 0,

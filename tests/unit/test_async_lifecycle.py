@@ -122,3 +122,17 @@ def test_drain_collects_the_step_in_flight_and_plans_nothing(tiny_llama_dir, pro
         assert_same(finals, reference)
     finally:
         engine.shutdown()
+
+
+def test_context_limit_ends_requests_like_serial(tiny_llama_dir, prompts):
+    """Requests that reach max_model_len (some exactly at their max_tokens, some with no
+    max_tokens at all) get every token the serial engine gives them, and no more."""
+    limit = 100
+    params = [greedy(limit - len(p)) if i % 3 == 0 else greedy(None) if i % 3 == 1
+              else seeded(i, limit - len(p) + 5) for i, p in enumerate(prompts)]
+    serial, ahead = run_both(tiny_llama_dir, lambda e: drive(e, all_at_once(prompts, params)),
+                             max_model_len=limit)
+    assert_same(ahead, serial)
+    for rid, out in serial.items():
+        assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == limit, rid
+        assert out.outputs[0].finish_reason == "length", rid
