@@ -10,6 +10,8 @@ import sys
 # imported only when that bench is run.
 BENCHES = {
     "throughput": ("cluster.bench.throughput", "offline engine vs transformers generate"),
+    "decode": ("cluster.bench.decode", "decode tok/s: CUDA graphs vs eager vs transformers "
+                                       "generate, by batch size"),
     "consolidation": ("cluster.bench.consolidation", "consolidation actor parallelism"),
     "sessions": ("cluster.bench.sessions", "session registry memory with blob dropping on/off"),
     "serve": ("cluster.bench.serve", "HTTP endpoint vs the offline engine and transformers serve"),

@@ -1,5 +1,6 @@
 """`raylane bench throughput`: the offline engine, serial and with async scheduling, at several
-batch sizes (max_num_seqs), against transformers' static-batch generate."""
+batch sizes (max_num_seqs) and dtypes, against transformers' static-batch generate in the same
+dtype."""
 
 from __future__ import annotations
 
@@ -7,6 +8,16 @@ import argparse
 import random
 import time
 from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    dtype: str
+    seconds: float
+    engine: bool = True  # False: the transformers reference
 
 
 @dataclass(frozen=True)
@@ -33,12 +44,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "scheduling (default 32: the whole default workload at once)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed passes per mode after a warm pass (the best is reported)")
+    parser.add_argument("--dtype", action="append", type=_dtype_list, metavar="DTYPE[,DTYPE]",
+                        help=f"{' or '.join(DTYPES)}, repeatable or a comma list (default "
+                             "float32); the engine and the transformers reference run in each")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers "
                                                                "reference")
     parser.add_argument("--json-schema", metavar="FILE",
                         help="instead: tok/s with every request constrained to this JSON schema "
-                             "vs unconstrained, at the first --batch-sizes value (e.g. "
+                             "vs unconstrained, at the first --batch-sizes value, float32 (e.g. "
                              "cluster/examples/bench_schema.json)")
+
+
+def _dtype_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in DTYPES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad) or repr(text)} is not one of "
+                                         f"{', '.join(DTYPES)}")
+    return names
+
+
+def chosen_dtypes(args: argparse.Namespace) -> list[str]:
+    """The --dtype values in order, each once; float32 when none was given."""
+    return list(dict.fromkeys(d for group in args.dtype or [["float32"]] for d in group))
 
 
 def make_workload(num: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
@@ -52,13 +80,13 @@ def make_workload(num: int, prompt_len: tuple[int, int], output_len: tuple[int, 
 
 def run_engines(model_dir: str, work: Workload, max_batched: int, max_num_seqs: int,
                 modes: tuple[bool, ...], repeats: int = 1, warm: bool = True,
-                ) -> list[dict[bool, float]]:
+                dtype: str = "float32") -> list[dict[bool, float]]:
     """Seconds per timed pass, one engine per async_scheduling mode, the modes alternating
     pass by pass so drift on a shared machine hits them alike. `warm`: a whole untimed pass
     first (the first pass pays one-time costs per new batch shape, up to 40% of it)."""
     from actors.engine import EngineConfig, LLMEngine, SamplingParams
 
-    engines = {on: LLMEngine(EngineConfig(model=model_dir, dtype="float32",
+    engines = {on: LLMEngine(EngineConfig(model=model_dir, dtype=dtype,
                                           max_num_seqs=max_num_seqs,
                                           max_num_batched_tokens=max_batched,
                                           async_scheduling=on)) for on in modes}
@@ -87,11 +115,11 @@ def _timed_pass(engine, work: Workload, params) -> float:
     return elapsed
 
 
-def run_hf(model_dir: str, work: Workload) -> float:
+def run_hf(model_dir: str, work: Workload, dtype: str = "float32") -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     longest = max(len(p) for p in work.prompts)
     pad = model.config.pad_token_id or 0
     ids = torch.tensor([[pad] * (longest - len(p)) + p for p in work.prompts])
@@ -118,7 +146,10 @@ def run(args: argparse.Namespace) -> int:
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab,
                          args.seed)
+    dtypes = chosen_dtypes(args)
     if args.json_schema:
+        if dtypes != ["float32"]:
+            raise SystemExit("--json-schema runs in float32; drop --dtype")
         from cluster.bench.structured import print_schema_table, run_schema
 
         size = int(args.batch_sizes.split(",")[0])
@@ -127,32 +158,59 @@ def run(args: argparse.Namespace) -> int:
                            args.json_schema, size)
         return 0
     rows = []
-    for size in (int(x) for x in args.batch_sizes.split(",")):
-        passes = run_engines(model_dir, work, args.max_num_batched_tokens, size, (False, True),
-                             args.repeats)
-        for mode, on in (("serial", False), ("async scheduling", True)):
-            rows.append((f"raylane, max_num_seqs={size}, {mode}", min(p[on] for p in passes)))
-    if not args.skip_hf:
-        rows.append(("transformers generate (static batch)", run_hf(model_dir, work)))
+    for dtype in dtypes:
+        rows += engine_rows(args, model_dir, work, dtype)
+        if not args.skip_hf:
+            rows.append(Row("transformers generate (static batch)", dtype,
+                            run_hf(model_dir, work, dtype), engine=False))
     print_table(work, rows, torch.get_num_threads())
     return 0
 
 
-def print_table(work: Workload, rows: list[tuple[str, float]], threads: int) -> None:
+def engine_rows(args: argparse.Namespace, model_dir: str, work: Workload, dtype: str,
+                ) -> list[Row]:
+    rows = []
+    for size in (int(x) for x in args.batch_sizes.split(",")):
+        passes = run_engines(model_dir, work, args.max_num_batched_tokens, size, (False, True),
+                             args.repeats, dtype=dtype)
+        for mode, on in (("serial", False), ("async scheduling", True)):
+            rows.append(Row(f"raylane, max_num_seqs={size}, {mode}", dtype,
+                            min(p[on] for p in passes)))
+    return rows
+
+
+def print_table(work: Workload, rows: list[Row], threads: int) -> None:
+    dtypes = list(dict.fromkeys(r.dtype for r in rows))
     print(f"\nworkload: {len(work.prompts)} requests, prompt tokens "
           f"{sum(map(len, work.prompts))}, useful output tokens {work.useful_tokens}, greedy, "
-          f"ignore_eos, float32, {threads} torch threads")
-    print(f"| {'system':<42} | {'seconds':>8} | {'useful tok/s':>12} | {'ratio':>6} |")
-    print(f"|{'-' * 44}|{'-' * 10}|{'-' * 14}|{'-' * 8}|")
-    ref = rows[-1][1]
-    for name, secs in rows:
-        print(f"| {name:<42} | {secs:>8.2f} | {work.useful_tokens / secs:>12.1f} | "
-              f"{ref / secs:>5.2f}x |")
-    print("(ratio: against the last row)")
-    serial = {name.removesuffix(", serial"): secs for name, secs in rows if
-              name.endswith(", serial")}
-    for name, secs in rows:
-        base = serial.get(name.removesuffix(", async scheduling"))
-        if name.endswith(", async scheduling") and base:
-            print(f"{name.removesuffix(', async scheduling')}: async / serial throughput "
-                  f"{base / secs:.3f}x")
+          f"ignore_eos, {', '.join(dtypes)}, {threads} torch threads")
+    print(f"| {'system':<42} | {'dtype':<8} | {'seconds':>8} | {'useful tok/s':>12} | "
+          f"{'ratio':>6} |")
+    print(f"|{'-' * 44}|{'-' * 10}|{'-' * 10}|{'-' * 14}|{'-' * 8}|")
+    refs = reference_seconds(rows)
+    for r in rows:
+        print(f"| {r.name:<42} | {r.dtype:<8} | {r.seconds:>8.2f} | "
+              f"{work.useful_tokens / r.seconds:>12.1f} | {refs[r.dtype] / r.seconds:>5.2f}x |")
+    if any(not r.engine for r in rows):
+        print("(ratio: against transformers generate in the same dtype)")
+    else:
+        print(f"(ratio: against the last {dtypes[0]} row)")
+    for r in rows:
+        base = next((b for b in rows if b.dtype == r.dtype and b.name ==
+                     r.name.replace(", async scheduling", ", serial")), None)
+        if r.name.endswith(", async scheduling") and base:
+            print(f"{r.name.removesuffix(', async scheduling')}, {r.dtype}: async / serial "
+                  f"throughput {base.seconds / r.seconds:.3f}x")
+    best = min((r for r in rows if r.engine), key=lambda r: r.seconds)
+    print(f"raylane's best dtype: {best.dtype}, {work.useful_tokens / best.seconds:.1f} useful "
+          f"tok/s ({best.name})")
+
+
+def reference_seconds(rows: list[Row]) -> dict[str, float]:
+    """dtype -> the seconds each row's ratio divides: transformers in that dtype, or without
+    the reference the last row of the first dtype (one scale for every dtype)."""
+    hf = {r.dtype: r.seconds for r in rows if not r.engine}
+    if hf:
+        return hf
+    first = [r for r in rows if r.dtype == rows[0].dtype]
+    return dict.fromkeys({r.dtype for r in rows}, first[-1].seconds)
