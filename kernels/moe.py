@@ -1,8 +1,12 @@
 """Mixture-of-experts: top-k routing and the expert compute, returning the chosen expert ids.
 
 Routing follows HF Qwen3-MoE / Mixtral: softmax over all experts in float32, top-k, then
-optionally renormalise the k weights to sum to one (`norm_topk_prob`). The expert compute loops
-over the experts that received tokens (never over tokens) and accumulates in expert order.
+optionally renormalise the k weights to sum to one (`norm_topk_prob`).
+
+The expert compute never reads a tensor value on the host and has no Python loop over experts,
+so decode can be captured in a CUDA graph: the (token, slot) entries are sorted by expert, each
+expert's rows are one group of a grouped matmul whose group ends are computed on the device, and
+each token sums its k results in ascending expert order, as HF's per-expert loop does.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from kernels.activation import act_and_mul
+
+_MM_ALIGN_BYTES = 16  # torch._grouped_mm: start and leading stride of each operand
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
@@ -22,6 +28,34 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
     return weights.to(router_logits.dtype), ids
 
 
+def _grouped_mm_ready(t: torch.Tensor) -> bool:
+    # torch._grouped_mm's rule: one of the two inner dims contiguous, the other's stride a
+    # multiple of 16 bytes, a 16-byte aligned start. Layout only, never values: the same
+    # answer on every call with the same shapes, so a captured graph replays the same path.
+    align = _MM_ALIGN_BYTES // t.element_size()
+    rows, cols = t.stride(-2), t.stride(-1)
+    lead = rows if cols == 1 else cols if rows == 1 else 0
+    return lead > 0 and lead % align == 0 and t.data_ptr() % _MM_ALIGN_BYTES == 0
+
+
+def _grouped_linear(a: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tensor,
+                    ends: torch.Tensor) -> torch.Tensor:
+    """a [S, in] with rows grouped by expert; w [E, out, in] -> a @ w[expert].T, [S, out].
+
+    `expert_of_row` [S] and `ends` [E] int32 (exclusive end row of each expert's group) describe
+    the same grouping; an expert with no rows is an empty group.
+    """
+    wt = w.transpose(1, 2)  # [E, in, out], column-major: leading stride `in`
+    if _grouped_mm_ready(a) and _grouped_mm_ready(wt):
+        # NOTE: on CUDA this is the device-only CUTLASS kernel for bfloat16 on sm90 / sm100;
+        # other dtypes and GPUs get ATen's per-group fallback, which copies `ends` to the host.
+        return torch._grouped_mm(a, wt, offs=ends)
+    # Strides off the 16-byte rule (tiny models with odd sizes): every row with its own
+    # expert's weight. HAZARD: gathers S weight matrices, [S, out, in]; fine for the small
+    # shapes that land here, too big for a real model's prefill.
+    return torch.bmm(w.index_select(0, expert_of_row), a.unsqueeze(2)).squeeze(2)
+
+
 def expert_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                    ids: torch.Tensor, hidden_act: str = "silu") -> torch.Tensor:
     """Weighted sum of each token's experts.
@@ -29,22 +63,32 @@ def expert_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
     weights / ids [T, k] -> [T, H].
     """
-    top_k = ids.shape[1]
-    out = torch.zeros_like(x)
-    flat_ids = ids.view(-1)  # [T * k], entry j is token j // k
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync
-    flat_weights = weights.reshape(-1)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        entries = order[start:start + count]  # [n] indexes into the flat (token, slot) grid
-        start += count
-        tokens = entries // top_k
-        h = torch.nn.functional.linear(x.index_select(0, tokens), w13[expert])  # [n, 2I]
-        h = torch.nn.functional.linear(act_and_mul(h, hidden_act), w2[expert])  # [n, H]
-        out.index_add_(0, tokens, h * flat_weights.index_select(0, entries).unsqueeze(1))
+    num_tokens = ids.shape[0]
+    # S = k * T entries, slot-major (entry j * T + t is token t's slot j), stably sorted by
+    # expert: inside an expert's group the rows come slot by slot, token by token, as in HF
+    sorted_ids, order = torch.sort(ids.t().reshape(-1), stable=True)  # [S]
+    experts = torch.arange(w13.shape[0], device=ids.device)
+    # [E] = cumsum(bincount(ids)); bincount on CUDA reads max(ids) on the host, this does not
+    ends = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
+    h = _grouped_linear(x.index_select(0, order % num_tokens), w13, sorted_ids, ends)  # [S, 2I]
+    h = _grouped_linear(act_and_mul(h, hidden_act), w2, sorted_ids, ends)  # [S, H]
+    h = h * weights.t().reshape(-1).index_select(0, order).unsqueeze(1)
+    return _sum_in_expert_order(h, ids, order)
+
+
+def _sum_in_expert_order(h: torch.Tensor, ids: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """h [S, H], row r for slot-major entry order[r] -> [T, H]: each token's k rows added onto
+    zero in ascending expert order, the order and roundings of HF's per-expert index_add_.
+    Deterministic on every device (no atomics), unlike one index_add_ with repeated tokens."""
+    num_tokens, top_k = ids.shape
+    tokens = torch.arange(num_tokens, device=ids.device).unsqueeze(1)
+    entry = ids.argsort(dim=1) * num_tokens + tokens  # [T, k]: token t's r-th smallest expert
+    row_of_entry = torch.argsort(order)  # [S], the inverse permutation
+    rows = row_of_entry.index_select(0, entry.reshape(-1))  # a gather: faster than a scatter
+    per_token = h.index_select(0, rows).view(num_tokens, top_k, h.shape[1])
+    out = per_token[:, 0]  # 0 + a == a
+    for j in range(1, top_k):  # static k
+        out = out + per_token[:, j]
     return out
 
 
