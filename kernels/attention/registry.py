@@ -40,6 +40,20 @@ def _triton_backend() -> AttentionBackend:
     return TritonAttention()
 
 
+def _cpu_backend() -> AttentionBackend:
+    from kernels.attention.cpu_backend import CpuPagedAttention
+
+    return CpuPagedAttention()
+
+
+def _has_cpu_kernel(device: torch.device) -> bool:
+    if device.type != "cpu":
+        return False
+    from kernels.attention import cpu_kernel
+
+    return cpu_kernel.is_available()  # built once per machine (about a second), then cached
+
+
 def _has_triton(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
@@ -53,6 +67,7 @@ def _has_triton(device: torch.device) -> bool:
 # name -> (is_available, factory), in order of preference for "auto"
 _BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], AttentionBackend]]] = {
     "triton": (_has_triton, _triton_backend),
+    "cpu": (_has_cpu_kernel, _cpu_backend),
     "torch": (lambda device: True, _torch_backend),
 }
 

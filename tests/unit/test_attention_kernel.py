@@ -63,7 +63,7 @@ def naive_attention(s: SeqData) -> torch.Tensor:
 
 
 def run_backend(prefills, decodes, block_size: int, seed: int = 0,
-                dtype: torch.dtype = torch.float32):
+                dtype: torch.dtype = torch.float32, backend=None):
     gen = torch.Generator().manual_seed(seed)
     seqs, num_blocks = make_seqs(prefills + decodes, block_size, gen)
     for s in seqs:  # round the data to `dtype`; the naive reference then runs on the same values
@@ -81,7 +81,7 @@ def run_backend(prefills, decodes, block_size: int, seed: int = 0,
     v = torch.cat([s.v[s.context_len - s.num_new:] for s in seqs])
     slices = [SeqSlice(s.num_new, s.context_len, s.block_table) for s in seqs]
     meta = build_metadata(slices[:len(prefills)], slices[len(prefills):], block_size)
-    out = TorchAttention().forward(q, k, v, k_cache, v_cache, meta, SCALE)
+    out = (backend or TorchAttention()).forward(q, k, v, k_cache, v_cache, meta, SCALE)
     return seqs, out, k_cache, v_cache
 
 
@@ -138,8 +138,29 @@ def test_slot_mapping_follows_the_block_table():
     assert meta.num_tokens == 4
 
 
-def test_registry_returns_the_torch_reference():
-    assert get_backend("auto", "cpu").name == "torch"
+def test_registry_prefers_the_c_kernel_on_cpu_and_knows_the_torch_reference():
+    from kernels.attention import cpu_kernel
+
+    want = "cpu" if cpu_kernel.is_available() else "torch"
+    assert get_backend("auto", "cpu").name == want
     assert get_backend("torch", "cpu").name == "torch"
     with pytest.raises(ValueError, match="attention_backend"):
         get_backend("no-such-backend", "cpu")
+    with pytest.raises(ValueError, match="not available on cpu"):
+        get_backend("triton", "cpu")  # a GPU backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_equals_the_torch_reference_on_a_step(dtype):
+    """The C kernel behind the backend API, fed the same metadata and cache as the reference."""
+    from kernels.attention import cpu_kernel
+
+    if not cpu_kernel.is_available():
+        pytest.skip("no C compiler: the CPU kernel is not built")
+    prefills, decodes = CASES["mixed"]
+    ref_seqs, ref, ref_k, _ = run_backend(prefills, decodes, 4, seed=9, dtype=dtype)
+    got_seqs, got, got_k, _ = run_backend(prefills, decodes, 4, seed=9, dtype=dtype,
+                                          backend=get_backend("cpu", "cpu"))
+    torch.testing.assert_close(got_k, ref_k, atol=0, rtol=0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: output rounding, one ulp apart
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)

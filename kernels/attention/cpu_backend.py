@@ -1,0 +1,24 @@
+"""The CPU attention backend: the C kernel of cpu_kernel.py reads K/V straight from the paged
+cache through the block table, so no layer gathers a sequence's context into a copy.
+
+It runs every row of a step, prefill chunks and decodes alike, from the metadata's tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import cpu_kernel
+from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.torch_ref import store_kv
+
+
+class CpuPagedAttention:
+    name = "cpu"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        return cpu_kernel.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                          meta.query_start_loc, scale, out,
+                                          block_size=meta.block_size)

@@ -1,0 +1,169 @@
+"""The C paged-attention kernel for the CPU: built once per machine, loaded with ctypes.
+
+The source is plain C (csrc/paged_attention.c, no torch headers), so a build takes about a
+second. The shared object is cached under `$RAYLANE_KERNEL_CACHE` (default
+`~/.cache/raylane/kernels`) in a directory named by a hash of the source, the compiler and its
+flags, and the CPU flags of this machine (`-march=native` code must not run on another CPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+# no -ffast-math: results must not depend on the compiler reassociating float math
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ERRORS = {  # return codes of raylane_paged_attention
+    1: "sizes must be positive and num_heads a multiple of num_kv_heads",
+    2: "dtype is not supported by this build (float16 needs compiler support)",
+    3: "query_start_loc must be non-decreasing, start at >= 0 and end at <= num_tokens",
+    4: "seq_lens must be >= the sequence's query count",
+    5: "block_tables must hold ceil(seq_len / block_size) block ids < num_slots // block_size",
+    6: "out of memory",
+}
+
+
+def is_available() -> bool:
+    """True when the kernel is built (or was already cached) and loads; never raises."""
+    return _library() is not None
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, *,
+                    block_size: int, num_threads: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its paged context; writes and returns out.
+
+    q, out [T, H, D] (last dim contiguous; any row and head strides, e.g. q sliced from a fused
+    qkv); k_cache, v_cache [num_slots, KVH, D] contiguous, slot = block * block_size + offset;
+    block_tables [B, W] int32; seq_lens [B] int32, context length after this step;
+    query_start_loc [B + 1] int32, sequence i owns rows [qsl[i], qsl[i + 1]). Query j of
+    sequence i sits at position seq_lens[i] - q_len + j and sees keys 0..that position, read
+    from the cache (this step's K/V must already be stored). Query head h reads KV head
+    h // (H // KVH). `block_size` is slots per block (the shapes do not tell it). Sequences
+    with no queries contribute nothing; rows of q past query_start_loc[B] are left alone.
+    Runs on `num_threads` OpenMP threads (default torch.get_num_threads()).
+
+    Raises ValueError on bad arguments, block ids and lengths included (checked in C before
+    anything is read through them), and RuntimeError when the kernel is unavailable.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU paged-attention kernel could not be built; see the log")
+    sizes = _checked_sizes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    bad_seq = ctypes.c_int(-1)
+    rc = lib.raylane_paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(), *sizes, block_size,
+        scale, _DTYPES[q.dtype], num_threads or torch.get_num_threads(), ctypes.byref(bad_seq))
+    if rc != 0:
+        where = f" (sequence {bad_seq.value})" if bad_seq.value >= 0 else ""
+        raise ValueError(f"paged_attention: {_ERRORS.get(rc, f'error {rc}')}{where}")
+    return out
+
+
+def _checked_sizes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
+                   ) -> tuple[int, ...]:
+    """The sizes and strides the C code takes, after checking everything that would make it
+    read or write out of bounds short of the int tensors' values (it checks those itself).
+
+    Each shape and stride is read once: on a ~10 us call every torch attribute access counts.
+    """
+    dtype = q.dtype
+    if dtype not in _DTYPES or not (dtype == k_cache.dtype == v_cache.dtype == out.dtype):
+        raise ValueError(f"paged_attention: q, caches and out must share a dtype in "
+                         f"{list(_DTYPES)}; got {dtype}, {k_cache.dtype}, {v_cache.dtype}, "
+                         f"{out.dtype}")
+    tensors = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    if not all(t.is_cpu for t in tensors):
+        raise ValueError("paged_attention: every tensor must be on the CPU")
+    q_shape, q_stride, out_stride, cache_shape = q.shape, q.stride(), out.stride(), k_cache.shape
+    if len(q_shape) != 3 or out.shape != q_shape or q_stride[2] != 1 or out_stride[2] != 1:
+        raise ValueError(f"paged_attention: q and out must be [T, H, D] with contiguous D; "
+                         f"got {tuple(q_shape)} and {tuple(out.shape)}")
+    if (len(cache_shape) != 3 or v_cache.shape != cache_shape or cache_shape[2] != q_shape[2]
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        raise ValueError(f"paged_attention: k_cache and v_cache must be contiguous "
+                         f"[num_slots, KVH, {q_shape[2]}]; got {tuple(cache_shape)}")
+    (batch,), table_shape, table_stride = seq_lens.shape, block_tables.shape, block_tables.stride()
+    if (block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32
+            or query_start_loc.dtype != torch.int32 or len(table_shape) != 2
+            or table_shape[0] != batch or table_stride[1] != 1
+            or not (seq_lens.is_contiguous() and query_start_loc.is_contiguous())
+            or query_start_loc.shape != (batch + 1,)):
+        raise ValueError("paged_attention: block_tables [B, W], seq_lens [B] and "
+                         "query_start_loc [B + 1] must be int32 with contiguous rows")
+    return (q_stride[0], q_stride[1], out_stride[0], out_stride[1], cache_shape[0],
+            table_stride[0], table_shape[1], batch, q_shape[0], q_shape[1], cache_shape[1],
+            q_shape[2])
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        # NOTE: torch is imported first (top of this module), so the library's libgomp.so.1
+        # resolves to the copy torch already loaded: one OpenMP thread pool, not two
+        # competing for the cores (a torch built on Intel's libiomp5 would still get two)
+        lib = ctypes.CDLL(str(_build()))
+    except Exception as e:  # is_available() must never raise: whatever broke, say so and go on
+        logger.warning("CPU paged-attention kernel unavailable: %s", e)
+        return None
+    fn = lib.raylane_paged_attention
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    # pointers (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out), then
+    # _checked_sizes(), then block_size, scale, dtype, num_threads, bad_seq
+    fn.argtypes = [ptr] * 7 + [i64] * 6 + [i32] * 6 + [i32, ctypes.c_float, i32, i32,
+                                                          ctypes.POINTER(ctypes.c_int)]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def _build() -> Path:
+    """Path of the shared object, compiling it first unless this machine already has it."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise OSError("no C compiler found (set CC)")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(_FLAGS).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    root = os.environ.get("RAYLANE_KERNEL_CACHE") or Path.home() / ".cache/raylane/kernels"
+    target = Path(root) / key / "paged_attention.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # several processes may build at once: each compiles to its own name in the same directory
+    # and renames it into place, so nobody ever loads a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed:\n{result.stderr.strip()}")
+        os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache dir needs it readable
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
