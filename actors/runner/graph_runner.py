@@ -14,6 +14,7 @@ Sampling stays outside the graph (on the host-built per-row parameters), as in v
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ import torch
 from actors.runner.inputs import StepInputs
 from actors.runner.kv_cache import KVCache
 from kernels.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,8 +74,15 @@ class GraphRunner:
                 self._forward(size, meta)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits, routed = self._forward(size, meta)
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    logits, routed = self._forward(size, meta)
+            except RuntimeError as e:  # an op that syncs with the host cannot be captured
+                # (e.g. torch._grouped_mm's fallback outside bf16 on sm90): run eager instead
+                logger.warning("CUDA graph capture failed at batch %d (%s); decode batches of "
+                               "this size and below replay eagerly", size, e)
+                torch.cuda.synchronize(self.device)
+                return
             pool = graph.pool()
             self.graphs[size] = Captured(graph, logits, routed)
 
