@@ -14,6 +14,7 @@ FAMILIES = {
     "raylane:generation_tokens": "counter", "raylane:num_preemptions": "counter",
     "raylane:prefix_cache_queries": "counter", "raylane:prefix_cache_hits": "counter",
     "raylane:steps_planned_ahead": "counter", "raylane:request_success": "counter",
+    "raylane:graph_replays": "counter",
     "raylane:time_to_first_token_seconds": "histogram",
     "raylane:inter_token_latency_seconds": "histogram",
     "raylane:e2e_request_latency_seconds": "histogram",
