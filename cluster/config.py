@@ -5,12 +5,17 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from actors.engine.config import EngineConfig
 from actors.engine.strict import check_type, strict_fields
 from session_server.tool_calls import PARSERS
 
+if TYPE_CHECKING:
+    from actors.consolidation.config import ConsolidationServiceConfig
+
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+CONSOLIDATION_DSN_ENV = "RAYLANE_CONSOLIDATION_DSN"
 
 
 @strict_fields
@@ -40,6 +45,12 @@ class ClusterConfig:
     max_n: int = 128  # samples one request may ask for (n)
     tool_call_parser: str | None = None  # "hermes" | "llama3"; None: from the chat template
     ray_address: str | None = None  # join this cluster instead of starting a local one
+    # PostgreSQL the Router writes multi-turn sessions through to, so they survive its restart
+    # (None: its memory only, a restart loses them); out of repr: it may hold a password
+    sessions_dsn: str | None = field(default=None, repr=False)
+    # the consolidation actor's section (see consolidation_config); out of repr: its dsn may
+    # hold a password
+    consolidation: dict | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("replicas", "port", "max_queue_per_replica", "max_body_bytes", "max_n"):
@@ -51,8 +62,11 @@ class ClusterConfig:
             raise ValueError(f"ClusterConfig.engine: unknown option(s) {sorted(unknown)}; "
                              f"known: {sorted(_ENGINE_FIELDS)}")
         self.engine_config(self.model or "<embedded>")  # bad values fail here, not in a replica
+        self.consolidation_config()  # and a bad consolidation section here, not in its actor
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         self._check_admin_key()
+        if self.sessions_dsn is not None:
+            check_type("ClusterConfig", "sessions_dsn", self.sessions_dsn, str)
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"ClusterConfig.tool_call_parser must be one of {list(PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
@@ -90,7 +104,8 @@ class ClusterConfig:
     def from_env(cls, base: ClusterConfig | None = None) -> ClusterConfig:
         """`base`, or else the YAML file at `RAYLANE_CONFIG` (or the defaults), with
         `RAYLANE_MODEL`, `RAYLANE_REPLICAS`, `RAYLANE_PORT`, `RAYLANE_API_KEYS` (comma
-        separated) and `RAYLANE_ADMIN_API_KEY` on top."""
+        separated), `RAYLANE_ADMIN_API_KEY`, `RAYLANE_SESSIONS_DSN` and (into a
+        `consolidation` section, when there is one) `RAYLANE_CONSOLIDATION_DSN` on top."""
         config = base or (cls.from_yaml(os.environ["RAYLANE_CONFIG"])
                           if os.environ.get("RAYLANE_CONFIG") else cls())
         updates: dict = {}
@@ -103,10 +118,26 @@ class ClusterConfig:
             updates["api_keys"] = tuple(k for k in os.environ["RAYLANE_API_KEYS"].split(",") if k)
         if os.environ.get("RAYLANE_ADMIN_API_KEY"):
             updates["admin_api_key"] = os.environ["RAYLANE_ADMIN_API_KEY"]
+        if os.environ.get("RAYLANE_SESSIONS_DSN"):
+            updates["sessions_dsn"] = os.environ["RAYLANE_SESSIONS_DSN"]
+        if os.environ.get(CONSOLIDATION_DSN_ENV) and config.consolidation is not None:
+            updates["consolidation"] = {**config.consolidation,
+                                        "dsn": os.environ[CONSOLIDATION_DSN_ENV]}
         return dataclasses.replace(config, **updates)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         return EngineConfig(model=model_dir, **self.engine)
+
+    def consolidation_config(self) -> ConsolidationServiceConfig | None:
+        """The `consolidation:` section validated, or None when there is none (no actor).
+        Without a `dsn` key the DSN comes from `RAYLANE_CONSOLIDATION_DSN`."""
+        if self.consolidation is None:
+            return None
+        # imported only when asked for: it brings asyncpg and prometheus_client
+        from actors.consolidation.config import ConsolidationServiceConfig
+
+        return ConsolidationServiceConfig.from_dict(
+            self.consolidation, default_dsn=os.environ.get(CONSOLIDATION_DSN_ENV) or None)
 
     def replica_threads(self) -> int:
         return self.torch_threads or max(1, (os.cpu_count() or 1) // self.replicas)

@@ -28,18 +28,23 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
 
 def deploy(config, model_dir: str | None = None) -> str:
-    """Deploy the application on the running Ray cluster; returns the base URL.
+    """Deploy the application on the running Ray cluster; returns the base URL. With a
+    `consolidation:` section, then start the consolidation actor against that URL.
 
-    ValueError, before anything is deployed, when no node can hold one engine replica."""
+    ValueError, before anything is deployed, when no node can hold one engine replica (and,
+    after, when the consolidation database cannot be reached)."""
     from ray import serve
 
-    from cluster.serve import build_application
+    from cluster.consolidation import start_consolidation
+    from cluster.serve import build_application, served_model_name
 
     app = build_application(config, model_dir)
     serve.start(http_options={"host": config.host, "port": config.port})
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{config.host}:{config.port}"
     wait_healthy(url, api_keys=config.api_keys)
+    # after the health check: the actor's first pass asks this endpoint at once
+    start_consolidation(config, url, served_model_name(config))
     return url
 
 
@@ -60,8 +65,13 @@ def shutdown() -> None:
     import ray
     from ray import serve
 
+    from cluster.consolidation import stop_consolidation
     from router.actor import NAMESPACE, ROUTER_NAME
 
+    try:  # first: its LLM calls go to the endpoint stopped below
+        stop_consolidation()
+    except Exception:  # nothing to stop
+        pass
     try:
         serve.shutdown()
         ray.kill(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE))

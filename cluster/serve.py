@@ -49,9 +49,8 @@ class Ingress:
         from session_server.backend import ModelInfo
 
         tokenizer, max_len, vocab, moe = _model_facts(model_dir, config)
-        info = ModelInfo(config.served_model_name or _default_name(config, model_dir), max_len,
-                         vocab)
-        router = get_or_create_router(config.max_queue_per_replica)
+        info = ModelInfo(served_model_name(config), max_len, vocab)
+        router = get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
         # the Router hosts the sessions and runs their turns on these replicas
         capture = moe and bool(config.engine.get("enable_return_routed_experts"))
         setup = SessionSetup(model_dir, replicas, return_routed_experts=capture)
@@ -59,6 +58,7 @@ class Ingress:
         self.config = config
 
     def __serve_build_asgi_app__(self):
+        from cluster.consolidation import metrics_sources
         from session_server.app import build_app
 
         return build_app(self.backend, api_keys=list(self.config.api_keys) or None,
@@ -66,7 +66,8 @@ class Ingress:
                          admin_api_key=self.config.admin_api_key,
                          request_timeout_s=self.config.request_timeout_s,
                          max_n=self.config.max_n,
-                         tool_call_parser=self.config.tool_call_parser)
+                         tool_call_parser=self.config.tool_call_parser,
+                         metrics_sources=metrics_sources(self.config))
 
 
 def build_application(config: ClusterConfig, model_dir: str | None = None):
@@ -79,7 +80,7 @@ def build_application(config: ClusterConfig, model_dir: str | None = None):
     options = engine_deployment_options(config, config.engine_config(model_dir))
     # NOTE: made here, before any replica: a replica would place the (detached) Router in its
     # own placement group, and the Router would die when Serve replaces that replica
-    get_or_create_router(config.max_queue_per_replica)
+    get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
     replicas = EngineDeployment.options(**options).bind(
         engine_options, config.replica_threads(), config.max_queue_per_replica)
     return Ingress.bind(replicas, model_dir, config)
@@ -123,7 +124,12 @@ def _model_facts(model_dir: str, config: ClusterConfig):
     return AutoTokenizer.from_pretrained(model_dir), max_len, hf.vocab_size, moe
 
 
-def _default_name(config: ClusterConfig, model_dir: str) -> str:
+def served_model_name(config: ClusterConfig) -> str:
+    """The model id clients send (and the consolidation actor, by default)."""
+    return config.served_model_name or _default_name(config)
+
+
+def _default_name(config: ClusterConfig) -> str:
     if config.model is None:
         from cluster.models import DEFAULT_MODEL_NAME
 

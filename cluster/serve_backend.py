@@ -20,6 +20,8 @@ from router.session_host import SessionSetup
 from router.sessions import TurnResult
 from session_server.backend import ModelInfo, QueueFull, ReplicaFailed
 
+ROUTER_DOWN = "the Router actor is unavailable (restarting?); retry"
+
 
 class ServeBackend:
     """Ask the Router for a replica, then stream from that replica directly."""
@@ -118,34 +120,39 @@ class RouterSessions:
 
     def __init__(self, router, setup: SessionSetup):
         self.router = router
-        self.setup = setup  # sent with every create: the Router (re)builds its registry from it
+        # sent with every call: the Router (re)builds its registry from it, after a restart too
+        self.setup = setup
 
     async def create(self, metadata: dict[str, Any] | None = None) -> str:
         return await _unwrap(self.router.create_session.remote(self.setup, metadata))
 
     async def describe(self, session_id: str) -> dict[str, Any]:
-        return await _unwrap(self.router.describe_session.remote(session_id))
+        return await _unwrap(self.router.describe_session.remote(session_id, self.setup))
 
     async def delete(self, session_id: str) -> None:
-        await _unwrap(self.router.delete_session.remote(session_id))
+        await _unwrap(self.router.delete_session.remote(session_id, self.setup))
 
     async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
-        return await _unwrap(self.router.sample_session.remote(session_id, max_seq_len))
+        return await _unwrap(self.router.sample_session.remote(session_id, max_seq_len,
+                                                               self.setup))
 
     async def chat_stream(self, session_id: str, messages: list[Message], params: SamplingParams,
                           tools: list[dict] | None = None,
                           chat_template_kwargs: dict[str, Any] | None = None,
                           ) -> AsyncIterator[TurnResult]:
         import ray
+        from ray.exceptions import RayActorError
 
         turn = self.router.chat_session.options(num_returns="streaming").remote(
-            session_id, messages, params, tools, chat_template_kwargs)
+            session_id, messages, params, tools, chat_template_kwargs, self.setup)
         committed = False
         try:
             async for ref in turn:
                 result = await _unwrap(ref)
                 committed = result.message is not None
                 yield result
+        except RayActorError as e:  # the stream itself may report the Router's death
+            raise ReplicaFailed(ROUTER_DOWN) from e
         finally:
             if not committed:  # aborts the turn in the Router, which aborts it on the replica
                 ray.cancel(turn)
@@ -163,4 +170,4 @@ async def _unwrap(ref):
             raise e.cause from None
         raise
     except RayActorError as e:
-        raise ReplicaFailed("the Router actor is unavailable; retry") from e
+        raise ReplicaFailed(ROUTER_DOWN) from e

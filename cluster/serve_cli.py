@@ -6,16 +6,39 @@ import argparse
 import dataclasses
 import signal
 import sys
+import textwrap
 import threading
 
 from session_server.tool_calls import PARSERS
 
+CONSOLIDATION_HELP = """\
+Consolidation: a `consolidation:` section in the --config YAML (or RAYLANE_CONFIG) starts
+one consolidation actor with the cluster, which folds agents' memories in PostgreSQL into
+observations, using this endpoint as its LLM (with the first --api-key, if any). Its
+counters appear on /metrics as raylane:consolidation_*. For example:
+
+  consolidation:
+    dsn: postgresql://raylane@db:5432/memories  # required, or RAYLANE_CONSOLIDATION_DSN
+    banks: all                # or a list of bank ids (default: all)
+    interval_s: 60            # the next pass starts this long after one ends
+    batch_size: 50            # memories fetched per round
+    llm_batch_size: 8         # memories per LLM call
+    max_parallel_groups: 4    # LLM calls in flight (banks are run one at a time)
+    max_tokens: 1024          # the longest answer of one call
+    model: my-model           # default: the served model name
+"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("Multi-turn sessions (/sessions) live in the Router actor's memory: a "
-                     "Router restart loses them. A session unused for an hour expires, and at "
-                     "most 10,000 are kept (the least recently used goes first); either way its "
-                     "id then answers 404 saying it expired.")
+    parser.epilog = ("Multi-turn sessions (/sessions) live in the Router actor's memory. "
+                     "Without --sessions-dsn (or RAYLANE_SESSIONS_DSN) a Router restart loses "
+                     "them (their ids answer 404); with it every session is written through to "
+                     "PostgreSQL and survives a restart. A session unused for an hour "
+                     "expires, and at most 10,000 are kept (the least recently used goes "
+                     "first); either way its id then answers 404 saying it expired.")
+    # raw, so the YAML example keeps its lines; the paragraph above is wrapped here instead
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = textwrap.fill(parser.epilog, 90) + "\n\n" + CONSOLIDATION_HELP
     parser.add_argument("--model", help="HF directory or .gguf file (default: the embedded "
                                         "SmolLM2-135M-Instruct)")
     parser.add_argument("--config", help="a YAML file with ClusterConfig fields; flags win")
@@ -62,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "replica captures one graph per batch size in "
                              "engine.cudagraph_capture_sizes at start-up; the CPU runs eager)")
     parser.add_argument("--ray-address", help="join an existing Ray cluster (default: start one)")
+    parser.add_argument("--sessions-dsn", metavar="DSN",
+                        help="PostgreSQL (postgresql://user@host/db) that multi-turn sessions "
+                             "are written through to, so they survive a Router restart "
+                             "(default: none, the Router's memory only). Prefer "
+                             "RAYLANE_SESSIONS_DSN: a command line is visible to other users")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -71,7 +99,8 @@ def config_from_args(args: argparse.Namespace):
     config = ClusterConfig.from_env(ClusterConfig.from_yaml(args.config) if args.config else None)
     updates = {name: getattr(args, name) for name in
                ("model", "replicas", "host", "port", "served_model_name", "ray_address",
-                "admin_api_key", "request_timeout_s", "max_n", "tool_call_parser")
+                "admin_api_key", "request_timeout_s", "max_n", "tool_call_parser",
+                "sessions_dsn")
                if getattr(args, name) is not None}
     if args.api_keys:
         updates["api_keys"] = tuple(args.api_keys)

@@ -28,6 +28,7 @@ from router.policy import RoutingPolicy
 from router.replica_calls import HandleCalls
 from router.samples import TrainingSample
 from router.session_host import SessionHost, SessionSetup
+from router.session_store import open_session_store
 from router.sessions import TurnResult
 
 ROUTER_NAME = "raylane-router"
@@ -36,11 +37,13 @@ NAMESPACE = "raylane"
 
 class Router:
     def __init__(self, capacity: int = 256, heartbeat_timeout_s: float = 5.0,
-                 forget_after_s: float = 60.0):
+                 forget_after_s: float = 60.0, sessions_dsn: str | None = None):
         self.policy = RoutingPolicy(capacity)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.forget_after_s = forget_after_s
-        self.sessions = SessionHost(self)
+        # with a DSN, sessions are written through to PostgreSQL and outlive a restart (Ray
+        # restarts the actor with the same arguments); without one a restart loses them
+        self.sessions = SessionHost(self, store=open_session_store(sessions_dsn))
         self.control = ControlPlane(self)
 
     # --- replicas -----------------------------------------------------------------------------
@@ -136,27 +139,30 @@ class Router:
     def set_version(self, replica_id: str, version: int) -> None:
         self.policy.set_version(replica_id, version)
 
-    # --- sessions ----------------------------------------------------------------------------
+    # --- sessions (`setup`: the caller's, so a restarted Router can serve stored sessions) ---
 
     async def create_session(self, setup: SessionSetup,
                              metadata: dict[str, Any] | None = None) -> str:
         return await self.sessions.create(setup, metadata)
 
-    def describe_session(self, session_id: str) -> dict[str, Any]:
-        return self.sessions.describe(session_id)
+    async def describe_session(self, session_id: str,
+                               setup: SessionSetup | None = None) -> dict[str, Any]:
+        return await self.sessions.describe(session_id, setup)
 
-    async def delete_session(self, session_id: str) -> None:
-        await self.sessions.delete(session_id)
+    async def delete_session(self, session_id: str, setup: SessionSetup | None = None) -> None:
+        await self.sessions.delete(session_id, setup)
 
-    def sample_session(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
-        return self.sessions.sample(session_id, max_seq_len)
+    async def sample_session(self, session_id: str, max_seq_len: int | None = None,
+                             setup: SessionSetup | None = None) -> TrainingSample:
+        return await self.sessions.sample(session_id, max_seq_len, setup)
 
     async def chat_session(self, session_id: str, messages: list[Message],
                            params: SamplingParams | None, tools: list[dict] | None = None,
                            chat_template_kwargs: dict[str, Any] | None = None,
-                           ) -> AsyncIterator[TurnResult]:
+                           setup: SessionSetup | None = None) -> AsyncIterator[TurnResult]:
         """Call with `.options(num_returns="streaming")`; cancelling the call aborts the turn."""
-        turn = self.sessions.chat(session_id, messages, params, tools, chat_template_kwargs)
+        turn = self.sessions.chat(session_id, messages, params, tools, chat_template_kwargs,
+                                  setup)
         async with aclosing(turn):
             async for result in turn:
                 yield result
@@ -171,8 +177,9 @@ class Router:
                 state.healthy = False
 
 
-def get_or_create_router(capacity: int = 256):
-    """The cluster's Router actor handle, created on first use (detached: it outlives callers)."""
+def get_or_create_router(capacity: int = 256, sessions_dsn: str | None = None):
+    """The cluster's Router actor handle, created on first use (detached: it outlives callers,
+    and an existing one keeps the arguments it was created with)."""
     import ray
 
     return ray.remote(Router).options(
@@ -181,4 +188,4 @@ def get_or_create_router(capacity: int = 256):
         # NOTE: never inside the caller's placement group (a Serve replica's), which it would
         # otherwise join and die with when Serve replaces that replica
         scheduling_strategy="DEFAULT",
-    ).remote(capacity)
+    ).remote(capacity, sessions_dsn=sessions_dsn)

@@ -95,6 +95,14 @@ class MalformedTrajectory(SessionError):
     error_type = "invalid_request_error"
 
 
+class SessionStoreUnavailable(SessionError):
+    """The session store (PostgreSQL) could not be read or written; nothing was lost that the
+    client cannot resend."""
+
+    status = 503
+    error_type = "server_error"
+
+
 # --- the control plane (router/control.py) ---------------------------------------------------
 
 

@@ -1,10 +1,14 @@
 """The Router's session registry: one per cluster, so the HTTP ingress replicas stay stateless.
 
-The ingress sends a `SessionSetup` with every session it creates (the model directory for the
+The ingress sends a `SessionSetup` with every session call (the model directory for the
 chat template, the engine deployment's handle, whether routed experts are captured); the first
-one builds the registry, and a different one — the app was redeployed with another model —
-rebuilds it. Turns run on the engine replicas through `ReplicaTurnGenerator`, sticky by session
-id. Sessions live in the Router's memory: a Router restart forgets them (their ids become 404).
+one builds the registry — after a Router restart too, so a stored session carries on — and a
+different one — the app was redeployed with another model — rebuilds it. Turns run on the
+engine replicas through `ReplicaTurnGenerator`, sticky by session id.
+
+Sessions live in the Router's memory and are written through to its `SessionStore`: with
+PostgreSQL (a DSN configured) they survive a Router restart; memory only, a restart forgets them
+(their ids become 404).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from router.errors import SessionNotFound
 from router.messages import Message
 from router.replica_generator import ReplicaPicker, ReplicaTurnGenerator
 from router.samples import TrainingSample
+from router.session_store import MemorySessionStore, SessionStore
 from router.sessions import SessionConfig, SessionRegistry, TurnResult
 from router.tito import TemplateSplicer
 
@@ -61,9 +66,11 @@ def without_blobs(result: TurnResult) -> TurnResult:
 
 class SessionHost:
     def __init__(self, picker: ReplicaPicker,
-                 load_tokenizer: Callable[[str], Any] = auto_tokenizer) -> None:
+                 load_tokenizer: Callable[[str], Any] = auto_tokenizer,
+                 store: SessionStore | None = None) -> None:
         self.picker = picker
         self.load_tokenizer = load_tokenizer
+        self.store = store or MemorySessionStore()  # shared by every registry built here
         self._registry: SessionRegistry | None = None
         self._key: tuple | None = None
         self._lock = asyncio.Lock()
@@ -75,30 +82,38 @@ class SessionHost:
     async def create(self, setup: SessionSetup, metadata: dict[str, Any] | None = None) -> str:
         if setup.key != self._key:
             await self._configure(setup)
-        return self._registry.create(metadata)
+        return await self._registry.acreate(metadata)
 
-    def describe(self, session_id: str) -> dict[str, Any]:
-        return self._registry_of(session_id).describe(session_id)
+    async def describe(self, session_id: str,
+                       setup: SessionSetup | None = None) -> dict[str, Any]:
+        return await (await self._registry_of(session_id, setup)).adescribe(session_id)
 
-    async def delete(self, session_id: str) -> None:
-        await self._registry_of(session_id).delete(session_id)
+    async def delete(self, session_id: str, setup: SessionSetup | None = None) -> None:
+        await (await self._registry_of(session_id, setup)).delete(session_id)
 
-    def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
-        return self._registry_of(session_id).sample(session_id, max_seq_len)
+    async def sample(self, session_id: str, max_seq_len: int | None = None,
+                     setup: SessionSetup | None = None) -> TrainingSample:
+        registry = await self._registry_of(session_id, setup)
+        return await registry.asample(session_id, max_seq_len)
 
     async def chat(self, session_id: str, messages: list[Message], params: SamplingParams | None,
                    tools: list[dict] | None = None,
                    chat_template_kwargs: dict[str, Any] | None = None,
-                   ) -> AsyncIterator[TurnResult]:
+                   setup: SessionSetup | None = None) -> AsyncIterator[TurnResult]:
         """The turn's progress, then its committed result (see `SessionRegistry.chat_stream`),
         without replay blobs; leaving early aborts the turn and leaves no trace."""
-        turn = self._registry_of(session_id).chat_stream(
-            session_id, messages, params, tools=tools, chat_template_kwargs=chat_template_kwargs)
+        registry = await self._registry_of(session_id, setup)
+        turn = registry.chat_stream(session_id, messages, params, tools=tools,
+                                    chat_template_kwargs=chat_template_kwargs)
         async with aclosing(turn):
             async for result in turn:
                 yield without_blobs(result)
 
-    def _registry_of(self, session_id: str) -> SessionRegistry:
+    async def _registry_of(self, session_id: str,
+                           setup: SessionSetup | None) -> SessionRegistry:
+        """The registry, built from `setup` when it is new here (a restarted Router)."""
+        if setup is not None and setup.key != self._key:
+            await self._configure(setup)
         if self._registry is None:  # nothing was created since the Router started
             raise SessionNotFound(session_id)
         return self._registry
@@ -113,5 +128,6 @@ class SessionHost:
                                              setup.return_routed_experts)
             if self.num_sessions:
                 log.warning("the served model changed; forgetting %d sessions", self.num_sessions)
-            self._registry = SessionRegistry(TemplateSplicer(tokenizer), generator, setup.config)
+            self._registry = SessionRegistry(TemplateSplicer(tokenizer), generator, setup.config,
+                                             store=self.store)
             self._key = setup.key

@@ -2,8 +2,13 @@
 
 A turn goes: normalise the messages -> plan where they attach (append, or roll back to a
 generated checkpoint) -> build the prompt ids (tito) -> generate -> commit the record and drop
-stale replay blobs. Nothing is mutated before the commit, so a rejected or failed turn leaves no
-trace. Turns of one session run one at a time (a per-session lock); sessions run in parallel.
+stale replay blobs -> write the session through to the store. Nothing is mutated before the
+commit, so a rejected or failed turn leaves no trace. Turns of one session run one at a time (a
+per-session lock); sessions run in parallel.
+
+The store (router/session_store.py) is what outlives the process: the `a`-prefixed methods and
+the async ones (`chat_stream`, `delete`) write through to it and load a session it holds when
+memory does not; the plain `create` / `get` / `describe` / `sample` see memory only.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from router.generator import TurnGenerator, TurnOutput
 from router.messages import Message, normalize_message, normalize_messages
 from router.rollback import TurnPlan, plan_turn
 from router.samples import TrainingSample, merge_trajectory
+from router.session_store import MemorySessionStore, SessionStore
 from router.tito import TemplateSplicer
 from router.trajectory import Trajectory, TurnRecord
+from router.write_through import WriteThrough
 
 SAMPLE_MODES = ("merged",)
 ReplyParser = Callable[[TurnOutput], Message]
@@ -111,20 +118,25 @@ class SessionRegistry:
 
     `splicer` renders messages to ids with the served model's chat template, `generator` runs a
     turn (see `TurnGenerator`), `reply_parser` turns an output into the assistant message the
-    client gets back and is expected to echo (default: the text as `content`).
+    client gets back and is expected to echo (default: the text as `content`), `store` is
+    written through (default: memory only, see `MemorySessionStore`).
     """
 
     def __init__(self, splicer: TemplateSplicer, generator: TurnGenerator,
                  config: SessionConfig | None = None,
                  reply_parser: ReplyParser = default_reply,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 # wall time: a stored session's last use must mean the same after a restart
+                 clock: Callable[[], float] = time.time,
+                 store: SessionStore | None = None) -> None:
         self.splicer = splicer
         self.generator = generator
         self.config = config or SessionConfig()
         self.reply_parser = reply_parser
         self.clock = clock
+        self._store = WriteThrough(store or MemorySessionStore())
         self._sessions: dict[str, Session] = {}  # least recently used first
-        self._gone: dict[str, str] = {}  # ids dropped by the TTL or the cap -> why (bounded)
+        # ids dropped (-> why) or deleted (-> None); bounded. Never loaded from the store again
+        self._gone: dict[str, str | None] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -150,6 +162,51 @@ class SessionRegistry:
         self._sessions[session_id] = session  # most recently used now
         return session
 
+    # --- writing through to the store -------------------------------------------------------
+
+    async def acreate(self, metadata: dict[str, Any] | None = None) -> str:
+        """`create`, written through to the store before the id is handed out."""
+        session_id = self.create(metadata)
+        session = self._sessions[session_id]
+        async with session.lock:  # the cap never drops a locked session while it is written
+            try:
+                await self._store.save(session)
+            except BaseException:
+                self._drop(session, "it could not be stored")
+                raise
+        await self._store.flush()  # what create's TTL and cap dropped
+        await self._store.purge_if_due(self.clock(), self.config.ttl_s)
+        return session_id
+
+    async def aget(self, session_id: str) -> Session:
+        """`get`, loading the session from the store when memory does not hold it."""
+        await self._store.flush()
+        if session_id not in self._sessions and session_id not in self._gone:
+            await self._load(session_id)
+        return self.get(session_id)
+
+    async def adescribe(self, session_id: str) -> dict[str, Any]:
+        await self.aget(session_id)
+        return self.describe(session_id)
+
+    async def asample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
+        await self.aget(session_id)
+        return self.sample(session_id, max_seq_len)
+
+    async def _load(self, session_id: str) -> None:
+        session = await self._store.load(session_id)
+        # NOTE: re-checked after the await: a concurrent call may have loaded it (keep that
+        # one) or deleted it (its tombstone wins over the copy read before)
+        if session is None or session_id in self._sessions or session_id in self._gone:
+            return
+        ttl = self.config.ttl_s
+        if ttl is not None and session.last_used < self.clock() - ttl:
+            self._remember_gone(session_id, f"unused for over {ttl:g} s")
+            await self._store.delete(session_id)
+            return
+        self._make_room()
+        self._sessions[session_id] = session
+
     # --- the TTL and the cap ---------------------------------------------------------------
 
     def _expire(self) -> None:
@@ -172,10 +229,15 @@ class SessionRegistry:
             raise TooManySessions(f"all {limit} live sessions are in a turn; retry later")
         self._drop(victim, f"the least recently used of {limit} live sessions")
 
-    def _drop(self, session: Session, why: str) -> None:
+    def _drop(self, session: Session, why: str | None) -> None:
         session.deleted = True
         del self._sessions[session.id]
-        self._gone[session.id] = why
+        self._remember_gone(session.id, why)
+        if why is not None:  # a client's delete deletes it from the store itself
+            self._store.dropped(session.id)
+
+    def _remember_gone(self, session_id: str, why: str | None) -> None:
+        self._gone[session_id] = why
         while len(self._gone) > max(1024, self.config.max_sessions or 0):
             del self._gone[next(iter(self._gone))]
 
@@ -193,13 +255,14 @@ class SessionRegistry:
         return sum(s.trajectory.blob_bytes for s in self._sessions.values())
 
     async def delete(self, session_id: str) -> None:
-        """Waits for the session's in-flight turn, then forgets the session."""
-        session = self.get(session_id)
+        """Waits for the session's in-flight turn, then forgets the session (the store first:
+        if that fails, the session is still there to delete again)."""
+        session = await self.aget(session_id)
         async with session.lock:
             if session.deleted:  # a concurrent delete got the lock first
                 raise SessionNotFound(session_id)
-            session.deleted = True
-            del self._sessions[session_id]
+            await self._store.delete(session_id)
+            self._drop(session, None)
 
     async def chat(self, session_id: str, messages: list[Message],
                    params: SamplingParams | None = None, *, tools: list[dict] | None = None,
@@ -222,7 +285,7 @@ class SessionRegistry:
         Consume it under `contextlib.aclosing`: leaving early aborts the generation and leaves
         the session as it was, as does any error (4xx `SessionError`s included).
         """
-        session = self.get(session_id)
+        session = await self.aget(session_id)
         async with session.lock:
             if session.deleted:  # deleted (or dropped) while this turn waited for the lock
                 raise SessionNotFound(session_id, self._gone.get(session_id))
@@ -239,6 +302,9 @@ class SessionRegistry:
                 raise RuntimeError("the turn generator stopped before a finished output")
             message, index = self._commit(session, turn, final)
             session.last_used = self.clock()  # the TTL counts from the end of a turn
+            # NOTE: on failure memory stays ahead of the store; the client, which got no reply,
+            # resends the turn (a one-step rollback) and the next write stores it all
+            await self._store.save(session)
         yield turn.result(final, message, index)
 
     def _prepare(self, session: Session, messages: list[Message], params: SamplingParams | None,

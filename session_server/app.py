@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from fastapi import FastAPI
 
@@ -12,6 +13,7 @@ from session_server.backend import EngineBackend
 from session_server.body_limit import BodyLimit
 from session_server.errors import install_error_handlers
 from session_server.header_limit import HeaderLimit
+from session_server.metrics import MetricsSource
 from session_server.schemas import MAX_N
 from session_server.tool_calls import PARSERS, detect_parser
 
@@ -20,7 +22,8 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
               max_body_bytes: int = 8 << 20, admin_api_key: str | None = None,
               max_bucket_bytes: int = 1 << 30,
               request_timeout_s: float | None = None, max_n: int = 128,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              metrics_sources: Sequence[MetricsSource] = ()) -> FastAPI:
     """The HTTP surface: OpenAI routes, SGLang-style /generate, /tokenize, /detokenize,
     multi-turn /sessions, /health and /metrics, with the OpenAI error body for every error.
 
@@ -33,6 +36,8 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     it the request ends with its partial output, finish reason "abort". `max_n`: the most
     samples one request may ask for. `tool_call_parser` ("hermes" or "llama3"): the format
     tool calls are read in (`tool_choice` "auto"); None picks it from the chat template.
+    `metrics_sources`: more Prometheus text for /metrics (e.g. the consolidation actor's),
+    each asked on every scrape and left out when it fails or is slow.
     """
     _check_limits(max_body_bytes, max_bucket_bytes, request_timeout_s, max_n)
     if admin_api_key is not None and admin_api_key in (api_keys or []):
@@ -45,6 +50,7 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     app.state.created = int(time.time())
     app.state.request_timeout_s = request_timeout_s
     app.state.max_n = max_n
+    app.state.metrics_sources = tuple(metrics_sources)
     app.state.tool_call_parser = tool_call_parser or detect_parser(
         getattr(backend.tokenizer, "chat_template", None))
     install_error_handlers(app)

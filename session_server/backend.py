@@ -133,10 +133,10 @@ class LocalSessions:
         self.registry = registry
 
     async def create(self, metadata: dict[str, Any] | None = None) -> str:
-        return self.registry.create(metadata)
+        return await self.registry.acreate(metadata)
 
     async def describe(self, session_id: str) -> dict[str, Any]:
-        return self.registry.describe(session_id)
+        return await self.registry.adescribe(session_id)
 
     async def delete(self, session_id: str) -> None:
         await self.registry.delete(session_id)
@@ -152,7 +152,7 @@ class LocalSessions:
                 yield without_blobs(result)
 
     async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
-        return self.registry.sample(session_id, max_seq_len)
+        return await self.registry.asample(session_id, max_seq_len)
 
 
 class LocalControl:

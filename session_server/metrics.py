@@ -2,13 +2,16 @@
 
 Counters and histograms are summed across replicas, request gauges summed, KV-cache usage
 averaged, the weight version the highest (the cluster's). Nothing is kept between scrapes: each
-one asks the backend for fresh snapshots.
+one asks the backend for fresh snapshots, and each extra source (`build_app(metrics_sources=)`)
+for its text, which is appended as it is.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -24,6 +27,11 @@ from prometheus_client.registry import Collector
 from session_server.context import backend_of
 
 PREFIX = "raylane:"
+SOURCE_TIMEOUT_S = 2.0  # a scrape waits this long for an extra source, then goes without it
+
+# More families for /metrics: an async call returning Prometheus text (e.g. an actor's).
+MetricsSource = Callable[[], Awaitable[str]]
+log = logging.getLogger(__name__)
 GAUGES = {
     "num_requests_running": "Number of requests in model execution batches.",
     "num_requests_waiting": "Number of requests waiting to be processed.",
@@ -131,4 +139,16 @@ def render(model_name: str, snapshots: list[dict]) -> bytes:
 async def metrics(request: Request) -> Response:
     backend = backend_of(request)
     body = render(backend.info.name, await backend.stats())
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+    extra = await asyncio.gather(*(_scrape(s) for s in request.app.state.metrics_sources))
+    return Response(body + "".join(extra).encode(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _scrape(source: MetricsSource) -> str:
+    """The source's text, or "" when it fails or is slow: one dead source must not take the
+    engines' metrics down with it."""
+    try:
+        text = await asyncio.wait_for(source(), SOURCE_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - any failure of the source only drops its families
+        log.warning("/metrics: left out %r: %s: %s", source, type(exc).__name__, exc)
+        return ""
+    return text if not text or text.endswith("\n") else text + "\n"

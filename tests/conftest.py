@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton decides interpreter mode partly when it is first imported, and transformers may import
+# it while any test module loads: without a GPU, set interpreter mode before anything does (the
+# Triton kernel tests run on the CPU through it)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny_models import make_llama, make_qwen3, make_qwen3_moe
 

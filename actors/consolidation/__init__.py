@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .config import ConsolidationConfig
+from .config import ConsolidationConfig, ConsolidationServiceConfig
 from .consolidator import Consolidator
 from .errors import BankBusy, CallFailed, CommitConflict, ConsolidationError, InvalidAnswer
 from .llm import LLM, EngineLLM, OpenAICompatibleLLM
@@ -12,6 +12,7 @@ from .store import MemoryStore
 
 __all__ = [
     "LLM", "BankBusy", "BatchPerf", "CallFailed", "CommitConflict", "ConsolidationConfig",
-    "ConsolidationError", "ConsolidationMetrics", "ConsolidationResult", "Consolidator",
+    "ConsolidationError", "ConsolidationMetrics", "ConsolidationResult",
+    "ConsolidationServiceConfig", "Consolidator",
     "EngineLLM", "InvalidAnswer", "MemoryStore", "OpenAICompatibleLLM",
 ]

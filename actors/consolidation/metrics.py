@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from .perf import BatchPerf
 
@@ -30,6 +30,13 @@ class ConsolidationMetrics:
         self.batch_latency = Histogram("raylane:consolidation_batch_latency_seconds",
                                        "Wall time of one LLM batch, commit included",
                                        buckets=BATCH_LATENCY_BUCKETS, registry=registry)
+        self.passes = Counter("raylane:consolidation_passes", "Scheduled passes over the banks "
+                              "finished (failed: a run failed or the pass could not start)",
+                              ["result"], registry=registry)
+        for result in ("completed", "failed"):  # both series from the start: rates begin at 0
+            self.passes.labels(result)
+        self.last_pass = Gauge("raylane:consolidation_last_pass_duration_seconds",
+                               "Wall time of the last finished pass", registry=registry)
 
     def record_batch(self, perf: BatchPerf) -> None:
         for counter, value in zip(self._batch_children, self._batch_values(perf)):
@@ -51,6 +58,10 @@ class ConsolidationMetrics:
 
     def record_run(self, status: str) -> None:
         self.runs.labels(status).inc()
+
+    def record_pass(self, ok: bool, seconds: float) -> None:
+        self.passes.labels("completed" if ok else "failed").inc()
+        self.last_pass.set(seconds)
 
 
 @functools.cache

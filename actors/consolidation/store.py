@@ -96,6 +96,16 @@ class MemoryStore:
                 ORDER BY created_at, id LIMIT $2""", bank_id, limit)
         return [_memory(r) for r in rows]
 
+    async def pending_banks(self, among: Sequence[str] | None = None) -> list[str]:
+        """The banks (of `among`, or all) with at least one pending memory, sorted."""
+        # Only the pending rows are read: the partial index memories_pending_idx covers them.
+        rows = await self._pool.fetch(
+            """SELECT DISTINCT bank_id FROM memories
+               WHERE consolidated_at IS NULL AND consolidation_failed_at IS NULL
+                 AND ($1::text[] IS NULL OR bank_id = ANY($1::text[]))
+               ORDER BY bank_id""", None if among is None else list(among))
+        return [r["bank_id"] for r in rows]
+
     def scope(self, bank_id: str, tags: Tags, op_id: str | None = None) -> TagScope:
         """A handle that reads and writes only the observations of (bank_id, tags), on
         behalf of operation `op_id` (whose cancel flag it reports)."""

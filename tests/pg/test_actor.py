@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 
 import pytest
 
@@ -14,24 +13,8 @@ from tests.pg.checks import assert_each_memory_once, assert_one_observation_per_
 
 ray = pytest.importorskip("ray")
 
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "RAY_USAGE_STATS_ENABLED": "0"}
 SLOW_LLM = functools.partial(FakeLLM, latency=0.03)
 CONFIG = ConsolidationConfig(llm_batch_size=2, max_parallel_groups=2)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():  # someone else's cluster: use it, never shut it down
-        yield
-        return
-    for key, value in RAY_ENV.items():
-        os.environ.setdefault(key, value)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture

@@ -176,3 +176,87 @@ def test_dtype_and_graph_options_from_flags_and_yaml(tmp_path):
     with pytest.raises(SystemExit):
         argv = ["serve", "--dtype", "float64"]
         build_parser(argv).parse_args(argv)
+
+
+CONSOLIDATION_YAML = """\
+consolidation:
+  dsn: postgresql://raylane:pg-secret-3@db:5432/memories
+  banks: [agent-7, agent-8, agent-7]
+  interval_s: 30
+  llm_batch_size: 4
+  max_parallel_groups: 2
+"""
+
+
+def test_consolidation_section_from_yaml(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAYLANE_CONSOLIDATION_DSN", raising=False)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(CONSOLIDATION_YAML)
+    config = ClusterConfig.from_yaml(str(path))
+    service = config.consolidation_config()
+    assert service.dsn == "postgresql://raylane:pg-secret-3@db:5432/memories"
+    assert service.banks == ("agent-7", "agent-8")  # each once, in order
+    assert (service.interval_s, service.model, service.max_tokens) == (30, None, 1024)
+    limits = service.limits
+    assert (limits.batch_size, limits.llm_batch_size, limits.max_parallel_groups) == (50, 4, 2)
+    assert "secret" not in repr(config) and "secret" not in repr(service)
+    assert ClusterConfig().consolidation_config() is None  # no section, no actor
+
+
+def test_consolidation_banks_all_and_the_dsn_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYLANE_CONSOLIDATION_DSN", "postgresql://env@db/m")
+    service = ClusterConfig(consolidation={"banks": "all"}).consolidation_config()
+    assert (service.dsn, service.banks) == ("postgresql://env@db/m", None)
+    assert ClusterConfig(consolidation={}).consolidation_config().banks is None
+    path = tmp_path / "cluster.yaml"
+    path.write_text(CONSOLIDATION_YAML)
+    monkeypatch.setenv("RAYLANE_CONFIG", str(path))
+    argv = ["serve"]  # the environment wins over the YAML, as for every other option
+    cli = config_from_args(build_parser(argv).parse_args(argv))
+    assert cli.consolidation_config().dsn == "postgresql://env@db/m"
+    assert cli.consolidation_config().banks == ("agent-7", "agent-8")
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"dsn": "pg://x", "interval": 5}, "interval"),
+    ({"dsn": "pg://x", "bank": ["a"]}, "bank"),
+    ({"interval_s": 5}, "RAYLANE_CONSOLIDATION_DSN"),
+    ({"dsn": ""}, "dsn"),
+    ({"dsn": "pg://x", "interval_s": 0}, "interval_s"),
+    ({"dsn": "pg://x", "interval_s": "60"}, "interval_s"),
+    ({"dsn": "pg://x", "banks": []}, "banks"),
+    ({"dsn": "pg://x", "banks": "agent-7"}, "banks"),
+    ({"dsn": "pg://x", "banks": ["a", ""]}, "banks"),
+    ({"dsn": "pg://x", "batch_size": 0}, "batch_size"),
+    ({"dsn": "pg://x", "max_parallel_groups": True}, "max_parallel_groups"),
+    ({"dsn": "pg://x", "max_tokens": 0}, "max_tokens"),
+    ({"dsn": "pg://x", "model": ""}, "model"),
+    (["dsn"], "mapping"),
+])
+def test_bad_consolidation_section_names_the_key(section, message, monkeypatch):
+    monkeypatch.delenv("RAYLANE_CONSOLIDATION_DSN", raising=False)
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig.from_dict({"consolidation": section})
+
+
+def test_a_bad_dsn_is_never_echoed(monkeypatch):
+    monkeypatch.delenv("RAYLANE_CONSOLIDATION_DSN", raising=False)
+    with pytest.raises(ValueError) as info:
+        ClusterConfig(consolidation={"dsn": 12345})
+    assert "12345" not in str(info.value)
+
+
+def test_serve_help_shows_how_to_turn_consolidation_on(capsys):
+    with pytest.raises(SystemExit):
+        build_parser(["serve", "--help"]).parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert "\n  consolidation:\n    dsn: postgresql://" in help_text  # the YAML keeps its lines
+    assert "RAYLANE_CONSOLIDATION_DSN" in help_text and "raylane:consolidation_" in help_text
+
+
+def test_consolidation_metrics_are_merged_only_when_configured():
+    from cluster.consolidation import ActorMetrics, metrics_sources
+
+    assert metrics_sources(ClusterConfig()) == []
+    (source,) = metrics_sources(ClusterConfig(consolidation={"dsn": "pg://x"}))
+    assert isinstance(source, ActorMetrics)

@@ -100,15 +100,16 @@ async def test_turns_stick_to_the_policy_replica_and_give_it_back(router):
     counts = {r["replica_id"]: (r["routed"], r["in_flight"]) for r in router.replicas()}
     assert counts[owner] == (3, 0) and sum(routed for routed, _ in counts.values()) == 3
     assert all(r.output.routed_experts is None for r in results)  # not shipped to the ingress
-    record = router.describe_session(session_id)["records"][-1]
+    record = (await router.describe_session(session_id))["records"][-1]
     assert record["routed_experts_shape"] is not None  # the record keeps it
-    assert router.sample_session(session_id).routed_experts.shape[0] == record["prefix_len"] \
+    sample = await router.sample_session(session_id)
+    assert sample.routed_experts.shape[0] == record["prefix_len"] \
         + len(record["prompt_ids"]) + len(record["output_ids"]) - 1
 
 
 async def test_unknown_ids_are_404_before_and_after_configuring(router):
     with pytest.raises(SessionNotFound):
-        router.describe_session("sess-nope")
+        await router.describe_session("sess-nope")
     await router.create_session(setup(FakeHandle()))
     with pytest.raises(SessionNotFound):
         await router.delete_session("sess-nope")
@@ -117,10 +118,10 @@ async def test_unknown_ids_are_404_before_and_after_configuring(router):
 async def test_a_different_model_rebuilds_the_registry(router):
     first = await router.create_session(setup(FakeHandle()))
     again = await router.create_session(setup(FakeHandle()))  # same names: same registry
-    router.describe_session(first)
+    await router.describe_session(first)
     await router.create_session(setup(FakeHandle(), model_dir="other"))
     with pytest.raises(SessionNotFound):
-        router.describe_session(again)
+        await router.describe_session(again)
 
 
 async def test_a_failing_replica_is_a_503_reported_and_released(router):
@@ -132,7 +133,7 @@ async def test_a_failing_replica_is_a_503_reported_and_released(router):
     assert err.value.status == 503
     state = router.policy.replicas[handle.targets[0]]
     assert not state.healthy and state.in_flight == 0
-    assert router.describe_session(session_id)["num_turns"] == 0
+    assert (await router.describe_session(session_id))["num_turns"] == 0
 
 
 async def test_a_replicas_bad_input_stays_a_value_error(router):
@@ -167,7 +168,7 @@ async def test_leaving_a_turn_early_cancels_the_replica_call(router):
     await stream.aclose()
     assert handle.streams[0].cancelled
     assert all(not r["in_flight"] for r in router.replicas())
-    assert router.describe_session(session_id)["num_turns"] == 0
+    assert (await router.describe_session(session_id))["num_turns"] == 0
 
 
 @pytest.mark.parametrize("error", [SessionNotFound("sess-x"), RollbackTooDeep(2, 1),

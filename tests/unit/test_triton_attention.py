@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: no GPU on CI
+# before triton is imported (tests/conftest.py sets it already, for the whole session)
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
