@@ -120,6 +120,12 @@ class EngineReplica:
     async def flush_cache(self, target_replica: str | None = None) -> None:
         self.engine.flush_cache()
 
+    async def arm_fault(self, stage: str, times: int = 1, target_replica: str | None = None,
+                        ) -> None:
+        """Test hook: this replica's next `times` engine steps raise at `stage`
+        (`LLMEngine.arm_fault`); their requests fail, the engine serves on."""
+        self.engine.engine.arm_fault(stage, times)
+
     async def check_health(self) -> None:
         """Serve's health hook: raising makes the controller replace this replica."""
         await self.start()

@@ -27,7 +27,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 IMPORT_PATH = "router.serve_router:TargetedRequestRouter"
 CONTROL_METHODS = frozenset({"pause", "resume", "weight_version", "begin_weight_update",
                              "load_weight_bucket", "finish_weight_update", "abort",
-                             "flush_cache"})
+                             "flush_cache", "arm_fault"})
 CONTROL_GRACE_S = 30.0
 
 
