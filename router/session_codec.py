@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from router.sessions import Session
+from router.session import Session
 from router.trajectory import Trajectory, TurnRecord
 
 FORMAT = 1  # bump when the layout changes; `decode_session` refuses formats it does not know

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from router.sessions import Session
+    from router.session import Session
 
 
 class SessionStore(Protocol):

@@ -22,7 +22,7 @@ from router.errors import SessionStoreUnavailable
 from router.session_codec import FORMAT, decode_session, encode_session
 
 if TYPE_CHECKING:
-    from router.sessions import Session
+    from router.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from router.errors import SessionStoreUnavailable
 from router.session_store import SessionStore
 
 if TYPE_CHECKING:
-    from router.sessions import Session
+    from router.session import Session
 
 log = logging.getLogger(__name__)
 PURGE_EVERY_S = 60.0

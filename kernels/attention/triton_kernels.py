@@ -49,6 +49,17 @@ def _load_rows(cache, slots, stride_slot, head_offset, d, ok):
 
 
 @triton.jit
+def _load_kv_tile(k_cache, v_cache, table, pos, pos_ok, d, d_ok, stride_ks, stride_vs, kv_off_k,
+                  kv_off_v, BLOCK_SIZE: tl.constexpr):
+    # the K and V rows [BLOCK_N, D_PAD] of context positions `pos`, through the block table
+    slots = _slots(table, pos, pos_ok, BLOCK_SIZE)
+    kv_ok = pos_ok[:, None] & d_ok[None, :]
+    k = _load_rows(k_cache, slots, stride_ks, kv_off_k, d, kv_ok)
+    v = _load_rows(v_cache, slots, stride_vs, kv_off_v, d, kv_ok)
+    return k, v
+
+
+@triton.jit
 def _softmax_step(q, k, v, visible, m, total, acc, qk_scale, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr):
     # online softmax over one key tile. q [M, D_PAD], k/v [N, D_PAD], visible [M, N] or [1, N];
@@ -108,10 +119,8 @@ def _decode_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, part_ml, pa
     for n in range(start, end, BLOCK_N):  # every tile holds >= 1 visible key for all rows
         pos = n + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        slots = _slots(table, pos, pos_ok, BLOCK_SIZE)
-        kv_ok = pos_ok[:, None] & d_ok[None, :]
-        k = _load_rows(k_cache, slots, stride_ks, kvh * stride_kh, d, kv_ok)
-        v = _load_rows(v_cache, slots, stride_vs, kvh * stride_vh, d, kv_ok)
+        k, v = _load_kv_tile(k_cache, v_cache, table, pos, pos_ok, d, d_ok, stride_ks,
+                             stride_vs, kvh * stride_kh, kvh * stride_vh, BLOCK_SIZE)
         m, total, acc = _softmax_step(qv, k, v, pos_ok[None, :], m, total, acc, qk_scale,
                                       PRECISION, UPCAST)
     if DIRECT:  # one split: normalise here; seq_len 0 (graph padding) gives zeros, not nan
@@ -177,10 +186,8 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_star
     for n in range(0, kv_end, BLOCK_N):
         pos = n + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
-        slots = _slots(table, pos, pos_ok, BLOCK_SIZE)
-        kv_ok = pos_ok[:, None] & d_ok[None, :]
-        k = _load_rows(k_cache, slots, stride_ks, kvh * stride_kh, d, kv_ok)
-        v = _load_rows(v_cache, slots, stride_vs, kvh * stride_vh, d, kv_ok)
+        k, v = _load_kv_tile(k_cache, v_cache, table, pos, pos_ok, d, d_ok, stride_ks,
+                             stride_vs, kvh * stride_kh, kvh * stride_vh, BLOCK_SIZE)
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
         m, total, acc = _softmax_step(qv, k, v, visible, m, total, acc, qk_scale, PRECISION,
                                       UPCAST)

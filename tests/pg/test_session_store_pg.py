@@ -13,9 +13,9 @@ import pytest
 
 from actors.consolidation.pgtemp import free_port
 from router.errors import SessionNotFound, SessionStoreUnavailable
+from router.session import Session
 from router.session_store import open_session_store
 from router.session_store_pg import PgSessionStore, migrate
-from router.sessions import Session
 from tests.tiny_models import make_tokenizer
 from tests.unit.session_store_helpers import TURNS, agent_over, registry_over, same_sample
 from tests.unit.sessions_helpers import user

@@ -89,7 +89,7 @@ async def test_a_rollback_after_a_restart_uses_the_stored_checkpoints(tok):
 
 
 def test_the_codec_round_trips_what_json_cannot_hold_plainly():
-    from router.sessions import Session
+    from router.session import Session
     from router.trajectory import TurnRecord
 
     params = SamplingParams(temperature=0.5, stop=["\n"], logprobs=0, structured_outputs=(
