@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
-from actors.engine.output_delta import DeltaEncoder
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
+from actors.output_channel import ChannelClosed, OutputChannel
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class EngineReplica:
         self.router = router
         self._heartbeat_s = heartbeat_s
         self._heartbeat_task: asyncio.Task | None = None
+        self._channels: dict[str, OutputChannel] = {}
 
     async def start(self) -> None:
         """Register with the Router and start heartbeating (idempotent)."""
@@ -73,14 +75,32 @@ class EngineReplica:
         self.engine.check_health()
         self.engine.engine.check_health(ping=False)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       target_replica: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs as deltas (`DeltaEncoder`: what each sample gained since
-        the last one; `stream_from_replica` rebuilds them); cancelling the call aborts the
-        request here."""
-        encoder = DeltaEncoder()
-        async for out in self.engine.generate(prompt_ids, params, request_id):
-            yield encoder.encode(out)
+    async def open_channel(self, channel_id: str, target_replica: str | None = None,
+                           ) -> AsyncIterator[Any]:
+        """A caller's output channel (actors/output_channel.py): first this replica's id (the
+        caller learns where the call landed), then per-step batches of the outputs of the
+        requests it submits on `channel_id`. Leaving it aborts those still running."""
+        channel = OutputChannel()
+        self._channels[channel_id] = channel
+        try:
+            yield self.replica_id
+            async for batch in channel.batches():
+                yield batch
+        finally:
+            if self._channels.get(channel_id) is channel:
+                del self._channels[channel_id]
+            channel.close()
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                     channel_id: str, target_replica: str | None = None) -> None:
+        """Admit a request whose outputs go out on the caller's open channel `channel_id`. Bad
+        input (ValueError) and a paused engine's full queue (EnginePaused) raise here; abort
+        it with `abort([request_id])`."""
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            raise ChannelClosed(f"no output channel {channel_id!r} is open on replica "
+                                f"{self.replica_id}")
+        channel.start(await self.engine.add_request(prompt_ids, params, request_id))
 
     async def stats(self, target_replica: str | None = None) -> dict:
         return self.engine.stats_snapshot()

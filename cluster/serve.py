@@ -56,6 +56,9 @@ class Ingress:
         setup = SessionSetup(model_dir, replicas, return_routed_experts=capture)
         self.backend = ServeBackend(replicas, router, tokenizer, info, setup)
         self.config = config
+        from cluster.consolidation import start_with_app
+
+        start_with_app(config, served_model_name(config))  # its actor, once the app answers
 
     def __serve_build_asgi_app__(self):
         from cluster.consolidation import metrics_sources
@@ -111,8 +114,17 @@ def shard_group_bundles(engine: EngineConfig) -> list[dict[str, float]]:
 
 
 def app_builder(args: dict):
-    """RayService / `serve run` entry point: `cluster.serve:app_builder key=value ...`."""
-    return build_application(ClusterConfig.for_serve_app(dict(args)))
+    """RayService / `serve run` entry point: `cluster.serve:app_builder key=value ...`.
+
+    A new config replaces the consolidation actor the app's last one started (or stops it, when
+    the section is gone): this Ingress starts the actor anew, with this config, once it answers.
+    """
+    from cluster.consolidation import stop_consolidation
+
+    app = build_application(ClusterConfig.for_serve_app(dict(args)))
+    # NOTE: after the build: a config that fails to build leaves the running app's actor be
+    stop_consolidation()
+    return app
 
 
 def _model_facts(model_dir: str, config: ClusterConfig):

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 import numpy as np
 
-from actors.engine.errors import EnginePaused, RequestFailed
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
-from router.errors import RouterError
+from router.errors import ROUTER_DOWN, ReplicaFailed, call_router
 from router.messages import Message
-from router.replica_generator import stream_from_replica
+from router.replica_generator import ReplicaRequests, RouterPicker
 from router.samples import TrainingSample
 from router.session_host import SessionSetup
 from router.sessions import TurnResult
-from session_server.backend import ModelInfo, QueueFull, ReplicaFailed
-
-ROUTER_DOWN = "the Router actor is unavailable (restarting?); retry"
+from session_server.backend import ModelInfo
 
 
 class ServeBackend:
@@ -31,44 +27,20 @@ class ServeBackend:
         self.router = router
         self.tokenizer = tokenizer
         self.info = info
+        self.picker = RouterPicker(router)
+        self.requests = ReplicaRequests(replicas, self.picker)
         self.sessions = RouterSessions(router, setup)
         self.control = RouterControl(router, replicas)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       routing_key: str | None = None):
-        replica_id = await self._choose(routing_key)
-        stream = stream_from_replica(self.replicas, replica_id, prompt_ids, params, request_id)
-        try:
-            async with aclosing(stream):
-                async for out in stream:
-                    yield out
-        # the request's fault, a pause, or a step that failed only it: the replica is fine
-        except (ValueError, EnginePaused, RequestFailed):
-            raise
-        except Exception as e:
-            self.router.report_failure.remote(replica_id)
-            raise ReplicaFailed(f"engine replica failed while serving the request: "
-                                f"{type(e).__name__}") from e
-        finally:
-            self.router.done.remote(replica_id)
-
-    async def _choose(self, routing_key: str | None) -> str:
-        # a Router that died or restarts is a 503 (ReplicaFailed), never a 500
-        replica_id = await _unwrap(self.router.choose.remote(routing_key))
-        if replica_id is None:
-            if not await self.ready():
-                raise ReplicaFailed("no engine replica is ready")
-            raise QueueFull(retry_after=1.0)
-        return replica_id
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 routing_key: str | None = None) -> AsyncIterator[RequestOutput]:
+        return self.requests.generate(prompt_ids, params, request_id, routing_key)
 
     async def ready(self) -> bool:
-        try:
-            return await _unwrap(self.router.ready.remote())
-        except ReplicaFailed:  # the Router is down: not ready until it is back
-            return False
+        return await self.picker.ready()
 
     async def stats(self) -> list[dict]:
-        ids = [r["replica_id"] for r in await _unwrap(self.router.replicas.remote())
+        ids = [r["replica_id"] for r in await call_router(self.router.replicas.remote())
                if r["healthy"]]
         calls = [self.replicas.stats.remote(target_replica=rid) for rid in ids]
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -84,13 +56,14 @@ class RouterControl:
         self.replicas = replicas
 
     async def pause(self, mode: str) -> dict[str, Any]:
-        return await _unwrap(self.router.pause.remote(self.replicas, mode))
+        return await call_router(self.router.pause.remote(self.replicas, mode))
 
     async def resume(self) -> dict[str, Any]:
-        return await _unwrap(self.router.resume.remote(self.replicas))
+        return await call_router(self.router.resume.remote(self.replicas))
 
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
-        return await _unwrap(self.router.begin_update.remote(self.replicas, version, spec_dicts))
+        return await call_router(self.router.begin_update.remote(self.replicas, version,
+                                                                 spec_dicts))
 
     async def load_bucket(self, update_id: str, payload: bytes) -> int:
         import ray
@@ -99,19 +72,19 @@ class RouterControl:
         # instead of fetching the bytes. NOTE: the ref must live until the call returns
         # (a uint8 array, which a replica reads in place; bytes would be copied out)
         ref = await asyncio.to_thread(ray.put, np.frombuffer(payload, dtype=np.uint8))
-        return await _unwrap(self.router.load_bucket.remote(self.replicas, update_id, [ref]))
+        return await call_router(self.router.load_bucket.remote(self.replicas, update_id, [ref]))
 
     async def commit_update(self, update_id: str) -> int:
-        return await _unwrap(self.router.commit_update.remote(self.replicas, update_id))
+        return await call_router(self.router.commit_update.remote(self.replicas, update_id))
 
     async def weight_version(self) -> int:
-        return await _unwrap(self.router.weight_version.remote())
+        return await call_router(self.router.weight_version.remote())
 
     async def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        return await _unwrap(self.router.abort.remote(self.replicas, request_ids))
+        return await call_router(self.router.abort.remote(self.replicas, request_ids))
 
     async def flush_cache(self) -> None:
-        await _unwrap(self.router.flush_cache.remote(self.replicas))
+        await call_router(self.router.flush_cache.remote(self.replicas))
 
 
 class RouterSessions:
@@ -124,31 +97,32 @@ class RouterSessions:
         self.setup = setup
 
     async def create(self, metadata: dict[str, Any] | None = None) -> str:
-        return await _unwrap(self.router.create_session.remote(self.setup, metadata))
+        return await call_router(self.router.create_session.remote(self.setup, metadata))
 
     async def describe(self, session_id: str) -> dict[str, Any]:
-        return await _unwrap(self.router.describe_session.remote(session_id, self.setup))
+        return await call_router(self.router.describe_session.remote(session_id, self.setup))
 
     async def delete(self, session_id: str) -> None:
-        await _unwrap(self.router.delete_session.remote(session_id, self.setup))
+        await call_router(self.router.delete_session.remote(session_id, self.setup))
 
     async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
-        return await _unwrap(self.router.sample_session.remote(session_id, max_seq_len,
-                                                               self.setup))
+        return await call_router(self.router.sample_session.remote(session_id, max_seq_len,
+                                                                   self.setup))
 
     async def chat_stream(self, session_id: str, messages: list[Message], params: SamplingParams,
                           tools: list[dict] | None = None,
                           chat_template_kwargs: dict[str, Any] | None = None,
-                          ) -> AsyncIterator[TurnResult]:
+                          timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
         import ray
         from ray.exceptions import RayActorError
 
+        # the deadline runs in the Router, which aborts the turn on its replica
         turn = self.router.chat_session.options(num_returns="streaming").remote(
-            session_id, messages, params, tools, chat_template_kwargs, self.setup)
+            session_id, messages, params, tools, chat_template_kwargs, self.setup, timeout_s)
         committed = False
         try:
             async for ref in turn:
-                result = await _unwrap(ref)
+                result = await call_router(ref)
                 committed = result.message is not None
                 yield result
         except RayActorError as e:  # the stream itself may report the Router's death
@@ -156,18 +130,3 @@ class RouterSessions:
         finally:
             if not committed:  # aborts the turn in the Router, which aborts it on the replica
                 ray.cancel(turn)
-
-
-async def _unwrap(ref):
-    """The call's result; the Router's session, control and input errors as they were raised
-    there."""
-    from ray.exceptions import RayActorError, RayTaskError
-
-    try:
-        return await ref
-    except RayTaskError as e:
-        if isinstance(e.cause, (RouterError, ValueError)):
-            raise e.cause from None
-        raise
-    except RayActorError as e:
-        raise ReplicaFailed(ROUTER_DOWN) from e

@@ -26,6 +26,7 @@ from router.control import ControlPlane
 from router.messages import Message
 from router.policy import RoutingPolicy
 from router.replica_calls import HandleCalls
+from router.replica_generator import PolicyPicker
 from router.samples import TrainingSample
 from router.session_host import SessionHost, SessionSetup
 from router.session_store import open_session_store
@@ -43,7 +44,7 @@ class Router:
         self.forget_after_s = forget_after_s
         # with a DSN, sessions are written through to PostgreSQL and outlive a restart (Ray
         # restarts the actor with the same arguments); without one a restart loses them
-        self.sessions = SessionHost(self, store=open_session_store(sessions_dsn))
+        self.sessions = SessionHost(PolicyPicker(self), store=open_session_store(sessions_dsn))
         self.control = ControlPlane(self)
 
     # --- replicas -----------------------------------------------------------------------------
@@ -159,10 +160,13 @@ class Router:
     async def chat_session(self, session_id: str, messages: list[Message],
                            params: SamplingParams | None, tools: list[dict] | None = None,
                            chat_template_kwargs: dict[str, Any] | None = None,
-                           setup: SessionSetup | None = None) -> AsyncIterator[TurnResult]:
-        """Call with `.options(num_returns="streaming")`; cancelling the call aborts the turn."""
+                           setup: SessionSetup | None = None,
+                           timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
+        """Call with `.options(num_returns="streaming")`; cancelling the call aborts the turn.
+        Past `timeout_s` the turn is aborted here, on its replica, and ends with its partial
+        output (finish reason "abort"), which the session records."""
         turn = self.sessions.chat(session_id, messages, params, tools, chat_template_kwargs,
-                                  setup)
+                                  setup, timeout_s)
         async with aclosing(turn):
             async for result in turn:
                 yield result

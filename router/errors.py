@@ -95,6 +95,24 @@ class MalformedTrajectory(SessionError):
     error_type = "invalid_request_error"
 
 
+class SessionModelMismatch(SessionError):
+    """A stored session was recorded with another model than the one served now (the app was
+    redeployed): its ids follow that model's chat template and tokenizer."""
+
+    status = 409
+    error_type = "invalid_request_error"
+
+    def __init__(self, session_id: str, recorded: str, served: str) -> None:
+        super().__init__(
+            f"session {session_id!r} was recorded with model {recorded!r}, but this server "
+            f"serves {served!r}; a session continues only with the model that made it (its "
+            f"token ids follow that model's chat template): start a new session, or serve "
+            f"{recorded!r} to continue it")
+        self.session_id = session_id
+        self.recorded = recorded
+        self.served = served
+
+
 class SessionStoreUnavailable(SessionError):
     """The session store (PostgreSQL) could not be read or written; nothing was lost that the
     client cannot resend."""
@@ -131,3 +149,40 @@ class ReplicasFailed(ControlError):
 
     status = 503
     error_type = "server_error"
+
+
+class ReplicasBusy(RouterError):
+    """Every engine replica's queue is full (or the routing key's replica's is): retry later."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"  # OpenAI's
+
+
+class ReplicaFailed(RouterError):
+    """No engine replica can serve, or the one serving the request failed mid-request (a
+    clean 503, never a hang); sending it again may well succeed."""
+
+    status = 503
+    error_type = "server_error"
+
+
+ROUTER_DOWN = "the Router actor is unavailable (restarting?); retry"
+
+
+async def call_router(ref: Any) -> Any:
+    """A Router actor call's result. What the Router (or a replica through it) raised on
+    purpose arrives as itself: a `RouterError`, a ValueError (bad input), EnginePaused,
+    RequestFailed. A Router that died or restarts is `ReplicaFailed`."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from actors.engine.errors import EnginePaused, RequestFailed
+
+    try:
+        return await ref
+    except RayTaskError as e:
+        if isinstance(e.cause, (RouterError, ValueError, EnginePaused, RequestFailed)):
+            raise e.cause from None
+        raise
+    except RayActorError as e:
+        raise ReplicaFailed(ROUTER_DOWN) from e

@@ -62,11 +62,15 @@ class EngineTurnGenerator:
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        routing_key: str) -> AsyncIterator[TurnOutput]:
         params = turn_params(params, self.return_routed_experts)
-        # aclosing: leaving this iterator early must abort the engine request now, not at GC
-        async with aclosing(self.engine.generate(prompt_ids, params,
-                                                 turn_request_id(routing_key))) as outs:
-            async for out in outs:
+        outputs = self._outputs(prompt_ids, params, turn_request_id(routing_key), routing_key)
+        # aclosing: leaving this iterator early must abort the request now, not at GC
+        async with aclosing(outputs):
+            async for out in outputs:
                 yield turn_output(out)
+
+    def _outputs(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 routing_key: str) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(prompt_ids, params, request_id)
 
 
 def turn_params(params: SamplingParams, return_routed_experts: bool) -> SamplingParams:

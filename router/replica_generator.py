@@ -1,9 +1,15 @@
-"""Session turns on the Ray Serve engine replicas: the `TurnGenerator` the Router injects.
+"""One request on the engine replicas, the same path for every caller: the HTTP ingress, the
+Router's session turns and the in-cluster rollout client.
 
-Each turn goes to the replica the Router's policy picks for the session id, so a session sticks
-to one replica and reuses its prefix cache; the call carries `target_replica`, which the
-deployment's request router (`router/serve_router.py`) honours. Tokens stream from the replica
-to the Router (which records them) and on to the ingress.
+`ReplicaRequests.generate` asks a `ReplicaPicker` (the Router's policy: in the Router itself,
+or through its actor handle) for a replica, streams the request from it over that replica's
+output channel (router/replica_channels.py), reports the replica when it failed, and says done.
+Its failures are two `RouterError`s: `ReplicasBusy` (429) and `ReplicaFailed` (503); a
+ValueError (bad input), EnginePaused and RequestFailed (its step failed; the replica is fine)
+pass through as themselves.
+
+Session turns go to the replica the policy picks for the session id, so a session sticks to one
+replica and reuses its prefix cache.
 """
 
 from __future__ import annotations
@@ -13,100 +19,105 @@ from contextlib import aclosing
 from typing import Any, Protocol
 
 from actors.engine.errors import EnginePaused, RequestFailed
-from actors.engine.output_delta import DeltaDecoder
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
-from router.errors import SessionError
-from router.generator import TurnOutput, turn_output, turn_params, turn_request_id
-from router.replica_calls import unwrapped
-
-
-class ReplicasBusy(SessionError):
-    """Every replica's queue is full (or the session's replica is): retry later."""
-
-    status = 429
-    error_type = "rate_limit_error"
-
-
-class NoReplica(SessionError):
-    """No engine replica can serve, or the one serving the turn failed."""
-
-    status = 503
-    error_type = "server_error"
+from router.errors import ReplicaFailed, ReplicasBusy, call_router
+from router.generator import EngineTurnGenerator
+from router.replica_channels import ReplicaChannels
 
 
 class ReplicaPicker(Protocol):
-    """The Router's replica table, as the generator uses it."""
+    """The Router's replica table, as a request uses it."""
 
-    def choose(self, routing_key: str | None = None) -> str | None: ...
+    async def choose(self, routing_key: str | None = None) -> str | None: ...
+
+    async def ready(self) -> bool: ...
 
     def done(self, replica_id: str) -> None: ...
-
-    def ready(self) -> bool: ...
 
     def report_failure(self, replica_id: str) -> None: ...
 
 
-async def stream_from_replica(handle: Any, replica_id: str, prompt_ids: list[int],
-                              params: SamplingParams, request_id: str,
-                              ) -> AsyncIterator[RequestOutput]:
-    """Cumulative outputs of one request on the chosen replica (`handle`: the engine
-    deployment's DeploymentHandle), rebuilt from the deltas the replica streams. Leaving early
-    cancels the call, which aborts the request on the replica; a ValueError (bad input) or
-    EnginePaused (its paused queue is full) raised there arrives as itself."""
-    stream = handle.options(stream=True).generate.remote(
-        prompt_ids, params, request_id, target_replica=replica_id)
-    decoder = DeltaDecoder()
-    finished = False
-    try:
-        async for delta in stream:
-            out = decoder.decode(delta)
-            finished = out.finished
-            yield out
-    except Exception as e:
-        error = unwrapped(e)  # Ray wraps what the replica raised
-        if error is e:
-            raise
-        raise error from None
-    finally:
-        if not finished:
-            stream.cancel()
+class PolicyPicker:
+    """`ReplicaPicker` inside the Router actor, over its own table."""
+
+    def __init__(self, router: Any) -> None:
+        self.router = router
+
+    async def choose(self, routing_key: str | None = None) -> str | None:
+        return self.router.choose(routing_key)
+
+    async def ready(self) -> bool:
+        return self.router.ready()
+
+    def done(self, replica_id: str) -> None:
+        self.router.done(replica_id)
+
+    def report_failure(self, replica_id: str) -> None:
+        self.router.report_failure(replica_id)
 
 
-class ReplicaTurnGenerator:
-    """`TurnGenerator` over the engine replicas, sticky by session id."""
+class RouterPicker:
+    """`ReplicaPicker` over the Router actor's handle; a Router that died or restarts is
+    `ReplicaFailed` (a 503), never a 500."""
 
-    def __init__(self, handle: Any, picker: ReplicaPicker,
-                 return_routed_experts: bool = False) -> None:
-        self.handle = handle
+    def __init__(self, router: Any) -> None:
+        self.router = router
+
+    async def choose(self, routing_key: str | None = None) -> str | None:
+        return await call_router(self.router.choose.remote(routing_key))
+
+    async def ready(self) -> bool:
+        try:
+            return await call_router(self.router.ready.remote())
+        except ReplicaFailed:  # the Router is down: not ready until it is back
+            return False
+
+    def done(self, replica_id: str) -> None:
+        self.router.done.remote(replica_id)
+
+    def report_failure(self, replica_id: str) -> None:
+        self.router.report_failure.remote(replica_id)
+
+
+class ReplicaRequests:
+    def __init__(self, handle: Any, picker: ReplicaPicker) -> None:
+        self.channels = ReplicaChannels(handle)  # handle: the engine deployment's
         self.picker = picker
-        self.return_routed_experts = return_routed_experts
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       routing_key: str) -> AsyncIterator[TurnOutput]:
-        replica_id = self._choose(routing_key)
-        params = turn_params(params, self.return_routed_experts)
-        stream = stream_from_replica(self.handle, replica_id, prompt_ids, params,
-                                     turn_request_id(routing_key))
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       routing_key: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of the request; leaving early aborts it on its replica."""
+        replica_id = await self._choose(routing_key)
+        stream = self.channels.stream(replica_id, prompt_ids, params, request_id)
         try:
             async with aclosing(stream):
                 async for out in stream:
-                    yield turn_output(out)
-        except (ValueError, RequestFailed):  # the request's fault (400) or its step's: the
-            raise  # replica is fine
-        except EnginePaused as e:  # paused for a weight update, and its queue is full
-            raise NoReplica(f"{e}; send the turn again") from None
+                    yield out
+        # the request's fault, a pause, or a step that failed only it: the replica is fine
+        except (ValueError, EnginePaused, RequestFailed):
+            raise
         except Exception as e:
             self.picker.report_failure(replica_id)
-            raise NoReplica(f"the engine replica failed while serving the turn: "
-                            f"{type(e).__name__}; send the turn again") from e
+            raise ReplicaFailed(f"the engine replica failed while serving the request "
+                                f"({type(e).__name__}); send it again") from e
         finally:
             self.picker.done(replica_id)
 
-    def _choose(self, routing_key: str) -> str:
-        replica_id = self.picker.choose(routing_key)
+    async def _choose(self, routing_key: str | None) -> str:
+        replica_id = await self.picker.choose(routing_key)
         if replica_id is None:
-            if not self.picker.ready():
-                raise NoReplica("no engine replica is ready")
-            raise ReplicasBusy("the session's engine replica is busy; retry later")
+            if not await self.picker.ready():
+                raise ReplicaFailed("no engine replica is ready")
+            raise ReplicasBusy("every engine replica is busy (or the one this routing key "
+                               "sticks to); retry later")
         return replica_id
+
+
+class ReplicaTurnGenerator(EngineTurnGenerator):
+    """`TurnGenerator` over the engine replicas (`engine`: a `ReplicaRequests`), sticky by
+    session id."""
+
+    def _outputs(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 routing_key: str) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(prompt_ids, params, request_id, routing_key)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.errors import SessionModelMismatch
 from router.generator import TurnOutput
 from router.messages import Message
 from router.trajectory import Trajectory
@@ -53,11 +54,24 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     deleted: bool = False
     last_used: float = 0.0  # the registry's clock
+    model: str | None = None  # the served model that made it (None: not recorded)
+
+    def continue_with(self, model: str | None) -> None:
+        """Check that `model` (None: unknown, no check) may continue this stored session; one
+        stored before sessions recorded their model is taken to be `model`'s, and records it.
+
+        Raises `SessionModelMismatch`: its ids follow its own model's chat template and
+        tokenizer, so another model would silently continue a conversation it cannot read."""
+        if self.model is None:
+            self.model = model
+        elif model is not None and self.model != model:
+            raise SessionModelMismatch(self.id, self.model, model)
 
     def describe(self) -> dict[str, Any]:
         """JSON-ready: metadata, the conversation and the records (without blobs)."""
         traj = self.trajectory
         return {"session_id": self.id, "created_at": self.created_at, "metadata": self.metadata,
+                "model": self.model,
                 "num_turns": len(traj), "num_tokens": traj.num_tokens,
                 "messages": traj.messages(), "records": [r.to_dict() for r in traj.records]}
 

@@ -4,7 +4,9 @@ Token ids are JSON lists; logprobs are base64 little-endian float64 (exact, and 
 -inf); a routed-expert blob is base64 little-endian int32 with its shape. A record whose blob
 was dropped (superseded: see `SessionConfig.blob_window`) stores none, so the stored copy is
 O(prefix) like the live one. Loss masks are not stored: they follow from the records (prompt
-ids masked out, output ids in), as `merge_trajectory` builds them.
+ids masked out, output ids in), as `merge_trajectory` builds them. `model` names the served
+model that made the session; rows stored before it was recorded lack it (they still load, and
+a Router before it ignores it, so the format stays 1).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ _PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f
 def encode_session(session: Session) -> dict[str, Any]:
     """JSON-ready (`json.dumps(..., allow_nan=False)` accepts it)."""
     return {"format": FORMAT, "id": session.id, "metadata": session.metadata,
-            "created_at": session.created_at, "last_used": session.last_used,
+            "model": session.model, "created_at": session.created_at,
+            "last_used": session.last_used,
             "records": [_encode_record(r) for r in session.trajectory.records]}
 
 
@@ -36,8 +39,9 @@ def decode_session(data: dict[str, Any]) -> Session:
                          f"format {FORMAT}")
     trajectory = Trajectory()
     trajectory.records = [_decode_record(r) for r in data["records"]]
+    # "model" is absent from sessions stored before they recorded it (then None: unknown)
     return Session(data["id"], data["metadata"], created_at=data["created_at"],
-                   trajectory=trajectory, last_used=data["last_used"])
+                   trajectory=trajectory, last_used=data["last_used"], model=data.get("model"))
 
 
 def _encode_record(r: TurnRecord) -> dict[str, Any]:

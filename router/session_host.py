@@ -8,7 +8,9 @@ engine replicas through `ReplicaTurnGenerator`, sticky by session id.
 
 Sessions live in the Router's memory and are written through to its `SessionStore`: with
 PostgreSQL (a DSN configured) they survive a Router restart; memory only, a restart forgets them
-(their ids become 404).
+(their ids become 404). Each records its model (`SessionSetup.model_dir`): a stored session
+asked for after a redeploy with another model is a 409 (`SessionModelMismatch`), never served
+with the wrong chat template.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 from actors.engine.sampling_params import SamplingParams
 from router.errors import SessionNotFound
 from router.messages import Message
-from router.replica_generator import ReplicaPicker, ReplicaTurnGenerator
+from router.replica_generator import ReplicaPicker, ReplicaRequests, ReplicaTurnGenerator
 from router.samples import TrainingSample
 from router.session_store import MemorySessionStore, SessionStore
 from router.sessions import SessionConfig, SessionRegistry, TurnResult
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 class SessionSetup:
     """What the Router needs to host sessions for the served model."""
 
-    model_dir: str  # its tokenizer's chat template builds the prompt ids
+    model_dir: str  # its tokenizer's chat template builds the prompt ids; sessions record it
     replicas: Any = field(compare=False)  # the engine deployment's DeploymentHandle
     return_routed_experts: bool = False  # the engines capture routed experts (MoE)
     config: SessionConfig = field(default_factory=SessionConfig)
@@ -99,12 +101,15 @@ class SessionHost:
     async def chat(self, session_id: str, messages: list[Message], params: SamplingParams | None,
                    tools: list[dict] | None = None,
                    chat_template_kwargs: dict[str, Any] | None = None,
-                   setup: SessionSetup | None = None) -> AsyncIterator[TurnResult]:
-        """The turn's progress, then its committed result (see `SessionRegistry.chat_stream`),
-        without replay blobs; leaving early aborts the turn and leaves no trace."""
+                   setup: SessionSetup | None = None,
+                   timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
+        """The turn's progress, then its committed result (see `SessionRegistry.chat_stream`,
+        also for `timeout_s`), without replay blobs; leaving early aborts the turn and leaves no
+        trace."""
         registry = await self._registry_of(session_id, setup)
         turn = registry.chat_stream(session_id, messages, params, tools=tools,
-                                    chat_template_kwargs=chat_template_kwargs)
+                                    chat_template_kwargs=chat_template_kwargs,
+                                    timeout_s=timeout_s)
         async with aclosing(turn):
             async for result in turn:
                 yield without_blobs(result)
@@ -124,10 +129,10 @@ class SessionHost:
                 return
             # off the event loop: the replica table keeps answering meanwhile
             tokenizer = await asyncio.to_thread(self.load_tokenizer, setup.model_dir)
-            generator = ReplicaTurnGenerator(setup.replicas, self.picker,
+            generator = ReplicaTurnGenerator(ReplicaRequests(setup.replicas, self.picker),
                                              setup.return_routed_experts)
             if self.num_sessions:
                 log.warning("the served model changed; forgetting %d sessions", self.num_sessions)
             self._registry = SessionRegistry(TemplateSplicer(tokenizer), generator, setup.config,
-                                             store=self.store)
+                                             store=self.store, model=setup.model_dir)
             self._key = setup.key

@@ -31,6 +31,7 @@ from router.session import Session, SessionConfig, TurnResult
 from router.session_store import MemorySessionStore, SessionStore
 from router.tito import TemplateSplicer
 from router.trajectory import TurnRecord
+from router.turn_deadline import until_deadline
 from router.write_through import WriteThrough
 
 ReplyParser = Callable[[TurnOutput], Message]
@@ -60,7 +61,9 @@ class SessionRegistry:
     `splicer` renders messages to ids with the served model's chat template, `generator` runs a
     turn (see `TurnGenerator`), `reply_parser` turns an output into the assistant message the
     client gets back and is expected to echo (default: the text as `content`), `store` is
-    written through (default: memory only, see `MemorySessionStore`).
+    written through (default: memory only, see `MemorySessionStore`). `model` names the served
+    model (the Router's `SessionSetup.model_dir`), which each session records: a stored one
+    recorded with another model is refused (see `Session.continue_with`).
     """
 
     def __init__(self, splicer: TemplateSplicer, generator: TurnGenerator,
@@ -68,12 +71,13 @@ class SessionRegistry:
                  reply_parser: ReplyParser = default_reply,
                  # wall time: a stored session's last use must mean the same after a restart
                  clock: Callable[[], float] = time.time,
-                 store: SessionStore | None = None) -> None:
+                 store: SessionStore | None = None, model: str | None = None) -> None:
         self.splicer = splicer
         self.generator = generator
         self.config = config or SessionConfig()
         self.reply_parser = reply_parser
         self.clock = clock
+        self.model = model
         self._store = WriteThrough(store or MemorySessionStore())
         self._sessions: dict[str, Session] = {}  # least recently used first
         # ids dropped (-> why) or deleted (-> None); bounded. Never loaded from the store again
@@ -90,7 +94,7 @@ class SessionRegistry:
         self._make_room()
         session_id = "sess-" + secrets.token_urlsafe(18)  # 144 random bits: unguessable
         self._sessions[session_id] = Session(session_id, dict(metadata or {}),
-                                             last_used=self.clock())
+                                             last_used=self.clock(), model=self.model)
         return session_id
 
     def get(self, session_id: str) -> Session:
@@ -140,6 +144,7 @@ class SessionRegistry:
         # one) or deleted it (its tombstone wins over the copy read before)
         if session is None or session_id in self._sessions or session_id in self._gone:
             return
+        session.continue_with(self.model)  # SessionModelMismatch; left in the store
         ttl = self.config.ttl_s
         if ttl is not None and session.last_used < self.clock() - ttl:
             self._remember_gone(session_id, f"unused for over {ttl:g} s")
@@ -207,11 +212,13 @@ class SessionRegistry:
 
     async def chat(self, session_id: str, messages: list[Message],
                    params: SamplingParams | None = None, *, tools: list[dict] | None = None,
-                   chat_template_kwargs: dict[str, Any] | None = None) -> TurnResult:
+                   chat_template_kwargs: dict[str, Any] | None = None,
+                   timeout_s: float | None = None) -> TurnResult:
         """Run one turn to completion; returns the committed result."""
         result = None
         async with aclosing(self.chat_stream(session_id, messages, params, tools=tools,
-                                             chat_template_kwargs=chat_template_kwargs)) as turn:
+                                             chat_template_kwargs=chat_template_kwargs,
+                                             timeout_s=timeout_s)) as turn:
             async for result in turn:
                 pass
         return result
@@ -220,11 +227,14 @@ class SessionRegistry:
                           params: SamplingParams | None = None, *,
                           tools: list[dict] | None = None,
                           chat_template_kwargs: dict[str, Any] | None = None,
-                          ) -> AsyncIterator[TurnResult]:
+                          timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
         """Run one turn, yielding cumulative progress and, last, the committed result.
 
         Consume it under `contextlib.aclosing`: leaving early aborts the generation and leaves
         the session as it was, as does any error (4xx `SessionError`s included).
+        `timeout_s` bounds the generation (counted once the session's previous turn has
+        ended): past it the generation is aborted and the turn commits its partial output,
+        finish reason "abort", as an abort through the control plane does (turn_deadline.py).
         """
         session = await self.aget(session_id)
         async with session.lock:
@@ -232,8 +242,9 @@ class SessionRegistry:
                 raise SessionNotFound(session_id, self._gone.get(session_id))
             turn = self._prepare(session, messages, params, tools, chat_template_kwargs or {})
             final = None
-            async with aclosing(self.generator.generate(turn.full_prompt, turn.params,
-                                                        session_id)) as outs:
+            outs = until_deadline(self.generator.generate(turn.full_prompt, turn.params,
+                                                          session_id), timeout_s)
+            async with aclosing(outs):
                 async for out in outs:
                     if out.finished:
                         final = out

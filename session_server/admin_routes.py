@@ -14,6 +14,15 @@ from session_server.backend import ControlBackend
 from session_server.context import backend_of
 from session_server.errors import bad_request
 from session_server.native_format import partial_items
+from session_server.openapi import BINARY, ok
+from session_server.response_schemas import (
+    Aborted,
+    BucketLoaded,
+    CacheFlushed,
+    ControlState,
+    UpdateBegun,
+    WeightVersion,
+)
 from session_server.schemas import AbortRequest, BeginUpdateRequest, PauseRequest
 
 BUCKET_PATH = r"/admin/update_weights/[^/]+/bucket"  # for the body limit
@@ -25,23 +34,25 @@ def control_of(request: Request) -> ControlBackend:
     return backend_of(request).control
 
 
-@router.post("/pause")
+@router.post("/pause", response_model=None, responses=ok(ControlState))
 async def pause(body: PauseRequest, request: Request) -> dict:
     return await control_of(request).pause(body.mode)
 
 
-@router.post("/resume")
+@router.post("/resume", response_model=None, responses=ok(ControlState))
 async def resume(request: Request) -> dict:
     return await control_of(request).resume()
 
 
-@router.post("/update_weights/begin")
+@router.post("/update_weights/begin", response_model=None, responses=ok(UpdateBegun))
 async def begin_update(body: BeginUpdateRequest, request: Request) -> dict:
     update_id = await control_of(request).begin_update(body.version, body.tensors)
     return {"update_id": update_id}
 
 
-@router.post("/update_weights/{update_id}/bucket")
+@router.post("/update_weights/{update_id}/bucket", response_model=None, responses=ok(BucketLoaded),
+             openapi_extra={"requestBody": {"required": True,
+                                            "content": {"application/octet-stream": BINARY}}})
 async def load_bucket(update_id: str, request: Request) -> dict:
     """Body: the bucket's safetensors bytes (Content-Type application/octet-stream)."""
     payload = await request.body()
@@ -50,22 +61,23 @@ async def load_bucket(update_id: str, request: Request) -> dict:
     return {"tensors": await control_of(request).load_bucket(update_id, payload)}
 
 
-@router.post("/update_weights/{update_id}/commit")
+@router.post("/update_weights/{update_id}/commit", response_model=None,
+             responses=ok(WeightVersion))
 async def commit_update(update_id: str, request: Request) -> dict:
     return {"weight_version": await control_of(request).commit_update(update_id)}
 
 
-@router.get("/weight_version")
+@router.get("/weight_version", response_model=None, responses=ok(WeightVersion))
 async def weight_version(request: Request) -> dict:
     return {"weight_version": await control_of(request).weight_version()}
 
 
-@router.post("/abort")
+@router.post("/abort", response_model=None, responses=ok(Aborted))
 async def abort(body: AbortRequest, request: Request) -> dict:
     return {"outputs": partial_items(await control_of(request).abort(body.request_ids))}
 
 
-@router.post("/flush_cache")
+@router.post("/flush_cache", response_model=None, responses=ok(CacheFlushed))
 async def flush_cache(request: Request) -> dict:
     await control_of(request).flush_cache()
     return {"flushed": True}

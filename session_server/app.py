@@ -14,6 +14,7 @@ from session_server.body_limit import BodyLimit
 from session_server.errors import install_error_handlers
 from session_server.header_limit import HeaderLimit
 from session_server.metrics import MetricsSource
+from session_server.openapi import ERRORS
 from session_server.schemas import MAX_N
 from session_server.tool_calls import PARSERS, detect_parser
 
@@ -57,7 +58,7 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     admin = admin_api_key is not None
     modules = [openai_routes, native_routes, session_routes, metrics]
     for module in (modules + [admin_routes]) if admin else modules:
-        app.include_router(module.router)
+        app.include_router(module.router, responses=ERRORS)  # the OpenAI error body
     # added last = runs first: auth before the body is read
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
                        path_limits={admin_routes.BUCKET_PATH: max_bucket_bytes} if admin else {})

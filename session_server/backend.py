@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
 from router.control import ControlPlane
+from router.errors import ReplicaFailed
 from router.generator import EngineTurnGenerator
 from router.messages import Message
 from router.replica_calls import EngineCalls, EngineTable
@@ -23,18 +24,6 @@ from router.samples import TrainingSample
 from router.session_host import without_blobs
 from router.sessions import SessionConfig, SessionRegistry, TurnResult
 from router.tito import TemplateSplicer
-
-
-class QueueFull(Exception):
-    """Every replica's queue is full: answer 429 with Retry-After."""
-
-    def __init__(self, retry_after: float = 1.0):
-        super().__init__("all engine replicas are busy; retry later")
-        self.retry_after = retry_after
-
-
-class ReplicaFailed(Exception):
-    """The replica serving a request died or failed mid-request (a clean 5xx, never a hang)."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +46,11 @@ class SessionBackend(Protocol):
     def chat_stream(self, session_id: str, messages: list[Message], params: SamplingParams,
                     tools: list[dict] | None = None,
                     chat_template_kwargs: dict[str, Any] | None = None,
-                    ) -> AsyncIterator[TurnResult]:
+                    timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
         """The turn's cumulative progress, then its committed result (`message` set), without
-        replay blobs. Closing the iterator early aborts the turn and leaves no trace."""
+        replay blobs. Closing the iterator early aborts the turn and leaves no trace. Past
+        `timeout_s` seconds the turn is aborted where it runs (the engine request too) and
+        commits its partial output, finish reason "abort" (`SessionRegistry.chat_stream`)."""
         ...
 
     async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
@@ -113,7 +104,8 @@ class EngineBackend(Protocol):
                  routing_key: str | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; closing the iterator early aborts it.
 
-        Raises `ValueError` for bad input, `QueueFull` and `ReplicaFailed` as above.
+        Raises `ValueError` for bad input, `router.errors.ReplicasBusy` (429) and
+        `ReplicaFailed` (503).
         """
         ...
 
@@ -144,9 +136,10 @@ class LocalSessions:
     async def chat_stream(self, session_id: str, messages: list[Message], params: SamplingParams,
                           tools: list[dict] | None = None,
                           chat_template_kwargs: dict[str, Any] | None = None,
-                          ) -> AsyncIterator[TurnResult]:
+                          timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
         turn = self.registry.chat_stream(session_id, messages, params, tools=tools,
-                                         chat_template_kwargs=chat_template_kwargs)
+                                         chat_template_kwargs=chat_template_kwargs,
+                                         timeout_s=timeout_s)
         async with contextlib.aclosing(turn):
             async for result in turn:
                 yield without_blobs(result)
@@ -202,8 +195,10 @@ class LocalBackend:
         # capture routed experts for the sessions' training samples when the engine can
         capture = cfg.enable_return_routed_experts and validator.num_moe_layers > 0
         generator = EngineTurnGenerator(engine, return_routed_experts=capture)
-        self.sessions = LocalSessions(SessionRegistry(TemplateSplicer(self.tokenizer), generator,
-                                                      session_config))
+        # sessions record the model by its path, as the Router's do (`SessionSetup.model_dir`)
+        registry = SessionRegistry(TemplateSplicer(self.tokenizer), generator, session_config,
+                                   model=cfg.model)
+        self.sessions = LocalSessions(registry)
         self.control = LocalControl(engine)
 
     async def generate(self, prompt_ids, params, request_id, routing_key=None):

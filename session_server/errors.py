@@ -10,7 +10,6 @@ unexpected (500, logged).
 from __future__ import annotations
 
 import logging
-import math
 import re
 
 from fastapi import FastAPI, Request
@@ -20,7 +19,6 @@ from starlette.exceptions import HTTPException
 
 from actors.engine.errors import EnginePaused, RequestFailed
 from router.errors import RouterError
-from session_server.backend import QueueFull, ReplicaFailed
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +78,6 @@ def from_exception(exc: BaseException, param_names: dict[str, str] | None = None
         return exc
     if isinstance(exc, ValueError):
         return _value_error(str(exc), param_names or {})
-    if isinstance(exc, QueueFull):
-        retry = str(max(1, math.ceil(exc.retry_after)))
-        return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": retry})
-    if isinstance(exc, ReplicaFailed):
-        return APIError(503, str(exc) or "the engine replica failed", code="replica_failed")
     if isinstance(exc, EnginePaused):
         return APIError(503, str(exc), code="engine_paused", headers={"Retry-After": "1"})
     if isinstance(exc, RequestFailed):  # a step it was in raised; the engine serves on
@@ -137,8 +130,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(ClientGone, on_gone)
-    for kind in (APIError, ValueError, QueueFull, ReplicaFailed, EnginePaused, RouterError,
-                 Exception):
+    for kind in (APIError, ValueError, EnginePaused, RouterError, Exception):
         app.add_exception_handler(kind, on_any)
 
 

@@ -25,6 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from session_server.context import backend_of
+from session_server.openapi import ok
 
 PREFIX = "raylane:"
 SOURCE_TIMEOUT_S = 2.0  # a scrape waits this long for an extra source, then goes without it
@@ -135,7 +136,8 @@ def render(model_name: str, snapshots: list[dict]) -> bytes:
     return generate_latest(registry)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses=ok(content={
+    "text/plain": {"schema": {"type": "string", "description": "Prometheus text format"}}}))
 async def metrics(request: Request) -> Response:
     backend = backend_of(request)
     body = render(backend.info.name, await backend.stats())

@@ -18,7 +18,9 @@ from session_server.context import (
 )
 from session_server.errors import bad_request, error_response, from_exception
 from session_server.native_format import NativeFormatter
+from session_server.openapi import EVENT_STREAM, ok
 from session_server.prompts import chat_text, encode, generate_prompts
+from session_server.response_schemas import DetokenizeResponse, GenerateItem, TokenizeResponse
 from session_server.sampling import SGLANG_NAMES, resolve_max_tokens, sglang_params
 from session_server.schemas import DetokenizeRequest, GenerateRequest, TokenizeRequest
 from session_server.streaming import Indexed, final_outputs, primed, sse_response, start
@@ -26,7 +28,8 @@ from session_server.streaming import Indexed, final_outputs, primed, sse_respons
 router = APIRouter()
 
 
-@router.post("/generate")
+# one item per sample, a list when the request is batched or n > 1
+@router.post("/generate", responses=ok(GenerateItem | list[GenerateItem], EVENT_STREAM))
 async def generate(body: GenerateRequest, request: Request):
     backend = backend_of(request)
     check_n(request, body.sampling_params.n)
@@ -61,7 +64,7 @@ async def _renamed(stream: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
             raise from_exception(e, SGLANG_NAMES) from None
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", response_model=None, responses=ok(TokenizeResponse))
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     backend = backend_of(request)
     check_model(body.model, backend.info)
@@ -80,7 +83,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
             "token_strs": None}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", response_model=None, responses=ok(DetokenizeResponse))
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     backend = backend_of(request)
     check_model(body.model, backend.info)
@@ -92,7 +95,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     return {"prompt": text, "text": text}
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response,
+            responses=ok(description="Ready: an empty body (503 when no replica can serve)"))
 async def health(request: Request) -> Response:
     try:
         ready = await backend_of(request).ready()

@@ -17,7 +17,9 @@ from session_server.context import (
 )
 from session_server.errors import bad_request
 from session_server.openai_format import ChatFormatter, CompletionFormatter, Echo
+from session_server.openapi import EVENT_STREAM, ok
 from session_server.prompts import completion_prompts, render_chat
+from session_server.response_schemas import ChatCompletion, Completion, ModelCard, ModelList
 from session_server.sampling import (
     chat_max_tokens,
     name_engine_errors,
@@ -31,12 +33,12 @@ from session_server.tool_calls.choice import tool_plan
 router = APIRouter()
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=None, responses=ok(ModelList))
 async def list_models(request: Request) -> dict:
     return {"object": "list", "data": [await _model_card(request)]}
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", response_model=None, responses=ok(ModelCard))
 async def retrieve_model(model_id: str, request: Request) -> dict:
     check_model(model_id, backend_of(request).info)
     return await _model_card(request)
@@ -51,14 +53,14 @@ async def _model_card(request: Request) -> dict:
             "weight_version": await backend.control.weight_version()}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=ok(Completion, EVENT_STREAM))
 async def completions(body: CompletionRequest, request: Request):
     backend = backend_of(request)
     check_model(body.model, backend.info)
     check_n(request, body.n)
     _reject_unsupported(body)
     prompts = completion_prompts(body.prompt, backend.tokenizer)
-    echo = _echo(body, prompts, backend.tokenizer)
+    echo = _echo(body, prompts, backend.tokenizer, backend.info.vocab_size)
     # max_tokens 0 (echo only): the engine needs max_tokens >= 1, so run with 1; the formatter
     # drops that token (Echo.prompt_only)
     asked = 1 if echo is not None and echo.prompt_only else body.max_tokens
@@ -76,7 +78,7 @@ async def completions(body: CompletionRequest, request: Request):
     return JSONResponse(formatter.response(await final_outputs(request, stream, len(prompts))))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=ok(ChatCompletion, EVENT_STREAM))
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     backend = backend_of(request)
     check_model(body.model, backend.info)
@@ -100,7 +102,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return JSONResponse(formatter.response(await final_outputs(request, stream, 1)))
 
 
-def _echo(body: CompletionRequest, prompts: list[list[int]], tokenizer) -> Echo | None:
+def _echo(body: CompletionRequest, prompts: list[list[int]], tokenizer,
+          vocab_size: int) -> Echo | None:
     """What `echo: true` puts before each completion: the prompt as sent (token ids decoded)."""
     if not body.echo:
         return None
@@ -108,7 +111,11 @@ def _echo(body: CompletionRequest, prompts: list[list[int]], tokenizer) -> Echo 
         texts = [body.prompt]
     elif isinstance(body.prompt[0], str):
         texts = list(body.prompt)
-    else:
+    else:  # ids are decoded before the engine checks them: a bad one must be a 400 here
+        bad = [t for p in prompts for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"prompt: token ids must be in [0, {vocab_size}); got {bad[:5]}",
+                              "prompt")
         texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
     return Echo(texts, prompt_only=body.max_tokens == 0)
 

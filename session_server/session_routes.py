@@ -8,7 +8,7 @@ POST   /sessions/{id}/samples              the merged training sample: JSON, or 
                                            `Accept` asks for application/octet-stream or
                                            application/safetensors
 Errors are the OpenAI error body with the session error's status (404 unknown id, 400 bad turn
-or rollback too deep, 422 malformed trajectory).
+or rollback too deep, 409 a stored session of another model, 422 malformed trajectory).
 """
 
 from __future__ import annotations
@@ -21,11 +21,19 @@ from fastapi.responses import JSONResponse, Response
 
 from router.sessions import TurnResult
 from session_server.backend import SessionBackend
-from session_server.context import backend_of, check_model, new_id
+from session_server.context import backend_of, check_model, new_id, timeout_of
 from session_server.errors import bad_request, from_exception
 from session_server.formatting import finite
 from session_server.openai_routes import check_chat
+from session_server.openapi import BINARY, EVENT_STREAM, ok
 from session_server.prompts import message_dicts
+from session_server.response_schemas import (
+    ChatCompletion,
+    SessionCreated,
+    SessionDeleted,
+    SessionDescription,
+    TrainingSample,
+)
 from session_server.sampling import chat_max_tokens, openai_params
 from session_server.schemas import ChatCompletionRequest, CreateSessionRequest, SessionSampleRequest
 from session_server.session_format import SessionChatFormatter
@@ -40,26 +48,37 @@ def sessions_of(request: Request) -> SessionBackend:
     return backend_of(request).sessions
 
 
-@router.post("")
+@router.post("", response_model=None, responses=ok(SessionCreated))
 async def create_session(request: Request,
                          body: CreateSessionRequest | None = Body(None)) -> dict:
     session_id = await sessions_of(request).create(body.metadata if body else None)
     return {"session_id": session_id}
 
 
-@router.get("/{session_id}")
+@router.get("/{session_id}", response_model=None, responses=ok(SessionDescription))
 async def describe_session(session_id: str, request: Request) -> dict:
     return await sessions_of(request).describe(session_id)
 
 
-@router.delete("/{session_id}")
+@router.delete("/{session_id}", response_model=None, responses=ok(SessionDeleted))
 async def delete_session(session_id: str, request: Request) -> dict:
     await sessions_of(request).delete(session_id)
     return {"session_id": session_id, "deleted": True}
 
 
-@router.post("/{session_id}/v1/chat/completions")
+@router.post("/{session_id}/v1/chat/completions", responses=ok(ChatCompletion, EVENT_STREAM))
 async def session_chat(session_id: str, body: ChatCompletionRequest, request: Request):
+    """One turn of the session: the OpenAI chat API, the reply recorded token-in/token-out.
+
+    `timeout` (seconds; else the server's `request_timeout_s`) bounds the turn's generation,
+    counted once the session's previous turn has ended: past it the generation is aborted on
+    the engine and the turn ends with its partial output, finish reason "abort" (streamed or
+    not). The session records that aborted turn, as it records one a control-plane abort ends:
+    the reply the client got is the stored assistant message to echo next turn, its ids are
+    loss-masked in as generated, and the sample's status is "aborted" while it is the last turn.
+    The next turn continues after it (the template's end of turn appended, as after
+    `max_tokens`). An aborted turn keeps no routed-expert blob; the next turn's covers it.
+    """
     backend = backend_of(request)
     check_model(body.model, backend.info)
     check_chat(body)
@@ -69,14 +88,16 @@ async def session_chat(session_id: str, body: ChatCompletionRequest, request: Re
     formatter = SessionChatFormatter(new_id("chatcmpl"), backend.info.name, body, params,
                                      backend.tokenizer, 0)
     turn = backend.sessions.chat_stream(session_id, message_dicts(body.messages), params,
-                                        body.tools, body.chat_template_kwargs)
+                                        body.tools, body.chat_template_kwargs,
+                                        timeout_s=timeout_of(request, body.timeout))
     stream = _views(turn, formatter, {"prompt": "messages", "max_tokens": field})
     if body.stream:
         return sse_response(await primed(request, stream), formatter.chunks, formatter.tail)
     return JSONResponse(formatter.response(await final_outputs(request, stream, 1)))
 
 
-@router.post("/{session_id}/samples")
+@router.post("/{session_id}/samples",
+             responses=ok(TrainingSample, dict.fromkeys(SAFETENSORS_TYPES, BINARY)))
 async def session_sample(session_id: str, request: Request,
                          body: SessionSampleRequest | None = Body(None)) -> Response:
     sample = await sessions_of(request).sample(session_id, body.max_seq_len if body else None)

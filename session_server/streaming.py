@@ -20,7 +20,8 @@ from fastapi.responses import StreamingResponse
 
 from actors.engine.outputs import CompletionOutput, RequestOutput
 from actors.engine.sampling_params import SamplingParams
-from session_server.backend import EngineBackend, ReplicaFailed
+from router.errors import ReplicaFailed
+from session_server.backend import EngineBackend
 from session_server.errors import ClientGone, error_body, from_exception
 
 T = TypeVar("T")

@@ -47,6 +47,18 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    async def add_request(self, prompt: Prompt, params: SamplingParams | None,
+                          request_id: str) -> RequestStream:
+        """Admit a request now and return its outputs. What is wrong with it (a ValueError), a
+        duplicate id and a paused engine's full queue (`EnginePaused`) raise here; while paused
+        it waits for the resume."""
         self.check_health()
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -57,20 +69,7 @@ class AsyncLLMEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._start()
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                if item.error is not None:
-                    raise RequestFailed(f"request {request_id}: {item.error}")
-                yield item
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self.engine.abort_request(request_id)
+        return RequestStream(self, request_id, queue)
 
     async def abort(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests; their consumers get a final output with reason "abort", which is
@@ -213,3 +212,45 @@ class AsyncLLMEngine:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+
+    def _release(self, request_id: str, queue: asyncio.Queue, finished: bool) -> None:
+        if self._queues.get(request_id) is queue:
+            del self._queues[request_id]
+        if not finished:
+            self.engine.abort_request(request_id)
+
+
+class RequestStream:
+    """One admitted request's cumulative outputs (`AsyncLLMEngine.add_request`), ending with
+    its final one. `close()` releases it (it is called when the stream ends or raises);
+    closing before the final output aborts the request and frees its blocks."""
+
+    def __init__(self, owner: AsyncLLMEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._owner = owner
+        self._queue = queue
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):  # the step loop died
+            self.close()
+            raise item
+        self.finished = item.finished
+        if item.error is not None:
+            self.close()
+            raise RequestFailed(f"request {self.request_id}: {item.error}")
+        if self.finished:
+            self.close()
+        return item
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._owner._release(self.request_id, self._queue, self.finished)

@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine.errors import EnginePaused
+from actors.engine.errors import EnginePaused, RequestFailed
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
-from cluster.client.errors import Busy, NoReplica
+from cluster.client.errors import Busy, ClientError, NoReplica
 from cluster.client.rollout import Rollout, from_request_output
 from cluster.client.session import SessionTurn
-from router.errors import RouterError
-from router.replica_generator import stream_from_replica
+from router.errors import ReplicaFailed, ReplicasBusy, RouterError
+from router.replica_generator import ReplicaRequests, RouterPicker
 from router.samples import TrainingSample
 
 ENGINE_DEPLOYMENT = "EngineDeployment"
@@ -33,6 +33,7 @@ class RayTransport:
                  return_routed_experts: bool = False):
         self.router = router  # the Router actor's handle
         self.replicas = replicas  # the engine deployment's DeploymentHandle
+        self.requests = ReplicaRequests(replicas, RouterPicker(router))
         self.model = model  # the served HF directory: its tokenizer and chat template
         self.sessions = None if model is None else _router_sessions(
             router, replicas, model, return_routed_experts)
@@ -54,28 +55,19 @@ class RayTransport:
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
                        routing_key: str | None) -> list[Rollout]:
-        replica_id = await self._choose(routing_key)
         final: RequestOutput | None = None
         try:
-            async with aclosing(stream_from_replica(self.replicas, replica_id, prompt, params,
-                                                    request_id)) as stream:
+            stream = self.requests.generate(prompt, params, request_id, routing_key)
+            async with aclosing(stream):
                 async for out in stream:
                     final = out
-        except ValueError:
-            raise
-        except Exception as e:
-            raise _replica_error(self.router, replica_id, e) from e
-        finally:
-            self.router.done.remote(replica_id)
+        except (ReplicasBusy, ReplicaFailed) as e:
+            raise Busy(e.status, str(e), e.error_type, None, e.code) from e
+        except EnginePaused as e:  # its paused queue is full: worth retrying
+            raise Busy(503, str(e), "server_error", None, "engine_paused") from e
+        except RequestFailed as e:  # a step it was in failed; the replica serves on
+            raise ClientError(500, str(e), "server_error", None, "request_failed") from e
         return from_request_output(final)
-
-    async def _choose(self, routing_key: str | None) -> str:
-        replica_id = await self.router.choose.remote(routing_key)
-        if replica_id is None:
-            if not await self.router.ready.remote():
-                raise Busy(503, "no engine replica is ready")
-            raise Busy(429, "every engine replica is busy")
-        return replica_id
 
     async def tokenize(self, text: str | None, messages: list[dict] | None) -> list[int]:
         tokenizer = self._tokenizer_of_model()
@@ -174,14 +166,6 @@ def _router_sessions(router: Any, replicas: Any, model: str, routed: bool):
     # NOTE: must equal the ingress's setup (same model dir, same routed-experts flag), else
     # the Router takes it for a redeployed model and rebuilds its registry
     return RouterSessions(router, SessionSetup(model, replicas, return_routed_experts=routed))
-
-
-def _replica_error(router: Any, replica_id: str, e: Exception) -> Exception:
-    """A paused engine's full queue is worth retrying; anything else failed the replica."""
-    if isinstance(e, EnginePaused):
-        return Busy(503, str(e))
-    router.report_failure.remote(replica_id)
-    return Busy(503, f"engine replica failed while serving the request: {type(e).__name__}")
 
 
 async def _unwrap(ref):

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from session_server.backend import QueueFull, ReplicaFailed
+from router.errors import ReplicaFailed, ReplicasBusy
 from tests.e2e.conftest import MAX_BODY, MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -132,11 +132,11 @@ def test_api_keys(server, http):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_queue_full_is_429_with_retry_after(http, client, probe, stream):
-    probe.fail = QueueFull(retry_after=2.5)
+    probe.fail = ReplicasBusy("every engine replica is busy; retry later")
     response = http.post("/v1/chat/completions", json={**CHAT, "stream": stream})
     error = assert_error(response, 429, code="rate_limit_exceeded")
     assert error["type"] == "rate_limit_error"
-    assert response.headers["retry-after"] == "3"
+    assert response.headers["retry-after"] == "1"
     with pytest.raises(openai.RateLimitError):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
 

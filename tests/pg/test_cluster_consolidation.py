@@ -1,6 +1,7 @@
 """A cluster config with a `consolidation:` section: the actor `raylane serve` starts
 consolidates on its schedule through the cluster's own HTTP app (SmolLM2, behind an API key),
-and the app's /metrics shows its counters, and still answers once the actor is gone. Also the
+and the app's /metrics shows its counters, and still answers once the actor is gone. The app a
+RayService deploys (`cluster.serve:app_builder`) starts that actor itself, once. Also the
 actor's scheduled passes over every bank (a fake LLM: fast)."""
 
 from __future__ import annotations
@@ -98,6 +99,69 @@ async def test_cluster_consolidates_on_schedule_and_reports_on_metrics(ray_clust
         after = await _scrape(client)  # the actor is gone: the engines' metrics still answer
         assert "raylane:num_requests_running[('model_name', 'smollm2')]" in after
         assert not any(name.startswith("raylane:consolidation") for name in after)
+
+
+def _consolidation_actors_ever() -> int:
+    from ray._private.state import actors
+
+    from cluster.consolidation import ACTOR_NAME
+
+    return sum(a["Name"] == ACTOR_NAME for a in actors().values())
+
+
+@pytest.fixture
+def import_path_app(ray_cluster, smollm2_dir, pg_dsn, bank, monkeypatch):
+    """The app as a RayService deploys it: `serve.run(app_builder(args))`, nothing else started;
+    yields (args, url, how many actors by the actor's name Ray had seen before)."""
+    from ray import serve
+
+    from cluster.serve import app_builder
+    from router.actor import NAMESPACE, ROUTER_NAME
+    from tests.ray.conftest import free_port
+
+    for key in ("RAYLANE_CONFIG", "RAYLANE_MODEL", "RAYLANE_API_KEYS", "RAYLANE_SESSIONS_DSN",
+                "RAYLANE_CONSOLIDATION_DSN"):
+        monkeypatch.delenv(key, raising=False)
+    args = {"model": smollm2_dir, "served_model_name": "smollm2", "api_keys": [KEY],
+            "torch_threads": 1, "engine": {"dtype": "float32", "num_kv_blocks": 512},
+            "consolidation": {"dsn": pg_dsn, "banks": [bank], "interval_s": 0.5,
+                              "llm_batch_size": 2, "max_tokens": 512}}
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    before = _consolidation_actors_ever()
+    try:
+        serve.run(app_builder(args), name="raylane", route_prefix="/")
+        yield args, f"http://127.0.0.1:{port}", before
+    finally:
+        stop_consolidation()
+        serve.shutdown()
+        ray.kill(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE))
+
+
+@pytest.mark.slow
+async def test_the_import_path_app_starts_the_actor_once(import_path_app, store, bank) -> None:
+    """No `raylane serve` here: the Ingress starts the actor against the Serve HTTP address
+    once the app answers, and it consolidates; `raylane serve`'s own start (after the same
+    health check) gets that actor instead of starting a second."""
+    from tests.ray.conftest import wait_for
+
+    args, url, before = import_path_app
+    await store.retain_many(bank, ITEMS)  # a pass may have run before: wait for these
+    deadline = time.monotonic() + 120.0
+    while await store.pending_banks([bank]):
+        assert time.monotonic() < deadline, "the memories were not consolidated within 120 s"
+        await asyncio.sleep(0.25)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
+        samples = await _until_a_pass_completed(client)
+    assert samples["raylane:consolidation_llm_calls_total[('result', 'ok')]"] >= 1
+    assert samples["raylane:consolidation_memories_total[('outcome', 'failed')]"] == 0
+    assert await store.all_observations(bank)  # the model answered through the app's endpoint
+    config = ClusterConfig(served_model_name="smollm2", api_keys=(KEY,),
+                           consolidation=args["consolidation"])
+    start_consolidation(config, url, served_model_name(config))  # as `raylane serve` does
+    wait_for(lambda: _consolidation_actors_ever() > before, 30, "the actor's record")
+    assert _consolidation_actors_ever() == before + 1
 
 
 async def test_passes_over_every_bank_are_scheduled_and_counted(ray_cluster, fresh_dsn) -> None:

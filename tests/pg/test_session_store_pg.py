@@ -1,6 +1,7 @@
 """PgSessionStore against a private PostgreSQL: the schema, one row per session written through
-on every change, a new store (a restarted Router) carrying a conversation on, the TTL purge, and
-a database that is down answering 503 instead of losing or corrupting anything."""
+on every change, a new store (a restarted Router) carrying a conversation on, the TTL purge, a
+database that is down answering 503 instead of losing or corrupting anything, and a stored
+session's model: refused (409) by a Router serving another one, rows from before it still load."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from actors.consolidation.pgtemp import free_port
-from router.errors import SessionNotFound, SessionStoreUnavailable
+from router.errors import SessionModelMismatch, SessionNotFound, SessionStoreUnavailable
 from router.session import Session
 from router.session_store import open_session_store
 from router.session_store_pg import PgSessionStore, migrate
@@ -131,3 +132,42 @@ async def test_an_unreadable_row_is_an_error_not_a_crash(pg_dsn, pg_store):
         await conn.close()
     with pytest.raises(SessionStoreUnavailable, match="cannot be read"):
         await pg_store.load(session.id)
+
+
+async def test_a_router_serving_another_model_refuses_the_session(tok, pg_dsn, pg_store):
+    agent = await agent_over(registry_over(tok, pg_store, model="/models/a"))
+    await agent.user(TURNS[0])
+    assert json.loads((await row(pg_dsn, agent.id))["record"])["model"] == "/models/a"
+    redeployed = PgSessionStore(pg_dsn)  # a restarted Router, now serving another model
+    try:
+        other = registry_over(tok, redeployed, model="/models/b")
+        with pytest.raises(SessionModelMismatch) as err:
+            await other.chat(agent.id, agent.messages + [user(TURNS[1])])
+        assert err.value.status == 409 and "'/models/a'" in str(err.value)
+        stored = await row(pg_dsn, agent.id)
+        assert len(json.loads(stored["record"])["records"]) == 1  # kept, and unchanged
+        agent.registry = registry_over(tok, redeployed, model="/models/a")
+        await agent.user(TURNS[1])
+        assert (await agent.registry.adescribe(agent.id))["num_turns"] == 2
+    finally:
+        await redeployed.close()
+
+
+async def test_a_row_written_before_models_were_recorded_loads(tok, pg_dsn, pg_store):
+    agent = await agent_over(registry_over(tok, pg_store))
+    await agent.user(TURNS[0])
+    conn = await asyncpg.connect(pg_dsn)
+    try:  # the row as a Router before this change wrote it: no "model" key at all
+        await conn.execute("UPDATE raylane_sessions SET record = (record::jsonb - 'model')::json "
+                           "WHERE id = $1", agent.id)
+    finally:
+        await conn.close()
+    assert "model" not in json.loads((await row(pg_dsn, agent.id))["record"])
+    restarted = PgSessionStore(pg_dsn)
+    try:
+        agent.registry = registry_over(tok, restarted, model="/models/a")
+        await agent.user(TURNS[1])
+        assert json.loads((await row(pg_dsn, agent.id))["record"])["model"] == "/models/a"
+        assert (await agent.registry.adescribe(agent.id))["num_turns"] == 2
+    finally:
+        await restarted.close()

@@ -101,16 +101,7 @@ def test_deleted_session_is_404_and_an_abandoned_stream_leaves_no_trace(moe_serv
         for i, _ in enumerate(stream):
             if i >= 2:
                 break  # hang up mid-turn: the ingress cancels the Router's call
-    router = ray_cluster.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-
-    def settled() -> bool:  # the replica aborted the request and the Router let it go
-        idle = not any(r["in_flight"] for r in ray_cluster.get(router.replicas.remote()))
-        return idle and aborted(url) == aborted_before + 1
-
-    deadline = time.monotonic() + 30
-    while not settled():
-        assert time.monotonic() < deadline, "the abandoned turn was not aborted"
-        time.sleep(0.2)
+    wait_aborted(ray_cluster, url, aborted_before + 1, "the abandoned turn")
     assert httpx.get(f"{url}/sessions/{session_id}", timeout=30).json()["num_turns"] == 0
 
     chat(client, messages)
@@ -119,3 +110,35 @@ def test_deleted_session_is_404_and_an_abandoned_stream_leaves_no_trace(moe_serv
         chat(client, messages)
     assert err.value.body["code"] == "session_not_found"
     assert httpx.get(f"{url}/sessions/{session_id}", timeout=30).status_code == 404
+
+
+def wait_aborted(ray_cluster, url: str, count: int, what: str) -> None:
+    """Until the replicas' abort counter reaches `count` and the Router holds no request."""
+    router = ray_cluster.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    deadline = time.monotonic() + 30
+    while (any(r["in_flight"] for r in ray_cluster.get(router.replicas.remote()))
+           or aborted(url) != count):
+        assert time.monotonic() < deadline, f"{what} was not aborted"
+        time.sleep(0.2)
+
+
+def test_a_turn_past_its_deadline_is_aborted_on_its_replica_and_recorded(moe_served,
+                                                                          ray_cluster):
+    url = moe_served
+    session_id, client = new_session(url)
+    aborted_before = aborted(url)
+    messages = [{"role": "user", "content": "Tell me a long story."}]
+    # the body's `timeout` (the openai client's own `timeout=` is its HTTP timeout)
+    resp = chat(client, messages, max_tokens=1000,
+                extra_body={"ignore_eos": True, "timeout": 0.3})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "abort" and resp.usage.completion_tokens < 1000
+    wait_aborted(ray_cluster, url, aborted_before + 1, "the turn past its deadline")
+    records = httpx.get(f"{url}/sessions/{session_id}", timeout=30).json()["records"]
+    assert records[0]["finish_reason"] == "abort"
+    assert len(records[0]["output_ids"]) == resp.usage.completion_tokens
+
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "user", "content": "Go on."}]
+    assert chat(client, messages).choices[0].finish_reason == "length"
+    assert httpx.get(f"{url}/sessions/{session_id}", timeout=30).json()["num_turns"] == 2

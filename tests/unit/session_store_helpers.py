@@ -69,8 +69,10 @@ class Clock:
         return self.now
 
 
-def registry_over(tok, store, clock=None, **config) -> SessionRegistry:
-    """Replies are a function of the prompt alone, so two registries generate alike."""
+def registry_over(tok, store, clock=None, model: str | None = None,
+                  **config) -> SessionRegistry:
+    """Replies are a function of the prompt alone, so two registries generate alike; `model`:
+    the served model the registry's sessions record."""
 
     def reply(prompt_ids: list[int]) -> TurnOutput:
         text = f"reply {len(prompt_ids)}"
@@ -78,7 +80,7 @@ def registry_over(tok, store, clock=None, **config) -> SessionRegistry:
         return TurnOutput(ids, logprobs_for(ids), text, None, weight_version=3)
 
     return SessionRegistry(TemplateSplicer(tok), FakeTurnGenerator(reply), SessionConfig(**config),
-                           clock=clock or Clock(), store=store)
+                           clock=clock or Clock(), store=store, model=model)
 
 
 async def agent_over(registry: SessionRegistry) -> Agent:

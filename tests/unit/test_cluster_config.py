@@ -260,3 +260,57 @@ def test_consolidation_metrics_are_merged_only_when_configured():
     assert metrics_sources(ClusterConfig()) == []
     (source,) = metrics_sources(ClusterConfig(consolidation={"dsn": "pg://x"}))
     assert isinstance(source, ActorMetrics)
+
+
+def test_the_app_logs_an_unusable_database_and_tries_again(monkeypatch, caplog):
+    """The Ingress's start of the consolidation actor (an import_path deploy): after the app
+    answers; a database it cannot use is logged (no DSN in it) and tried again, never raised."""
+    import logging
+    import threading
+
+    from cluster import consolidation, launch
+
+    calls: list[str] = []
+    done = threading.Event()
+
+    def start(config, url, model_name):
+        calls.append(f"{url} {model_name}")
+        if len(calls) == 2:  # the first try
+            raise ValueError("consolidation: cannot use the database at consolidation.dsn: "
+                             "ConnectionRefusedError: refused")
+        done.set()
+
+    monkeypatch.setattr(consolidation, "serve_url", lambda: "http://10.0.0.7:8000")
+    monkeypatch.setattr(launch, "wait_healthy", lambda url, timeout_s: calls.append("healthy"))
+    monkeypatch.setattr(consolidation, "start_consolidation", start)
+    monkeypatch.setattr(consolidation, "RETRY_S", 0.01)
+    logging.getLogger("ray.serve").addHandler(caplog.handler)
+    try:
+        config = ClusterConfig(consolidation={"dsn": "postgresql://u:pw-secret@db/m"})
+        thread = consolidation.start_with_app(config, "smollm2")
+        assert done.wait(10) and (thread.join(10) or not thread.is_alive())
+    finally:
+        logging.getLogger("ray.serve").removeHandler(caplog.handler)
+    assert calls == ["healthy", "http://10.0.0.7:8000 smollm2"] * 2
+    (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "cannot use the database" in error.getMessage()
+    assert "serves on" in error.getMessage() and "pw-secret" not in error.getMessage()
+    assert consolidation.start_with_app(ClusterConfig(), "m") is None  # no section: no thread
+
+
+@pytest.mark.parametrize(("host", "url"), [("0.0.0.0", "http://10.1.2.3:8123"),
+                                           ("127.0.0.1", "http://127.0.0.1:8123"),
+                                           ("::", "http://10.1.2.3:8123"),
+                                           ("fd00::5", "http://[fd00::5]:8123")])
+def test_the_actor_asks_the_serve_address_any_node_can_reach(host, url, monkeypatch):
+    from types import SimpleNamespace
+
+    import ray
+    import ray.serve.context
+
+    from cluster.consolidation import serve_url
+
+    client = SimpleNamespace(http_config=SimpleNamespace(host=host, port=8123))
+    monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda: client)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    assert serve_url() == url

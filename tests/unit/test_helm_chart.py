@@ -2,7 +2,7 @@
 library (`helm-python-sdk`), every rendered core object checked by `kubernetes-validate
 --strict`, the RayService by the KubeRay CRD schema (../shared/kuberay), the Serve config by
 importing its import path and loading its arguments into `ClusterConfig`; bad values refused
-with a readable message; no secret value outside a Secret.
+with a readable message; no secret value (a DSN included) outside a Secret.
 """
 
 from __future__ import annotations
@@ -72,7 +72,21 @@ CONFIGS = {
     "metrics-with-literal-key": {"metrics": {"serviceMonitor": {"enabled": True}},
                                  "auth": {"apiKey": {"value": "k"}}},
     "llama3-tools-serial": {"serving": {"toolCallParser": "llama3", "asyncScheduling": False}},
+    "sessions-and-consolidation": {
+        "postgres": {"dsn": {"value": "", "secretKeyRef": {"name": "db", "key": "dsn"}}},
+        "sessions": {"persist": True},
+        "consolidation": {"enabled": True, "banks": ["bank-a", "bank-b"], "intervalSeconds": 0.5,
+                          "batchSize": 10, "llmBatchSize": 2, "maxParallelGroups": 3,
+                          "maxTokens": 256, "model": "judge"}},
 }
+
+
+def container_env(docs: list[dict]) -> list[dict[str, dict]]:
+    """Each Ray container's env (head, then workers), by variable name."""
+    cluster = only(docs, "RayService")["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    return [{e["name"]: e for e in c["env"]} for p in pods for c in p["template"]["spec"][
+        "containers"]]
 
 
 def test_lint_is_clean():
@@ -115,6 +129,8 @@ def test_serve_config_imports_and_its_args_load(name, monkeypatch):
 
     for key in ("RAYLANE_CONFIG", "RAYLANE_MODEL", "RAYLANE_REPLICAS", "RAYLANE_PORT"):
         monkeypatch.delenv(key, raising=False)
+    # what the pods get from the Secret (the args never hold it)
+    monkeypatch.setenv("RAYLANE_CONSOLIDATION_DSN", "postgresql://u@db/memories")
     values = CONFIGS[name]
     serve = yaml.safe_load(only(render(values), "RayService")["spec"]["serveConfigV2"])
     (app,) = serve["applications"]
@@ -128,6 +144,59 @@ def test_serve_config_imports_and_its_args_load(name, monkeypatch):
     assert not config.api_keys and config.admin_api_key is None  # keys never in the config
     assert config.engine["async_scheduling"] == serving.get("asyncScheduling", True)
     assert config.tool_call_parser == (serving.get("toolCallParser") or None)
+    assert config.sessions_dsn is None  # from RAYLANE_SESSIONS_DSN in the pods only
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["consolidation"]
+    section = {**defaults, **values.get("consolidation", {})}
+    if not section["enabled"]:
+        assert config.consolidation is None
+        return
+    assert "dsn" not in app["args"]["consolidation"]
+    service = config.consolidation_config()
+    assert (service.banks, service.interval_s, service.model, service.max_tokens) == (
+        tuple(section["banks"]) or None, section["intervalSeconds"], section["model"] or None,
+        section["maxTokens"])
+    assert (service.limits.batch_size, service.limits.llm_batch_size,
+            service.limits.max_parallel_groups) == (
+        section["batchSize"], section["llmBatchSize"], section["maxParallelGroups"])
+
+
+def test_consolidation_defaults_consolidate_every_bank_with_the_served_model():
+    values = {"postgres": {"inChart": {"enabled": True}}, "consolidation": {"enabled": True}}
+    serve = yaml.safe_load(only(render(values), "RayService")["spec"]["serveConfigV2"])
+    (app,) = serve["applications"]
+    assert app["args"]["consolidation"] == {"interval_s": 60, "batch_size": 50,
+                                            "llm_batch_size": 8, "max_parallel_groups": 4,
+                                            "max_tokens": 1024}
+
+
+@pytest.mark.parametrize(("values", "ref"), [
+    ({"postgres": {"dsn": {"value": "", "secretKeyRef": {"name": "db", "key": "dsn"}}}},
+     {"name": "db", "key": "dsn"}),
+    ({"postgres": {"inChart": {"enabled": True}}}, {"name": "rl-raylane-secrets",
+                                                    "key": "postgres-dsn"}),
+    ({"postgres": {"inChart": {"enabled": True}},  # its own database wins
+      "sessions": {"dsn": {"value": "", "secretKeyRef": {"name": "s", "key": "k1"}}},
+      "consolidation": {"dsn": {"value": "", "secretKeyRef": {"name": "c", "key": "k2"}}}},
+     None),
+])
+def test_each_dsn_reaches_every_ray_pod_from_a_secret(values, ref):
+    values = {**values, "sessions": {"persist": True, **values.get("sessions", {})},
+              "consolidation": {"enabled": True, **values.get("consolidation", {})}}
+    for env in container_env(render(values)):
+        sessions = env["RAYLANE_SESSIONS_DSN"]["valueFrom"]["secretKeyRef"]
+        consolidation = env["RAYLANE_CONSOLIDATION_DSN"]["valueFrom"]["secretKeyRef"]
+        if ref is None:
+            assert (sessions, consolidation) == ({"name": "s", "key": "k1"},
+                                                 {"name": "c", "key": "k2"})
+        else:
+            assert sessions == consolidation == ref
+        assert not [e for e in env.values() if e["name"].endswith("_DSN") and "value" in e]
+
+
+def test_without_sessions_or_consolidation_no_pod_gets_a_dsn():
+    values = {"postgres": {"dsn": {"value": "", "secretKeyRef": {"name": "db", "key": "dsn"}}}}
+    for env in container_env(render(values)):
+        assert not [name for name in env if name.endswith("_DSN")]
 
 
 def test_gpu_tp4_workers_shm_and_head():
@@ -143,8 +212,10 @@ def test_gpu_tp4_workers_shm_and_head():
     assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     env = {e["name"]: e for e in container["env"]}
-    assert env["RAYLANE_POSTGRES_DSN"]["valueFrom"]["secretKeyRef"] == {"name": "raylane-db",
+    assert env["RAYLANE_SESSIONS_DSN"]["valueFrom"]["secretKeyRef"] == {"name": "raylane-db",
                                                                        "key": "dsn"}
+    assert env["RAYLANE_CONSOLIDATION_DSN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "raylane-memories", "key": "dsn"}
     assert env["RAYLANE_ADMIN_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "raylane-keys"
     monitor = only(docs, "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["bearerTokenSecret"] == {"name": "raylane-keys",
@@ -171,7 +242,9 @@ def test_cpu_dev_runs_postgres_in_the_chart_and_points_the_dsn_at_it():
     (head,) = only(docs, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"][
         "template"]["spec"]["containers"]
     env = {e["name"]: e for e in head["env"]}
-    assert env["RAYLANE_POSTGRES_DSN"]["valueFrom"]["secretKeyRef"]["key"] == "postgres-dsn"
+    for name in ("RAYLANE_SESSIONS_DSN", "RAYLANE_CONSOLIDATION_DSN"):
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "rl-raylane-secrets",
+                                                          "key": "postgres-dsn"}
 
 
 def test_pods_run_hardened():
@@ -203,13 +276,16 @@ def test_the_service_reaches_only_the_ray_pods():
 
 SENTINELS = {("auth", "apiKey"): "sentinel-api-4a1b", ("auth", "adminKey"): "sentinel-adm-9c2d",
              ("postgres", "dsn"): "postgresql://u:sentinel-pw-77@db/x",
+             ("sessions", "dsn"): "postgresql://u:sentinel-pw-81@sessions/x",
+             ("consolidation", "dsn"): "postgresql://u:sentinel-pw-93@memories/x",
              ("hub", "token"): "sentinel-hub-5e6f"}
 
 
 def test_no_secret_value_outside_a_secret():
     values: dict = {"postgres": {"inChart": {"enabled": True,
                                              "password": {"value": "sentinel-pg-3b8a"}}},
-                    "metrics": {"serviceMonitor": {"enabled": True}}}
+                    "metrics": {"serviceMonitor": {"enabled": True}},
+                    "sessions": {"persist": True}, "consolidation": {"enabled": True}}
     for (group, name), secret in SENTINELS.items():
         values.setdefault(group, {})[name] = {"value": secret}
     docs = render(values)
@@ -239,6 +315,14 @@ def test_no_secret_value_outside_a_secret():
     ({"auth": {"apiKey": {"value": "same"}, "adminKey": {"value": "same"}}}, "differ"),
     ({"auth": {"apiKey": {"value": "a", "secretKeyRef": {"name": "s", "key": "k"}}}},
      "not both"),
+    ({"consolidation": {"dsn": {"value": "a", "secretKeyRef": {"name": "s", "key": "k"}}}},
+     "consolidation.dsn: set either value or secretKeyRef, not both"),
+    ({"sessions": {"persist": True}}, "sessions.persist needs a PostgreSQL"),
+    ({"consolidation": {"enabled": True}}, "consolidation.enabled needs a PostgreSQL"),
+    ({"consolidation": {"intervalSeconds": 0}}, "intervalSeconds"),
+    ({"consolidation": {"llmBatchSize": 0}}, "llmBatchSize"),
+    ({"consolidation": {"banks": "all"}}, "banks"),
+    ({"sessions": {"dsn": "postgresql://u:pw@db/x"}}, "dsn"),  # only as a secret
 ])
 def test_bad_values_are_refused_with_a_readable_message(values, says):
     with pytest.raises(helm.HelmError) as caught:

@@ -8,8 +8,9 @@ import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from cluster.serve_backend import ServeBackend
+from router.errors import ReplicaFailed
 from session_server.app import build_app
-from session_server.backend import ModelInfo, ReplicaFailed
+from session_server.backend import ModelInfo
 
 
 class DeadMethod:

@@ -4,6 +4,7 @@ back; replica failures and full queues are clean session errors; errors survive 
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 
 import pytest
@@ -11,9 +12,14 @@ import pytest
 from actors.engine.output_delta import DeltaEncoder
 from actors.engine.outputs import CompletionOutput, RequestOutput
 from router.actor import Router
-from router.errors import MalformedTrajectory, RollbackTooDeep, SessionNotFound
+from router.errors import (
+    MalformedTrajectory,
+    ReplicaFailed,
+    ReplicasBusy,
+    RollbackTooDeep,
+    SessionNotFound,
+)
 from router.fake_generator import token_routing
-from router.replica_generator import NoReplica, ReplicasBusy
 from router.session_host import SessionSetup
 from tests.tiny_models import make_tokenizer
 
@@ -21,47 +27,75 @@ HELLO = [{"role": "user", "content": "hello"}]
 
 
 class FakeStream:
-    def __init__(self, outs: list[RequestOutput], fail: Exception | None) -> None:
-        self.outs, self.fail, self.cancelled = outs, fail, False
+    """A streaming call's response: async-iterable, cancellable."""
 
-    async def _items(self):
-        for out in self.outs:
-            yield out
-            if self.fail is not None:
-                raise self.fail
+    def __init__(self, items) -> None:
+        self.items, self.cancelled = items, False
 
     def __aiter__(self):
-        return self._items()
+        return self
+
+    async def __anext__(self):
+        return await anext(self.items)
 
     def cancel(self) -> None:
         self.cancelled = True
 
 
+class Method:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
 class FakeHandle:
-    """`handle.options(stream=True).generate.remote(...)`: two output tokens per turn."""
+    """The engine deployment's handle as `ReplicaChannels` uses it: a replica's output channel
+    (`open_channel`), `submit` (two output tokens per turn, each in its own batch), `abort`.
+    `fail`: the channel's call fails after the first token (the replica died); `submit_error`:
+    what submitting raises (as Ray wraps it)."""
 
     deployment_name = "EngineDeployment"
 
     def __init__(self, app_name: str = "raylane") -> None:
         self.app_name = app_name
         self.targets: list[str] = []
-        self.streams: list[FakeStream] = []
+        self.aborted: list[str] = []
         self.fail: Exception | None = None
+        self.submit_error: Exception | None = None
+        self.channels: dict[str, asyncio.Queue] = {}
+        self.open_channel, self.submit = Method(self._open_channel), Method(self._submit)
+        self.abort = Method(lambda ids, target_replica: self.aborted.extend(ids))
 
     def options(self, **_) -> FakeHandle:
         return self
 
-    @property
-    def generate(self) -> FakeHandle:
-        return self
+    def _open_channel(self, channel_id: str, target_replica: str) -> FakeStream:
+        queue = self.channels[channel_id] = asyncio.Queue()
 
-    def remote(self, prompt_ids, params, request_id, target_replica=None) -> FakeStream:
+        async def items():
+            yield target_replica
+            while True:
+                batch = await queue.get()
+                if isinstance(batch, Exception):
+                    raise batch
+                yield batch
+
+        return FakeStream(items())
+
+    async def _submit(self, prompt_ids, params, request_id, channel_id, target_replica):
+        if self.submit_error is not None:
+            raise self.submit_error
         self.targets.append(target_replica)
         ids = [5, 6]
-        outs = [self._out(prompt_ids, ids[:n], params, n == len(ids)) for n in (1, 2)]
-        encoder = DeltaEncoder()  # as a replica streams them
-        self.streams.append(FakeStream([encoder.encode(o) for o in outs], self.fail))
-        return self.streams[-1]
+        encoder = DeltaEncoder()  # as a replica sends them
+        for n in (1, 2):
+            out = self._out(prompt_ids, ids[:n], params, n == len(ids))
+            self.channels[channel_id].put_nowait([(request_id, encoder.encode(out))])
+            if self.fail is not None:
+                self.channels[channel_id].put_nowait(self.fail)
+                return
 
     @staticmethod
     def _out(prompt, ids, params, last) -> RequestOutput:
@@ -128,7 +162,7 @@ async def test_a_failing_replica_is_a_503_reported_and_released(router):
     handle = FakeHandle()
     session_id = await router.create_session(setup(handle))
     handle.fail = RuntimeError("replica died")
-    with pytest.raises(NoReplica) as err:
+    with pytest.raises(ReplicaFailed) as err:
         await turn(router, session_id)
     assert err.value.status == 503
     state = router.policy.replicas[handle.targets[0]]
@@ -141,7 +175,7 @@ async def test_a_replicas_bad_input_stays_a_value_error(router):
     session_id = await router.create_session(setup(handle))
     wrapped = RuntimeError("RayTaskError")
     wrapped.cause = ValueError("prompt: too long")
-    handle.fail = wrapped
+    handle.submit_error = wrapped
     with pytest.raises(ValueError, match="prompt: too long"):
         await turn(router, session_id)
     assert all(r["healthy"] and not r["in_flight"] for r in router.replicas())
@@ -156,7 +190,7 @@ async def test_full_queues_are_429_and_no_replica_is_503(router):
     assert err.value.status == 429
     for replica_id in ("r1", "r2"):
         router.unregister(replica_id)
-    with pytest.raises(NoReplica):
+    with pytest.raises(ReplicaFailed):
         await turn(router, session_id)
 
 
@@ -166,7 +200,7 @@ async def test_leaving_a_turn_early_cancels_the_replica_call(router):
     stream = router.chat_session(session_id, HELLO, None)
     await anext(stream)
     await stream.aclose()
-    assert handle.streams[0].cancelled
+    assert len(handle.aborted) == 1 and handle.aborted[0].startswith(session_id)
     assert all(not r["in_flight"] for r in router.replicas())
     assert (await router.describe_session(session_id))["num_turns"] == 0
 

@@ -59,16 +59,27 @@ Arguments: (list $ ENV_NAME .Values.path.to.secret "chart-secret-key")
 {{- if or .secretKeyRef.name .value -}}true{{- end -}}
 {{- end -}}
 
-{{/* The DSN: the one given, else the in-chart PostgreSQL's (stored in the chart's Secret). */}}
+{{/*
+A database DSN as an env var, always from a Secret: the feature's own dsn, else postgres.dsn,
+else the in-chart PostgreSQL's (in the chart's Secret); fails the render when there is none.
+Arguments: (list $ ENV_NAME .Values.feature.dsn "chart-secret-key" "feature.switch")
+*/}}
 {{- define "raylane.dsnEnv" -}}
-{{- if include "raylane.hasSecret" .Values.postgres.dsn -}}
-{{ include "raylane.secretEnv" (list . "RAYLANE_POSTGRES_DSN" .Values.postgres.dsn "postgres-dsn") }}
-{{- else if .Values.postgres.inChart.enabled }}
-- name: RAYLANE_POSTGRES_DSN
+{{- $root := index . 0 -}}
+{{- $env := index . 1 -}}
+{{- $own := index . 2 -}}
+{{- if include "raylane.hasSecret" $own -}}
+{{ include "raylane.secretEnv" (list $root $env $own (index . 3)) }}
+{{- else if include "raylane.hasSecret" $root.Values.postgres.dsn -}}
+{{ include "raylane.secretEnv" (list $root $env $root.Values.postgres.dsn "postgres-dsn") }}
+{{- else if $root.Values.postgres.inChart.enabled }}
+- name: {{ $env }}
   valueFrom:
     secretKeyRef:
-      name: {{ include "raylane.secretName" . }}
+      name: {{ include "raylane.secretName" $root }}
       key: postgres-dsn
+{{- else -}}
+{{- fail (printf "%s needs a PostgreSQL: set its dsn (a secretKeyRef), postgres.dsn or postgres.inChart.enabled" (index . 4)) -}}
 {{- end -}}
 {{- end -}}
 
@@ -81,7 +92,12 @@ Arguments: (list $ ENV_NAME .Values.path.to.secret "chart-secret-key")
 {{- include "raylane.secretEnv" (list . "RAYLANE_API_KEYS" .Values.auth.apiKey "api-key") }}
 {{- include "raylane.secretEnv" (list . "RAYLANE_ADMIN_API_KEY" .Values.auth.adminKey "admin-key") }}
 {{- include "raylane.secretEnv" (list . "HF_TOKEN" .Values.hub.token "hub-token") }}
-{{- include "raylane.dsnEnv" . }}
+{{- if .Values.sessions.persist }}
+{{- include "raylane.dsnEnv" (list . "RAYLANE_SESSIONS_DSN" .Values.sessions.dsn "sessions-dsn" "sessions.persist") }}
+{{- end }}
+{{- if .Values.consolidation.enabled }}
+{{- include "raylane.dsnEnv" (list . "RAYLANE_CONSOLIDATION_DSN" .Values.consolidation.dsn "consolidation-dsn" "consolidation.enabled") }}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
@@ -111,7 +127,7 @@ Arguments: (list $ ENV_NAME .Values.path.to.secret "chart-secret-key")
 {{- if and .Values.auth.adminKey.value (eq .Values.auth.adminKey.value .Values.auth.apiKey.value) -}}
 {{- fail "auth.adminKey must differ from auth.apiKey: a user key must not open the admin routes" -}}
 {{- end -}}
-{{- range $name, $s := dict "auth.apiKey" .Values.auth.apiKey "auth.adminKey" .Values.auth.adminKey "postgres.dsn" .Values.postgres.dsn "hub.token" .Values.hub.token "postgres.inChart.password" .Values.postgres.inChart.password -}}
+{{- range $name, $s := dict "auth.apiKey" .Values.auth.apiKey "auth.adminKey" .Values.auth.adminKey "postgres.dsn" .Values.postgres.dsn "sessions.dsn" .Values.sessions.dsn "consolidation.dsn" .Values.consolidation.dsn "hub.token" .Values.hub.token "postgres.inChart.password" .Values.postgres.inChart.password -}}
 {{- if and $s.value $s.secretKeyRef.name -}}
 {{- fail (printf "%s: set either value or secretKeyRef, not both" $name) -}}
 {{- end -}}
@@ -131,6 +147,14 @@ Arguments: (list $ ENV_NAME .Values.path.to.secret "chart-secret-key")
 {{- with .Values.model.path }}{{ $_ := set $args "model" . }}{{ end -}}
 {{- with .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" . }}{{ end -}}
 {{- with .Values.serving.toolCallParser }}{{ $_ := set $args "tool_call_parser" . }}{{ end -}}
+{{- if .Values.consolidation.enabled -}}
+{{- $c := .Values.consolidation -}}
+{{- /* no dsn: it reaches the pods as RAYLANE_CONSOLIDATION_DSN, from a Secret */ -}}
+{{- $section := dict "interval_s" $c.intervalSeconds "batch_size" (int $c.batchSize) "llm_batch_size" (int $c.llmBatchSize) "max_parallel_groups" (int $c.maxParallelGroups) "max_tokens" (int $c.maxTokens) -}}
+{{- with $c.banks }}{{ $_ := set $section "banks" . }}{{ end -}}
+{{- with $c.model }}{{ $_ := set $section "model" . }}{{ end -}}
+{{- $_ := set $args "consolidation" $section -}}
+{{- end -}}
 {{- toYaml $args -}}
 {{- end -}}
 

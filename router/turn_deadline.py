@@ -1,0 +1,49 @@
+"""A session turn's deadline: past it the generation is aborted and the turn ends with the
+output so far, finish reason "abort" — what the OpenAI routes do with `timeout`
+(session_server/streaming.py), enforced where the turn runs so the abort reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from router.errors import BadSessionRequest
+from router.generator import TurnOutput
+
+
+async def until_deadline(outputs: AsyncIterator[TurnOutput],
+                         timeout_s: float | None) -> AsyncIterator[TurnOutput]:
+    """`outputs` as they come, for at most `timeout_s` seconds (None: no limit). At the deadline
+    `outputs` is closed (which aborts the generation, see `TurnGenerator`) and one last output
+    ends the turn: the partial output, finish reason "abort"."""
+    if timeout_s is not None and not timeout_s > 0:
+        raise BadSessionRequest(f"timeout must be > 0 seconds, got {timeout_s}", param="timeout")
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    last: TurnOutput | None = None
+    async with aclosing(outputs):
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    out = await anext(outputs)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                break
+            last = out
+            yield out
+            if out.finished:
+                return
+    yield ended_at_deadline(last)
+
+
+def ended_at_deadline(out: TurnOutput | None) -> TurnOutput:
+    """The partial output as the turn's final one. It carries no routed-expert blob: an engine
+    hands one out only with a request it finished itself."""
+    if out is None:  # nothing generated yet (the engine was still queueing or prefilling)
+        return TurnOutput([], [], finish_reason="abort")
+    return dataclasses.replace(out, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
+                               finish_reason="abort", routed_experts=None)

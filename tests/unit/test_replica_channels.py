@@ -1,0 +1,183 @@
+"""Requests over the replicas' output channels (actors/output_channel.py,
+router/replica_channels.py) against a serial run of the same engine, without Ray: real
+`EngineReplica`s behind an in-process stand-in for the deployment handle. Checks the outputs
+(ids, logprobs, the cumulative view), that a step's outputs travel as one batch, and that every
+way of leaving aborts on the replica."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+
+import pytest
+
+from actors.engine import SamplingParams
+from actors.replica import EngineReplica
+from router.replica_channels import ReplicaChannels
+
+MAX_TOKENS = 10
+
+
+class Call:
+    """A handle call's response: awaitable (unary), async-iterable (`stream=True`)."""
+
+    def __init__(self, result) -> None:
+        self.result = result
+
+    def __await__(self):
+        return self.result.__await__()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await anext(self.result)
+
+    def cancel(self) -> None:
+        # as Serve does: the replica's generator is closed (its `finally` runs)
+        asyncio.get_running_loop().create_task(self.result.aclose())
+
+
+class LocalHandle:
+    """The engine deployment's handle over in-process replicas: `target_replica` picks one
+    (an unknown target falls back to the first, as the request router does); counts what the
+    caller would send over Ray."""
+
+    def __init__(self, replicas: dict[str, EngineReplica]) -> None:
+        self.replicas = replicas
+        self.batches = 0  # channel messages after the first (the replica's id)
+        self.aborts: list[str] = []
+
+    def options(self, **_) -> LocalHandle:
+        return self
+
+    def __getattr__(self, method: str):
+        handle = self
+
+        class Method:
+            @staticmethod
+            def remote(*args, target_replica=None):
+                replicas = handle.replicas
+                replica = replicas.get(target_replica) or next(iter(replicas.values()))
+                if method == "abort":
+                    handle.aborts.extend(args[0])
+                result = getattr(replica, method)(*args, target_replica=target_replica)
+                if method == "open_channel":
+                    return Call(handle._counted(result))
+                return Call(asyncio.ensure_future(result))  # sent now, awaited or not
+
+        return Method
+
+    async def _counted(self, stream):
+        try:
+            async for item in stream:
+                self.batches += isinstance(item, list)
+                yield item
+        finally:
+            await stream.aclose()
+
+
+@pytest.fixture
+def replica(tiny_llama_dir) -> EngineReplica:
+    return EngineReplica({"model": tiny_llama_dir, "num_kv_blocks": 128, "max_model_len": 256},
+                         replica_id="r1")
+
+
+def prompts(vocab: int, n: int = 5) -> list[list[int]]:
+    return [[(7 * i + j) % (vocab - 5) + 5 for j in range(6 + 5 * i)] for i in range(n)]
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+
+
+async def collect(channels: ReplicaChannels, prompt, params, rid: str) -> list:
+    async with aclosing(channels.stream("r1", prompt, params, rid)) as stream:
+        return [out async for out in stream]
+
+
+async def wait_idle(replica: EngineReplica) -> None:
+    for _ in range(200):
+        if replica.engine.num_requests == 0 and not replica.engine.engine.requests:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{replica.engine.num_requests} requests still held")
+
+
+async def test_concurrent_requests_equal_the_serial_run_in_one_batch_per_step(replica):
+    engine = replica.engine.engine
+    ps = prompts(engine.validator.vocab_size)
+    serial = [engine.generate([p], greedy(), use_tqdm=False)[0] for p in ps]
+    handle = LocalHandle({"r1": replica})
+    channels = ReplicaChannels(handle)
+    results = await asyncio.gather(*(collect(channels, p, greedy(), f"q{i}")
+                                      for i, p in enumerate(ps)))
+    for outs, ref in zip(results, serial):
+        final, want = outs[-1].outputs[0], ref.outputs[0]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert final.token_ids == want.token_ids and final.finish_reason == "length"
+        assert final.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        # cumulative, as the engine's own stream: each output extends the one before
+        ids = [o.outputs[0].token_ids for o in outs]
+        assert all(b[:len(a)] == a and len(b) > len(a) for a, b in zip(ids, ids[1:]))
+    deltas = sum(len(outs) for outs in results)
+    # per request that would be one message per output; the channel sends one per step
+    assert handle.batches <= MAX_TOKENS + len(ps), (handle.batches, deltas)
+    assert handle.batches < deltas / 2
+    await wait_idle(replica)
+
+
+async def test_leaving_early_aborts_on_the_replica(replica):
+    handle = LocalHandle({"r1": replica})
+    channels = ReplicaChannels(handle)
+    ps = prompts(replica.engine.engine.validator.vocab_size, 2)
+    async with aclosing(channels.stream("r1", ps[0], greedy(200), "leave")) as stream:
+        async for out in stream:
+            if len(out.outputs[0].token_ids) == 2:
+                break
+    assert handle.aborts == ["leave"]
+    await wait_idle(replica)
+    # the channel stays open for the next request
+    outs = await collect(channels, ps[1], greedy(), "next")
+    assert len(outs[-1].outputs[0].token_ids) == MAX_TOKENS
+
+
+async def test_bad_input_is_a_value_error_and_nothing_runs(replica):
+    channels = ReplicaChannels(LocalHandle({"r1": replica}))
+    vocab = replica.engine.engine.validator.vocab_size
+    with pytest.raises(ValueError, match="prompt"):
+        await collect(channels, [5, 6, vocab + 3], greedy(), "bad")
+    await wait_idle(replica)
+
+
+async def test_a_closed_channel_aborts_its_requests_and_fails_them(replica):
+    handle = LocalHandle({"r1": replica})
+    channels = ReplicaChannels(handle)
+    ps = prompts(replica.engine.engine.validator.vocab_size, 3)
+    streams = [channels.stream("r1", p, greedy(200), f"c{i}") for i, p in enumerate(ps)]
+    for stream in streams:
+        await anext(stream)
+    (channel,) = replica._channels.values()
+    channel.close()  # as when the caller is gone
+    await wait_idle(replica)  # all three aborted there
+    for stream in streams:  # and here they fail, not hang
+        with pytest.raises(RuntimeError, match="closed the output channel"):
+            async for _ in stream:
+                pass
+
+
+async def test_a_lost_channel_fails_its_requests_and_the_next_one_reopens(replica):
+    handle = LocalHandle({"r1": replica})
+    channels = ReplicaChannels(handle)
+    ps = prompts(replica.engine.engine.validator.vocab_size, 2)
+    stream = channels.stream("r1", ps[0], greedy(200), "lost")
+    await anext(stream)
+    (channel,) = [t.result() for t in channels._channels.values()]
+    channel._task.cancel()  # the call to the replica ends under it
+    with pytest.raises(RuntimeError, match="output channel"):
+        async for _ in stream:
+            pass
+    await stream.aclose()
+    await asyncio.sleep(0.05)
+    outs = await collect(channels, ps[1], greedy(), "after")
+    assert outs[-1].finished

@@ -1,0 +1,176 @@
+"""A session turn's deadline (`timeout_s`): past it the generation is aborted and the turn
+commits its partial output, finish reason "abort", as a control-plane abort's turn is recorded;
+the next turn carries on after it. In the registry (a generator that never finishes on its own)
+and through the plain `Router` class, to which the ingress's `RouterSessions` sends it.
+
+Reference: the same conversation without deadlines, and the chat template's rendering."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.serve_backend import RouterSessions
+from router import session_host
+from router.actor import Router
+from router.errors import BadSessionRequest
+from router.generator import TurnOutput
+from router.session_host import SessionSetup
+from router.sessions import SessionRegistry
+from router.tito import TemplateSplicer
+from tests.tiny_models import make_tokenizer
+from tests.unit.sessions_helpers import Agent, make_registry, user
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+class EndlessGenerator:
+    """A `TurnGenerator` that emits one id per `step_s` and never finishes by itself."""
+
+    def __init__(self, tok, step_s: float = 0.005, first_after_s: float = 0.0) -> None:
+        self.ids = tok.encode("ab", add_special_tokens=False)
+        self.step_s, self.first_after_s = step_s, first_after_s
+        self.running = 0
+        self.closed = 0
+
+    async def generate(self, prompt_ids, params, routing_key) -> AsyncIterator[TurnOutput]:
+        self.running += 1
+        try:
+            await asyncio.sleep(self.first_after_s)
+            ids: list[int] = []
+            while True:
+                await asyncio.sleep(self.step_s)
+                ids.append(self.ids[len(ids) % len(self.ids)])
+                yield TurnOutput(list(ids), [-0.25] * len(ids), "ab" * (len(ids) // 2),
+                                 weight_version=4)
+        finally:
+            self.running -= 1
+            self.closed += 1
+
+
+async def test_past_the_deadline_the_partial_turn_is_recorded_as_aborted(tok):
+    gen = EndlessGenerator(tok)
+    registry = SessionRegistry(TemplateSplicer(tok), gen)
+    agent = Agent(registry)
+    result = await agent.user("tell me everything", timeout_s=0.1)
+    out = result.output
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids)
+    assert gen.running == 0 and gen.closed == 1  # the generation was aborted, not left running
+    record = registry.get(agent.id).trajectory.records[-1]
+    assert record.finish_reason == "abort" and record.output_ids == out.token_ids
+    assert record.logprobs == out.logprobs and record.weight_version == 4
+    assert result.message == {"role": "assistant", "content": out.text}
+    sample = registry.sample(agent.id)
+    assert sample.status == "aborted"
+    assert sample.tokens[-len(out.token_ids):] == out.token_ids
+    assert sample.loss_mask == [0] * len(record.prompt_ids) + [1] * len(out.token_ids)
+
+
+async def test_the_next_turn_continues_after_the_aborted_one(tok):
+    gen = EndlessGenerator(tok)
+    registry = SessionRegistry(TemplateSplicer(tok), gen)
+    agent = Agent(registry)
+    aborted = (await agent.user("hello", timeout_s=0.05)).output
+    registry.generator = make_registry(tok)[1]  # the next turn finishes by itself
+    nxt = await agent.user("go on")
+    assert nxt.output.finish_reason == "stop" and nxt.rolled_back == 0
+    first, second = registry.get(agent.id).trajectory.records
+    assert first.output_ids == aborted.token_ids and second.prefix_len == first.end
+    # cut mid-turn, the stored output gets the template's end of turn, as after max_tokens
+    end_of_turn = TemplateSplicer(tok).next_turn([user("go on")], [])
+    assert second.prompt_ids == end_of_turn
+    assert registry.sample(agent.id).status == "completed"
+
+
+async def test_nothing_generated_by_the_deadline_is_an_empty_aborted_turn(tok):
+    gen = EndlessGenerator(tok, first_after_s=10)  # still queueing at the deadline
+    registry = SessionRegistry(TemplateSplicer(tok), gen)
+    agent = Agent(registry)
+    out = (await agent.user("hello", timeout_s=0.05)).output
+    assert out.finish_reason == "abort" and out.token_ids == [] and gen.running == 0
+    assert registry.get(agent.id).trajectory.records[-1].output_ids == []
+
+
+async def test_a_turn_that_finishes_in_time_is_untouched(tok):
+    registry, _ = make_registry(tok)
+    reference, _ = make_registry(tok)
+    timed, plain = Agent(registry), Agent(reference)
+    for text in ("hello", "more"):
+        a = await timed.user(text, timeout_s=30)
+        b = await plain.user(text)
+        assert a.output.finish_reason == "stop" and a.output.token_ids == b.output.token_ids
+    assert registry.sample(timed.id).to_json() == reference.sample(plain.id).to_json()
+
+
+class Handle:
+    """The engine deployment's handle, as far as `SessionSetup.key` looks at it."""
+
+    app_name = "raylane"
+    deployment_name = "EngineDeployment"
+
+
+async def test_the_router_aborts_the_turn_where_it_runs(tok, monkeypatch):
+    gen = EndlessGenerator(tok)  # in place of the replica generator, whatever it is built from
+    monkeypatch.setattr(session_host, "ReplicaTurnGenerator", lambda *args, **kwargs: gen)
+    router = Router(capacity=2)
+    router.sessions.load_tokenizer = lambda _: tok
+    setup = SessionSetup("tiny", Handle())
+    session_id = await router.create_session(setup)
+    results = [r async for r in router.chat_session(session_id, [user("hi")], None, None, None,
+                                                    setup, 0.1)]
+    final = results[-1]
+    assert final.message is not None and final.output.finish_reason == "abort"
+    assert final.output.token_ids and gen.running == 0 and gen.closed == 1
+    record = (await router.describe_session(session_id, setup))["records"][-1]
+    assert record["finish_reason"] == "abort" and record["output_ids"] == final.output.token_ids
+
+
+class StreamingCall:
+    """`router.chat_session.options(num_returns="streaming").remote(...)` over the plain
+    Router: each result arrives as a ref (an awaitable), as Ray streams them."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.args: tuple = ()
+
+    def options(self, **_) -> StreamingCall:
+        return self
+
+    def remote(self, *args):
+        self.args = args
+
+        async def refs():
+            async for result in self.router.chat_session(*args):
+                yield asyncio.sleep(0, result)
+
+        return refs()
+
+
+async def test_the_ingress_sends_the_deadline_to_the_router(tok, monkeypatch):
+    monkeypatch.setattr(session_host, "ReplicaTurnGenerator",
+                        lambda *args, **kwargs: EndlessGenerator(tok))
+    router = Router(capacity=2)
+    router.sessions.load_tokenizer = lambda _: tok
+    call = StreamingCall(router)
+    sessions = RouterSessions(SimpleNamespace(chat_session=call), SessionSetup("tiny", Handle()))
+    session_id = await router.create_session(sessions.setup)
+    results = [r async for r in sessions.chat_stream(session_id, [user("hi")], None,
+                                                     timeout_s=0.1)]
+    assert call.args[-1] == 0.1
+    assert results[-1].message is not None and results[-1].output.finish_reason == "abort"
+
+
+@pytest.mark.parametrize("bad", [0, -1.5])
+async def test_a_deadline_that_is_not_positive_is_refused_and_leaves_no_trace(tok, bad):
+    registry, _ = make_registry(tok)
+    agent = Agent(registry)
+    with pytest.raises(BadSessionRequest) as err:
+        await agent.user("hello", timeout_s=bad)
+    assert err.value.status == 400 and err.value.param == "timeout"
+    assert len(registry.get(agent.id).trajectory) == 0
