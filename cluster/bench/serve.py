@@ -90,27 +90,29 @@ async def drive(url: str, model: str, work: list[tuple[str, int]], clients: int)
     return result
 
 
-def warm_up(url: str, model: str, clients: int) -> None:
-    """One untimed round of short requests at full concurrency first: a fresh server's first
-    requests pay one-time costs (imports, allocator growth, first calls between its actors)
-    that the offline engine, run second in a warm process, does not."""
-    asyncio.run(drive(url, model, make_workload(clients, (8, 8), seed=-1), clients))
+def warm_up_work(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """An untimed pass before each measured one, of the same shape with other words: a fresh
+    server's (and engine's) first steps pay one-time costs, e.g. oneDNN compiling a kernel for
+    each new batch shape, that the measured runs should not."""
+    return make_workload(args.requests, tuple(args.max_tokens), seed=args.seed + 1)
 
 
-def run_offline(model_dir: str, work: list[tuple[str, int]], concurrency: int) -> RunResult:
-    """The same requests through LLMEngine.generate, at most `concurrency` running at once."""
+def run_offline(model_dir: str, work: list[tuple[str, int]], warm: list[tuple[str, int]],
+                concurrency: int) -> RunResult:
+    """The same requests through LLMEngine.generate, at most `concurrency` running at once
+    (after the `warm` pass)."""
     from actors.engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=concurrency))
-    convs = [[{"role": "user", "content": p}] for p, _ in work]
-    prompts = [engine.validator.render_chat(c) for c in convs]
-    params = [SamplingParams(temperature=0, max_tokens=n) for _, n in work]
-    warm = [engine.validator.render_chat([{"role": "user", "content": p}])
-            for p, _ in make_workload(concurrency, (8, 8), seed=-1)]  # as `warm_up` does
-    engine.generate(warm, [SamplingParams(temperature=0, max_tokens=8)] * len(warm),
-                    use_tqdm=False)
+
+    def requests(work: list[tuple[str, int]]) -> tuple[list, list[SamplingParams]]:
+        prompts = [engine.validator.render_chat([{"role": "user", "content": p}])
+                   for p, _ in work]
+        return prompts, [SamplingParams(temperature=0, max_tokens=n) for _, n in work]
+
+    engine.generate(*requests(warm), use_tqdm=False)
     start = time.perf_counter()
-    outs = engine.generate(prompts, params, use_tqdm=False)
+    outs = engine.generate(*requests(work), use_tqdm=False)
     wall = time.perf_counter() - start
     return RunResult(wall, sum(len(o.outputs[0].token_ids) for o in outs), len(work))
 
@@ -123,15 +125,15 @@ def run(args: argparse.Namespace) -> int:
     work = make_workload(args.requests, tuple(args.max_tokens), args.seed)
     rows: list[tuple[str, RunResult]] = []
     with raylane_endpoint(args.url, model_dir, args.torch_threads) as (url, name):
-        warm_up(url, name, args.clients)
+        asyncio.run(drive(url, name, warm_up_work(args), args.clients))
         rows.append((f"raylane HTTP ({args.clients} clients)",
                      asyncio.run(drive(url, name, work, args.clients))))
     if not args.skip_offline:
         rows.append((f"raylane offline LLMEngine (max_num_seqs={args.clients})",
-                     run_offline(model_dir, work, args.clients)))
+                     run_offline(model_dir, work, warm_up_work(args), args.clients)))
     if args.transformers:
         with transformers_endpoint(model_dir) as (url, name):
-            warm_up(url, name, args.clients)
+            asyncio.run(drive(url, name, warm_up_work(args), args.clients))
             rows.append((f"transformers serve --cb ({args.clients} clients)",
                          asyncio.run(drive(url, name, work, args.clients))))
     print_table(rows, len(work))
