@@ -4,7 +4,8 @@ there, so a step's outputs arrive as one Ray message instead of one per request.
 
 `ReplicaChannels.stream` is one request on one replica: submit it on the replica's channel, then
 rebuild its cumulative outputs from the deltas the channel delivers. Leaving early aborts it on
-the replica. When a channel's call fails (the replica died), every request on it raises.
+the replica. When a channel's call fails (the replica died), every request on it raises. A
+channel idle for `IDLE_CLOSE_S` is closed, so a replica being stopped is not kept waiting.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from actors.engine.output_delta import DeltaDecoder
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
 from router.replica_calls import unwrapped
+
+# a channel with no request for this long is closed: it is an ongoing request on its replica,
+# and Serve waits for those (up to its graceful-shutdown timeout) before stopping a replica
+IDLE_CLOSE_S = 2.0
 
 
 class ChannelLost(RuntimeError):
@@ -83,6 +88,7 @@ class _Channel:
         self.lost = False
         self._queues: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
+        self._idle: asyncio.TimerHandle | None = None
 
     @classmethod
     async def open(cls, handle: Any, replica_id: str) -> _Channel:
@@ -101,11 +107,22 @@ class _Channel:
     def subscribe(self, request_id: str) -> asyncio.Queue:
         if self.lost:
             raise ChannelLost(f"the output channel to replica {self.replica_id} is lost")
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         queue = self._queues[request_id] = asyncio.Queue()
         return queue
 
     def unsubscribe(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        if not self._queues and not self.lost and self._idle is None:
+            self._idle = asyncio.get_running_loop().call_later(IDLE_CLOSE_S, self._close_idle)
+
+    def _close_idle(self) -> None:
+        self._idle = None
+        if not self._queues:
+            self.lost = True  # the next request opens a new one
+            self._task.cancel()
 
     async def _pump(self, stream: Any) -> None:
         error: BaseException = ChannelLost(f"replica {self.replica_id} closed the output "

@@ -61,8 +61,10 @@ class Sampler:
         params = [s.options for s in states]
         temps = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
         logits = logits / temps.unsqueeze(1)
-        top_k = self._column([p.top_k if p.top_k > 0 else self.vocab_size for p in params],
-                             torch.long) if any(p.top_k > 0 for p in params) else None
+        # a top_k past the vocabulary keeps every token (and may not fit an int64 column)
+        top_k = self._column([min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size
+                              for p in params], torch.long) if any(p.top_k > 0 for p in params) \
+            else None
         top_p = (self._column([p.top_p for p in params])
                  if any(p.top_p < 1 for p in params) else None)
         probs = sampling.apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)

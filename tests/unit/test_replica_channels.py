@@ -181,3 +181,20 @@ async def test_a_lost_channel_fails_its_requests_and_the_next_one_reopens(replic
     await asyncio.sleep(0.05)
     outs = await collect(channels, ps[1], greedy(), "after")
     assert outs[-1].finished
+
+
+async def test_an_idle_channel_closes_and_the_next_request_reopens(replica, monkeypatch):
+    import router.replica_channels as channels_module
+
+    monkeypatch.setattr(channels_module, "IDLE_CLOSE_S", 0.05)
+    channels = ReplicaChannels(LocalHandle({"r1": replica}))
+    ps = prompts(replica.engine.engine.validator.vocab_size, 2)
+    await collect(channels, ps[0], greedy(), "first")
+    assert len(replica._channels) == 1
+    for _ in range(100):  # closed on the replica too: Serve waits for no call at a shutdown
+        if not replica._channels:
+            break
+        await asyncio.sleep(0.02)
+    assert not replica._channels
+    outs = await collect(channels, ps[1], greedy(), "again")
+    assert outs[-1].finished and len(replica._channels) == 1

@@ -252,6 +252,15 @@ def test_top_k_one_equals_greedy():
     assert result.token_ids == [argmax(r) for r in vocab_rows(logits)]
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token():
+    # as large as a client may send (the fuzzer found 2**63): the same draw as top_k off
+    logits = random_logits(4, seed=11)
+    huge = [make_seq(top_k=k, seed=5, index=i) for i, k in enumerate([2**63, 10**30, 7, 2**31])]
+    off = [make_seq(top_k=k, seed=5, index=i) for i, k in enumerate([0, 0, 7, 0])]
+    assert make_sampler()(logits.clone(), huge).token_ids == \
+        make_sampler()(logits.clone(), off).token_ids
+
+
 ROWS_BY = {  # rows that differ only in what picks their random stream
     "seq_id": lambda i: make_seq(seq_id=i),
     "index": lambda i: make_seq(index=i, seed=3),
