@@ -78,7 +78,15 @@ class ReplicaChannels:
             # its own task: a request that leaves while it opens does not cancel it for others
             opening = loop.create_task(_Channel.open(self.handle, replica_id))
             self._channels[replica_id] = opening
-        return await asyncio.shield(opening)
+        channel = await asyncio.shield(opening)
+        if channel.replica_id != replica_id:
+            # the request router sent it elsewhere (the target is gone, or this handle does not
+            # know it yet): serve this request there, but file the channel under the replica it
+            # reached, so the next request for `replica_id` tries that replica again
+            if self._channels.get(replica_id) is opening:
+                del self._channels[replica_id]
+            self._channels.setdefault(channel.replica_id, opening)
+        return channel
 
 
 class _Channel:

@@ -198,3 +198,19 @@ async def test_an_idle_channel_closes_and_the_next_request_reopens(replica, monk
     assert not replica._channels
     outs = await collect(channels, ps[1], greedy(), "again")
     assert outs[-1].finished and len(replica._channels) == 1
+
+
+async def test_a_channel_that_landed_elsewhere_is_not_kept_for_its_target(replica,
+                                                                          tiny_llama_dir):
+    handle = LocalHandle({"r1": replica})  # "r2" is not known to the handle yet
+    channels = ReplicaChannels(handle)
+    ps = prompts(replica.engine.engine.validator.vocab_size, 2)
+    async with aclosing(channels.stream("r2", ps[0], greedy(), "early")) as stream:
+        outs = [out async for out in stream]  # served by r1 instead
+    assert outs[-1].finished and len(replica._channels) == 1
+    other = EngineReplica({"model": tiny_llama_dir, "num_kv_blocks": 128, "max_model_len": 256},
+                          replica_id="r2")
+    handle.replicas["r2"] = other  # the handle learns of it
+    async with aclosing(channels.stream("r2", ps[1], greedy(), "late")) as stream:
+        outs = [out async for out in stream]
+    assert outs[-1].finished and len(other._channels) == 1  # now it reaches its target
