@@ -19,7 +19,7 @@ from typing import Any
 from actors.engine.output_delta import DeltaDecoder
 from actors.engine.outputs import RequestOutput
 from actors.engine.sampling_params import SamplingParams
-from router.replica_calls import unwrapped
+from router.replica_calls import HandleCalls, unwrapped
 
 # a channel with no request for this long is closed: it is an ongoing request on its replica,
 # and Serve waits for those (up to its graceful-shutdown timeout) before stopping a replica
@@ -33,6 +33,7 @@ class ChannelLost(RuntimeError):
 class ReplicaChannels:
     def __init__(self, handle: Any) -> None:
         self.handle = handle  # the engine deployment's DeploymentHandle
+        self._calls = HandleCalls(handle)
         self._channels: dict[str, asyncio.Task] = {}  # chosen replica id -> its _Channel
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -45,8 +46,8 @@ class ReplicaChannels:
         queue = channel.subscribe(request_id)
         finished = submitted = False
         try:
-            await self._call("submit", channel.replica_id, prompt_ids, params, request_id,
-                             channel.id)
+            await self._calls(channel.replica_id, "submit", prompt_ids, params, request_id,
+                              channel.id)
             submitted = True
             decoder = DeltaDecoder()
             while not finished:
@@ -60,12 +61,6 @@ class ReplicaChannels:
             channel.unsubscribe(request_id)
             if submitted and not finished and not channel.lost:
                 self.handle.abort.remote([request_id], target_replica=channel.replica_id)
-
-    async def _call(self, method: str, replica_id: str, *args: Any) -> Any:
-        try:
-            return await getattr(self.handle, method).remote(*args, target_replica=replica_id)
-        except Exception as e:
-            raise unwrapped(e) from None
 
     async def _channel(self, replica_id: str) -> _Channel:
         loop = asyncio.get_running_loop()
