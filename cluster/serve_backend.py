@@ -97,19 +97,22 @@ class RouterSessions:
         self.setup = setup
 
     async def create(self, metadata: dict[str, Any] | None = None) -> str:
-        return await call_router(self.router.create_session.remote(self.setup, metadata))
+        return await self._call("create", metadata)
 
     async def describe(self, session_id: str) -> dict[str, Any]:
-        return await call_router(self.router.describe_session.remote(session_id, self.setup))
+        return await self._call("describe", session_id)
 
     async def delete(self, session_id: str) -> None:
-        await call_router(self.router.delete_session.remote(session_id, self.setup))
+        await self._call("delete", session_id)
 
     async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
-        return await call_router(self.router.sample_session.remote(session_id, max_seq_len,
-                                                                   self.setup))
+        return await self._call("sample", session_id, max_seq_len)
 
-    async def chat_stream(self, session_id: str, messages: list[Message], params: SamplingParams,
+    def _call(self, method: str, *args: Any):
+        return call_router(self.router.session_call.remote(self.setup, method, *args))
+
+    async def chat_stream(self, session_id: str, messages: list[Message],
+                          params: SamplingParams | None = None, *,
                           tools: list[dict] | None = None,
                           chat_template_kwargs: dict[str, Any] | None = None,
                           timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
@@ -117,8 +120,8 @@ class RouterSessions:
         from ray.exceptions import RayActorError
 
         # the deadline runs in the Router, which aborts the turn on its replica
-        turn = self.router.chat_session.options(num_returns="streaming").remote(
-            session_id, messages, params, tools, chat_template_kwargs, self.setup, timeout_s)
+        turn = self.router.session_turn.options(num_returns="streaming").remote(
+            self.setup, session_id, messages, params, tools, chat_template_kwargs, timeout_s)
         committed = False
         try:
             async for ref in turn:

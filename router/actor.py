@@ -27,12 +27,12 @@ from router.messages import Message
 from router.policy import RoutingPolicy
 from router.replica_calls import HandleCalls
 from router.replica_generator import PolicyPicker
-from router.samples import TrainingSample
 from router.session_host import SessionHost, SessionSetup
 from router.session_store import open_session_store
 from router.sessions import TurnResult
 
 ROUTER_NAME = "raylane-router"
+SESSION_CALLS = frozenset({"create", "describe", "delete", "sample"})
 NAMESPACE = "raylane"
 
 
@@ -142,31 +142,26 @@ class Router:
 
     # --- sessions (`setup`: the caller's, so a restarted Router can serve stored sessions) ---
 
-    async def create_session(self, setup: SessionSetup,
-                             metadata: dict[str, Any] | None = None) -> str:
-        return await self.sessions.create(setup, metadata)
+    async def session_call(self, setup: SessionSetup, method: str, *args: Any) -> Any:
+        """`SessionRegistry.<method>(*args)` for one of `SESSION_CALLS`, on the registry of
+        `setup`'s model (the `SessionBackend` protocol, which `RouterSessions` forwards)."""
+        if method not in SESSION_CALLS:
+            raise ValueError(f"no session call {method!r}; one of {sorted(SESSION_CALLS)}")
+        registry = await self.sessions.registry(setup)
+        return await getattr(registry, method)(*args)
 
-    async def describe_session(self, session_id: str,
-                               setup: SessionSetup | None = None) -> dict[str, Any]:
-        return await self.sessions.describe(session_id, setup)
-
-    async def delete_session(self, session_id: str, setup: SessionSetup | None = None) -> None:
-        await self.sessions.delete(session_id, setup)
-
-    async def sample_session(self, session_id: str, max_seq_len: int | None = None,
-                             setup: SessionSetup | None = None) -> TrainingSample:
-        return await self.sessions.sample(session_id, max_seq_len, setup)
-
-    async def chat_session(self, session_id: str, messages: list[Message],
+    async def session_turn(self, setup: SessionSetup, session_id: str, messages: list[Message],
                            params: SamplingParams | None, tools: list[dict] | None = None,
                            chat_template_kwargs: dict[str, Any] | None = None,
-                           setup: SessionSetup | None = None,
                            timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
-        """Call with `.options(num_returns="streaming")`; cancelling the call aborts the turn.
-        Past `timeout_s` the turn is aborted here, on its replica, and ends with its partial
-        output (finish reason "abort"), which the session records."""
-        turn = self.sessions.chat(session_id, messages, params, tools, chat_template_kwargs,
-                                  setup, timeout_s)
+        """`SessionRegistry.chat_stream`; call with `.options(num_returns="streaming")`:
+        cancelling the call aborts the turn. Past `timeout_s` the turn is aborted here, on its
+        replica, and ends with its partial output (finish reason "abort"), which the session
+        records."""
+        registry = await self.sessions.registry(setup)
+        turn = registry.chat_stream(session_id, messages, params, tools=tools,
+                                    chat_template_kwargs=chat_template_kwargs,
+                                    timeout_s=timeout_s)
         async with aclosing(turn):
             async for result in turn:
                 yield result

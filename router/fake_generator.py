@@ -1,8 +1,8 @@
 """A model-free `TurnGenerator` for tests and the sessions benchmark.
 
 Replies come from a function of the prompt ids; routed-expert blobs from another, over the whole
-prefix like a real MoE engine's. `gate` holds every turn until set, so tests can observe a turn
-in flight; `seen` keeps each prompt the generator was asked for.
+prefix like a real MoE engine's; outputs carry `weight_version`. `gate` holds every turn until
+set, so tests can observe a turn in flight; `seen` keeps each prompt the generator was asked for.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
+from actors.engine.outputs import CompletionOutput, RequestOutput
 from actors.engine.sampling_params import SamplingParams
-from router.generator import TurnOutput
 
-ReplyFn = Callable[[list[int]], TurnOutput]
+ReplyFn = Callable[[list[int]], CompletionOutput]  # prompt ids -> the turn's one choice
 BlobFn = Callable[[list[int], list[int]], np.ndarray]  # (prompt ids, output ids) -> blob
 
 
@@ -33,8 +33,10 @@ def prefix_routing(prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
 
 class FakeTurnGenerator:
     def __init__(self, reply: ReplyFn, blob: BlobFn | None = prefix_routing,
-                 gate: asyncio.Event | None = None, keep_prompts: bool = True) -> None:
+                 gate: asyncio.Event | None = None, keep_prompts: bool = True,
+                 weight_version: int = 0) -> None:
         self.reply = reply
+        self.weight_version = weight_version
         self.blob = blob
         self.gate = gate
         self.keep_prompts = keep_prompts  # off in benchmarks: the copies cost O(turns x prefix)
@@ -42,7 +44,7 @@ class FakeTurnGenerator:
         self.in_flight = 0
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       routing_key: str) -> AsyncIterator[TurnOutput]:
+                       routing_key: str) -> AsyncIterator[RequestOutput]:
         self.in_flight += 1
         try:
             if self.keep_prompts:
@@ -51,10 +53,16 @@ class FakeTurnGenerator:
                 await self.gate.wait()
             await asyncio.sleep(0)  # a real generator yields to the loop
             out = self.reply(prompt_ids)
-            yield TurnOutput(out.token_ids[:1], out.logprobs[:1], "")  # progress, like a stream
+            # progress, like a stream
+            yield self._output(prompt_ids, CompletionOutput(0, "", out.token_ids[:1],
+                                                            (out.logprobs or [])[:1]))
             out.finish_reason = out.finish_reason or "stop"
             if self.blob is not None and out.finish_reason != "abort":
                 out.routed_experts = self.blob(prompt_ids, out.token_ids)
-            yield out
+            yield self._output(prompt_ids, out)
         finally:
             self.in_flight -= 1
+
+    def _output(self, prompt_ids: list[int], choice: CompletionOutput) -> RequestOutput:
+        return RequestOutput("fake", None, prompt_ids, [choice], choice.finished,
+                             weight_version=self.weight_version)

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.engine.outputs import CompletionOutput
 from router.errors import SessionModelMismatch
-from router.generator import TurnOutput
 from router.messages import Message
 from router.trajectory import Trajectory
 
@@ -80,7 +80,8 @@ class Session:
 class TurnResult:
     """A turn in progress (`message` None) or committed (`message` set, the last one yielded)."""
 
-    output: TurnOutput  # cumulative
+    output: CompletionOutput  # cumulative; no routed-expert blob (the record keeps it)
+    weight_version: int  # the engine's when it produced this output
     prompt_len: int  # ids the model saw as this turn's prompt
     rolled_back: int  # generated turns this request discarded
     message: Message | None = None  # the assistant message stored for the reply

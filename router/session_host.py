@@ -16,20 +16,14 @@ with the wrong chat template.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.engine.sampling_params import SamplingParams
-from router.errors import SessionNotFound
-from router.messages import Message
 from router.replica_generator import ReplicaPicker, ReplicaRequests, ReplicaTurnGenerator
-from router.samples import TrainingSample
 from router.session_store import MemorySessionStore, SessionStore
-from router.sessions import SessionConfig, SessionRegistry, TurnResult
+from router.sessions import SessionConfig, SessionRegistry
 from router.tito import TemplateSplicer
 
 log = logging.getLogger(__name__)
@@ -57,16 +51,10 @@ def auto_tokenizer(model_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def without_blobs(result: TurnResult) -> TurnResult:
-    """The result as the client gets it: the record keeps the replay blobs, the reply omits
-    them (and they do not cross the wire to the ingress)."""
-    if result.output.routed_experts is None:
-        return result
-    return dataclasses.replace(result, output=dataclasses.replace(result.output,
-                                                                  routed_experts=None))
-
-
 class SessionHost:
+    """Builds the Router's `SessionRegistry` for the served model and keeps it while the
+    model stays the same."""
+
     def __init__(self, picker: ReplicaPicker,
                  load_tokenizer: Callable[[str], Any] = auto_tokenizer,
                  store: SessionStore | None = None) -> None:
@@ -81,46 +69,11 @@ class SessionHost:
     def num_sessions(self) -> int:
         return 0 if self._registry is None else len(self._registry)
 
-    async def create(self, setup: SessionSetup, metadata: dict[str, Any] | None = None) -> str:
+    async def registry(self, setup: SessionSetup) -> SessionRegistry:
+        """The registry for `setup`'s model, built when it is new here (the first call, a
+        restarted Router, a redeployed model)."""
         if setup.key != self._key:
             await self._configure(setup)
-        return await self._registry.acreate(metadata)
-
-    async def describe(self, session_id: str,
-                       setup: SessionSetup | None = None) -> dict[str, Any]:
-        return await (await self._registry_of(session_id, setup)).adescribe(session_id)
-
-    async def delete(self, session_id: str, setup: SessionSetup | None = None) -> None:
-        await (await self._registry_of(session_id, setup)).delete(session_id)
-
-    async def sample(self, session_id: str, max_seq_len: int | None = None,
-                     setup: SessionSetup | None = None) -> TrainingSample:
-        registry = await self._registry_of(session_id, setup)
-        return await registry.asample(session_id, max_seq_len)
-
-    async def chat(self, session_id: str, messages: list[Message], params: SamplingParams | None,
-                   tools: list[dict] | None = None,
-                   chat_template_kwargs: dict[str, Any] | None = None,
-                   setup: SessionSetup | None = None,
-                   timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
-        """The turn's progress, then its committed result (see `SessionRegistry.chat_stream`,
-        also for `timeout_s`), without replay blobs; leaving early aborts the turn and leaves no
-        trace."""
-        registry = await self._registry_of(session_id, setup)
-        turn = registry.chat_stream(session_id, messages, params, tools=tools,
-                                    chat_template_kwargs=chat_template_kwargs,
-                                    timeout_s=timeout_s)
-        async with aclosing(turn):
-            async for result in turn:
-                yield without_blobs(result)
-
-    async def _registry_of(self, session_id: str,
-                           setup: SessionSetup | None) -> SessionRegistry:
-        """The registry, built from `setup` when it is new here (a restarted Router)."""
-        if setup is not None and setup.key != self._key:
-            await self._configure(setup)
-        if self._registry is None:  # nothing was created since the Router started
-            raise SessionNotFound(session_id)
         return self._registry
 
     async def _configure(self, setup: SessionSetup) -> None:

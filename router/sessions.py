@@ -6,9 +6,9 @@ stale replay blobs -> write the session through to the store. Nothing is mutated
 commit, so a rejected or failed turn leaves no trace. Turns of one session run one at a time (a
 per-session lock); sessions run in parallel.
 
-The store (router/session_store.py) is what outlives the process: the `a`-prefixed methods and
-the async ones (`chat_stream`, `delete`) write through to it and load a session it holds when
-memory does not; the plain `create` / `get` / `describe` / `sample` see memory only.
+The registry is the `SessionBackend` the HTTP routes serve (in process as it is; in a cluster
+the Router actor hosts it). The store (router/session_store.py) is what outlives the process:
+every call writes through to it and loads a session it holds when memory does not.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from actors.engine.outputs import CompletionOutput, RequestOutput
 from actors.engine.sampling_params import SamplingParams
 from router.errors import BadSessionRequest, SessionNotFound, TooManySessions
-from router.generator import TurnGenerator, TurnOutput
+from router.generator import TurnGenerator
 from router.messages import Message, normalize_message, normalize_messages
 from router.rollback import TurnPlan, plan_turn
 from router.samples import TrainingSample, merge_trajectory
@@ -34,10 +35,10 @@ from router.trajectory import TurnRecord
 from router.turn_deadline import until_deadline
 from router.write_through import WriteThrough
 
-ReplyParser = Callable[[TurnOutput], Message]
+ReplyParser = Callable[[CompletionOutput], Message]
 
 
-def default_reply(output: TurnOutput) -> Message:
+def default_reply(output: CompletionOutput) -> Message:
     return {"role": "assistant", "content": output.text}
 
 
@@ -50,9 +51,13 @@ class _Turn:
     params: SamplingParams
     tools: list[dict] | None
 
-    def result(self, out: TurnOutput, message: Message | None = None,
+    def result(self, out: RequestOutput, message: Message | None = None,
                index: int | None = None) -> TurnResult:
-        return TurnResult(out, len(self.full_prompt), self.plan.discarded, message, index)
+        choice = out.outputs[0]
+        if choice.routed_experts is not None:  # the record keeps the blob; the reply does not
+            choice = dataclasses.replace(choice, routed_experts=None)
+        return TurnResult(choice, out.weight_version, len(self.full_prompt),
+                          self.plan.discarded, message, index)
 
 
 class SessionRegistry:
@@ -89,16 +94,30 @@ class SessionRegistry:
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._sessions
 
-    def create(self, metadata: dict[str, Any] | None = None) -> str:
+    async def create(self, metadata: dict[str, Any] | None = None) -> str:
+        """A new session's id, written through to the store before it is handed out."""
         self._expire()
         self._make_room()
         session_id = "sess-" + secrets.token_urlsafe(18)  # 144 random bits: unguessable
-        self._sessions[session_id] = Session(session_id, dict(metadata or {}),
-                                             last_used=self.clock(), model=self.model)
+        session = Session(session_id, dict(metadata or {}), last_used=self.clock(),
+                          model=self.model)
+        self._sessions[session_id] = session
+        async with session.lock:  # the cap never drops a locked session while it is written
+            try:
+                await self._store.save(session)
+            except BaseException:
+                self._drop(session, "it could not be stored")
+                raise
+        await self._store.flush()  # what the TTL and the cap dropped
+        await self._store.purge_if_due(self.clock(), self.config.ttl_s)
         return session_id
 
-    def get(self, session_id: str) -> Session:
-        """The session, marked as just used; SessionNotFound (saying so when it expired)."""
+    async def get(self, session_id: str) -> Session:
+        """The session, marked as just used, loaded from the store when memory does not hold
+        it; SessionNotFound (saying so when it expired)."""
+        await self._store.flush()
+        if session_id not in self._sessions and session_id not in self._gone:
+            await self._load(session_id)
         self._expire()
         session = self._sessions.pop(session_id, None)
         if session is None:
@@ -107,36 +126,15 @@ class SessionRegistry:
         self._sessions[session_id] = session  # most recently used now
         return session
 
-    # --- writing through to the store -------------------------------------------------------
+    async def describe(self, session_id: str) -> dict[str, Any]:
+        return (await self.get(session_id)).describe()
 
-    async def acreate(self, metadata: dict[str, Any] | None = None) -> str:
-        """`create`, written through to the store before the id is handed out."""
-        session_id = self.create(metadata)
-        session = self._sessions[session_id]
-        async with session.lock:  # the cap never drops a locked session while it is written
-            try:
-                await self._store.save(session)
-            except BaseException:
-                self._drop(session, "it could not be stored")
-                raise
-        await self._store.flush()  # what create's TTL and cap dropped
-        await self._store.purge_if_due(self.clock(), self.config.ttl_s)
-        return session_id
-
-    async def aget(self, session_id: str) -> Session:
-        """`get`, loading the session from the store when memory does not hold it."""
-        await self._store.flush()
-        if session_id not in self._sessions and session_id not in self._gone:
-            await self._load(session_id)
-        return self.get(session_id)
-
-    async def adescribe(self, session_id: str) -> dict[str, Any]:
-        await self.aget(session_id)
-        return self.describe(session_id)
-
-    async def asample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
-        await self.aget(session_id)
-        return self.sample(session_id, max_seq_len)
+    async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
+        """The session's completed turns merged into one training sample."""
+        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
+            raise BadSessionRequest("max_seq_len must be a positive integer",
+                                    param="max_seq_len")
+        return merge_trajectory((await self.get(session_id)).trajectory.records, max_seq_len)
 
     async def _load(self, session_id: str) -> None:
         session = await self._store.load(session_id)
@@ -187,23 +185,13 @@ class SessionRegistry:
         while len(self._gone) > max(1024, self.config.max_sessions or 0):
             del self._gone[next(iter(self._gone))]
 
-    def describe(self, session_id: str) -> dict[str, Any]:
-        return self.get(session_id).describe()
-
-    def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
-        """The session's completed turns merged into one training sample."""
-        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
-            raise BadSessionRequest("max_seq_len must be a positive integer",
-                                    param="max_seq_len")
-        return merge_trajectory(self.get(session_id).trajectory.records, max_seq_len)
-
     def retained_blob_bytes(self) -> int:
         return sum(s.trajectory.blob_bytes for s in self._sessions.values())
 
     async def delete(self, session_id: str) -> None:
         """Waits for the session's in-flight turn, then forgets the session (the store first:
         if that fails, the session is still there to delete again)."""
-        session = await self.aget(session_id)
+        session = await self.get(session_id)
         async with session.lock:
             if session.deleted:  # a concurrent delete got the lock first
                 raise SessionNotFound(session_id)
@@ -228,7 +216,8 @@ class SessionRegistry:
                           tools: list[dict] | None = None,
                           chat_template_kwargs: dict[str, Any] | None = None,
                           timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
-        """Run one turn, yielding cumulative progress and, last, the committed result.
+        """Run one turn, yielding cumulative progress and, last, the committed result (without
+        replay blobs: the session's record keeps them, the client gets none).
 
         Consume it under `contextlib.aclosing`: leaving early aborts the generation and leaves
         the session as it was, as does any error (4xx `SessionError`s included).
@@ -236,7 +225,7 @@ class SessionRegistry:
         ended): past it the generation is aborted and the turn commits its partial output,
         finish reason "abort", as an abort through the control plane does (turn_deadline.py).
         """
-        session = await self.aget(session_id)
+        session = await self.get(session_id)
         async with session.lock:
             if session.deleted:  # deleted (or dropped) while this turn waited for the lock
                 raise SessionNotFound(session_id, self._gone.get(session_id))
@@ -275,14 +264,18 @@ class SessionRegistry:
         full += prompt_ids
         return _Turn(plan, prefix_len, prompt_ids, full, params, tools)
 
-    def _commit(self, session: Session, turn: _Turn, out: TurnOutput) -> tuple[Message, int]:
+    def _commit(self, session: Session, turn: _Turn,
+                out: RequestOutput) -> tuple[Message, int]:
+        choice = out.outputs[0]
         # stored normalised, so the client's echo of it compares equal
-        reply = normalize_message(self.reply_parser(out))
+        reply = normalize_message(self.reply_parser(choice))
         record = TurnRecord(new_messages=turn.plan.new_messages, reply=reply, params=turn.params,
                             prefix_len=turn.prefix_len, prompt_ids=turn.prompt_ids,
-                            output_ids=list(out.token_ids), logprobs=list(out.logprobs),
-                            finish_reason=out.finish_reason, weight_version=out.weight_version,
-                            routed_experts=out.routed_experts, tools=turn.tools)
+                            output_ids=list(choice.token_ids),
+                            logprobs=list(choice.logprobs or []),
+                            finish_reason=choice.finish_reason,
+                            weight_version=out.weight_version,
+                            routed_experts=choice.routed_experts, tools=turn.tools)
         session.trajectory.commit(turn.plan.keep, record, self.config.blob_window)
         return reply, len(session.trajectory) - 1
 

@@ -10,12 +10,12 @@ import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from actors.engine.outputs import CompletionOutput, RequestOutput
 from router.errors import BadSessionRequest
-from router.generator import TurnOutput
 
 
-async def until_deadline(outputs: AsyncIterator[TurnOutput],
-                         timeout_s: float | None) -> AsyncIterator[TurnOutput]:
+async def until_deadline(outputs: AsyncIterator[RequestOutput],
+                         timeout_s: float | None) -> AsyncIterator[RequestOutput]:
     """`outputs` as they come, for at most `timeout_s` seconds (None: no limit). At the deadline
     `outputs` is closed (which aborts the generation, see `TurnGenerator`) and one last output
     ends the turn: the partial output, finish reason "abort"."""
@@ -23,7 +23,7 @@ async def until_deadline(outputs: AsyncIterator[TurnOutput],
         raise BadSessionRequest(f"timeout must be > 0 seconds, got {timeout_s}", param="timeout")
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
-    last: TurnOutput | None = None
+    last: RequestOutput | None = None
     async with aclosing(outputs):
         while True:
             try:
@@ -40,10 +40,13 @@ async def until_deadline(outputs: AsyncIterator[TurnOutput],
     yield ended_at_deadline(last)
 
 
-def ended_at_deadline(out: TurnOutput | None) -> TurnOutput:
+def ended_at_deadline(out: RequestOutput | None) -> RequestOutput:
     """The partial output as the turn's final one. It carries no routed-expert blob: an engine
     hands one out only with a request it finished itself."""
     if out is None:  # nothing generated yet (the engine was still queueing or prefilling)
-        return TurnOutput([], [], finish_reason="abort")
-    return dataclasses.replace(out, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
-                               finish_reason="abort", routed_experts=None)
+        return RequestOutput("", None, [], [CompletionOutput(0, "", [], [], finish_reason="abort")],
+                             finished=True)
+    c = out.outputs[0]
+    aborted = dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=list(c.logprobs or []),
+                                  finish_reason="abort", routed_experts=None)
+    return dataclasses.replace(out, outputs=[aborted], finished=True)

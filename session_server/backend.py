@@ -21,7 +21,6 @@ from router.generator import EngineTurnGenerator
 from router.messages import Message
 from router.replica_calls import EngineCalls, EngineTable
 from router.samples import TrainingSample
-from router.session_host import without_blobs
 from router.sessions import SessionConfig, SessionRegistry, TurnResult
 from router.tito import TemplateSplicer
 
@@ -34,8 +33,9 @@ class ModelInfo:
 
 
 class SessionBackend(Protocol):
-    """Multi-turn sessions (see `router.sessions.SessionRegistry`, whose errors — each a
-    `router.errors.SessionError` with its HTTP status — these raise as they are)."""
+    """Multi-turn sessions: a `router.sessions.SessionRegistry` in process, or
+    `cluster.serve_backend.RouterSessions` over the Router actor, which hosts one. Errors are
+    the registry's (each a `router.errors.SessionError` with its HTTP status)."""
 
     async def create(self, metadata: dict[str, Any] | None = None) -> str: ...
 
@@ -43,8 +43,8 @@ class SessionBackend(Protocol):
 
     async def delete(self, session_id: str) -> None: ...
 
-    def chat_stream(self, session_id: str, messages: list[Message], params: SamplingParams,
-                    tools: list[dict] | None = None,
+    def chat_stream(self, session_id: str, messages: list[Message],
+                    params: SamplingParams | None = None, *, tools: list[dict] | None = None,
                     chat_template_kwargs: dict[str, Any] | None = None,
                     timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
         """The turn's cumulative progress, then its committed result (`message` set), without
@@ -118,36 +118,6 @@ class EngineBackend(Protocol):
         ...
 
 
-class LocalSessions:
-    """An in-process `SessionRegistry` behind the `SessionBackend` protocol."""
-
-    def __init__(self, registry: SessionRegistry) -> None:
-        self.registry = registry
-
-    async def create(self, metadata: dict[str, Any] | None = None) -> str:
-        return await self.registry.acreate(metadata)
-
-    async def describe(self, session_id: str) -> dict[str, Any]:
-        return await self.registry.adescribe(session_id)
-
-    async def delete(self, session_id: str) -> None:
-        await self.registry.delete(session_id)
-
-    async def chat_stream(self, session_id: str, messages: list[Message], params: SamplingParams,
-                          tools: list[dict] | None = None,
-                          chat_template_kwargs: dict[str, Any] | None = None,
-                          timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
-        turn = self.registry.chat_stream(session_id, messages, params, tools=tools,
-                                         chat_template_kwargs=chat_template_kwargs,
-                                         timeout_s=timeout_s)
-        async with contextlib.aclosing(turn):
-            async for result in turn:
-                yield without_blobs(result)
-
-    async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
-        return await self.registry.asample(session_id, max_seq_len)
-
-
 class LocalControl:
     """The control plane over one in-process AsyncLLMEngine: the `ControlPlane` the Router
     runs for a cluster, with the engine as its only replica."""
@@ -196,9 +166,8 @@ class LocalBackend:
         capture = cfg.enable_return_routed_experts and validator.num_moe_layers > 0
         generator = EngineTurnGenerator(engine, return_routed_experts=capture)
         # sessions record the model by its path, as the Router's do (`SessionSetup.model_dir`)
-        registry = SessionRegistry(TemplateSplicer(self.tokenizer), generator, session_config,
-                                   model=cfg.model)
-        self.sessions = LocalSessions(registry)
+        self.sessions = SessionRegistry(TemplateSplicer(self.tokenizer), generator,
+                                        session_config, model=cfg.model)
         self.control = LocalControl(engine)
 
     async def generate(self, prompt_ids, params, request_id, routing_key=None):

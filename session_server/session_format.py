@@ -34,7 +34,7 @@ class SessionChatFormatter(ChatFormatter):
             finish_reason=out.finish_reason)
         if result.message is not None:
             self.reply = result.message
-        return TurnView(self.id, None, [], [choice], out.finished, 0, out.weight_version,
+        return TurnView(self.id, None, [], [choice], out.finished, 0, result.weight_version,
                         prompt_len=result.prompt_len)
 
     def _message(self, c: CompletionOutput) -> dict:

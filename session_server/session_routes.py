@@ -88,7 +88,8 @@ async def session_chat(session_id: str, body: ChatCompletionRequest, request: Re
     formatter = SessionChatFormatter(new_id("chatcmpl"), backend.info.name, body, params,
                                      backend.tokenizer, 0)
     turn = backend.sessions.chat_stream(session_id, message_dicts(body.messages), params,
-                                        body.tools, body.chat_template_kwargs,
+                                        tools=body.tools,
+                                        chat_template_kwargs=body.chat_template_kwargs,
                                         timeout_s=timeout_of(request, body.timeout))
     stream = _views(turn, formatter, {"prompt": "messages", "max_tokens": field})
     if body.stream:

@@ -161,13 +161,14 @@ async def _drive(case: Case, args: argparse.Namespace) -> Result:
     registry = SessionRegistry(TemplateSplicer(work.tokenizer), _generator(work),
                                SessionConfig(max_rollback_steps=args.max_rollback_steps,
                                              drop_blobs=case.drop))
-    ids = [registry.create() for _ in range(case.sessions)]
+    ids = [await registry.create() for _ in range(case.sessions)]
     start = time.process_time()
     await asyncio.gather(*(_session(registry, sid, args.turns, work, case.traced)
                            for sid in ids))
     result = Result(case, args.turns, wall_seconds=time.process_time() - start,
                     gen_seconds=work.gen_seconds)
-    longest = max((registry.get(sid).trajectory for sid in ids), key=lambda t: t.num_tokens)
+    trajectories = [(await registry.get(sid)).trajectory for sid in ids]
+    longest = max(trajectories, key=lambda t: t.num_tokens)
     result.final_prefix = longest.num_tokens
     result.final_blob = longest.records[-1].blob_bytes
     result.max_retained_per_session = max(work.retained_max.values(), default=0)
@@ -187,7 +188,7 @@ async def _session(registry, sid: str, turns: int, work: Workload, observe: bool
         result = await registry.chat(sid, messages)
         messages.append(result.message)
         if observe:
-            held = registry.get(sid).trajectory.blob_bytes
+            held = (await registry.get(sid)).trajectory.blob_bytes
             work.retained_max[sid] = max(work.retained_max.get(sid, 0), held)
 
 
@@ -207,13 +208,13 @@ def _workload(args: argparse.Namespace) -> Workload:
 def _generator(work: Workload):
     import numpy as np
 
+    from actors.engine.outputs import CompletionOutput
     from router.fake_generator import FakeTurnGenerator
-    from router.generator import TurnOutput
 
-    def reply(prompt_ids: list[int]) -> TurnOutput:
+    def reply(prompt_ids: list[int]) -> CompletionOutput:
         t0 = time.process_time()
         text, ids = work.rng.choice(work.replies)
-        out = TurnOutput(list(ids), [-work.rng.random() for _ in ids], text)
+        out = CompletionOutput(0, text, list(ids), [-work.rng.random() for _ in ids])
         work.gen_seconds += time.process_time() - t0
         return out
 

@@ -138,13 +138,13 @@ class RayTransport:
                            tools: list[dict] | None) -> SessionTurn:
         last = None
         async with aclosing(self._sessions().chat_stream(session_id, messages, params,
-                                                         tools)) as turn:
+                                                         tools=tools)) as turn:
             async for result in turn:
                 last = result
         out = last.output
         return SessionTurn(message=last.message, text=out.text, token_ids=list(out.token_ids),
-                           logprobs=list(out.logprobs), finish_reason=out.finish_reason,
-                           weight_version=out.weight_version)
+                           logprobs=list(out.logprobs or []), finish_reason=out.finish_reason,
+                           weight_version=last.weight_version)
 
     async def session_sample(self, session_id: str, max_seq_len: int | None) -> TrainingSample:
         return await self._sessions().sample(session_id, max_seq_len)

@@ -67,8 +67,8 @@ async def test_a_restarted_router_carries_the_conversation_on(tok, pg_dsn, pg_st
         await reference.say({"role": "system", "content": "nul \x00 kept"}, user(TURNS[0]))
         for text in TURNS[1:]:
             await reference.user(text)
-        same_sample(await agent.registry.asample(agent.id),
-                    await reference.registry.asample(reference.id))
+        same_sample(await agent.registry.sample(agent.id),
+                    await reference.registry.sample(reference.id))
     finally:
         await restarted.close()
 
@@ -82,7 +82,7 @@ async def test_one_row_per_session_without_superseded_blobs(tok, pg_dsn, pg_stor
     stored = await row(pg_dsn, agent.id)
     records = json.loads(stored["record"])["records"]
     assert [r["routed_experts"] is not None for r in records] == [False, False, True, True]
-    live = agent.registry.get(agent.id)
+    live = await agent.registry.get(agent.id)
     assert stored["last_used"] == live.last_used and stored["format"] == 1
     loaded = await pg_store.load(agent.id)
     np.testing.assert_array_equal(loaded.trajectory.records[-1].routed_experts,
@@ -93,12 +93,12 @@ async def test_delete_and_purge(tok, fresh_dsn):
     store = PgSessionStore(fresh_dsn)
     try:
         registry = registry_over(tok, store)
-        deleted, idle, fresh = [await registry.acreate() for _ in range(3)]
+        deleted, idle, fresh = [await registry.create() for _ in range(3)]
         await registry.delete(deleted)
         assert await row(fresh_dsn, deleted) is None
         with pytest.raises(SessionNotFound):
-            await registry_over(tok, store).adescribe(deleted)
-        live = registry.get(fresh)
+            await registry_over(tok, store).describe(deleted)
+        live = await registry.get(fresh)
         live.last_used += 100
         await store.save(live)
         assert await store.purge(live.last_used - 50) == 1  # `idle` only
@@ -112,11 +112,11 @@ async def test_a_database_that_is_down_is_a_503(tok):
     try:
         registry = registry_over(tok, down)
         with pytest.raises(SessionStoreUnavailable) as err:
-            await registry.acreate()
+            await registry.create()
         assert err.value.status == 503 and "pw" not in str(err.value)
         assert len(registry) == 0
         with pytest.raises(SessionStoreUnavailable):
-            await registry.adescribe("sess-" + uuid.uuid4().hex)  # not a 404: it may exist
+            await registry.describe("sess-" + uuid.uuid4().hex)  # not a 404: it may exist
     finally:
         await down.close()
 
@@ -148,7 +148,7 @@ async def test_a_router_serving_another_model_refuses_the_session(tok, pg_dsn, p
         assert len(json.loads(stored["record"])["records"]) == 1  # kept, and unchanged
         agent.registry = registry_over(tok, redeployed, model="/models/a")
         await agent.user(TURNS[1])
-        assert (await agent.registry.adescribe(agent.id))["num_turns"] == 2
+        assert (await agent.registry.describe(agent.id))["num_turns"] == 2
     finally:
         await redeployed.close()
 
@@ -168,6 +168,6 @@ async def test_a_row_written_before_models_were_recorded_loads(tok, pg_dsn, pg_s
         agent.registry = registry_over(tok, restarted, model="/models/a")
         await agent.user(TURNS[1])
         assert json.loads((await row(pg_dsn, agent.id))["record"])["model"] == "/models/a"
-        assert (await agent.registry.adescribe(agent.id))["num_turns"] == 2
+        assert (await agent.registry.describe(agent.id))["num_turns"] == 2
     finally:
         await restarted.close()

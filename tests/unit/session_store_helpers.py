@@ -8,9 +8,9 @@ import json
 
 import numpy as np
 
+from actors.engine.outputs import CompletionOutput
 from router.errors import SessionStoreUnavailable
 from router.fake_generator import FakeTurnGenerator
-from router.generator import TurnOutput
 from router.session_codec import decode_session, encode_session
 from router.sessions import SessionConfig, SessionRegistry
 from router.tito import TemplateSplicer
@@ -74,17 +74,18 @@ def registry_over(tok, store, clock=None, model: str | None = None,
     """Replies are a function of the prompt alone, so two registries generate alike; `model`:
     the served model the registry's sessions record."""
 
-    def reply(prompt_ids: list[int]) -> TurnOutput:
+    def reply(prompt_ids: list[int]) -> CompletionOutput:
         text = f"reply {len(prompt_ids)}"
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
-        return TurnOutput(ids, logprobs_for(ids), text, None, weight_version=3)
+        return CompletionOutput(0, text, ids, logprobs_for(ids))
 
-    return SessionRegistry(TemplateSplicer(tok), FakeTurnGenerator(reply), SessionConfig(**config),
-                           clock=clock or Clock(), store=store, model=model)
+    return SessionRegistry(TemplateSplicer(tok), FakeTurnGenerator(reply, weight_version=3),
+                           SessionConfig(**config), clock=clock or Clock(), store=store,
+                           model=model)
 
 
 async def agent_over(registry: SessionRegistry) -> Agent:
-    return Agent(registry, await registry.acreate({"run": 7}))
+    return await Agent.start(registry, {"run": 7})
 
 
 def same_sample(a, b) -> None:

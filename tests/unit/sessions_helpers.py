@@ -7,8 +7,8 @@ import asyncio
 import itertools
 from typing import Any
 
+from actors.engine.outputs import CompletionOutput
 from router.fake_generator import FakeTurnGenerator
-from router.generator import TurnOutput
 from router.sessions import SessionConfig, SessionRegistry
 from router.tito import TemplateSplicer
 
@@ -24,7 +24,7 @@ def make_registry(tok: Any, config: SessionConfig | None = None,
     (a valid but non-canonical tokenization, as a sampled model may produce)."""
     counter = itertools.count()
 
-    def reply(prompt_ids: list[int]) -> TurnOutput:
+    def reply(prompt_ids: list[int]) -> CompletionOutput:
         text = f"reply {next(counter)}"
         if canonical:
             ids = tok.encode(text, add_special_tokens=False)
@@ -32,19 +32,25 @@ def make_registry(tok: Any, config: SessionConfig | None = None,
             ids = [tok.convert_tokens_to_ids(tok.tokenize(c)[0]) for c in text]
         if finish_reason in (None, "stop"):
             ids = ids + [tok.eos_token_id]
-        return TurnOutput(ids, logprobs_for(ids), text, finish_reason, weight_version=7)
+        return CompletionOutput(0, text, ids, logprobs_for(ids), finish_reason=finish_reason)
 
-    gen = FakeTurnGenerator(reply, gate=gate)
+    gen = FakeTurnGenerator(reply, gate=gate, weight_version=7)
     return SessionRegistry(TemplateSplicer(tok), gen, config), gen
 
 
 class Agent:
     """Keeps the conversation client-side, as an OpenAI-style agent does."""
 
-    def __init__(self, registry: SessionRegistry, session_id: str | None = None) -> None:
+    def __init__(self, registry: SessionRegistry, session_id: str) -> None:
         self.registry = registry
-        self.id = session_id or registry.create()
+        self.id = session_id
         self.messages: list[dict] = []
+
+    @classmethod
+    async def start(cls, registry: SessionRegistry,
+                    metadata: dict[str, Any] | None = None) -> Agent:
+        """An agent on a new session of `registry`."""
+        return cls(registry, await registry.create(metadata))
 
     async def say(self, *messages: dict, **kwargs: Any):
         self.messages += messages

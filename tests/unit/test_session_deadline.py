@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from actors.engine.outputs import CompletionOutput, RequestOutput
 from cluster.serve_backend import RouterSessions
 from router import session_host
 from router.actor import Router
 from router.errors import BadSessionRequest
-from router.generator import TurnOutput
 from router.session_host import SessionSetup
 from router.sessions import SessionRegistry
 from router.tito import TemplateSplicer
@@ -39,7 +39,7 @@ class EndlessGenerator:
         self.running = 0
         self.closed = 0
 
-    async def generate(self, prompt_ids, params, routing_key) -> AsyncIterator[TurnOutput]:
+    async def generate(self, prompt_ids, params, routing_key) -> AsyncIterator[RequestOutput]:
         self.running += 1
         try:
             await asyncio.sleep(self.first_after_s)
@@ -47,8 +47,10 @@ class EndlessGenerator:
             while True:
                 await asyncio.sleep(self.step_s)
                 ids.append(self.ids[len(ids) % len(self.ids)])
-                yield TurnOutput(list(ids), [-0.25] * len(ids), "ab" * (len(ids) // 2),
-                                 weight_version=4)
+                choice = CompletionOutput(0, "ab" * (len(ids) // 2), list(ids),
+                                          [-0.25] * len(ids))
+                yield RequestOutput(routing_key, None, prompt_ids, [choice], False,
+                                    weight_version=4)
         finally:
             self.running -= 1
             self.closed += 1
@@ -57,16 +59,17 @@ class EndlessGenerator:
 async def test_past_the_deadline_the_partial_turn_is_recorded_as_aborted(tok):
     gen = EndlessGenerator(tok)
     registry = SessionRegistry(TemplateSplicer(tok), gen)
-    agent = Agent(registry)
+    agent = await Agent.start(registry)
     result = await agent.user("tell me everything", timeout_s=0.1)
     out = result.output
     assert out.finish_reason == "abort" and 0 < len(out.token_ids)
     assert gen.running == 0 and gen.closed == 1  # the generation was aborted, not left running
-    record = registry.get(agent.id).trajectory.records[-1]
+    record = (await registry.get(agent.id)).trajectory.records[-1]
     assert record.finish_reason == "abort" and record.output_ids == out.token_ids
     assert record.logprobs == out.logprobs and record.weight_version == 4
+    assert result.weight_version == 4
     assert result.message == {"role": "assistant", "content": out.text}
-    sample = registry.sample(agent.id)
+    sample = await registry.sample(agent.id)
     assert sample.status == "aborted"
     assert sample.tokens[-len(out.token_ids):] == out.token_ids
     assert sample.loss_mask == [0] * len(record.prompt_ids) + [1] * len(out.token_ids)
@@ -75,37 +78,38 @@ async def test_past_the_deadline_the_partial_turn_is_recorded_as_aborted(tok):
 async def test_the_next_turn_continues_after_the_aborted_one(tok):
     gen = EndlessGenerator(tok)
     registry = SessionRegistry(TemplateSplicer(tok), gen)
-    agent = Agent(registry)
+    agent = await Agent.start(registry)
     aborted = (await agent.user("hello", timeout_s=0.05)).output
     registry.generator = make_registry(tok)[1]  # the next turn finishes by itself
     nxt = await agent.user("go on")
     assert nxt.output.finish_reason == "stop" and nxt.rolled_back == 0
-    first, second = registry.get(agent.id).trajectory.records
+    first, second = (await registry.get(agent.id)).trajectory.records
     assert first.output_ids == aborted.token_ids and second.prefix_len == first.end
     # cut mid-turn, the stored output gets the template's end of turn, as after max_tokens
     end_of_turn = TemplateSplicer(tok).next_turn([user("go on")], [])
     assert second.prompt_ids == end_of_turn
-    assert registry.sample(agent.id).status == "completed"
+    assert (await registry.sample(agent.id)).status == "completed"
 
 
 async def test_nothing_generated_by_the_deadline_is_an_empty_aborted_turn(tok):
     gen = EndlessGenerator(tok, first_after_s=10)  # still queueing at the deadline
     registry = SessionRegistry(TemplateSplicer(tok), gen)
-    agent = Agent(registry)
+    agent = await Agent.start(registry)
     out = (await agent.user("hello", timeout_s=0.05)).output
     assert out.finish_reason == "abort" and out.token_ids == [] and gen.running == 0
-    assert registry.get(agent.id).trajectory.records[-1].output_ids == []
+    assert (await registry.get(agent.id)).trajectory.records[-1].output_ids == []
 
 
 async def test_a_turn_that_finishes_in_time_is_untouched(tok):
     registry, _ = make_registry(tok)
     reference, _ = make_registry(tok)
-    timed, plain = Agent(registry), Agent(reference)
+    timed, plain = await Agent.start(registry), await Agent.start(reference)
     for text in ("hello", "more"):
         a = await timed.user(text, timeout_s=30)
         b = await plain.user(text)
         assert a.output.finish_reason == "stop" and a.output.token_ids == b.output.token_ids
-    assert registry.sample(timed.id).to_json() == reference.sample(plain.id).to_json()
+    got, want = await registry.sample(timed.id), await reference.sample(plain.id)
+    assert got.to_json() == want.to_json()
 
 
 class Handle:
@@ -121,18 +125,18 @@ async def test_the_router_aborts_the_turn_where_it_runs(tok, monkeypatch):
     router = Router(capacity=2)
     router.sessions.load_tokenizer = lambda _: tok
     setup = SessionSetup("tiny", Handle())
-    session_id = await router.create_session(setup)
-    results = [r async for r in router.chat_session(session_id, [user("hi")], None, None, None,
-                                                    setup, 0.1)]
+    session_id = await router.session_call(setup, "create")
+    results = [r async for r in router.session_turn(setup, session_id, [user("hi")], None, None,
+                                                    None, 0.1)]
     final = results[-1]
     assert final.message is not None and final.output.finish_reason == "abort"
     assert final.output.token_ids and gen.running == 0 and gen.closed == 1
-    record = (await router.describe_session(session_id, setup))["records"][-1]
+    record = (await router.session_call(setup, "describe", session_id))["records"][-1]
     assert record["finish_reason"] == "abort" and record["output_ids"] == final.output.token_ids
 
 
 class StreamingCall:
-    """`router.chat_session.options(num_returns="streaming").remote(...)` over the plain
+    """`router.session_turn.options(num_returns="streaming").remote(...)` over the plain
     Router: each result arrives as a ref (an awaitable), as Ray streams them."""
 
     def __init__(self, router: Router) -> None:
@@ -146,7 +150,7 @@ class StreamingCall:
         self.args = args
 
         async def refs():
-            async for result in self.router.chat_session(*args):
+            async for result in self.router.session_turn(*args):
                 yield asyncio.sleep(0, result)
 
         return refs()
@@ -158,19 +162,19 @@ async def test_the_ingress_sends_the_deadline_to_the_router(tok, monkeypatch):
     router = Router(capacity=2)
     router.sessions.load_tokenizer = lambda _: tok
     call = StreamingCall(router)
-    sessions = RouterSessions(SimpleNamespace(chat_session=call), SessionSetup("tiny", Handle()))
-    session_id = await router.create_session(sessions.setup)
+    sessions = RouterSessions(SimpleNamespace(session_turn=call), SessionSetup("tiny", Handle()))
+    session_id = await router.session_call(sessions.setup, "create")
     results = [r async for r in sessions.chat_stream(session_id, [user("hi")], None,
                                                      timeout_s=0.1)]
-    assert call.args[-1] == 0.1
+    assert call.args[0] is sessions.setup and call.args[-1] == 0.1
     assert results[-1].message is not None and results[-1].output.finish_reason == "abort"
 
 
 @pytest.mark.parametrize("bad", [0, -1.5])
 async def test_a_deadline_that_is_not_positive_is_refused_and_leaves_no_trace(tok, bad):
     registry, _ = make_registry(tok)
-    agent = Agent(registry)
+    agent = await Agent.start(registry)
     with pytest.raises(BadSessionRequest) as err:
         await agent.user("hello", timeout_s=bad)
     assert err.value.status == 400 and err.value.param == "timeout"
-    assert len(registry.get(agent.id).trajectory) == 0
+    assert len((await registry.get(agent.id)).trajectory) == 0

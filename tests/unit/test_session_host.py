@@ -114,95 +114,113 @@ def router() -> Router:
     return router
 
 
-async def turn(router: Router, session_id: str, messages=HELLO) -> list:
-    return [r async for r in router.chat_session(session_id, messages, None)]
-
-
 def setup(handle: FakeHandle, model_dir: str = "tiny") -> SessionSetup:
     return SessionSetup(model_dir, handle, return_routed_experts=True)
 
 
+async def create(router: Router, handle: FakeHandle, metadata: dict | None = None) -> str:
+    return await router.session_call(setup(handle), "create", metadata)
+
+
+async def describe(router: Router, handle: FakeHandle, session_id: str) -> dict:
+    return await router.session_call(setup(handle), "describe", session_id)
+
+
+async def turn(router: Router, handle: FakeHandle, session_id: str, messages=HELLO) -> list:
+    return [r async for r in router.session_turn(setup(handle), session_id, messages, None)]
+
+
 async def test_turns_stick_to_the_policy_replica_and_give_it_back(router):
     handle = FakeHandle()
-    session_id = await router.create_session(setup(handle), {"run": 1})
+    session_id = await create(router, handle, {"run": 1})
     owner = router.policy.choose(session_id)  # the policy's pick, independent of the host
     messages = list(HELLO)
     for _ in range(3):
-        results = await turn(router, session_id, messages)
+        results = await turn(router, handle, session_id, messages)
         messages += [results[-1].message, {"role": "tool", "content": "42"}]
     assert handle.targets == [owner] * 3
     counts = {r["replica_id"]: (r["routed"], r["in_flight"]) for r in router.replicas()}
     assert counts[owner] == (3, 0) and sum(routed for routed, _ in counts.values()) == 3
     assert all(r.output.routed_experts is None for r in results)  # not shipped to the ingress
-    record = (await router.describe_session(session_id))["records"][-1]
+    described = await describe(router, handle, session_id)
+    record = described["records"][-1]
+    assert described["metadata"] == {"run": 1}
     assert record["routed_experts_shape"] is not None  # the record keeps it
-    sample = await router.sample_session(session_id)
+    sample = await router.session_call(setup(handle), "sample", session_id, None)
     assert sample.routed_experts.shape[0] == record["prefix_len"] \
         + len(record["prompt_ids"]) + len(record["output_ids"]) - 1
 
 
-async def test_unknown_ids_are_404_before_and_after_configuring(router):
+async def test_unknown_ids_are_404_before_and_after_creating(router):
+    handle = FakeHandle()
+    with pytest.raises(SessionNotFound):  # a fresh Router: the call builds the registry
+        await describe(router, handle, "sess-nope")
+    await create(router, handle)
     with pytest.raises(SessionNotFound):
-        await router.describe_session("sess-nope")
-    await router.create_session(setup(FakeHandle()))
-    with pytest.raises(SessionNotFound):
-        await router.delete_session("sess-nope")
+        await router.session_call(setup(handle), "delete", "sess-nope")
+
+
+async def test_only_the_session_backends_calls_are_served(router):
+    with pytest.raises(ValueError, match="no session call 'chat_stream'"):
+        await router.session_call(setup(FakeHandle()), "chat_stream", "sess-x", HELLO)
 
 
 async def test_a_different_model_rebuilds_the_registry(router):
-    first = await router.create_session(setup(FakeHandle()))
-    again = await router.create_session(setup(FakeHandle()))  # same names: same registry
-    await router.describe_session(first)
-    await router.create_session(setup(FakeHandle(), model_dir="other"))
+    first = await create(router, FakeHandle())
+    again = await create(router, FakeHandle())  # same names: same registry
+    await describe(router, FakeHandle(), first)
+    other = setup(FakeHandle(), model_dir="other")
+    await router.session_call(other, "create", None)
     with pytest.raises(SessionNotFound):
-        await router.describe_session(again)
+        await router.session_call(other, "describe", again)
 
 
 async def test_a_failing_replica_is_a_503_reported_and_released(router):
     handle = FakeHandle()
-    session_id = await router.create_session(setup(handle))
+    session_id = await create(router, handle)
     handle.fail = RuntimeError("replica died")
     with pytest.raises(ReplicaFailed) as err:
-        await turn(router, session_id)
+        await turn(router, handle, session_id)
     assert err.value.status == 503
     state = router.policy.replicas[handle.targets[0]]
     assert not state.healthy and state.in_flight == 0
-    assert (await router.describe_session(session_id))["num_turns"] == 0
+    assert (await describe(router, handle, session_id))["num_turns"] == 0
 
 
 async def test_a_replicas_bad_input_stays_a_value_error(router):
     handle = FakeHandle()
-    session_id = await router.create_session(setup(handle))
+    session_id = await create(router, handle)
     wrapped = RuntimeError("RayTaskError")
     wrapped.cause = ValueError("prompt: too long")
     handle.submit_error = wrapped
     with pytest.raises(ValueError, match="prompt: too long"):
-        await turn(router, session_id)
+        await turn(router, handle, session_id)
     assert all(r["healthy"] and not r["in_flight"] for r in router.replicas())
 
 
 async def test_full_queues_are_429_and_no_replica_is_503(router):
-    session_id = await router.create_session(setup(FakeHandle()))
+    handle = FakeHandle()
+    session_id = await create(router, handle)
     owner = router.policy.choose(session_id)
     router.policy.replicas[owner].report(router.policy.capacity)  # its heartbeat: full
     with pytest.raises(ReplicasBusy) as err:
-        await turn(router, session_id)
+        await turn(router, handle, session_id)
     assert err.value.status == 429
     for replica_id in ("r1", "r2"):
         router.unregister(replica_id)
     with pytest.raises(ReplicaFailed):
-        await turn(router, session_id)
+        await turn(router, handle, session_id)
 
 
 async def test_leaving_a_turn_early_cancels_the_replica_call(router):
     handle = FakeHandle()
-    session_id = await router.create_session(setup(handle))
-    stream = router.chat_session(session_id, HELLO, None)
+    session_id = await create(router, handle)
+    stream = router.session_turn(setup(handle), session_id, HELLO, None)
     await anext(stream)
     await stream.aclose()
     assert len(handle.aborted) == 1 and handle.aborted[0].startswith(session_id)
     assert all(not r["in_flight"] for r in router.replicas())
-    assert (await router.describe_session(session_id))["num_turns"] == 0
+    assert (await describe(router, handle, session_id))["num_turns"] == 0
 
 
 @pytest.mark.parametrize("error", [SessionNotFound("sess-x"), RollbackTooDeep(2, 1),

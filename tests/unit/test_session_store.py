@@ -44,9 +44,9 @@ async def test_a_new_registry_carries_the_conversation_on(tok):
     reference = await agent_over(registry_over(tok, JsonStore()))
     for text in TURNS:
         await reference.user(text)
-    same_sample(await agent.registry.asample(agent.id),
-                await reference.registry.asample(reference.id))
-    described = await agent.registry.adescribe(agent.id)
+    same_sample(await agent.registry.sample(agent.id),
+                await reference.registry.sample(reference.id))
+    described = await agent.registry.describe(agent.id)
     assert described["metadata"] == {"run": 7} and described["num_turns"] == 3
 
 
@@ -56,7 +56,7 @@ async def test_the_memory_store_keeps_nothing(tok):
     await agent.user(TURNS[0])
     assert await store.load(agent.id) is None and not store.durable
     with pytest.raises(SessionNotFound):
-        await registry_over(tok, store).adescribe(agent.id)
+        await registry_over(tok, store).describe(agent.id)
     assert isinstance(open_session_store(None), MemorySessionStore)
 
 
@@ -69,8 +69,8 @@ async def test_the_stored_copy_drops_superseded_blobs(tok):
     assert [r["routed_experts"] is not None for r in records] == [False, False, True, True]
     assert [r["blobs_dropped"] for r in records] == [True, True, False, False]
     loaded = registry_over(tok, store)
-    live = agent.registry.get(agent.id).trajectory.records
-    for mine, theirs in zip((await loaded.aget(agent.id)).trajectory.records, live):
+    live = (await agent.registry.get(agent.id)).trajectory.records
+    for mine, theirs in zip((await loaded.get(agent.id)).trajectory.records, live):
         assert (mine.routed_experts is None) == (theirs.routed_experts is None)
         if mine.routed_experts is not None:
             np.testing.assert_array_equal(mine.routed_experts, theirs.routed_experts)
@@ -84,7 +84,7 @@ async def test_a_rollback_after_a_restart_uses_the_stored_checkpoints(tok):
     retried = agent.messages[:2] + [user("Or rather: in Paris?")]  # drops the second turn
     restarted = registry_over(tok, store)
     result = await restarted.chat(agent.id, retried)
-    assert result.rolled_back == 1 and len(restarted.get(agent.id).trajectory) == 2
+    assert result.rolled_back == 1 and len((await restarted.get(agent.id)).trajectory) == 2
     assert len(store.stored(agent.id)["records"]) == 2
 
 
@@ -120,35 +120,35 @@ async def test_deleted_sessions_are_gone_from_the_store(tok):
     await agent.registry.delete(agent.id)
     assert agent.id not in store.rows
     with pytest.raises(SessionNotFound):
-        await registry_over(tok, store).adescribe(agent.id)
+        await registry_over(tok, store).describe(agent.id)
 
 
 async def test_the_ttl_and_the_cap_reach_the_store(tok):
     store, clock = JsonStore(), Clock()
     first = registry_over(tok, store, clock, ttl_s=60, max_sessions=2)
-    idle, evicted = await first.acreate(), await first.acreate()
+    idle, evicted = await first.create(), await first.create()
     clock.now += 30
-    first.get(idle)  # used in memory: `evicted` is now the least recently used
-    kept = await first.acreate()
+    await first.get(idle)  # used in memory: `evicted` is now the least recently used
+    kept = await first.create()
     assert evicted not in store.rows and set(store.rows) == {idle, kept}
 
     clock.now += 61  # past the TTL of the last write: a restarted Router finds them expired
     restarted = registry_over(tok, store, clock, ttl_s=60)
     with pytest.raises(SessionNotFound, match="expired"):
-        await restarted.adescribe(idle)
+        await restarted.describe(idle)
     assert idle not in store.rows
 
 
 async def test_the_store_is_purged_of_idle_sessions_once_a_minute(tok):
     store, clock = JsonStore(), Clock()
     registry = registry_over(tok, store, clock, ttl_s=60)
-    orphan = await registry_over(tok, store, clock).acreate()  # its Router is gone
+    orphan = await registry_over(tok, store, clock).create()  # its Router is gone
     clock.now += 61
-    await registry.acreate()
+    await registry.create()
     assert orphan not in store.rows
     store.rows[orphan] = json.dumps({"last_used": 0})
     clock.now += PURGE_EVERY_S / 2
-    await registry.acreate()
+    await registry.create()
     assert orphan in store.rows  # not yet due again
 
 
@@ -161,7 +161,7 @@ async def test_a_store_that_fails_is_a_503_and_the_turn_can_be_resent(tok):
         await agent.registry.chat(agent.id, agent.messages + [user(TURNS[1])])
     assert err.value.status == 503
     with pytest.raises(SessionStoreUnavailable):
-        await agent.registry.acreate()
+        await agent.registry.create()
     assert len(agent.registry) == 1  # the session it could not store is not kept
     store.fail = False
     await agent.user(TURNS[1])  # the client never got the reply: it resends the turn
@@ -173,7 +173,7 @@ async def test_concurrent_calls_share_one_loaded_session(tok):
     agent = await agent_over(registry_over(tok, store))
     await agent.user(TURNS[0])
     restarted = registry_over(tok, store)
-    a, b = await asyncio.gather(restarted.aget(agent.id), restarted.aget(agent.id))
+    a, b = await asyncio.gather(restarted.get(agent.id), restarted.get(agent.id))
     assert a is b and len(restarted) == 1
 
 

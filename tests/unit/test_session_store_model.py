@@ -14,7 +14,7 @@ import pytest
 
 from router.errors import SessionModelMismatch
 from session_server.app import build_app
-from session_server.backend import LocalSessions, ModelInfo
+from session_server.backend import ModelInfo
 from tests.tiny_models import make_tokenizer
 from tests.unit.session_store_helpers import TURNS, JsonStore, agent_over, registry_over
 
@@ -29,10 +29,10 @@ async def test_a_session_records_its_model_and_another_model_is_refused(tok):
     agent = await agent_over(registry_over(tok, store, model="/models/a"))
     await agent.user(TURNS[0])
     assert store.stored(agent.id)["model"] == "/models/a"
-    assert (await agent.registry.adescribe(agent.id))["model"] == "/models/a"
+    assert (await agent.registry.describe(agent.id))["model"] == "/models/a"
 
     other = registry_over(tok, store, model="/models/b")  # redeployed with another model
-    calls = [other.adescribe(agent.id), other.asample(agent.id), other.delete(agent.id),
+    calls = [other.describe(agent.id), other.sample(agent.id), other.delete(agent.id),
              other.chat(agent.id, agent.messages + [{"role": "user", "content": TURNS[1]}])]
     for call in calls:
         with pytest.raises(SessionModelMismatch) as err:
@@ -43,7 +43,7 @@ async def test_a_session_records_its_model_and_another_model_is_refused(tok):
 
     agent.registry = registry_over(tok, store, model="/models/a")  # the same model carries on
     await agent.user(TURNS[1])
-    assert (await agent.registry.adescribe(agent.id))["num_turns"] == 2
+    assert (await agent.registry.describe(agent.id))["num_turns"] == 2
 
 
 async def test_a_row_stored_before_models_were_recorded_loads_and_records_it(tok):
@@ -55,18 +55,18 @@ async def test_a_row_stored_before_models_were_recorded_loads_and_records_it(tok
     store.rows[agent.id] = json.dumps(row)
 
     agent.registry = registry_over(tok, store, model="/models/a")
-    assert (await agent.registry.adescribe(agent.id))["num_turns"] == 1
+    assert (await agent.registry.describe(agent.id))["num_turns"] == 1
     await agent.user(TURNS[1])
     assert store.stored(agent.id)["model"] == "/models/a"  # from now on it is checked
     with pytest.raises(SessionModelMismatch):
-        await registry_over(tok, store, model="/models/b").adescribe(agent.id)
+        await registry_over(tok, store, model="/models/b").describe(agent.id)
 
 
 async def test_a_registry_that_does_not_know_its_model_checks_nothing(tok):
     store = JsonStore()
     agent = await agent_over(registry_over(tok, store, model="/models/a"))
     await agent.user(TURNS[0])
-    described = await registry_over(tok, store, model=None).adescribe(agent.id)
+    described = await registry_over(tok, store, model=None).describe(agent.id)
     assert described["model"] == "/models/a" and described["num_turns"] == 1
 
 
@@ -82,7 +82,7 @@ async def test_http_answers_409_with_the_openai_error_body(tok):
     agent = await agent_over(registry_over(tok, store, model="/models/a"))
     await agent.user(TURNS[0])
     backend = SimpleNamespace(info=ModelInfo("tiny", 512, len(tok)), tokenizer=tok, control=None,
-                              sessions=LocalSessions(registry_over(tok, store, model="/models/b")))
+                              sessions=registry_over(tok, store, model="/models/b"))
     transport = httpx.ASGITransport(app=build_app(backend))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         responses = [await http.get(f"/sessions/{agent.id}"),

@@ -27,7 +27,7 @@ async def settle(rounds: int = 20) -> None:
 async def test_turns_of_one_session_run_one_at_a_time(tok):
     gate = asyncio.Event()
     registry, gen = make_registry(tok, gate=gate)
-    sid = registry.create()
+    sid = await registry.create()
     first = asyncio.create_task(registry.chat(sid, [user("hello")]))
     retry = asyncio.create_task(registry.chat(sid, [user("hello")]))
     await settle()
@@ -36,26 +36,26 @@ async def test_turns_of_one_session_run_one_at_a_time(tok):
     a, b = await asyncio.gather(first, retry)
     # the second ran after the first committed: it saw the first turn and retried it
     assert (a.rolled_back, b.rolled_back) == (0, 1)
-    assert len(registry.get(sid).trajectory) == 1
+    assert len((await registry.get(sid)).trajectory) == 1
 
 
 async def test_different_sessions_run_in_parallel(tok):
     gate = asyncio.Event()
     registry, gen = make_registry(tok, gate=gate)
-    ids = [registry.create() for _ in range(3)]
+    ids = [await registry.create() for _ in range(3)]
     tasks = [asyncio.create_task(registry.chat(sid, [user("hello")])) for sid in ids]
     await settle()
     assert gen.in_flight == 3
     gate.set()
     await asyncio.gather(*tasks)
-    assert all(len(registry.get(sid).trajectory) == 1 for sid in ids)
+    assert all([len((await registry.get(sid)).trajectory) == 1 for sid in ids])
 
 
 async def held_turn_then_delete(tok):
     """A session with a turn held in flight by the gate and a delete waiting behind it."""
     gate = asyncio.Event()
     registry, gen = make_registry(tok, gate=gate)
-    sid = registry.create()
+    sid = await registry.create()
     turn = asyncio.create_task(registry.chat(sid, [user("hello")]))
     await settle()
     delete = asyncio.create_task(registry.delete(sid))
@@ -85,9 +85,9 @@ async def test_everything_after_delete_is_not_found(tok):
     for call in (registry.chat(sid, [user("x")]), registry.delete(sid)):
         with pytest.raises(SessionNotFound):
             await call
-    for sync_call in (registry.get, registry.describe, registry.sample):
+    for call in (registry.get(sid), registry.describe(sid), registry.sample(sid)):
         with pytest.raises(SessionNotFound):
-            sync_call(sid)
+            await call
 
 
 async def test_rapid_create_chat_delete_leaves_nothing_behind(tok):
@@ -95,8 +95,8 @@ async def test_rapid_create_chat_delete_leaves_nothing_behind(tok):
     refs = []
 
     async def cycle(i: int) -> None:
-        agent = Agent(registry)
-        refs.append(weakref.ref(registry.get(agent.id)))
+        agent = await Agent.start(registry)
+        refs.append(weakref.ref(await registry.get(agent.id)))
         await agent.user(f"hello {i}")
         await agent.user("again")
         await registry.delete(agent.id)
@@ -109,23 +109,23 @@ async def test_rapid_create_chat_delete_leaves_nothing_behind(tok):
 
 async def test_a_turn_abandoned_mid_stream_leaves_no_trace(tok):
     registry, gen = make_registry(tok)
-    agent = Agent(registry)
+    agent = await Agent.start(registry)
     await agent.user("hello")
-    before = registry.describe(agent.id)
+    before = await registry.describe(agent.id)
     async with aclosing(registry.chat_stream(agent.id, agent.messages + [user("more")])) as s:
         async for progress in s:
             assert progress.message is None  # still in flight
             break  # the client went away
-    assert registry.describe(agent.id) == before and gen.in_flight == 0
+    assert await registry.describe(agent.id) == before and gen.in_flight == 0
     await agent.user("more")  # the lock was released
-    assert len(registry.get(agent.id).trajectory) == 2
+    assert len((await registry.get(agent.id)).trajectory) == 2
 
 
 async def test_a_failing_generator_leaves_no_trace(tok):
     registry, gen = make_registry(tok)
-    agent = Agent(registry)
+    agent = await Agent.start(registry)
     await agent.user("hello")
-    before = registry.describe(agent.id)
+    before = await registry.describe(agent.id)
 
     def broken(prompt_ids):
         raise ValueError("prompt: too long for max_model_len")
@@ -133,10 +133,10 @@ async def test_a_failing_generator_leaves_no_trace(tok):
     gen.reply = broken
     with pytest.raises(ValueError, match="max_model_len"):
         await registry.chat(agent.id, agent.messages + [user("more")])
-    assert registry.describe(agent.id) == before
+    assert await registry.describe(agent.id) == before
 
 
-def test_session_ids_are_unguessable(tok):
+async def test_session_ids_are_unguessable(tok):
     registry, _ = make_registry(tok)
-    ids = {registry.create() for _ in range(200)}
+    ids = {await registry.create() for _ in range(200)}
     assert len(ids) == 200 and all(len(i) >= 24 for i in ids)

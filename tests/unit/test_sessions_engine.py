@@ -45,14 +45,14 @@ async def test_five_turns_with_tools_merge_to_the_engines_outputs(engine):
     spy = SpyEngine(AsyncLLMEngine(engine))
     registry = SessionRegistry(TemplateSplicer(engine.tokenizer),
                                EngineTurnGenerator(spy, return_routed_experts=True))
-    agent = Agent(registry)
+    agent = await Agent.start(registry)
     for i, new in enumerate(TURNS):
         params = SamplingParams(temperature=0.8, seed=i, max_tokens=8)
         await agent.say(*new, params=params, tools=TOOLS)
     await spy.engine.shutdown()
     finals = spy.finals
     assert len(finals) == 5
-    s = registry.sample(agent.id)
+    s = await registry.sample(agent.id)
     last = finals[-1]
     assert s.tokens == last.prompt_token_ids + last.outputs[0].token_ids
     mask = [0] * len(s.tokens)

@@ -35,26 +35,26 @@ def registry_with(tok, clock: Clock, gate: asyncio.Event | None = None, **config
 async def test_idle_sessions_expire_and_say_so(tok):
     clock = Clock()
     registry, _ = registry_with(tok, clock, ttl_s=60)
-    old, used = registry.create(), registry.create()
+    old, used = await registry.create(), await registry.create()
     clock.now += 40
     await registry.chat(used, [user("hi")])  # used at 1040 (the TTL counts from its end)
     clock.now += 30  # old idle 70 s, used idle 30 s
-    assert len(registry.get(used).trajectory) == 1
+    assert len((await registry.get(used)).trajectory) == 1
     with pytest.raises(SessionNotFound, match="expired.*unused for over 60 s") as err:
-        registry.get(old)
+        await registry.get(old)
     assert err.value.status == 404
     with pytest.raises(SessionNotFound, match="never created"):
-        registry.get("sess-unknown")
+        await registry.get("sess-unknown")
 
 
 async def test_the_least_recently_used_session_makes_room(tok):
     clock = Clock()
     registry, _ = registry_with(tok, clock, max_sessions=2, ttl_s=None)
-    a = registry.create()
-    b = registry.create()
+    a = await registry.create()
+    b = await registry.create()
     clock.now += 1
-    registry.get(a)  # a is now the most recently used
-    c = registry.create()
+    await registry.get(a)  # a is now the most recently used
+    c = await registry.create()
     assert a in registry and c in registry and b not in registry and len(registry) == 2
     with pytest.raises(SessionNotFound, match="least recently used of 2"):
         await registry.chat(b, [user("hi")])
@@ -64,17 +64,17 @@ async def test_sessions_in_a_turn_are_never_dropped(tok):
     clock = Clock()
     gate = asyncio.Event()
     registry, _ = registry_with(tok, clock, gate=gate, max_sessions=1, ttl_s=10)
-    busy = registry.create()
+    busy = await registry.create()
     turn = asyncio.create_task(registry.chat(busy, [user("hi")]))
     for _ in range(20):
         await asyncio.sleep(0)
     clock.now += 100  # past the TTL, but in a turn
     with pytest.raises(TooManySessions) as err:
-        registry.create()
+        await registry.create()
     assert err.value.status == 429 and busy in registry
     gate.set()
     await turn
-    assert len(registry.get(busy).trajectory) == 1
+    assert len((await registry.get(busy)).trajectory) == 1
 
 
 def test_bad_limits_are_value_errors():

@@ -56,7 +56,7 @@ class DeadRouter:
         self.error, self.in_stream = error, in_stream
 
     def __getattr__(self, name: str) -> DeadMethod:
-        return DeadMethod(self.error, self.in_stream if name == "chat_session" else None)
+        return DeadMethod(self.error, self.in_stream if name == "session_turn" else None)
 
 
 @pytest.fixture(scope="module")
