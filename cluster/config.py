@@ -45,6 +45,8 @@ class ClusterConfig:
     max_n: int = 128  # samples one request may ask for (n)
     tool_call_parser: str | None = None  # "hermes" | "llama3"; None: from the chat template
     ray_address: str | None = None  # join this cluster instead of starting a local one
+    # the ingress replica serves HTTP on `port` itself, without Serve's proxy (cluster/launch.py)
+    direct_ingress: bool = False
     # PostgreSQL the Router writes multi-turn sessions through to, so they survive its restart
     # (None: its memory only, a restart loses them); out of repr: it may hold a password
     sessions_dsn: str | None = field(default=None, repr=False)
@@ -70,6 +72,11 @@ class ClusterConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"ClusterConfig.tool_call_parser must be one of {list(PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        check_type("ClusterConfig", "direct_ingress", self.direct_ingress, bool)
+        if self.direct_ingress and self.ray_address:
+            raise ValueError("ClusterConfig.direct_ingress works on the local cluster raylane "
+                             "starts, not with ray_address: set RAY_SERVE_ENABLE_DIRECT_INGRESS "
+                             "and its ports on that cluster's nodes instead")
         if self.request_timeout_s is not None:
             check_type("ClusterConfig", "request_timeout_s", self.request_timeout_s, (int, float))
             if not self.request_timeout_s > 0:

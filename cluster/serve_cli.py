@@ -85,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "replica captures one graph per batch size in "
                              "engine.cudagraph_capture_sizes at start-up; the CPU runs eager)")
     parser.add_argument("--ray-address", help="join an existing Ray cluster (default: start one)")
+    parser.add_argument("--direct-ingress", action="store_true", default=None,
+                        help="the ingress replica serves HTTP on --port itself, skipping Ray "
+                             "Serve's proxy (its experimental direct ingress): one hop and "
+                             "two serializations less per streamed token, measured 1.1-1.3x "
+                             "the HTTP tok/s on 2 cores. Local cluster only (not with "
+                             "--ray-address), one ingress replica")
     parser.add_argument("--sessions-dsn", metavar="DSN",
                         help="PostgreSQL (postgresql://user@host/db) that multi-turn sessions "
                              "are written through to, so they survive a Router restart "
@@ -100,7 +106,7 @@ def config_from_args(args: argparse.Namespace):
     updates = {name: getattr(args, name) for name in
                ("model", "replicas", "host", "port", "served_model_name", "ray_address",
                 "admin_api_key", "request_timeout_s", "max_n", "tool_call_parser",
-                "sessions_dsn")
+                "sessions_dsn", "direct_ingress")
                if getattr(args, name) is not None}
     if args.api_keys:
         updates["api_keys"] = tuple(args.api_keys)
@@ -127,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    launch.start_ray(config.ray_address)
+    launch.start_ray(config.ray_address, direct_ingress_port=config.port
+                     if config.direct_ingress else None)
     code = 0
     try:
         url = launch.deploy(config)

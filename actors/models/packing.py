@@ -11,6 +11,8 @@ packed float32) at 1-128 tokens, on this CPU's avx512_bf16.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -23,8 +25,21 @@ _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 def can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in _TOLERANCE
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and reorder_supported(weight.dtype))
+
+
+@functools.cache
+def reorder_supported(dtype: torch.dtype) -> bool:
+    """oneDNN can pack `dtype` weights on this CPU (its bf16 path needs avx512bw/vl/dq or
+    avx_ne_convert: on a CPU without them the reorder raises)."""
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _packable(model: nn.Module) -> list[nn.Module]:

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-offline", action="store_true", help="skip the offline engine")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch threads of the engine replica (default: all cores)")
+    parser.add_argument("--direct-ingress", action="store_true",
+                        help="the in-process endpoint's ingress serves HTTP itself, without "
+                             "Serve's proxy (`raylane serve --direct-ingress`)")
     parser.add_argument("--transformers", action="store_true",
                         help="also run `transformers serve --continuous-batching` as a reference")
 
@@ -124,9 +127,11 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     work = make_workload(args.requests, tuple(args.max_tokens), args.seed)
     rows: list[tuple[str, RunResult]] = []
-    with raylane_endpoint(args.url, model_dir, args.torch_threads) as (url, name):
+    with raylane_endpoint(args.url, model_dir, args.torch_threads,
+                          args.direct_ingress) as (url, name):
         asyncio.run(drive(url, name, warm_up_work(args), args.clients))
-        rows.append((f"raylane HTTP ({args.clients} clients)",
+        how = ", direct ingress" if args.direct_ingress else ""
+        rows.append((f"raylane HTTP ({args.clients} clients{how})",
                      asyncio.run(drive(url, name, work, args.clients))))
     if not args.skip_offline:
         rows.append((f"raylane offline LLMEngine (max_num_seqs={args.clients})",

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cluster.launch import free_port
 
 
 @contextlib.contextmanager
-def raylane_endpoint(url: str | None, model_dir: str, torch_threads: int | None = None):
-    """Yield (url, model name): the given endpoint, or a local one started for the run."""
+def raylane_endpoint(url: str | None, model_dir: str, torch_threads: int | None = None,
+                     direct_ingress: bool = False):
+    """Yield (url, model name): the given endpoint, or a local one started for the run (its
+    ingress serving HTTP itself with `direct_ingress`)."""
     if url:
         import httpx
 
@@ -28,8 +25,8 @@ def raylane_endpoint(url: str | None, model_dir: str, torch_threads: int | None 
     from cluster.config import ClusterConfig
 
     config = ClusterConfig(model=model_dir, served_model_name="bench", port=free_port(),
-                           torch_threads=torch_threads)
-    launch.start_ray()
+                           torch_threads=torch_threads, direct_ingress=direct_ingress)
+    launch.start_ray(direct_ingress_port=config.port if direct_ingress else None)
     try:
         yield launch.deploy(config), "bench"
     finally:

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
+
+from cluster.launch import free_port  # noqa: F401 - the tests import it from here
 
 for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
                    ("RAY_USAGE_STATS_ENABLED", "0")):
     os.environ.setdefault(key, value)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +49,9 @@ def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2) -> Non
 
 
 def wait_healthy(ray, count: int, timeout_s: float = 120.0) -> list[str]:
-    """The ids of `count` healthy replicas, once the Router sees them all. Ray's workers run at
-    nice 15: while the test driver computes a reference at full priority, a replica's
-    heartbeats can lag long enough for the Router to skip it for a moment."""
+    """The ids of `count` healthy replicas, once the Router sees them all: on 2 cores, while the
+    test driver computes a reference, a replica's heartbeats can lag long enough for the Router
+    to skip it for a moment."""
     import time
 
     from router.actor import NAMESPACE, ROUTER_NAME
@@ -85,3 +80,14 @@ def keys_owned(replica_ids: list[str], per_replica: int) -> list[str]:
         owned[next(ring.walk(key))].append(key)
         i += 1
     return [owned[rid][k] for k in range(per_replica) for rid in replica_ids]
+
+
+def streamed_and_whole_chat(client, content: str, max_tokens: int):
+    """The same greedy chat through an `openai` client, streamed and not: (streamed text, the
+    whole response)."""
+    messages = [{"role": "user", "content": content}]
+    whole = client.chat.completions.create(model="tiny", messages=messages,
+                                           max_tokens=max_tokens, temperature=0)
+    stream = client.chat.completions.create(model="tiny", messages=messages,
+                                            max_tokens=max_tokens, temperature=0, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices), whole

@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from tests.ray.conftest import free_port
+from tests.ray.conftest import free_port, streamed_and_whole_chat
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +57,7 @@ def test_lists_the_model(client):
 
 
 def test_chat_streamed_equals_not_streamed(client):
-    messages = [{"role": "user", "content": "hello world"}]
-    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
-                                          temperature=0)
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
-                                            temperature=0, stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    text, full = streamed_and_whole_chat(client, "hello world", 10)
     assert text == full.choices[0].message.content
     assert full.usage.completion_tokens == 10 or full.choices[0].finish_reason == "stop"
 

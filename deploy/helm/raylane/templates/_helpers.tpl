@@ -87,6 +87,10 @@ Arguments: (list $ ENV_NAME .Values.feature.dsn "chart-secret-key" "feature.swit
 {{- define "raylane.env" -}}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+{{- /* Ray workers at the priority of everything else in the pod (Ray's default is nice 15):
+     see WORKER_PRIORITY_ENV in cluster/launch.py */}}
+- name: RAY_worker_niceness
+  value: "0"
 - name: HOME
   value: /home/raylane
 {{- include "raylane.secretEnv" (list . "RAYLANE_API_KEYS" .Values.auth.apiKey "api-key") }}
