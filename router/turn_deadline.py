@@ -6,11 +6,10 @@ output so far, finish reason "abort" — what the OpenAI routes do with `timeout
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from actors.engine.outputs import CompletionOutput, RequestOutput
+from actors.engine.outputs import CompletionOutput, RequestOutput, aborted
 from router.errors import BadSessionRequest
 
 
@@ -44,9 +43,5 @@ def ended_at_deadline(out: RequestOutput | None) -> RequestOutput:
     """The partial output as the turn's final one. It carries no routed-expert blob: an engine
     hands one out only with a request it finished itself."""
     if out is None:  # nothing generated yet (the engine was still queueing or prefilling)
-        return RequestOutput("", None, [], [CompletionOutput(0, "", [], [], finish_reason="abort")],
-                             finished=True)
-    c = out.outputs[0]
-    aborted = dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=list(c.logprobs or []),
-                                  finish_reason="abort", routed_experts=None)
-    return dataclasses.replace(out, outputs=[aborted], finished=True)
+        out = RequestOutput("", None, [], [CompletionOutput(0, "", [], [])], finished=False)
+    return aborted(out)

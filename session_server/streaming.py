@@ -8,7 +8,6 @@ on the backend is cancelled) — so the engine aborts the request and frees its 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -18,7 +17,7 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from actors.engine.outputs import CompletionOutput, RequestOutput
+from actors.engine.outputs import CompletionOutput, RequestOutput, aborted
 from actors.engine.sampling_params import SamplingParams
 from router.errors import ReplicaFailed
 from session_server.backend import EngineBackend
@@ -87,9 +86,7 @@ def _ended_at_deadline(out: RequestOutput | None, prompt: list[int], params: Sam
         empty = [CompletionOutput(k, "", [], logprobs=asked, top_logprobs=asked)
                  for k in range(params.n)]
         out = RequestOutput(request_id, None, list(prompt), empty, False)
-    samples = [c if c.finished else dataclasses.replace(c, finish_reason="abort")
-               for c in out.outputs]
-    return dataclasses.replace(out, outputs=samples, finished=True)
+    return aborted(out)
 
 
 async def _single(iterator: AsyncIterator[RequestOutput]) -> AsyncIterator[Indexed]:
