@@ -29,7 +29,7 @@ demo: install
 	$(VENV)/bin/raylane generate
 
 test: install
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=25 tests
 
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow" tests
