@@ -20,12 +20,30 @@ APP_NAME = "raylane"
 # serve` kept 81% of the offline engine's tok/s against 64-68% (2 cores, direct ingress, same
 # hour). Only the replica at nice 0 was worse: the ingress and proxy starved (TTFT 3 s).
 WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
+# Ray's and Serve's background loops, slowed or off on a local cluster. Every wake-up of them
+# preempts one of the replica's lock-step OpenMP threads and so stalls both: an idle `raylane
+# serve` burned 12% of one core (Serve's controller alone 3%), with these 7%, and `bench serve
+# --direct-ingress` kept 79-80% of the offline engine instead of 74-75% (2 cores, one hour).
+# A user's own setting of any of them wins.
+CONTROL_PLANE_ENV = {
+    # Serve's controller reconciles every 0.5 s instead of 0.1 s (a dead replica is seen by
+    # then; health checks run every 10 s anyway)
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # Ray's own metrics pipeline: raylane's /metrics is built from the engines' snapshots
+    "RAY_enable_metrics_collection": "0",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "10000",
+    # task events feed the dashboard's state API, which a local cluster does not start
+    "RAY_task_events_report_interval_ms": "0",
+    # one node: the raylet's resource reports to the GCS have no one to inform sooner
+    "RAY_raylet_report_resources_period_milliseconds": "1000",
+}
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None,
               direct_ingress_port: int | None = None) -> None:
-    """Join `address`, or start a fresh local cluster; with `direct_ingress_port`, one whose
-    Serve ingress replica serves HTTP on that port itself (`direct_ingress_env`)."""
+    """Join `address`, or start a fresh local cluster (its workers at nice 0 and its background
+    loops slowed: `WORKER_PRIORITY_ENV`, `CONTROL_PLANE_ENV`); with `direct_ingress_port`, one
+    whose Serve ingress replica serves HTTP on that port itself (`direct_ingress_env`)."""
     import ray
 
     if ray.is_initialized():
@@ -35,7 +53,8 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
             raise ValueError("direct ingress needs the local cluster raylane starts")
         ray.init(address=address, namespace="raylane")
         return
-    env = dict(WORKER_PRIORITY_ENV)
+    env = {key: value for key, value in {**WORKER_PRIORITY_ENV, **CONTROL_PLANE_ENV}.items()
+           if key not in os.environ}
     if direct_ingress_port is not None:
         env.update(direct_ingress_env(direct_ingress_port))
     with _environment(env):  # read by the raylet, whose workers (Serve's actors) inherit it
