@@ -45,7 +45,8 @@ class ClusterConfig:
     max_n: int = 128  # samples one request may ask for (n)
     tool_call_parser: str | None = None  # "hermes" | "llama3"; None: from the chat template
     ray_address: str | None = None  # join this cluster instead of starting a local one
-    # the ingress replica serves HTTP on `port` itself, without Serve's proxy (cluster/launch.py)
+    # the ingress replica serves HTTP on `port` itself, without Serve's proxy (cluster/launch.py);
+    # a crashed ingress replica is not replaced on `port` (README, "Direct ingress")
     direct_ingress: bool = False
     # PostgreSQL the Router writes multi-turn sessions through to, so they survive its restart
     # (None: its memory only, a restart loses them); out of repr: it may hold a password

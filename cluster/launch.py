@@ -22,8 +22,9 @@ APP_NAME = "raylane"
 WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 # Ray's and Serve's background loops, slowed or off on a local cluster. Every wake-up of them
 # preempts one of the replica's lock-step OpenMP threads and so stalls both: an idle `raylane
-# serve` burned 12% of one core (Serve's controller alone 3%), with these 7%, and `bench serve
-# --direct-ingress` kept 79-80% of the offline engine instead of 74-75% (2 cores, one hour).
+# serve` burned 12% of one core (Serve's controller alone 3%), with these 7%, and `bench serve`
+# kept 74-75% of the offline engine instead of 69% (78-80% instead of 74-75% with direct
+# ingress; 2 cores, one hour).
 # A user's own setting of any of them wins.
 CONTROL_PLANE_ENV = {
     # Serve's controller reconciles every 0.5 s instead of 0.1 s (a dead replica is seen by

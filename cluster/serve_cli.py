@@ -90,7 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Serve's proxy (its experimental direct ingress): one hop and "
                              "two serializations less per streamed token, measured 1.1-1.3x "
                              "the HTTP tok/s on 2 cores. Local cluster only (not with "
-                             "--ray-address), one ingress replica")
+                             "--ray-address), one ingress replica. Not for production: if "
+                             "the ingress replica crashes, Ray Serve 2.60 keeps its port "
+                             "allocated and no replacement can serve on --port again "
+                             "(restart raylane serve)")
     parser.add_argument("--sessions-dsn", metavar="DSN",
                         help="PostgreSQL (postgresql://user@host/db) that multi-turn sessions "
                              "are written through to, so they survive a Router restart "
