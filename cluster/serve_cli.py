@@ -134,10 +134,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"raylane serve: error: {e}", file=sys.stderr, flush=True)
         return 2
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     launch.start_ray(config.ray_address, direct_ingress_port=config.port
                      if config.direct_ingress else None)
+    stop = threading.Event()
+    # after Ray's start: its core worker installs a failure handler for SIGTERM that dumped a
+    # stack and ended the process with SIGABRT mid-shutdown; this one replaces it
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     code = 0
     try:
         url = launch.deploy(config)

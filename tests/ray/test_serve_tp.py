@@ -79,7 +79,8 @@ def test_cli_tp3_smollm2_equals_offline_tp1(ray_cluster, smollm2_dir):
         prompt = "The capital of France is"
         served = client.completions.create(model="smol", prompt=prompt, max_tokens=16,
                                            temperature=0).choices[0].text
-        proc.send_signal(signal.SIGINT)
+        # how Kubernetes stops a pod (test_serve_cli stops its server with Ctrl-C)
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
     finally:
         if proc.poll() is None:
