@@ -45,9 +45,9 @@ class ClusterConfig:
     max_n: int = 128  # samples one request may ask for (n)
     tool_call_parser: str | None = None  # "hermes" | "llama3"; None: from the chat template
     ray_address: str | None = None  # join this cluster instead of starting a local one
-    # the ingress replica serves HTTP on `port` itself, without Serve's proxy (cluster/launch.py);
-    # a crashed ingress replica is not replaced on `port` (README, "Direct ingress")
-    direct_ingress: bool = False
+    # the ingress replica serves HTTP on `port` itself, without Serve's proxy (cluster/listener.py);
+    # None: yes on the local cluster `raylane serve` starts, no when joining one (ray_address)
+    direct_ingress: bool | None = None
     # PostgreSQL the Router writes multi-turn sessions through to, so they survive its restart
     # (None: its memory only, a restart loses them); out of repr: it may hold a password
     sessions_dsn: str | None = field(default=None, repr=False)
@@ -73,11 +73,12 @@ class ClusterConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"ClusterConfig.tool_call_parser must be one of {list(PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
-        check_type("ClusterConfig", "direct_ingress", self.direct_ingress, bool)
+        if self.direct_ingress is not None:
+            check_type("ClusterConfig", "direct_ingress", self.direct_ingress, bool)
         if self.direct_ingress and self.ray_address:
             raise ValueError("ClusterConfig.direct_ingress works on the local cluster raylane "
-                             "starts, not with ray_address: set RAY_SERVE_ENABLE_DIRECT_INGRESS "
-                             "and its ports on that cluster's nodes instead")
+                             "starts, not with ray_address: the ingress replica may land on "
+                             "any node of that cluster, Serve's proxy answers on every node")
         if self.request_timeout_s is not None:
             check_type("ClusterConfig", "request_timeout_s", self.request_timeout_s, (int, float))
             if not self.request_timeout_s > 0:
@@ -146,6 +147,13 @@ class ClusterConfig:
 
         return ConsolidationServiceConfig.from_dict(
             self.consolidation, default_dsn=os.environ.get(CONSOLIDATION_DSN_ENV) or None)
+
+    def resolved(self) -> ClusterConfig:
+        """This config with `direct_ingress` decided: unset, it is on for the local cluster
+        (no `ray_address`)."""
+        if self.direct_ingress is not None:
+            return self
+        return dataclasses.replace(self, direct_ingress=self.ray_address is None)
 
     def replica_threads(self) -> int:
         return self.torch_threads or max(1, (os.cpu_count() or 1) // self.replicas)

@@ -43,9 +43,11 @@ class EngineDeployment(EngineReplica):
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress()
 class Ingress:
-    def __init__(self, replicas, model_dir: str, config: ClusterConfig):
+    async def __init__(self, replicas, model_dir: str, config: ClusterConfig):
+        from cluster.consolidation import metrics_sources
         from cluster.serve_backend import ServeBackend
         from router.session_host import SessionSetup
+        from session_server.app import build_app
         from session_server.backend import ModelInfo
 
         tokenizer, max_len, vocab, moe = _model_facts(model_dir, config)
@@ -54,23 +56,29 @@ class Ingress:
         # the Router hosts the sessions and runs their turns on these replicas
         capture = moe and bool(config.engine.get("enable_return_routed_experts"))
         setup = SessionSetup(model_dir, replicas, return_routed_experts=capture)
-        self.backend = ServeBackend(replicas, router, tokenizer, info, setup)
-        self.config = config
+        backend = ServeBackend(replicas, router, tokenizer, info, setup)
+        self.asgi = build_app(backend, api_keys=list(config.api_keys) or None,
+                              max_body_bytes=config.max_body_bytes,
+                              admin_api_key=config.admin_api_key,
+                              request_timeout_s=config.request_timeout_s,
+                              max_n=config.max_n,
+                              tool_call_parser=config.tool_call_parser,
+                              metrics_sources=metrics_sources(config))
+        self.listener = None
+        if config.direct_ingress:  # the app answers on config.port itself; Serve runs no proxy
+            from cluster.listener import HTTPListener
+
+            self.listener = HTTPListener(self.asgi, config.host, config.port)
         from cluster.consolidation import start_with_app
 
         start_with_app(config, served_model_name(config))  # its actor, once the app answers
 
     def __serve_build_asgi_app__(self):
-        from cluster.consolidation import metrics_sources
-        from session_server.app import build_app
+        return self.asgi  # what Serve's proxy calls, when there is one
 
-        return build_app(self.backend, api_keys=list(self.config.api_keys) or None,
-                         max_body_bytes=self.config.max_body_bytes,
-                         admin_api_key=self.config.admin_api_key,
-                         request_timeout_s=self.config.request_timeout_s,
-                         max_n=self.config.max_n,
-                         tool_call_parser=self.config.tool_call_parser,
-                         metrics_sources=metrics_sources(self.config))
+    def check_health(self) -> None:
+        if self.listener is not None:
+            self.listener.check()
 
 
 def build_application(config: ClusterConfig, model_dir: str | None = None):
@@ -121,7 +129,11 @@ def app_builder(args: dict):
     """
     from cluster.consolidation import stop_consolidation
 
-    app = build_application(ClusterConfig.for_serve_app(dict(args)))
+    config = ClusterConfig.for_serve_app(dict(args))
+    if config.direct_ingress:
+        raise ValueError("ClusterConfig.direct_ingress is for the local cluster `raylane serve` "
+                         "starts; a Serve app is reached through Serve's proxy")
+    app = build_application(config)
     # NOTE: after the build: a config that fails to build leaves the running app's actor be
     stop_consolidation()
     return app

@@ -85,15 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "replica captures one graph per batch size in "
                              "engine.cudagraph_capture_sizes at start-up; the CPU runs eager)")
     parser.add_argument("--ray-address", help="join an existing Ray cluster (default: start one)")
-    parser.add_argument("--direct-ingress", action="store_true", default=None,
-                        help="the ingress replica serves HTTP on --port itself, skipping Ray "
-                             "Serve's proxy (its experimental direct ingress): one hop and "
-                             "two serializations less per streamed token, measured 1.1-1.3x "
-                             "the HTTP tok/s on 2 cores. Local cluster only (not with "
-                             "--ray-address), one ingress replica. Not for production: if "
-                             "the ingress replica crashes, Ray Serve 2.60 keeps its port "
-                             "allocated and no replacement can serve on --port again "
-                             "(restart raylane serve)")
+    parser.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction,
+                        help="the ingress replica answers HTTP on --port itself (the default "
+                             "on the local cluster raylane starts): one hop and two "
+                             "serializations less per streamed token than through Ray Serve's "
+                             "proxy, which then does not run. A crashed ingress replica is "
+                             "served again once Serve replaces it. --no-direct-ingress serves "
+                             "through Serve's proxy; with --ray-address the proxy is the only "
+                             "way (the ingress replica may land on any node)")
     parser.add_argument("--sessions-dsn", metavar="DSN",
                         help="PostgreSQL (postgresql://user@host/db) that multi-turn sessions "
                              "are written through to, so they survive a Router restart "
@@ -134,8 +133,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"raylane serve: error: {e}", file=sys.stderr, flush=True)
         return 2
-    launch.start_ray(config.ray_address, direct_ingress_port=config.port
-                     if config.direct_ingress else None)
+    launch.start_ray(config.ray_address)
     stop = threading.Event()
     # after Ray's start: its core worker installs a failure handler for SIGTERM that dumped a
     # stack and ended the process with SIGABRT mid-shutdown; this one replaces it

@@ -130,7 +130,11 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(ClientGone, on_gone)
-    for kind in (APIError, ValueError, EnginePaused, RouterError, Exception):
+    # NOTE: the errors a request meets in normal operation are named here: Starlette answers
+    # an unnamed one (the Exception entry) from its outermost middleware and then re-raises
+    # it, and uvicorn closes a connection whose app raised, resetting a keep-alive client's
+    # next request on it
+    for kind in (APIError, ValueError, EnginePaused, RequestFailed, RouterError, Exception):
         app.add_exception_handler(kind, on_any)
 
 

@@ -13,9 +13,10 @@ from cluster.launch import free_port
 
 @contextlib.contextmanager
 def raylane_endpoint(url: str | None, model_dir: str, torch_threads: int | None = None,
-                     direct_ingress: bool = False):
-    """Yield (url, model name): the given endpoint, or a local one started for the run (its
-    ingress serving HTTP itself with `direct_ingress`)."""
+                     direct_ingress: bool | None = None):
+    """Yield (url, model name): the given endpoint, or a local one started for the run (as
+    `raylane serve` does: its ingress replica answers HTTP itself unless `direct_ingress` is
+    False)."""
     if url:
         import httpx
 
@@ -26,7 +27,7 @@ def raylane_endpoint(url: str | None, model_dir: str, torch_threads: int | None 
 
     config = ClusterConfig(model=model_dir, served_model_name="bench", port=free_port(),
                            torch_threads=torch_threads, direct_ingress=direct_ingress)
-    launch.start_ray(direct_ingress_port=config.port if direct_ingress else None)
+    launch.start_ray()
     try:
         yield launch.deploy(config), "bench"
     finally:

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from actors.engine.errors import RequestFailed
 from router.errors import ReplicaFailed, ReplicasBusy
 from tests.e2e.conftest import MAX_BODY, MODEL
 
@@ -147,6 +148,23 @@ def test_replica_failure_is_503(http, probe):
     assert_error(http.post("/generate", json={"text": "hi"}), 503)
     probe.fail_after_first = True
     assert_error(http.post("/v1/completions", json={**COMPLETION, "max_tokens": 5}), 503)
+
+
+def test_a_failed_step_is_500_and_keeps_the_connection(http, probe):
+    """A keep-alive client's connection survives a 500: uvicorn closes the connection of an app
+    that raised, so the error must be answered, not re-raised past the app."""
+
+    def client_port(response: httpx.Response) -> int:
+        return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+    first = http.post("/v1/completions", json=COMPLETION)
+    probe.fail = RequestFailed("request x: the engine step failed: injected")
+    failed = http.post("/v1/completions", json=COMPLETION)
+    assert_error(failed, 500, code="request_failed")
+    probe.fail = None
+    after = http.post("/v1/completions", json=COMPLETION)
+    assert first.status_code == after.status_code == 200
+    assert client_port(first) == client_port(failed) == client_port(after)
 
 
 def test_replica_failure_mid_stream_ends_the_stream_cleanly(http, probe, engine):

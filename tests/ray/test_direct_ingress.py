@@ -1,10 +1,10 @@
-"""`raylane serve --direct-ingress`: the ingress replica itself listens on the configured port
-(Ray Serve's direct ingress), and everything a client does through it matches the reference.
+"""`raylane serve`'s default HTTP path on its local cluster: the ingress replica answers on the
+configured port itself (cluster/listener.py) and Serve runs no proxy; everything a client does
+through it matches the reference. `--no-direct-ingress` (Serve's proxy) is tested beside it,
+each on a cluster of its own (Serve starts its proxies, or not, once per cluster).
 """
 
 from __future__ import annotations
-
-import os
 
 import psutil
 import pytest
@@ -18,18 +18,24 @@ PROMPT = [5, 6, 7, 8, 9]
 INGRESS_CLASS = "ServeReplica:raylane:Ingress"
 
 
-@pytest.fixture(scope="module")
-def url(tiny_llama_dir):
+@pytest.fixture(scope="module", params=[None, False], ids=["direct-by-default", "serve-proxy"])
+def served(request, tiny_llama_dir):
+    """(url, whether the ingress replica should answer itself)"""
     from cluster import launch
 
     config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", port=free_port(),
-                           torch_threads=1, direct_ingress=True,
+                           torch_threads=1, direct_ingress=request.param,
                            engine={"num_kv_blocks": 128, "max_model_len": 256})
-    launch.start_ray(num_cpus=2, direct_ingress_port=config.port)
+    launch.start_ray(num_cpus=2)
     try:
-        yield launch.deploy(config)
+        yield launch.deploy(config), request.param is None
     finally:
         launch.shutdown()
+
+
+@pytest.fixture
+def url(served) -> str:
+    return served[0]
 
 
 def listener(port: int) -> psutil.Process:
@@ -38,11 +44,16 @@ def listener(port: int) -> psutil.Process:
     return psutil.Process(conn.pid)
 
 
-def test_the_ingress_replica_listens_on_the_port(url):
+def test_who_listens_on_the_port(served):
+    url, direct = served
     port = int(url.rsplit(":", 1)[1])
-    assert INGRESS_CLASS in " ".join(listener(port).cmdline())
-    # the driver's environment is its own again: only the cluster's processes have the flag
-    assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in os.environ
+    owner = " ".join(listener(port).cmdline())
+    proxies = [a for a in _actors() if a["ActorClassName"] == "ProxyActor"]
+    if direct:
+        assert INGRESS_CLASS in owner
+        assert proxies == []  # Serve runs no proxy beside it
+    else:
+        assert "ProxyActor" in owner and len(proxies) == 1
 
 
 def test_generate_and_streamed_chat_through_it(url, tiny_llama_dir):
@@ -61,6 +72,22 @@ def test_generate_and_streamed_chat_through_it(url, tiny_llama_dir):
     assert streamed == whole.choices[0].message.content and whole.usage.completion_tokens > 0
 
 
-def test_direct_ingress_refuses_a_remote_cluster():
+def test_direct_ingress_is_decided_by_where_the_cluster_runs():
     with pytest.raises(ValueError, match="direct_ingress"):
         ClusterConfig(direct_ingress=True, ray_address="ray://head:10001")
+    assert ClusterConfig().resolved().direct_ingress is True
+    assert ClusterConfig(ray_address="ray://head:10001").resolved().direct_ingress is False
+    assert ClusterConfig(direct_ingress=False).resolved().direct_ingress is False
+
+
+def test_a_serve_app_refuses_direct_ingress():
+    from cluster.serve import app_builder
+
+    with pytest.raises(ValueError, match="direct_ingress"):
+        app_builder({"direct_ingress": True})
+
+
+def _actors() -> list[dict]:
+    import ray
+
+    return [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]

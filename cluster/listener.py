@@ -1,0 +1,41 @@
+"""The ingress replica's own HTTP server (`ClusterConfig.direct_ingress`, on by default for the
+local cluster `raylane serve` starts).
+
+Through Ray Serve's proxy every streamed token crosses two processes and is serialized twice
+(replica -> proxy actor -> client); here the ingress replica answers the socket itself. It binds
+with SO_REUSEPORT: a replica that Serve starts while the one it replaces still holds the port
+binds beside it, and the kernel frees a dead replica's port with its process, so a crashed
+ingress is served again as soon as Serve has replaced it (Ray Serve 2.60's own direct ingress
+keeps a dead replica's port allocated and never serves on it again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+
+class HTTPListener:
+    """uvicorn serving `app` on (host, port) from the running event loop, until the process
+    ends. The port is bound here, so a port another program holds fails the replica's start
+    with OSError."""
+
+    def __init__(self, app, host: str, port: int) -> None:
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self.sock.bind((host, port))
+        # log_config=None: the replica's logging stays Serve's; access logs off, as the proxy's
+        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
+                                timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
+
+    def check(self) -> None:
+        """Raise when the server has stopped (Serve's health check then replaces the replica)."""
+        if self.task.done():
+            error = None if self.task.cancelled() else self.task.exception()
+            raise RuntimeError(f"the ingress's HTTP server stopped: {error!r}")
