@@ -76,6 +76,18 @@ def _environment(env: dict[str, str]):
                 os.environ[key] = value
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ValueError naming the port when another program listens on it: the server raylane
+    starts there would otherwise never come up, or another one would answer in its place."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no holder
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): stop what holds "
+                             f"it or pick another port (--port)") from e
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -94,6 +106,8 @@ def deploy(config, model_dir: str | None = None) -> str:
     from cluster.serve import build_application, served_model_name
 
     config = config.resolved()
+    if config.ray_address is None:  # this machine's port: say it is taken before deploying
+        check_port_free(config.host, config.port)
     app = build_application(config, model_dir)
     if config.direct_ingress:  # the ingress replica answers on config.port itself
         serve.start(proxy_location="Disabled")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import signal
 import sys
 import textwrap
@@ -135,12 +136,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     launch.start_ray(config.ray_address)
     stop = threading.Event()
+
+    def on_stop(*_) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C interrupts
+
     # after Ray's start: its core worker installs a failure handler for SIGTERM that dumped a
     # stack and ended the process with SIGABRT mid-shutdown; this one replaces it
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, on_stop)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where is it stuck?
     code = 0
     try:
-        url = launch.deploy(config)
+        url = launch.deploy(config)  # Ctrl-C meanwhile interrupts it (KeyboardInterrupt)
+        signal.signal(signal.SIGINT, on_stop)
         print(f"raylane is serving at {url}/v1 (OpenAI API), {url}/generate, {url}/metrics "
               f"- Ctrl-C to stop", flush=True)
         stop.wait()

@@ -72,6 +72,24 @@ def test_generate_and_streamed_chat_through_it(url, tiny_llama_dir):
     assert streamed == whole.choices[0].message.content and whole.usage.completion_tokens > 0
 
 
+def test_a_port_in_use_fails_before_deploying(served, tiny_llama_dir):
+    import socket
+
+    import httpx
+
+    from cluster import launch
+
+    url, _ = served
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", port=port)
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+            launch.deploy(config)
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # the app serves on
+
+
 def test_direct_ingress_is_decided_by_where_the_cluster_runs():
     with pytest.raises(ValueError, match="direct_ingress"):
         ClusterConfig(direct_ingress=True, ray_address="ray://head:10001")

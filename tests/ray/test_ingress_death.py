@@ -2,7 +2,9 @@
 must heal from the replica's own heartbeats, or a full replica answers 429 forever.
 
 One replica with room for two requests: two long streams fill it, the ingress process is
-SIGKILLed, and the endpoint must serve again once the replica has let the orphans go.
+SIGKILLed, and the endpoint must serve again once the replica has let the orphans go. This is
+`raylane serve`'s default path, where the ingress replica holds the port itself: its replacement
+must get the port back.
 """
 
 from __future__ import annotations

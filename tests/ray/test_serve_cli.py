@@ -7,6 +7,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import openai
@@ -25,10 +26,22 @@ def server(tiny_llama_dir):
     lines = _wait_for(proc, "raylane is serving", timeout_s=240)
     url = f"http://127.0.0.1:{port}"
     assert url in "".join(lines)
+    proc.output = drain(proc, lines)
     yield url, proc
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+def drain(proc: subprocess.Popen, lines: list[str]) -> list[str]:
+    """Keep reading the server's output into `lines` (a full pipe would block its writes)."""
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
 
 
 def _wait_for(proc: subprocess.Popen, marker: str, timeout_s: float) -> list[str]:
@@ -96,4 +109,10 @@ def test_bad_requests_get_openai_errors(client):
 def test_ctrl_c_shuts_down_cleanly(server):
     _, proc = server
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=90) == 0
+    try:
+        code = proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # it dumps every thread's stack
+        time.sleep(2)
+        pytest.fail("raylane serve did not stop on Ctrl-C:\n" + "".join(proc.output))
+    assert code == 0, "".join(proc.output)
