@@ -79,13 +79,13 @@ def _environment(env: dict[str, str]):
 def check_port_free(host: str, port: int) -> None:
     """ValueError naming the port when another program listens on it: the server raylane
     starts there would otherwise never come up, or another one would answer in its place."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no holder
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): stop what holds "
-                             f"it or pick another port (--port)") from e
+    from cluster.listener import bind_socket
+
+    try:
+        bind_socket(host, port).close()
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): stop what holds "
+                         f"it or pick another port (--port)") from e
 
 
 def free_port(host: str = "127.0.0.1") -> int:

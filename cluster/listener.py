@@ -23,11 +23,7 @@ class HTTPListener:
     def __init__(self, app, host: str, port: int) -> None:
         import uvicorn
 
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        self.sock.bind((host, port))
+        self.sock = bind_socket(host, port, reuse_port=True)
         # log_config=None: the replica's logging stays Serve's; access logs off, as the proxy's
         config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
                                 timeout_keep_alive=30)
@@ -39,3 +35,19 @@ class HTTPListener:
         if self.task.done():
             error = None if self.task.cancelled() else self.task.exception()
             raise RuntimeError(f"the ingress's HTTP server stopped: {error!r}")
+
+
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to (host, port), IPv4 or IPv6 by the host's spelling (TIME_WAIT
+    connections do not hold the port); OSError when another socket holds it. With `reuse_port`
+    it binds beside other SO_REUSEPORT sockets of this user."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock

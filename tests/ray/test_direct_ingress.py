@@ -13,6 +13,7 @@ from openai import OpenAI
 from cluster.config import ClusterConfig
 from tests.hf_reference import hf_greedy
 from tests.ray.conftest import free_port, streamed_and_whole_chat
+from tests.ray.test_serve_tp import alive_actors
 
 PROMPT = [5, 6, 7, 8, 9]
 INGRESS_CLASS = "ServeReplica:raylane:Ingress"
@@ -48,7 +49,7 @@ def test_who_listens_on_the_port(served):
     url, direct = served
     port = int(url.rsplit(":", 1)[1])
     owner = " ".join(listener(port).cmdline())
-    proxies = [a for a in _actors() if a["ActorClassName"] == "ProxyActor"]
+    proxies = alive_actors("ProxyActor")
     if direct:
         assert INGRESS_CLASS in owner
         assert proxies == []  # Serve runs no proxy beside it
@@ -103,9 +104,3 @@ def test_a_serve_app_refuses_direct_ingress():
 
     with pytest.raises(ValueError, match="direct_ingress"):
         app_builder({"direct_ingress": True})
-
-
-def _actors() -> list[dict]:
-    import ray
-
-    return [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]
