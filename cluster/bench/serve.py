@@ -4,6 +4,12 @@ Runs a fixed seeded chat workload through N concurrent streaming clients and rep
 requests/s, output tokens/s, TTFT and inter-token latency. In the same run it measures the
 offline engine on the same prompts (the ceiling the HTTP path should keep 85% of) and,
 with `--transformers`, `transformers serve --continuous-batching` on the same model.
+
+The HTTP/offline ratio is taken in paired rounds (`--rounds`): each round runs the offline
+engine, then a fresh endpoint, on that round's own workload, one right after the other. These
+machines' speed drifts by more than 10% within minutes (other tenants), so a ratio of two runs
+minutes apart measures the drift as much as the serving path; the median of paired rounds does
+not. Offline runs only while no Ray process is up: an idle local cluster alone slows the engine.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +35,10 @@ class RunResult:
     itl: list[float] = field(default_factory=list)
     errors: int = 0
 
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="a running endpoint (default: start one in-process)")
@@ -36,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests in the workload")
     parser.add_argument("--max-tokens", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="paired rounds (offline engine, then a fresh endpoint, each on the "
+                             "round's own workload); the ratio reported is their median")
     parser.add_argument("--skip-offline", action="store_true", help="skip the offline engine")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch threads of the engine replica (default: all cores)")
@@ -99,58 +113,98 @@ async def drive(url: str, model: str, work: list[tuple[str, int]], clients: int)
     return result
 
 
-def warm_up_work(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """An untimed pass before each measured one, of the same shape with other words: a fresh
-    server's (and engine's) first steps pay one-time costs, e.g. oneDNN compiling a kernel for
-    each new batch shape, that the measured runs should not."""
-    return make_workload(args.requests, tuple(args.max_tokens), seed=args.seed + 1)
+class OfflineEngine:
+    """The same requests through LLMEngine.generate, at most `concurrency` running at once. Built
+    and warmed once (`warm`), before any Ray process starts."""
 
+    def __init__(self, model_dir: str, concurrency: int, warm: list[tuple[str, int]]):
+        from actors.engine import EngineConfig, LLMEngine
 
-def run_offline(model_dir: str, work: list[tuple[str, int]], warm: list[tuple[str, int]],
-                concurrency: int) -> RunResult:
-    """The same requests through LLMEngine.generate, at most `concurrency` running at once
-    (after the `warm` pass)."""
-    from actors.engine import EngineConfig, LLMEngine, SamplingParams
+        self.engine = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=concurrency))
+        self.run(warm)
 
-    engine = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=concurrency))
+    def run(self, work: list[tuple[str, int]]) -> RunResult:
+        from actors.engine import SamplingParams
 
-    def requests(work: list[tuple[str, int]]) -> tuple[list, list[SamplingParams]]:
-        prompts = [engine.validator.render_chat([{"role": "user", "content": p}])
+        prompts = [self.engine.validator.render_chat([{"role": "user", "content": p}])
                    for p, _ in work]
-        return prompts, [SamplingParams(temperature=0, max_tokens=n) for _, n in work]
+        params = [SamplingParams(temperature=0, max_tokens=n) for _, n in work]
+        start = time.perf_counter()
+        outs = self.engine.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        return RunResult(wall, sum(len(o.outputs[0].token_ids) for o in outs), len(work))
 
-    engine.generate(*requests(warm), use_tqdm=False)
-    start = time.perf_counter()
-    outs = engine.generate(*requests(work), use_tqdm=False)
-    wall = time.perf_counter() - start
-    return RunResult(wall, sum(len(o.outputs[0].token_ids) for o in outs), len(work))
+
+def round_work(args: argparse.Namespace, k: int) -> tuple[list, list]:
+    """Round k's measured workload and its untimed warm-up pass (the same shape, other words):
+    a fresh server's (and engine's) first steps pay one-time costs, e.g. oneDNN compiling a
+    kernel for each new batch shape, that the measured runs should not. Fresh prompts every
+    round, so neither system answers from a prefix cache an earlier round filled."""
+    seed = args.seed + 2 * k
+    size = (args.requests, tuple(args.max_tokens))
+    return make_workload(*size, seed), make_workload(*size, seed + 1)
+
+
+def wait_for_cluster_exit(procs: list, timeout_s: float = 60) -> None:
+    """Wait until the processes the endpoint started (Ray's) have exited, so the next offline
+    run shares the CPU with none of them."""
+    import psutil
+
+    psutil.wait_procs(procs, timeout=timeout_s)
 
 
 def run(args: argparse.Namespace) -> int:
+    import psutil
+
     from cluster.bench.serve_targets import raylane_endpoint, transformers_endpoint
     from cluster.models import resolve_model
 
+    if args.rounds < 1:
+        raise ValueError("--rounds must be >= 1")
     model_dir = resolve_model(args.model)
-    work = make_workload(args.requests, tuple(args.max_tokens), args.seed)
     offline = None
-    if not args.skip_offline:  # first, on a quiet machine: Ray's processes linger after it
-        offline = run_offline(model_dir, work, warm_up_work(args), args.clients)
-    rows: list[tuple[str, RunResult]] = []
-    with raylane_endpoint(args.url, model_dir, args.torch_threads,
-                          False if args.serve_proxy else None) as (url, name):
-        asyncio.run(drive(url, name, warm_up_work(args), args.clients))
-        how = ", Serve's proxy" if args.serve_proxy else ""
-        rows.append((f"raylane HTTP ({args.clients} clients{how})",
-                     asyncio.run(drive(url, name, work, args.clients))))
-    if offline is not None:
-        rows.append((f"raylane offline LLMEngine (max_num_seqs={args.clients})", offline))
+    if not args.skip_offline:
+        offline = OfflineEngine(model_dir, args.clients, round_work(args, 0)[1])
+    how = ", Serve's proxy" if args.serve_proxy else ""
+    http = Rows(f"raylane HTTP ({args.clients} clients{how})")
+    off = Rows(f"raylane offline LLMEngine (max_num_seqs={args.clients})")
+    for k in range(args.rounds):
+        work, warm = round_work(args, k)
+        if offline is not None:
+            off.runs.append(offline.run(work))
+        with raylane_endpoint(args.url, model_dir, args.torch_threads,
+                              False if args.serve_proxy else None) as (url, name):
+            started = psutil.Process().children(recursive=True)
+            asyncio.run(drive(url, name, warm, args.clients))
+            http.runs.append(asyncio.run(drive(url, name, work, args.clients)))
+        wait_for_cluster_exit(started)
+        print(f"round {k + 1}/{args.rounds}: HTTP {http.runs[-1].tok_s:.1f} tok/s"
+              + (f", offline {off.runs[-1].tok_s:.1f}" if off.runs else ""), flush=True)
+    rows = [http] + ([off] if off.runs else [])
     if args.transformers:
+        work, warm = round_work(args, 0)
+        ref = Rows(f"transformers serve --cb ({args.clients} clients)")
         with transformers_endpoint(model_dir) as (url, name):
-            asyncio.run(drive(url, name, warm_up_work(args), args.clients))
-            rows.append((f"transformers serve --cb ({args.clients} clients)",
-                         asyncio.run(drive(url, name, work, args.clients))))
-    print_table(rows, len(work))
+            asyncio.run(drive(url, name, warm, args.clients))
+            ref.runs.append(asyncio.run(drive(url, name, work, args.clients)))
+        rows.append(ref)
+    print_table(rows, args.requests)
     return 0
+
+
+@dataclass
+class Rows:
+    """One system's runs, one per round."""
+
+    name: str
+    runs: list[RunResult] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return statistics.median(r.tok_s for r in self.runs)
+
+    def pooled(self, attr: str) -> list[float]:
+        return [x for r in self.runs for x in getattr(r, attr)]
 
 
 def _pct(values: list[float], q: float) -> str:
@@ -160,17 +214,23 @@ def _pct(values: list[float], q: float) -> str:
     return f"{values[min(len(values) - 1, int(q * len(values)))] * 1e3:.0f}"
 
 
-def print_table(rows: list[tuple[str, RunResult]], num: int) -> None:
-    base = rows[0][1].output_tokens / rows[0][1].wall_s
-    print(f"\nworkload: {num} chat requests, greedy, float32")
-    print("| system | req/s | output tok/s | raylane HTTP / this | TTFT p50 ms | TTFT p99 ms "
-          "| ITL p50 ms | ITL p99 ms | errors |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, r in rows:
-        tps = r.output_tokens / r.wall_s
-        print(f"| {name} | {r.requests / r.wall_s:.2f} | {tps:.1f} | {base / tps:.2f} | "
-              f"{_pct(r.ttft, 0.5)} | {_pct(r.ttft, 0.99)} | {_pct(r.itl, 0.5)} | "
-              f"{_pct(r.itl, 0.99)} | {r.errors} |")
-    if len(rows) > 1 and rows[1][0].startswith("raylane offline"):
-        off = rows[1][1].output_tokens / rows[1][1].wall_s
-        print(f"\nHTTP keeps {100 * base / off:.0f}% of the offline engine's output tok/s")
+def print_table(rows: list[Rows], num: int) -> None:
+    http = rows[0]
+    rounds = len(http.runs)
+    print(f"\nworkload: {num} chat requests per round, greedy, float32; {rounds} round(s), "
+          "output tok/s and req/s: median over rounds, latencies: pooled")
+    print("| system | req/s | output tok/s | per round | raylane HTTP / this | TTFT p50 ms "
+          "| TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        req_s = statistics.median(r.requests / r.wall_s for r in row.runs)
+        per_round = " ".join(f"{r.tok_s:.1f}" for r in row.runs)
+        ttft, itl = row.pooled("ttft"), row.pooled("itl")
+        print(f"| {row.name} | {req_s:.2f} | {row.tok_s:.1f} | {per_round} | "
+              f"{http.tok_s / row.tok_s:.2f} | {_pct(ttft, 0.5)} | {_pct(ttft, 0.99)} | "
+              f"{_pct(itl, 0.5)} | {_pct(itl, 0.99)} | {sum(r.errors for r in row.runs)} |")
+    if len(rows) > 1 and rows[1].name.startswith("raylane offline"):
+        ratios = [h.tok_s / o.tok_s for h, o in zip(http.runs, rows[1].runs)]
+        each = ", ".join(f"{100 * x:.0f}%" for x in ratios)
+        print(f"\nHTTP keeps {100 * statistics.median(ratios):.0f}% of the offline engine's "
+              f"output tok/s (median of {rounds} paired round(s): {each})")

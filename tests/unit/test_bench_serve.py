@@ -1,0 +1,44 @@
+"""`raylane bench serve`'s pure helpers: per-round workloads and the paired-round ratio."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.bench.serve import Rows, RunResult, add_arguments, print_table, round_work
+
+
+def args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_every_round_and_its_warm_up_get_their_own_prompts():
+    a = args("--requests", "8")
+    prompts = [p for k in range(3) for work in round_work(a, k) for p, _ in work]
+    assert len(prompts) == 6 * 8
+    assert len(set(prompts)) == len(prompts)  # no round hits a prefix an earlier one cached
+    assert round_work(a, 1) == round_work(args("--requests", "8"), 1)  # seeded: repeatable
+
+
+def run(tok_s: float, requests: int = 10) -> RunResult:
+    return RunResult(wall_s=10.0, output_tokens=int(tok_s * 10), requests=requests)
+
+
+def test_the_ratio_is_the_median_of_paired_rounds(capsys):
+    # round 2 ran while the machine was slow, for both systems
+    http = Rows("raylane HTTP", [run(170), run(100), run(190)])
+    offline = Rows("raylane offline LLMEngine", [run(200), run(150), run(180)])
+    print_table([http, offline], 64)
+    out = capsys.readouterr().out
+    ratios = [h / o for h, o in zip((170, 100, 190), (200, 150, 180))]
+    median = sorted(ratios)[1]
+    assert abs(median - 170 / 180) > 0.05  # unlike the ratio of the two medians
+    assert f"HTTP keeps {100 * median:.0f}% " in out
+    assert ", ".join(f"{100 * x:.0f}%" for x in ratios) in out
+    assert "| 170.0 | 170.0 100.0 190.0 |" in out  # the median, then every round
+
+
+def test_without_the_offline_engine_there_is_no_ratio(capsys):
+    print_table([Rows("raylane HTTP", [run(170)])], 64)
+    assert "HTTP keeps" not in capsys.readouterr().out
