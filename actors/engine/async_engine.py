@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import AsyncIterator
 
 from actors.engine.config import EngineConfig
 from actors.engine.errors import EnginePaused, RequestFailed
 from actors.engine.llm_engine import LLMEngine, Prompt
 from actors.engine.outputs import RequestOutput
+from actors.engine.plan_ahead import PlanAheadClock
 from actors.engine.sampling_params import SamplingParams
 from actors.models.weights import TensorSpec
 
@@ -48,6 +50,7 @@ class AsyncLLMEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
+        self._clock = PlanAheadClock()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -199,14 +202,15 @@ class AsyncLLMEngine:
         try:
             while True:
                 if not self.engine.has_unfinished_requests() or self._frozen():
+                    self._clock.idle()
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                due = self.engine.begin_step()
+                due = self.engine.begin_step(plan_ahead=False)
                 if due is not None:
                     # the step runs on the executor's side: consumers, new requests, aborts
                     # and client disconnects are served meanwhile
-                    await asyncio.wait([asyncio.wrap_future(due)])
+                    await self._plan_ahead(asyncio.wrap_future(due))
                 else:
                     await asyncio.sleep(0.001)  # nothing ran (e.g. only failed plans)
                 self._fan_out(self.engine.end_step())
@@ -214,6 +218,19 @@ class AsyncLLMEngine:
             self._error = e
             for queue in self._queues.values():
                 queue.put_nowait(e)
+
+    async def _plan_ahead(self, due: asyncio.Future) -> None:
+        """Plan the next step while `due` runs, as late as `PlanAheadClock` deems safe, then
+        wait for `due`."""
+        loop = asyncio.get_running_loop()
+        wait = self._clock.wait_s(loop.time())
+        if wait:
+            await asyncio.wait([due], timeout=wait)
+        started = time.perf_counter()
+        if self.engine.plan_ahead():
+            self._clock.planned(time.perf_counter() - started)
+        await asyncio.wait([due])
+        self._clock.step_done(loop.time())
 
     def _frozen(self) -> bool:
         """Paused in a mode that stops the steps ("wait" lets in-flight requests run)."""

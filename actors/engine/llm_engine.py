@@ -197,18 +197,27 @@ class LLMEngine:
         self.begin_step()
         return self.end_step()
 
-    def begin_step(self) -> Future[StepResult] | None:
+    def begin_step(self, plan_ahead: bool = True) -> Future[StepResult] | None:
         """The first half of `step`: launch what is due; returns the future `end_step` will
-        wait for (None: nothing to wait for). An event loop awaits it, then calls end_step."""
+        wait for (None: nothing to wait for). An event loop awaits it, then calls end_step.
+        `plan_ahead=False` leaves launching the step after it to a later `plan_ahead()`."""
         if self._in_flight is None:
             self._in_flight = self.launcher.launch()
         self._due, self._in_flight = self._in_flight, None
-        # a grammar's next mask needs the token in flight: constrained batches step serially
-        if (self._due is not None and self.config.async_scheduling
-                and not self.launcher.constrained()):
-            self._in_flight = self.launcher.launch()
-            self.stats.steps_planned_ahead += self._in_flight is not None
+        if plan_ahead:
+            self.plan_ahead()
         return None if self._due is None else self._due.future
+
+    def plan_ahead(self) -> bool:
+        """With async scheduling, launch the step after the one due while that one runs (once;
+        True if it launched one). A grammar's next mask needs the token in flight, so
+        constrained batches step serially."""
+        if (self._due is None or self._in_flight is not None or not self.config.async_scheduling
+                or self.launcher.constrained()):
+            return False
+        self._in_flight = self.launcher.launch()
+        self.stats.steps_planned_ahead += self._in_flight is not None
+        return self._in_flight is not None
 
     def end_step(self) -> list[RequestOutput]:
         """The second half of `step`: fold in the step begin_step launched (if drain has not)."""
