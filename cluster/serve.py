@@ -44,7 +44,7 @@ class EngineDeployment(EngineReplica):
 @serve.ingress()
 class Ingress:
     async def __init__(self, replicas, model_dir: str, config: ClusterConfig):
-        from cluster.consolidation import metrics_sources
+        from cluster.consolidation import metrics_sources, start_with_app
         from cluster.serve_backend import ServeBackend
         from router.session_host import SessionSetup
         from session_server.app import build_app
@@ -69,8 +69,6 @@ class Ingress:
             from cluster.listener import HTTPListener
 
             self.listener = HTTPListener(self.asgi, config.host, config.port)
-        from cluster.consolidation import start_with_app
-
         start_with_app(config, served_model_name(config))  # its actor, once the app answers
 
     def __serve_build_asgi_app__(self):

@@ -145,14 +145,6 @@ def round_work(args: argparse.Namespace, k: int) -> tuple[list, list]:
     return make_workload(*size, seed), make_workload(*size, seed + 1)
 
 
-def wait_for_cluster_exit(procs: list, timeout_s: float = 60) -> None:
-    """Wait until the processes the endpoint started (Ray's) have exited, so the next offline
-    run shares the CPU with none of them."""
-    import psutil
-
-    psutil.wait_procs(procs, timeout=timeout_s)
-
-
 def run(args: argparse.Namespace) -> int:
     import psutil
 
@@ -177,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
             started = psutil.Process().children(recursive=True)
             asyncio.run(drive(url, name, warm, args.clients))
             http.runs.append(asyncio.run(drive(url, name, work, args.clients)))
-        wait_for_cluster_exit(started)
+        # the next offline run shares the CPU with none of Ray's processes
+        psutil.wait_procs(started, timeout=60)
         print(f"round {k + 1}/{args.rounds}: HTTP {http.runs[-1].tok_s:.1f} tok/s"
               + (f", offline {off.runs[-1].tok_s:.1f}" if off.runs else ""), flush=True)
     rows = [http] + ([off] if off.runs else [])
