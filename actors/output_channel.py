@@ -16,8 +16,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.engine.async_engine import RequestStream
-from actors.engine.output_delta import DeltaEncoder
+from raylane.actors.engine.async_engine import RequestStream
+from raylane.actors.engine.output_delta import DeltaEncoder
 
 
 class ChannelClosed(RuntimeError):

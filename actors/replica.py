@@ -17,21 +17,26 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.engine.outputs import RequestOutput
-from actors.engine.sampling_params import SamplingParams
-from actors.output_channel import ChannelClosed, OutputChannel
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.output_channel import ChannelClosed, OutputChannel
 
 logger = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    def __init__(self, engine_options: dict, router=None, torch_threads: int | None = None,
-                 replica_id: str | None = None, heartbeat_s: float = 1.0):
+    def __init__(
+        self,
+        engine_options: dict,
+        router=None,
+        torch_threads: int | None = None,
+        replica_id: str | None = None,
+        heartbeat_s: float = 1.0,
+    ):
         import torch
-
-        from actors.engine.async_engine import AsyncLLMEngine
-        from actors.engine.config import EngineConfig
-        from actors.engine.llm_engine import LLMEngine
+        from raylane.actors.engine.async_engine import AsyncLLMEngine
+        from raylane.actors.engine.config import EngineConfig
+        from raylane.actors.engine.llm_engine import LLMEngine
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
@@ -54,9 +59,9 @@ class EngineReplica:
             # a replica whose engine died stops being routed to before Serve replaces it
             try:
                 if self._serving():
-                    await self.router.heartbeat.remote(self.replica_id,
-                                                       self.engine.weight_version,
-                                                       self.engine.num_requests)
+                    await self.router.heartbeat.remote(
+                        self.replica_id, self.engine.weight_version, self.engine.num_requests
+                    )
                 else:
                     await self.router.report_failure.remote(self.replica_id)
             except Exception as e:  # the Router restarts; keep trying
@@ -75,8 +80,11 @@ class EngineReplica:
         self.engine.check_health()
         self.engine.engine.check_health(ping=False)
 
-    async def open_channel(self, channel_id: str, target_replica: str | None = None,
-                           ) -> AsyncIterator[Any]:
+    async def open_channel(
+        self,
+        channel_id: str,
+        target_replica: str | None = None,
+    ) -> AsyncIterator[Any]:
         """A caller's output channel (actors/output_channel.py): first this replica's id (the
         caller learns where the call landed), then per-step batches of the outputs of the
         requests it submits on `channel_id`. Leaving it aborts those still running."""
@@ -91,15 +99,22 @@ class EngineReplica:
                 del self._channels[channel_id]
             channel.close()
 
-    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                     channel_id: str, target_replica: str | None = None) -> None:
+    async def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        channel_id: str,
+        target_replica: str | None = None,
+    ) -> None:
         """Admit a request whose outputs go out on the caller's open channel `channel_id`. Bad
         input (ValueError) and a paused engine's full queue (EnginePaused) raise here; abort
         it with `abort([request_id])`."""
         channel = self._channels.get(channel_id)
         if channel is None:
-            raise ChannelClosed(f"no output channel {channel_id!r} is open on replica "
-                                f"{self.replica_id}")
+            raise ChannelClosed(
+                f"no output channel {channel_id!r} is open on replica {self.replica_id}"
+            )
         channel.start(await self.engine.add_request(prompt_ids, params, request_id))
 
     async def stats(self, target_replica: str | None = None) -> dict:
@@ -116,9 +131,12 @@ class EngineReplica:
     async def weight_version(self, target_replica: str | None = None) -> int:
         return self.engine.weight_version
 
-    async def begin_weight_update(self, specs: list[dict], target_replica: str | None = None,
-                                  ) -> None:
-        from actors.models.weights import TensorSpec
+    async def begin_weight_update(
+        self,
+        specs: list[dict],
+        target_replica: str | None = None,
+    ) -> None:
+        from raylane.actors.models.weights import TensorSpec
 
         self.engine.begin_weight_update([TensorSpec.from_dict(d) for d in specs])
 
@@ -129,19 +147,27 @@ class EngineReplica:
             bucket = await bucket[0]
         return self.engine.load_weight_bucket(bucket)
 
-    async def finish_weight_update(self, version: int | None = None,
-                                   target_replica: str | None = None) -> int:
+    async def finish_weight_update(
+        self, version: int | None = None, target_replica: str | None = None
+    ) -> int:
         return self.engine.finish_weight_update(version)
 
-    async def abort(self, request_ids: list[str], target_replica: str | None = None,
-                    ) -> list[RequestOutput]:
+    async def abort(
+        self,
+        request_ids: list[str],
+        target_replica: str | None = None,
+    ) -> list[RequestOutput]:
         return await self.engine.abort(request_ids)
 
     async def flush_cache(self, target_replica: str | None = None) -> None:
         self.engine.flush_cache()
 
-    async def arm_fault(self, stage: str, times: int = 1, target_replica: str | None = None,
-                        ) -> None:
+    async def arm_fault(
+        self,
+        stage: str,
+        times: int = 1,
+        target_replica: str | None = None,
+    ) -> None:
         """Test hook: this replica's next `times` engine steps raise at `stage`
         (`LLMEngine.arm_fault`); their requests fail, the engine serves on."""
         self.engine.engine.arm_fault(stage, times)

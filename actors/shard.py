@@ -26,9 +26,9 @@ import secrets
 import socket
 from typing import Any
 
-from actors.runner import wire
-from actors.runner.config import RunnerConfig, RunnerInfo
-from actors.runner.plan import ChannelCommand, StepError, StepPlan, StepResult
+from raylane.actors.runner import wire
+from raylane.actors.runner.config import RunnerConfig, RunnerInfo
+from raylane.actors.runner.plan import ChannelCommand, StepError, StepPlan, StepResult
 
 LOOPBACK = "127.0.0.1"
 # a collective waits this long for a peer before failing (a dead peer usually fails it at once)
@@ -58,17 +58,20 @@ class ModelShard:
         """Join the process group (every rank must call this together), then load the slice."""
         import torch
         import torch.distributed as dist
-
-        from actors.models import TPGroup
-        from actors.runner.model_runner import ModelRunner, resolve_device
+        from raylane.actors.models import TPGroup
+        from raylane.actors.runner.model_runner import ModelRunner, resolve_device
 
         device = resolve_device(self.config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://{LOOPBACK}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://{LOOPBACK}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
         tp = TPGroup(self.rank, self.world_size, dist.group.WORLD)
         self.runner = ModelRunner(self.config, tp)
         return self.runner.info()

@@ -9,21 +9,25 @@ import sys
 # bench name -> module under cluster.bench; each module has add_arguments(parser) and run(args),
 # imported only when that bench is run.
 BENCHES = {
-    "throughput": ("cluster.bench.throughput", "offline engine vs transformers generate"),
-    "decode": ("cluster.bench.decode", "decode tok/s: CUDA graphs vs eager vs transformers "
-                                       "generate, by batch size"),
-    "consolidation": ("cluster.bench.consolidation", "consolidation actor parallelism"),
-    "sessions": ("cluster.bench.sessions", "session registry memory with blob dropping on/off"),
-    "serve": ("cluster.bench.serve", "HTTP endpoint vs the offline engine and transformers serve"),
-    "step": ("cluster.bench.step", "per-step time split: in-process vs Ray executor vs TP sizes"),
-    "weights": ("cluster.bench.weights", "weight update GB/s over HTTP and in-cluster vs a copy; "
-                                         "pause -> update -> resume latency"),
+    "throughput": ("raylane.bench.throughput", "offline engine vs transformers generate"),
+    "decode": (
+        "raylane.bench.decode",
+        "decode tok/s: CUDA graphs vs eager vs transformers generate, by batch size",
+    ),
+    "consolidation": ("raylane.bench.consolidation", "consolidation actor parallelism"),
+    "sessions": ("raylane.bench.sessions", "session registry memory with blob dropping on/off"),
+    "serve": ("raylane.bench.serve", "HTTP endpoint vs the offline engine and transformers serve"),
+    "step": ("raylane.bench.step", "per-step time split: in-process vs Ray executor vs TP sizes"),
+    "weights": (
+        "raylane.bench.weights",
+        "weight update GB/s over HTTP and in-cluster vs a copy; pause -> update -> resume latency",
+    ),
 }
 
 # command name -> module under cluster; each module has add_arguments(parser) and run(args).
 COMMANDS = {
-    "generate": ("cluster.generate", "generate text offline with the engine"),
-    "serve": ("cluster.serve_cli", "serve a model over an OpenAI-compatible HTTP endpoint"),
+    "generate": ("raylane.generate", "generate text offline with the engine"),
+    "serve": ("raylane.serve_cli", "serve a model over an OpenAI-compatible HTTP endpoint"),
 }
 
 
@@ -38,9 +42,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         _attach(cmd, module, selected=words[:1] == [name])
-    bench = sub.add_parser("bench", help="run a benchmark and print a table",
-                           description="Benchmarks print a table with a reference measured in "
-                                       "the same run, so ratios are comparable across machines.")
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark and print a table",
+        description="Benchmarks print a table with a reference measured in "
+        "the same run, so ratios are comparable across machines.",
+    )
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, (module, help_text) in BENCHES.items():
         b = bench_sub.add_parser(name, help=help_text, description=help_text)

@@ -7,12 +7,12 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from actors.engine.config import EngineConfig
-from actors.engine.strict import check_type, strict_fields
-from session_server.tool_calls import PARSERS
+from raylane.actors.engine.config import EngineConfig
+from raylane.actors.engine.strict import check_type, strict_fields
+from raylane.session_server.tool_calls import PARSERS
 
 if TYPE_CHECKING:
-    from actors.consolidation.config import ConsolidationServiceConfig
+    from raylane.actors.consolidation.config import ConsolidationServiceConfig
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
 CONSOLIDATION_DSN_ENV = "RAYLANE_CONSOLIDATION_DSN"
@@ -62,8 +62,10 @@ class ClusterConfig:
                 raise ValueError(f"ClusterConfig.{name} must be >= 1")
         unknown = set(self.engine) - _ENGINE_FIELDS
         if unknown:
-            raise ValueError(f"ClusterConfig.engine: unknown option(s) {sorted(unknown)}; "
-                             f"known: {sorted(_ENGINE_FIELDS)}")
+            raise ValueError(
+                f"ClusterConfig.engine: unknown option(s) {sorted(unknown)}; "
+                f"known: {sorted(_ENGINE_FIELDS)}"
+            )
         self.engine_config(self.model or "<embedded>")  # bad values fail here, not in a replica
         self.consolidation_config()  # and a bad consolidation section here, not in its actor
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
@@ -71,14 +73,18 @@ class ClusterConfig:
         if self.sessions_dsn is not None:
             check_type("ClusterConfig", "sessions_dsn", self.sessions_dsn, str)
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
-            raise ValueError(f"ClusterConfig.tool_call_parser must be one of {list(PARSERS)}, "
-                             f"got {self.tool_call_parser!r}")
+            raise ValueError(
+                f"ClusterConfig.tool_call_parser must be one of {list(PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         if self.direct_ingress is not None:
             check_type("ClusterConfig", "direct_ingress", self.direct_ingress, bool)
         if self.direct_ingress and self.ray_address:
-            raise ValueError("ClusterConfig.direct_ingress works on the local cluster raylane "
-                             "starts, not with ray_address: the ingress replica may land on "
-                             "any node of that cluster, Serve's proxy answers on every node")
+            raise ValueError(
+                "ClusterConfig.direct_ingress works on the local cluster raylane "
+                "starts, not with ray_address: the ingress replica may land on "
+                "any node of that cluster, Serve's proxy answers on every node"
+            )
         if self.request_timeout_s is not None:
             check_type("ClusterConfig", "request_timeout_s", self.request_timeout_s, (int, float))
             if not self.request_timeout_s > 0:
@@ -115,8 +121,11 @@ class ClusterConfig:
         `RAYLANE_MODEL`, `RAYLANE_REPLICAS`, `RAYLANE_PORT`, `RAYLANE_API_KEYS` (comma
         separated), `RAYLANE_ADMIN_API_KEY`, `RAYLANE_SESSIONS_DSN` and (into a
         `consolidation` section, when there is one) `RAYLANE_CONSOLIDATION_DSN` on top."""
-        config = base or (cls.from_yaml(os.environ["RAYLANE_CONFIG"])
-                          if os.environ.get("RAYLANE_CONFIG") else cls())
+        config = base or (
+            cls.from_yaml(os.environ["RAYLANE_CONFIG"])
+            if os.environ.get("RAYLANE_CONFIG")
+            else cls()
+        )
         updates: dict = {}
         if os.environ.get("RAYLANE_MODEL"):
             updates["model"] = os.environ["RAYLANE_MODEL"]
@@ -130,8 +139,10 @@ class ClusterConfig:
         if os.environ.get("RAYLANE_SESSIONS_DSN"):
             updates["sessions_dsn"] = os.environ["RAYLANE_SESSIONS_DSN"]
         if os.environ.get(CONSOLIDATION_DSN_ENV) and config.consolidation is not None:
-            updates["consolidation"] = {**config.consolidation,
-                                        "dsn": os.environ[CONSOLIDATION_DSN_ENV]}
+            updates["consolidation"] = {
+                **config.consolidation,
+                "dsn": os.environ[CONSOLIDATION_DSN_ENV],
+            }
         return dataclasses.replace(config, **updates)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
@@ -143,10 +154,11 @@ class ClusterConfig:
         if self.consolidation is None:
             return None
         # imported only when asked for: it brings asyncpg and prometheus_client
-        from actors.consolidation.config import ConsolidationServiceConfig
+        from raylane.actors.consolidation.config import ConsolidationServiceConfig
 
         return ConsolidationServiceConfig.from_dict(
-            self.consolidation, default_dsn=os.environ.get(CONSOLIDATION_DSN_ENV) or None)
+            self.consolidation, default_dsn=os.environ.get(CONSOLIDATION_DSN_ENV) or None
+        )
 
     def resolved(self) -> ClusterConfig:
         """This config with `direct_ingress` decided: unset, it is on for the local cluster

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 
-from cluster.config import ClusterConfig
+from raylane.config import ClusterConfig
 
 ACTOR_NAME = "raylane-consolidation"
 NAMESPACE = "raylane"  # the Router's, so the cluster's actors are found in one place
@@ -38,17 +38,24 @@ def start_consolidation(config: ClusterConfig, url: str, model_name: str):
     service = config.consolidation_config()
     if service is None:
         return None
-    from actors.consolidation.actor import ConsolidationActor
-    from actors.consolidation.llm import OpenAICompatibleLLM
+    from raylane.actors.consolidation.actor import ConsolidationActor
+    from raylane.actors.consolidation.llm import OpenAICompatibleLLM
 
-    llm = functools.partial(OpenAICompatibleLLM, f"{url}/v1", service.model or model_name,
-                            api_key=config.api_keys[0] if config.api_keys else "EMPTY",
-                            max_tokens=service.max_tokens)
+    llm = functools.partial(
+        OpenAICompatibleLLM,
+        f"{url}/v1",
+        service.model or model_name,
+        api_key=config.api_keys[0] if config.api_keys else "EMPTY",
+        max_tokens=service.max_tokens,
+    )
     # Detached like the Router, and restarted by Ray if its process dies (the schedule is a
     # constructor argument, so a restarted actor resumes its passes). get_if_exists: a second
     # caller gets the running actor, created once.
     actor = ConsolidationActor.options(
-        name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
+        name=ACTOR_NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        max_restarts=-1,
         get_if_exists=True,
         scheduling_strategy="DEFAULT",  # never inside the caller's placement group
     ).remote(service.dsn, llm, service.limits, every_s=service.interval_s, banks=service.banks)
@@ -64,14 +71,18 @@ def start_with_app(config: ClusterConfig, model_name: str) -> threading.Thread |
     RETRY_S seconds; the app keeps serving meanwhile. None when there is no section."""
     if config.consolidation is None:
         return None
-    thread = threading.Thread(target=_start_when_serving, args=(config, model_name),
-                              name="raylane-consolidation-start", daemon=True)
+    thread = threading.Thread(
+        target=_start_when_serving,
+        args=(config, model_name),
+        name="raylane-consolidation-start",
+        daemon=True,
+    )
     thread.start()
     return thread
 
 
 def _start_when_serving(config: ClusterConfig, model_name: str) -> None:
-    from cluster.launch import wait_healthy
+    from raylane.launch import wait_healthy
 
     while True:
         try:
@@ -82,8 +93,14 @@ def _start_when_serving(config: ClusterConfig, model_name: str) -> None:
             log.info("consolidation: the actor %r runs, its LLM at %s/v1", ACTOR_NAME, url)
             return
         except Exception as exc:  # logged, never raised: the app serves without it
-            log.error("consolidation: the actor %r is not running (%s: %s); the app serves on, "
-                      "next try in %.0f s", ACTOR_NAME, type(exc).__name__, exc, RETRY_S)
+            log.error(
+                "consolidation: the actor %r is not running (%s: %s); the app serves on, "
+                "next try in %.0f s",
+                ACTOR_NAME,
+                type(exc).__name__,
+                exc,
+                RETRY_S,
+            )
         time.sleep(RETRY_S)
 
 
@@ -107,8 +124,10 @@ def _check_database(actor) -> None:
     except Exception as exc:
         stop_consolidation()
         cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
-        raise ValueError(f"consolidation: cannot use the database at consolidation.dsn: "
-                         f"{type(cause).__name__}: {cause}") from None
+        raise ValueError(
+            f"consolidation: cannot use the database at consolidation.dsn: "
+            f"{type(cause).__name__}: {cause}"
+        ) from None
 
 
 def stop_consolidation(timeout_s: float = 10.0) -> None:
@@ -150,8 +169,9 @@ class ActorMetrics:
 
         if self._actor is None:
             try:  # a lookup is a GCS round trip: not on the event loop
-                self._actor = await asyncio.to_thread(ray.get_actor, ACTOR_NAME,
-                                                      namespace=NAMESPACE)
+                self._actor = await asyncio.to_thread(
+                    ray.get_actor, ACTOR_NAME, namespace=NAMESPACE
+                )
             except ValueError:  # no such actor
                 return ""
         try:

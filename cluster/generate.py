@@ -14,33 +14,55 @@ DEFAULT_PROMPTS = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="HF model directory or .gguf file "
-                                        "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
-                        help="a user message; repeat for several (default: a few demo questions)")
-    parser.add_argument("--raw", action="store_true",
-                        help="send prompts as plain text instead of through the chat template")
+    parser.add_argument(
+        "--model",
+        help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        dest="prompts",
+        metavar="TEXT",
+        help="a user message; repeat for several (default: a few demo questions)",
+    )
+    parser.add_argument(
+        "--raw",
+        action="store_true",
+        help="send prompts as plain text instead of through the chat template",
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
-                                                              "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="split the model over N ModelShard Ray actors (starts a local Ray "
-                             "unless RAY_ADDRESS is set); N must divide the attention heads")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N ModelShard Ray actors (starts a local Ray "
+        "unless RAY_ADDRESS is set); N must divide the attention heads",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from actors.engine import EngineConfig, LLMEngine, SamplingParams
-    from cluster.models import default_model_path
+    from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
+    from raylane.models import default_model_path
 
-    engine = LLMEngine(EngineConfig(model=args.model or default_model_path(), dtype=args.dtype,
-                                    device=args.device,
-                                    tensor_parallel_size=args.tensor_parallel_size))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed)
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model or default_model_path(),
+            dtype=args.dtype,
+            device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
+    )
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+    )
     prompts = args.prompts or DEFAULT_PROMPTS
     start = time.perf_counter()
     if args.raw:
@@ -52,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     for prompt, out in zip(prompts, outs):
         print(f"\n>>> {prompt}\n{out.outputs[0].text.strip()}")
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"\n{len(outs)} requests, {tokens} tokens in {elapsed:.2f} s "
-          f"({tokens / elapsed:.1f} tok/s)")
+    print(
+        f"\n{len(outs)} requests, {tokens} tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tok/s)"
+    )
     return 0

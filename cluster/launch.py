@@ -9,8 +9,11 @@ import time
 import urllib.request
 
 # Safe local defaults: bind to loopback, no auth tokens, no usage reporting.
-for _key, _value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
-                     ("RAY_USAGE_STATS_ENABLED", "0")):
+for _key, _value in (
+    ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+    ("RAY_AUTH_MODE", "disabled"),
+    ("RAY_USAGE_STATS_ENABLED", "0"),
+):
     os.environ.setdefault(_key, _value)
 
 APP_NAME = "raylane"
@@ -54,12 +57,20 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, namespace="raylane")
         return
-    env = {key: value for key, value in {**WORKER_PRIORITY_ENV, **CONTROL_PLANE_ENV}.items()
-           if key not in os.environ}
+    env = {
+        key: value
+        for key, value in {**WORKER_PRIORITY_ENV, **CONTROL_PLANE_ENV}.items()
+        if key not in os.environ
+    }
     with _environment(env):  # read by the raylet, whose workers (Serve's actors) inherit it
         # address="local": always a fresh cluster, never one someone else started
-        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                 namespace="raylane", log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            namespace="raylane",
+            log_to_driver=False,
+        )
 
 
 @contextlib.contextmanager
@@ -79,13 +90,15 @@ def _environment(env: dict[str, str]):
 def check_port_free(host: str, port: int) -> None:
     """ValueError naming the port when another program listens on it: the server raylane
     starts there would otherwise never come up, or another one would answer in its place."""
-    from cluster.listener import bind_socket
+    from raylane.listener import bind_socket
 
     try:
         bind_socket(host, port).close()
     except OSError as e:
-        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): stop what holds "
-                         f"it or pick another port (--port)") from e
+        raise ValueError(
+            f"cannot listen on {host}:{port} ({e.strerror}): stop what holds "
+            f"it or pick another port (--port)"
+        ) from e
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -101,9 +114,8 @@ def deploy(config, model_dir: str | None = None) -> str:
     ValueError, before anything is deployed, when no node can hold one engine replica (and,
     after, when the consolidation database cannot be reached)."""
     from ray import serve
-
-    from cluster.consolidation import start_consolidation
-    from cluster.serve import build_application, served_model_name
+    from raylane.consolidation import start_consolidation
+    from raylane.serve import build_application, served_model_name
 
     config = config.resolved()
     if config.ray_address is None:  # this machine's port: say it is taken before deploying
@@ -137,9 +149,8 @@ def wait_healthy(url: str, timeout_s: float = 300.0, api_keys=()) -> None:
 def shutdown() -> None:
     import ray
     from ray import serve
-
-    from cluster.consolidation import stop_consolidation
-    from router.actor import NAMESPACE, ROUTER_NAME
+    from raylane.consolidation import stop_consolidation
+    from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
     try:  # first: its LLM calls go to the endpoint stopped below
         stop_consolidation()

@@ -25,8 +25,9 @@ class HTTPListener:
 
         self.sock = bind_socket(host, port, reuse_port=True)
         # log_config=None: the replica's logging stays Serve's; access logs off, as the proxy's
-        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
-                                timeout_keep_alive=30)
+        config = uvicorn.Config(
+            app, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=30
+        )
         self.server = uvicorn.Server(config)
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
 

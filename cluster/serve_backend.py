@@ -7,16 +7,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-
-from actors.engine.outputs import RequestOutput
-from actors.engine.sampling_params import SamplingParams
-from router.errors import ROUTER_DOWN, ReplicaFailed, call_router
-from router.messages import Message
-from router.replica_generator import ReplicaRequests, RouterPicker
-from router.samples import TrainingSample
-from router.session_host import SessionSetup
-from router.sessions import TurnResult
-from session_server.backend import ModelInfo
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.errors import ROUTER_DOWN, ReplicaFailed, call_router
+from raylane.router.messages import Message
+from raylane.router.replica_generator import ReplicaRequests, RouterPicker
+from raylane.router.samples import TrainingSample
+from raylane.router.session_host import SessionSetup
+from raylane.router.sessions import TurnResult
+from raylane.session_server.backend import ModelInfo
 
 
 class ServeBackend:
@@ -32,16 +31,24 @@ class ServeBackend:
         self.sessions = RouterSessions(router, setup)
         self.control = RouterControl(router, replicas)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 routing_key: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        routing_key: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         return self.requests.generate(prompt_ids, params, request_id, routing_key)
 
     async def ready(self) -> bool:
         return await self.picker.ready()
 
     async def stats(self) -> list[dict]:
-        ids = [r["replica_id"] for r in await call_router(self.router.replicas.remote())
-               if r["healthy"]]
+        ids = [
+            r["replica_id"]
+            for r in await call_router(self.router.replicas.remote())
+            if r["healthy"]
+        ]
         calls = [self.replicas.stats.remote(target_replica=rid) for rid in ids]
         results = await asyncio.gather(*calls, return_exceptions=True)
         return [r for r in results if isinstance(r, dict)]
@@ -62,8 +69,9 @@ class RouterControl:
         return await call_router(self.router.resume.remote(self.replicas))
 
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
-        return await call_router(self.router.begin_update.remote(self.replicas, version,
-                                                                 spec_dicts))
+        return await call_router(
+            self.router.begin_update.remote(self.replicas, version, spec_dicts)
+        )
 
     async def load_bucket(self, update_id: str, payload: bytes) -> int:
         import ray
@@ -111,17 +119,23 @@ class RouterSessions:
     def _call(self, method: str, *args: Any):
         return call_router(self.router.session_call.remote(self.setup, method, *args))
 
-    async def chat_stream(self, session_id: str, messages: list[Message],
-                          params: SamplingParams | None = None, *,
-                          tools: list[dict] | None = None,
-                          chat_template_kwargs: dict[str, Any] | None = None,
-                          timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
+    async def chat_stream(
+        self,
+        session_id: str,
+        messages: list[Message],
+        params: SamplingParams | None = None,
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[TurnResult]:
         import ray
         from ray.exceptions import RayActorError
 
         # the deadline runs in the Router, which aborts the turn on its replica
         turn = self.router.session_turn.options(num_returns="streaming").remote(
-            self.setup, session_id, messages, params, tools, chat_template_kwargs, timeout_s)
+            self.setup, session_id, messages, params, tools, chat_template_kwargs, timeout_s
+        )
         committed = False
         try:
             async for ref in turn:

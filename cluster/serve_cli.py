@@ -10,7 +10,7 @@ import sys
 import textwrap
 import threading
 
-from session_server.tool_calls import PARSERS
+from raylane.session_server.tool_calls import PARSERS
 
 CONSOLIDATION_HELP = """\
 Consolidation: a `consolidation:` section in the --config YAML (or RAYLANE_CONFIG) starts
@@ -31,86 +31,143 @@ counters appear on /metrics as raylane:consolidation_*. For example:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("Multi-turn sessions (/sessions) live in the Router actor's memory. "
-                     "Without --sessions-dsn (or RAYLANE_SESSIONS_DSN) a Router restart loses "
-                     "them (their ids answer 404); with it every session is written through to "
-                     "PostgreSQL and survives a restart. A session unused for an hour "
-                     "expires, and at most 10,000 are kept (the least recently used goes "
-                     "first); either way its id then answers 404 saying it expired.")
+    parser.epilog = (
+        "Multi-turn sessions (/sessions) live in the Router actor's memory. "
+        "Without --sessions-dsn (or RAYLANE_SESSIONS_DSN) a Router restart loses "
+        "them (their ids answer 404); with it every session is written through to "
+        "PostgreSQL and survives a restart. A session unused for an hour "
+        "expires, and at most 10,000 are kept (the least recently used goes "
+        "first); either way its id then answers 404 saying it expired."
+    )
     # raw, so the YAML example keeps its lines; the paragraph above is wrapped here instead
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = textwrap.fill(parser.epilog, 90) + "\n\n" + CONSOLIDATION_HELP
-    parser.add_argument("--model", help="HF directory or .gguf file (default: the embedded "
-                                        "SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--config", help="a YAML file with ClusterConfig fields; flags win")
     parser.add_argument("--replicas", type=int, help="engine replicas (default 1)")
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
     parser.add_argument("--served-model-name", help="the model id clients send")
-    parser.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' (repeat for several keys)")
-    parser.add_argument("--admin-api-key", metavar="KEY",
-                        help="turn on the admin routes (/admin/...: pause, resume, weight "
-                             "updates, abort), which need 'Authorization: Bearer KEY'; user "
-                             "keys get 403 there (also RAYLANE_ADMIN_API_KEY)")
-    parser.add_argument("--request-timeout", type=float, dest="request_timeout_s",
-                        metavar="SECONDS",
-                        help="default deadline of a generation (a body's 'timeout' wins): "
-                             "past it the request ends with its partial output, finish "
-                             "reason 'abort'")
-    parser.add_argument("--max-n", type=int, metavar="N",
-                        help="the most samples one request may ask for (n; default 128)")
-    parser.add_argument("--tool-call-parser", choices=PARSERS,
-                        help="the format tool calls are read from the model's text in "
-                             "(tool_choice 'auto'; default: picked from the chat template)")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (repeat for several keys)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        metavar="KEY",
+        help="turn on the admin routes (/admin/...: pause, resume, weight "
+        "updates, abort), which need 'Authorization: Bearer KEY'; user "
+        "keys get 403 there (also RAYLANE_ADMIN_API_KEY)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        dest="request_timeout_s",
+        metavar="SECONDS",
+        help="default deadline of a generation (a body's 'timeout' wins): "
+        "past it the request ends with its partial output, finish "
+        "reason 'abort'",
+    )
+    parser.add_argument(
+        "--max-n",
+        type=int,
+        metavar="N",
+        help="the most samples one request may ask for (n; default 128)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        help="the format tool calls are read from the model's text in "
+        "(tool_choice 'auto'; default: picked from the chat template)",
+    )
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-model-len", type=int, help="context length limit")
-    parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
-                        help="split the model of each replica over N ranks (default 1: the model "
-                             "runs inside the replica process). N > 1 runs N ModelShard actors "
-                             "per replica (one GPU each on GPU nodes, 0.1 CPU each on CPU nodes; "
-                             "YAML engine.shard_resources changes that), always on one node: "
-                             "each replica gets its own placement group, and `raylane serve` "
-                             "fails at once if no node can hold one replica")
-    parser.add_argument("--enable-return-routed-experts", action="store_true",
-                        help="record MoE routing so requests can ask for routed experts")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                        help="plan each engine step while the one before runs (default on; "
-                             "--no-async-scheduling runs steps one after another)")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="weights and activations (default auto: float32 on the CPU, exact "
-                             "against Hugging Face; bfloat16 is about 1.3x faster there, on "
-                             "CPUs with avx512_bf16; auto takes the checkpoint's dtype on a GPU)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="never replay decode steps from CUDA graphs (by default a GPU "
-                             "replica captures one graph per batch size in "
-                             "engine.cudagraph_capture_sizes at start-up; the CPU runs eager)")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="split the model of each replica over N ranks (default 1: the model "
+        "runs inside the replica process). N > 1 runs N ModelShard actors "
+        "per replica (one GPU each on GPU nodes, 0.1 CPU each on CPU nodes; "
+        "YAML engine.shard_resources changes that), always on one node: "
+        "each replica gets its own placement group, and `raylane serve` "
+        "fails at once if no node can hold one replica",
+    )
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="record MoE routing so requests can ask for routed experts",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        help="plan each engine step while the one before runs (default on; "
+        "--no-async-scheduling runs steps one after another)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights and activations (default auto: float32 on the CPU, exact "
+        "against Hugging Face; bfloat16 is about 1.3x faster there, on "
+        "CPUs with avx512_bf16; auto takes the checkpoint's dtype on a GPU)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never replay decode steps from CUDA graphs (by default a GPU "
+        "replica captures one graph per batch size in "
+        "engine.cudagraph_capture_sizes at start-up; the CPU runs eager)",
+    )
     parser.add_argument("--ray-address", help="join an existing Ray cluster (default: start one)")
-    parser.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction,
-                        help="the ingress replica answers HTTP on --port itself (the default "
-                             "on the local cluster raylane starts): one hop and two "
-                             "serializations less per streamed token than through Ray Serve's "
-                             "proxy, which then does not run. A crashed ingress replica is "
-                             "served again once Serve replaces it. --no-direct-ingress serves "
-                             "through Serve's proxy; with --ray-address the proxy is the only "
-                             "way (the ingress replica may land on any node)")
-    parser.add_argument("--sessions-dsn", metavar="DSN",
-                        help="PostgreSQL (postgresql://user@host/db) that multi-turn sessions "
-                             "are written through to, so they survive a Router restart "
-                             "(default: none, the Router's memory only). Prefer "
-                             "RAYLANE_SESSIONS_DSN: a command line is visible to other users")
+    parser.add_argument(
+        "--direct-ingress",
+        action=argparse.BooleanOptionalAction,
+        help="the ingress replica answers HTTP on --port itself (the default "
+        "on the local cluster raylane starts): one hop and two "
+        "serializations less per streamed token than through Ray Serve's "
+        "proxy, which then does not run. A crashed ingress replica is "
+        "served again once Serve replaces it. --no-direct-ingress serves "
+        "through Serve's proxy; with --ray-address the proxy is the only "
+        "way (the ingress replica may land on any node)",
+    )
+    parser.add_argument(
+        "--sessions-dsn",
+        metavar="DSN",
+        help="PostgreSQL (postgresql://user@host/db) that multi-turn sessions "
+        "are written through to, so they survive a Router restart "
+        "(default: none, the Router's memory only). Prefer "
+        "RAYLANE_SESSIONS_DSN: a command line is visible to other users",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
-    from cluster.config import ClusterConfig
+    from raylane.config import ClusterConfig
 
     # --config wins over RAYLANE_CONFIG; without it, from_env reads RAYLANE_CONFIG
     config = ClusterConfig.from_env(ClusterConfig.from_yaml(args.config) if args.config else None)
-    updates = {name: getattr(args, name) for name in
-               ("model", "replicas", "host", "port", "served_model_name", "ray_address",
-                "admin_api_key", "request_timeout_s", "max_n", "tool_call_parser",
-                "sessions_dsn", "direct_ingress")
-               if getattr(args, name) is not None}
+    updates = {
+        name: getattr(args, name)
+        for name in (
+            "model",
+            "replicas",
+            "host",
+            "port",
+            "served_model_name",
+            "ray_address",
+            "admin_api_key",
+            "request_timeout_s",
+            "max_n",
+            "tool_call_parser",
+            "sessions_dsn",
+            "direct_ingress",
+        )
+        if getattr(args, name) is not None
+    }
     if args.api_keys:
         updates["api_keys"] = tuple(args.api_keys)
     engine = dict(config.engine)
@@ -127,7 +184,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster import launch
+    from raylane import launch
 
     try:
         config = config_from_args(args)
@@ -149,8 +206,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         url = launch.deploy(config)  # Ctrl-C meanwhile interrupts it (KeyboardInterrupt)
         signal.signal(signal.SIGINT, on_stop)
-        print(f"raylane is serving at {url}/v1 (OpenAI API), {url}/generate, {url}/metrics "
-              f"- Ctrl-C to stop", flush=True)
+        print(
+            f"raylane is serving at {url}/v1 (OpenAI API), {url}/generate, {url}/metrics "
+            f"- Ctrl-C to stop",
+            flush=True,
+        )
         stop.wait()
     except KeyboardInterrupt:
         pass

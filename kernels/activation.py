@@ -6,8 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def act_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
@@ -22,8 +26,9 @@ class SiluAndMul(nn.Module):
     def __init__(self, hidden_act: str = "silu") -> None:
         super().__init__()
         if hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act: {hidden_act!r} is not supported; "
-                             f"supported: {sorted(_ACTIVATIONS)}")
+            raise ValueError(
+                f"hidden_act: {hidden_act!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
+            )
         self.hidden_act = hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

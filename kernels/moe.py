@@ -12,14 +12,14 @@ each token sums its k results in ascending expert order, as HF's per-expert loop
 from __future__ import annotations
 
 import torch
-
-from kernels.activation import act_and_mul
+from raylane.kernels.activation import act_and_mul
 
 _MM_ALIGN_BYTES = 16  # torch._grouped_mm: start and leading stride of each operand
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int,
-                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, k] in the logits' dtype, ids [T, k] int64)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)  # [T, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -38,8 +38,9 @@ def _grouped_mm_ready(t: torch.Tensor) -> bool:
     return lead > 0 and lead % align == 0 and t.data_ptr() % _MM_ALIGN_BYTES == 0
 
 
-def _grouped_linear(a: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tensor,
-                    ends: torch.Tensor) -> torch.Tensor:
+def _grouped_linear(
+    a: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tensor, ends: torch.Tensor
+) -> torch.Tensor:
     """a [S, in] with rows grouped by expert; w [E, out, in] -> a @ w[expert].T, [S, out].
 
     `expert_of_row` [S] and `ends` [E] int32 (exclusive end row of each expert's group) describe
@@ -56,8 +57,14 @@ def _grouped_linear(a: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tenso
     return torch.bmm(w.index_select(0, expert_of_row), a.unsqueeze(2)).squeeze(2)
 
 
-def expert_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                   ids: torch.Tensor, hidden_act: str = "silu") -> torch.Tensor:
+def expert_forward(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    hidden_act: str = "silu",
+) -> torch.Tensor:
     """Weighted sum of each token's experts.
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
@@ -92,9 +99,15 @@ def _sum_in_expert_order(h: torch.Tensor, ids: torch.Tensor, order: torch.Tensor
     return out
 
 
-def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              top_k: int, renormalize: bool,
-              hidden_act: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+def fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    hidden_act: str = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Route and compute: (out [T, H], chosen expert ids [T, k] int32)."""
     weights, ids = select_experts(router_logits, top_k, renormalize)
     out = expert_forward(x, w13, w2, weights, ids, hidden_act)

@@ -21,8 +21,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps)

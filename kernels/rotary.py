@@ -40,8 +40,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn(dim: int, theta: float, params: Mapping[str, Any],
-          max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def _yarn(
+    dim: int, theta: float, params: Mapping[str, Any], max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     old_len = params["original_max_position_embeddings"]
     factor = params.get("factor") or max_position_embeddings / old_len
     attn_factor = params.get("attention_factor")
@@ -70,8 +71,9 @@ def _yarn(dim: int, theta: float, params: Mapping[str, Any],
     return inv_freq, float(attn_factor)
 
 
-def compute_inv_freq(head_dim: int, rope_parameters: Mapping[str, Any],
-                     max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(
+    head_dim: int, rope_parameters: Mapping[str, Any], max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     """Return (inv_freq [head_dim // 2] float32, attention scaling of cos/sin).
 
     `rope_parameters` is transformers 5's `config.rope_parameters` (or a v4 `rope_scaling` dict
@@ -79,8 +81,10 @@ def compute_inv_freq(head_dim: int, rope_parameters: Mapping[str, Any],
     """
     rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_parameters.rope_type: {rope_type!r} is not supported; "
-                         f"supported: {list(ROPE_TYPES)}")
+        raise ValueError(
+            f"rope_parameters.rope_type: {rope_type!r} is not supported; "
+            f"supported: {list(ROPE_TYPES)}"
+        )
     if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("rope_parameters.partial_rotary_factor: only 1.0 is supported")
     theta = float(rope_parameters.get("rope_theta", 10000.0))
@@ -108,9 +112,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryEmbedding(nn.Module):
     """The cos/sin cache for positions [0, max_positions), like HF's `LlamaRotaryEmbedding`."""
 
-    def __init__(self, head_dim: int, rope_parameters: Mapping[str, Any],
-                 max_position_embeddings: int, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        rope_parameters: Mapping[str, Any],
+        max_position_embeddings: int,
+        dtype: torch.dtype = torch.float32,
+        max_positions: int | None = None,
+    ) -> None:
         super().__init__()
         inv_freq, scaling = compute_inv_freq(head_dim, rope_parameters, max_position_embeddings)
         positions = torch.arange(max_positions or max_position_embeddings, dtype=torch.int64)

@@ -9,9 +9,14 @@ from __future__ import annotations
 import torch
 
 
-def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor,
-                    frequency: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
     """vLLM/OpenAI penalties.
 
     repetition (CTRL paper): tokens seen in prompt or output have positive logits divided and
@@ -27,8 +32,9 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     return logits - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Mask (to -inf) tokens outside the top-k and outside the smallest top-p nucleus.
 
     top_k [B] int64 (vocab size means off); top_p [B] float (1.0 means off). The nucleus keeps
@@ -83,8 +89,9 @@ def _mulhilo32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (high_part >> 16) + (partial >> 32), partial & MASK32
 
 
-def philox2x32(key: torch.Tensor, ctr0: torch.Tensor,
-               ctr1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def philox2x32(
+    key: torch.Tensor, ctr0: torch.Tensor, ctr1: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Philox2x32-10 of one 2x32-bit counter under one 32-bit key per row.
 
     All three are int64 holding unsigned 32-bit values, of one shape or broadcastable ([B], or
@@ -103,14 +110,15 @@ def philox_uniform(key: torch.Tensor, ctr0: torch.Tensor, ctr1: torch.Tensor) ->
     row's (key, counter), whatever the batch or device."""
     word0, word1 = philox2x32(key, ctr0, ctr1)
     bits = ((word0 >> 5) << 26) | (word1 >> 6)  # 27 + 26 bits, < 2^53: exact in float64
-    return bits.double() * 2.0 ** -53
+    return bits.double() * 2.0**-53
 
 
 RACE_BLOCK = 256  # tokens per block of the two-level race
 
 
-def sample_race(probs: torch.Tensor, key: torch.Tensor, ctr0: torch.Tensor,
-                ctr1: torch.Tensor) -> torch.Tensor:
+def sample_race(
+    probs: torch.Tensor, key: torch.Tensor, ctr0: torch.Tensor, ctr1: torch.Tensor
+) -> torch.Tensor:
     """Draw one token per row by the exponential race `argmax(p_i / E_i)`, `E_i ~ Exp(1)`,
     with every E_i a pure function of the row's Philox (key, counter): [B] int64.
 

@@ -20,16 +20,16 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from actors.engine.outputs import RequestOutput
-from actors.engine.sampling_params import SamplingParams
-from router.control import ControlPlane
-from router.messages import Message
-from router.policy import RoutingPolicy
-from router.replica_calls import HandleCalls
-from router.replica_generator import PolicyPicker
-from router.session_host import SessionHost, SessionSetup
-from router.session_store import open_session_store
-from router.sessions import TurnResult
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.control import ControlPlane
+from raylane.router.messages import Message
+from raylane.router.policy import RoutingPolicy
+from raylane.router.replica_calls import HandleCalls
+from raylane.router.replica_generator import PolicyPicker
+from raylane.router.session_host import SessionHost, SessionSetup
+from raylane.router.session_store import open_session_store
+from raylane.router.sessions import TurnResult
 
 ROUTER_NAME = "raylane-router"
 SESSION_CALLS = frozenset({"create", "describe", "delete", "sample"})
@@ -37,8 +37,13 @@ NAMESPACE = "raylane"
 
 
 class Router:
-    def __init__(self, capacity: int = 256, heartbeat_timeout_s: float = 5.0,
-                 forget_after_s: float = 60.0, sessions_dsn: str | None = None):
+    def __init__(
+        self,
+        capacity: int = 256,
+        heartbeat_timeout_s: float = 5.0,
+        forget_after_s: float = 60.0,
+        sessions_dsn: str | None = None,
+    ):
         self.policy = RoutingPolicy(capacity)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.forget_after_s = forget_after_s
@@ -53,8 +58,9 @@ class Router:
         self.policy.add(replica_id, time.monotonic())
         self.heartbeat(replica_id)
 
-    def heartbeat(self, replica_id: str, weight_version: int | None = None,
-                  held: int | None = None) -> None:
+    def heartbeat(
+        self, replica_id: str, weight_version: int | None = None, held: int | None = None
+    ) -> None:
         """The replica is alive, at this weight version, holding `held` requests (None: it
         does not say)."""
         state = self.policy.replicas.get(replica_id)
@@ -95,9 +101,16 @@ class Router:
 
     def replicas(self) -> list[dict]:
         self._expire()
-        return [{"replica_id": r.replica_id, "in_flight": r.in_flight, "routed": r.routed,
-                 "healthy": r.healthy, "weight_version": r.weight_version}
-                for r in self.policy.replicas.values()]
+        return [
+            {
+                "replica_id": r.replica_id,
+                "in_flight": r.in_flight,
+                "routed": r.routed,
+                "healthy": r.healthy,
+                "weight_version": r.weight_version,
+            }
+            for r in self.policy.replicas.values()
+        ]
 
     # --- the control plane (`replicas`: the engine deployment's DeploymentHandle) ------------
 
@@ -150,18 +163,29 @@ class Router:
         registry = await self.sessions.registry(setup)
         return await getattr(registry, method)(*args)
 
-    async def session_turn(self, setup: SessionSetup, session_id: str, messages: list[Message],
-                           params: SamplingParams | None, tools: list[dict] | None = None,
-                           chat_template_kwargs: dict[str, Any] | None = None,
-                           timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
+    async def session_turn(
+        self,
+        setup: SessionSetup,
+        session_id: str,
+        messages: list[Message],
+        params: SamplingParams | None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[TurnResult]:
         """`SessionRegistry.chat_stream`; call with `.options(num_returns="streaming")`:
         cancelling the call aborts the turn. Past `timeout_s` the turn is aborted here, on its
         replica, and ends with its partial output (finish reason "abort"), which the session
         records."""
         registry = await self.sessions.registry(setup)
-        turn = registry.chat_stream(session_id, messages, params, tools=tools,
-                                    chat_template_kwargs=chat_template_kwargs,
-                                    timeout_s=timeout_s)
+        turn = registry.chat_stream(
+            session_id,
+            messages,
+            params,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            timeout_s=timeout_s,
+        )
         async with aclosing(turn):
             async for result in turn:
                 yield result
@@ -181,10 +205,18 @@ def get_or_create_router(capacity: int = 256, sessions_dsn: str | None = None):
     and an existing one keeps the arguments it was created with)."""
     import ray
 
-    return ray.remote(Router).options(
-        name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_restarts=-1,
-        # NOTE: never inside the caller's placement group (a Serve replica's), which it would
-        # otherwise join and die with when Serve replaces that replica
-        scheduling_strategy="DEFAULT",
-    ).remote(capacity, sessions_dsn=sessions_dsn)
+    return (
+        ray.remote(Router)
+        .options(
+            name=ROUTER_NAME,
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            max_restarts=-1,
+            # NOTE: never inside the caller's placement group (a Serve replica's), which it would
+            # otherwise join and die with when Serve replaces that replica
+            scheduling_strategy="DEFAULT",
+        )
+        .remote(capacity, sessions_dsn=sessions_dsn)
+    )

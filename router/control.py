@@ -25,8 +25,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from actors.models.weights import TensorSpec
-from router.errors import ControlConflict, ReplicasFailed, UpdateNotFound
+from raylane.actors.models.weights import TensorSpec
+from raylane.router.errors import ControlConflict, ReplicasFailed, UpdateNotFound
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ PAUSE_MODES = ("abort", "wait", "keep", "retract")
 
 
 class ReplicaCalls(Protocol):
-    """Calls one engine replica's control method (those of `actors.replica.EngineReplica`:
+    """Calls one engine replica's control method (those of `raylane.actors.replica.EngineReplica`:
     pause, resume, begin_weight_update, load_weight_bucket, finish_weight_update, abort,
     flush_cache). Raises what the replica raised: `ValueError` for bad input; anything else
     means the replica failed."""
@@ -86,8 +86,9 @@ class ControlPlane:
         return self.table.weight_version()
 
     def state(self) -> dict[str, Any]:
-        paused = {"paused": True, "mode": self.paused_mode} if self.paused_mode else {
-            "paused": False}
+        paused = (
+            {"paused": True, "mode": self.paused_mode} if self.paused_mode else {"paused": False}
+        )
         return {**paused, "weight_version": self.weight_version()}
 
     # --- pause and resume ---------------------------------------------------------------------
@@ -111,7 +112,8 @@ class ControlPlane:
                 if self._update.loaded:
                     raise ControlConflict(
                         f"weight update {self._update.update_id!r} is half loaded: commit it "
-                        "(or begin a new one) before resuming")
+                        "(or begin a new one) before resuming"
+                    )
                 self._update = None
             await self._resume(calls)
             return self.state()
@@ -126,8 +128,7 @@ class ControlPlane:
 
     # --- the update transaction ---------------------------------------------------------------
 
-    async def begin_update(self, calls: ReplicaCalls, version: int,
-                           spec_dicts: list[dict]) -> str:
+    async def begin_update(self, calls: ReplicaCalls, version: int, spec_dicts: list[dict]) -> str:
         """Open an update to `version` (newer than the cluster's) of the tensors in
         `spec_dicts` ({"name", "shape", "dtype"}, HF names, full shapes), checked on every
         replica; a `ValueError` (naming the tensor) leaves every replica as it was. Returns
@@ -139,15 +140,17 @@ class ControlPlane:
             if fresh:
                 await self._pause(calls, "keep")
             try:
-                ok = await self._everywhere(calls, self._reachable(), "begin_weight_update",
-                                            [s.to_dict() for s in specs])
+                ok = await self._everywhere(
+                    calls, self._reachable(), "begin_weight_update", [s.to_dict() for s in specs]
+                )
             except BaseException:
                 if fresh:  # nothing was begun anywhere: undo the pause
                     await self._resume(calls)
                 raise
             paused_here = fresh or (self._update is not None and self._update.paused_here)
-            self._update = Update(f"upd-{secrets.token_hex(8)}", version, list(ok), len(specs),
-                                  paused_here)
+            self._update = Update(
+                f"upd-{secrets.token_hex(8)}", version, list(ok), len(specs), paused_here
+            )
             return self._update.update_id
 
     async def load_bucket(self, calls: ReplicaCalls, update_id: str, bucket: Any) -> int:
@@ -156,8 +159,9 @@ class ControlPlane:
         manifest, or unlike its spec) changes nothing, and the update stays open."""
         async with self._lock:
             update = self._open(update_id)
-            ok = await self._everywhere(calls, update.replica_ids, "load_weight_bucket", bucket,
-                                        update=update)
+            ok = await self._everywhere(
+                calls, update.replica_ids, "load_weight_bucket", bucket, update=update
+            )
             count = next(iter(ok.values()))
             update.loaded += count
             return count
@@ -170,10 +174,13 @@ class ControlPlane:
                 return self._committed[1]
             update = self._open(update_id)
             if update.loaded < update.num_tensors:
-                raise ValueError(f"only {update.loaded} of the update's {update.num_tensors} "
-                                 "tensors were loaded; send the rest before committing")
-            ok = await self._everywhere(calls, update.replica_ids, "finish_weight_update",
-                                        update.version, update=update)
+                raise ValueError(
+                    f"only {update.loaded} of the update's {update.num_tensors} "
+                    "tensors were loaded; send the rest before committing"
+                )
+            ok = await self._everywhere(
+                calls, update.replica_ids, "finish_weight_update", update.version, update=update
+            )
             for rid in ok:
                 self.table.set_version(rid, update.version)
             self._update, self._committed = None, (update_id, update.version)
@@ -190,8 +197,11 @@ class ControlPlane:
 
     def _open(self, update_id: str) -> Update:
         if self._update is None or self._update.update_id != update_id:
-            raise UpdateNotFound(f"no weight update {update_id!r} is open (never begun, "
-                                 "committed, or replaced by a newer begin)", param="update_id")
+            raise UpdateNotFound(
+                f"no weight update {update_id!r} is open (never begun, "
+                "committed, or replaced by a newer begin)",
+                param="update_id",
+            )
         return self._update
 
     # --- requests and the cache ---------------------------------------------------------------
@@ -215,8 +225,14 @@ class ControlPlane:
             raise ReplicasFailed("no engine replica is ready")
         return ids
 
-    async def _everywhere(self, calls: ReplicaCalls, ids: list[str], method: str, *args: Any,
-                          update: Update | None = None) -> dict[str, Any]:
+    async def _everywhere(
+        self,
+        calls: ReplicaCalls,
+        ids: list[str],
+        method: str,
+        *args: Any,
+        update: Update | None = None,
+    ) -> dict[str, Any]:
         """Call `method` on every replica in `ids` at once; their results by replica id.
 
         A `ValueError` (the input's fault) raised anywhere is raised here. A replica that
@@ -224,8 +240,9 @@ class ControlPlane:
         error (`ReplicasFailed`)."""
         if not ids:
             raise ReplicasFailed(f"{method}: no engine replica is left to call")
-        results = await asyncio.gather(*(calls(rid, method, *args) for rid in ids),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(calls(rid, method, *args) for rid in ids), return_exceptions=True
+        )
         ok = {rid: r for rid, r in zip(ids, results) if not isinstance(r, BaseException)}
         failed = {rid: r for rid, r in zip(ids, results) if isinstance(r, BaseException)}
         bad_input = next((e for e in failed.values() if isinstance(e, ValueError)), None)
@@ -239,8 +256,9 @@ class ControlPlane:
                 update.failed.append(rid)
         if not ok:
             first = next(iter(failed.values()))
-            raise ReplicasFailed(f"{method} failed on every engine replica: "
-                                 f"{type(first).__name__}: {first}") from first
+            raise ReplicasFailed(
+                f"{method} failed on every engine replica: {type(first).__name__}: {first}"
+            ) from first
         return ok
 
 

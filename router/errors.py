@@ -52,8 +52,11 @@ class SessionNotFound(SessionError):
     error_type = "not_found_error"
 
     def __init__(self, session_id: str, expired: str | None = None) -> None:
-        why = (f"expired ({expired}); start a new session" if expired
-               else "does not exist (never created, or deleted)")
+        why = (
+            f"expired ({expired}); start a new session"
+            if expired
+            else "does not exist (never created, or deleted)"
+        )
         super().__init__(f"session {session_id!r} {why}")
         self.session_id = session_id
 
@@ -83,7 +86,9 @@ class RollbackTooDeep(BadSessionRequest):
         super().__init__(
             f"the messages diverge from the stored conversation {discarded} generated turns "
             f"back, but at most {limit} may be discarded (max_rollback_steps); start a new "
-            f"session for a different conversation", param="messages")
+            f"session for a different conversation",
+            param="messages",
+        )
         self.discarded = discarded
         self.limit = limit
 
@@ -107,7 +112,8 @@ class SessionModelMismatch(SessionError):
             f"session {session_id!r} was recorded with model {recorded!r}, but this server "
             f"serves {served!r}; a session continues only with the model that made it (its "
             f"token ids follow that model's chat template): start a new session, or serve "
-            f"{recorded!r} to continue it")
+            f"{recorded!r} to continue it"
+        )
         self.session_id = session_id
         self.recorded = recorded
         self.served = served
@@ -175,8 +181,7 @@ async def call_router(ref: Any) -> Any:
     purpose arrives as itself: a `RouterError`, a ValueError (bad input), EnginePaused,
     RequestFailed. A Router that died or restarts is `ReplicaFailed`."""
     from ray.exceptions import RayActorError, RayTaskError
-
-    from actors.engine.errors import EnginePaused, RequestFailed
+    from raylane.actors.engine.errors import EnginePaused, RequestFailed
 
     try:
         return await ref

@@ -11,9 +11,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 import numpy as np
-
-from actors.engine.outputs import CompletionOutput, RequestOutput
-from actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
 
 ReplyFn = Callable[[list[int]], CompletionOutput]  # prompt ids -> the turn's one choice
 BlobFn = Callable[[list[int], list[int]], np.ndarray]  # (prompt ids, output ids) -> blob
@@ -32,9 +31,14 @@ def prefix_routing(prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
 
 
 class FakeTurnGenerator:
-    def __init__(self, reply: ReplyFn, blob: BlobFn | None = prefix_routing,
-                 gate: asyncio.Event | None = None, keep_prompts: bool = True,
-                 weight_version: int = 0) -> None:
+    def __init__(
+        self,
+        reply: ReplyFn,
+        blob: BlobFn | None = prefix_routing,
+        gate: asyncio.Event | None = None,
+        keep_prompts: bool = True,
+        weight_version: int = 0,
+    ) -> None:
         self.reply = reply
         self.weight_version = weight_version
         self.blob = blob
@@ -43,8 +47,9 @@ class FakeTurnGenerator:
         self.seen: list[list[int]] = []
         self.in_flight = 0
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       routing_key: str) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, routing_key: str
+    ) -> AsyncIterator[RequestOutput]:
         self.in_flight += 1
         try:
             if self.keep_prompts:
@@ -54,8 +59,9 @@ class FakeTurnGenerator:
             await asyncio.sleep(0)  # a real generator yields to the loop
             out = self.reply(prompt_ids)
             # progress, like a stream
-            yield self._output(prompt_ids, CompletionOutput(0, "", out.token_ids[:1],
-                                                            (out.logprobs or [])[:1]))
+            yield self._output(
+                prompt_ids, CompletionOutput(0, "", out.token_ids[:1], (out.logprobs or [])[:1])
+            )
             out.finish_reason = out.finish_reason or "stop"
             if self.blob is not None and out.finish_reason != "abort":
                 out.routed_experts = self.blob(prompt_ids, out.token_ids)
@@ -64,5 +70,6 @@ class FakeTurnGenerator:
             self.in_flight -= 1
 
     def _output(self, prompt_ids: list[int], choice: CompletionOutput) -> RequestOutput:
-        return RequestOutput("fake", None, prompt_ids, [choice], choice.finished,
-                             weight_version=self.weight_version)
+        return RequestOutput(
+            "fake", None, prompt_ids, [choice], choice.finished, weight_version=self.weight_version
+        )

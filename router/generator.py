@@ -12,8 +12,8 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from actors.engine.outputs import RequestOutput
-from actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
 
 
 class TurnGenerator(Protocol):
@@ -25,8 +25,9 @@ class TurnGenerator(Protocol):
     one replica so its prefix cache is reused.
     """
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 routing_key: str) -> AsyncIterator[RequestOutput]: ...
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, routing_key: str
+    ) -> AsyncIterator[RequestOutput]: ...
 
 
 class EngineTurnGenerator:
@@ -40,21 +41,26 @@ class EngineTurnGenerator:
         self.engine = engine
         self.return_routed_experts = return_routed_experts
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 routing_key: str) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, routing_key: str
+    ) -> AsyncIterator[RequestOutput]:
         params = turn_params(params, self.return_routed_experts)
         return self._outputs(prompt_ids, params, turn_request_id(routing_key), routing_key)
 
-    def _outputs(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 routing_key: str) -> AsyncIterator[RequestOutput]:
+    def _outputs(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, routing_key: str
+    ) -> AsyncIterator[RequestOutput]:
         return self.engine.generate(prompt_ids, params, request_id)
 
 
 def turn_params(params: SamplingParams, return_routed_experts: bool) -> SamplingParams:
     """The engine request for a turn: logprobs always (training needs them), routed experts
     as the engine is set up to capture them."""
-    return dataclasses.replace(params, return_routed_experts=return_routed_experts,
-                               logprobs=0 if params.logprobs is None else params.logprobs)
+    return dataclasses.replace(
+        params,
+        return_routed_experts=return_routed_experts,
+        logprobs=0 if params.logprobs is None else params.logprobs,
+    )
 
 
 def turn_request_id(routing_key: str) -> str:

@@ -52,8 +52,9 @@ class HashRing:
         self._owners: list[str] = []
 
     def rebuild(self, replica_ids: list[str]) -> None:
-        points = sorted((_hash(f"{rid}#{i}"), rid) for rid in replica_ids
-                        for i in range(self.virtual_nodes))
+        points = sorted(
+            (_hash(f"{rid}#{i}"), rid) for rid in replica_ids for i in range(self.virtual_nodes)
+        )
         self._points = [p for p, _ in points]
         self._owners = [rid for _, rid in points]
 

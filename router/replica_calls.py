@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.engine.errors import EnginePaused, RequestFailed
+from raylane.actors.engine.errors import EnginePaused, RequestFailed
 
 
 class HandleCalls:
@@ -51,7 +51,7 @@ class EngineCalls:
         await self.engine.resume()
 
     async def _begin_weight_update(self, spec_dicts: list[dict]) -> None:
-        from actors.models.weights import TensorSpec
+        from raylane.actors.models.weights import TensorSpec
 
         self.engine.begin_weight_update([TensorSpec.from_dict(d) for d in spec_dicts])
 

@@ -16,10 +16,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.engine.output_delta import DeltaDecoder
-from actors.engine.outputs import RequestOutput
-from actors.engine.sampling_params import SamplingParams
-from router.replica_calls import HandleCalls, unwrapped
+from raylane.actors.engine.output_delta import DeltaDecoder
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.replica_calls import HandleCalls, unwrapped
 
 # a channel with no request for this long is closed: it is an ongoing request on its replica,
 # and Serve waits for those (up to its graceful-shutdown timeout) before stopping a replica
@@ -37,8 +37,9 @@ class ReplicaChannels:
         self._channels: dict[str, asyncio.Task] = {}  # chosen replica id -> its _Channel
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def stream(self, replica_id: str, prompt_ids: list[int], params: SamplingParams,
-                     request_id: str) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self, replica_id: str, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request on `replica_id` (where the deployment's request
         router sends it: another replica if that one is gone). A ValueError (bad input),
         EnginePaused or RequestFailed raised there arrives as itself."""
@@ -46,8 +47,9 @@ class ReplicaChannels:
         queue = channel.subscribe(request_id)
         finished = submitted = False
         try:
-            await self._calls(channel.replica_id, "submit", prompt_ids, params, request_id,
-                              channel.id)
+            await self._calls(
+                channel.replica_id, "submit", prompt_ids, params, request_id, channel.id
+            )
             submitted = True
             decoder = DeltaDecoder()
             while not finished:
@@ -67,9 +69,10 @@ class ReplicaChannels:
         if loop is not self._loop:  # channels (and their tasks) belong to one event loop
             self._loop, self._channels = loop, {}
         opening = self._channels.get(replica_id)
-        if opening is None or (opening.done() and (opening.cancelled()
-                                                   or opening.exception() is not None
-                                                   or opening.result().lost)):
+        if opening is None or (
+            opening.done()
+            and (opening.cancelled() or opening.exception() is not None or opening.result().lost)
+        ):
             # its own task: a request that leaves while it opens does not cancel it for others
             opening = loop.create_task(_Channel.open(self.handle, replica_id))
             self._channels[replica_id] = opening
@@ -96,8 +99,9 @@ class _Channel:
     @classmethod
     async def open(cls, handle: Any, replica_id: str) -> _Channel:
         channel_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        stream = handle.options(stream=True).open_channel.remote(channel_id,
-                                                                 target_replica=replica_id)
+        stream = handle.options(stream=True).open_channel.remote(
+            channel_id, target_replica=replica_id
+        )
         try:
             landed = await stream.__anext__()  # the replica's id
         except Exception as e:
@@ -128,8 +132,7 @@ class _Channel:
             self._task.cancel()
 
     async def _pump(self, stream: Any) -> None:
-        error: BaseException = ChannelLost(f"replica {self.replica_id} closed the output "
-                                           "channel")
+        error: BaseException = ChannelLost(f"replica {self.replica_id} closed the output channel")
         try:
             async for batch in stream:
                 for request_id, item in batch:
@@ -140,8 +143,9 @@ class _Channel:
             stream.cancel()
             raise
         except Exception as e:
-            error = ChannelLost(f"the output channel to replica {self.replica_id} failed: "
-                                f"{type(e).__name__}: {e}")
+            error = ChannelLost(
+                f"the output channel to replica {self.replica_id} failed: {type(e).__name__}: {e}"
+            )
         finally:
             self.lost = True
             for queue in self._queues.values():

@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, Protocol
 
-from actors.engine.errors import EnginePaused, RequestFailed
-from actors.engine.outputs import RequestOutput
-from actors.engine.sampling_params import SamplingParams
-from router.errors import ReplicaFailed, ReplicasBusy, call_router
-from router.generator import EngineTurnGenerator
-from router.replica_channels import ReplicaChannels
+from raylane.actors.engine.errors import EnginePaused, RequestFailed
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.errors import ReplicaFailed, ReplicasBusy, call_router
+from raylane.router.generator import EngineTurnGenerator
+from raylane.router.replica_channels import ReplicaChannels
 
 
 class ReplicaPicker(Protocol):
@@ -85,8 +85,13 @@ class ReplicaRequests:
         self.channels = ReplicaChannels(handle)  # handle: the engine deployment's
         self.picker = picker
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       routing_key: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        routing_key: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of the request; leaving early aborts it on its replica."""
         replica_id = await self._choose(routing_key)
         stream = self.channels.stream(replica_id, prompt_ids, params, request_id)
@@ -99,8 +104,10 @@ class ReplicaRequests:
             raise
         except Exception as e:
             self.picker.report_failure(replica_id)
-            raise ReplicaFailed(f"the engine replica failed while serving the request "
-                                f"({type(e).__name__}); send it again") from e
+            raise ReplicaFailed(
+                f"the engine replica failed while serving the request "
+                f"({type(e).__name__}); send it again"
+            ) from e
         finally:
             self.picker.done(replica_id)
 
@@ -109,8 +116,9 @@ class ReplicaRequests:
         if replica_id is None:
             if not await self.picker.ready():
                 raise ReplicaFailed("no engine replica is ready")
-            raise ReplicasBusy("every engine replica is busy (or the one this routing key "
-                               "sticks to); retry later")
+            raise ReplicasBusy(
+                "every engine replica is busy (or the one this routing key sticks to); retry later"
+            )
         return replica_id
 
 
@@ -118,6 +126,7 @@ class ReplicaTurnGenerator(EngineTurnGenerator):
     """`TurnGenerator` over the engine replicas (`engine`: a `ReplicaRequests`), sticky by
     session id."""
 
-    def _outputs(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 routing_key: str) -> AsyncIterator[RequestOutput]:
+    def _outputs(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, routing_key: str
+    ) -> AsyncIterator[RequestOutput]:
         return self.engine.generate(prompt_ids, params, request_id, routing_key)

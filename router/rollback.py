@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.errors import RollbackTooDeep
-from router.messages import Message, check_new_roles, common_prefix_len
-from router.trajectory import Trajectory
+from raylane.router.errors import RollbackTooDeep
+from raylane.router.messages import Message, check_new_roles, common_prefix_len
+from raylane.router.trajectory import Trajectory
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,7 @@ class TurnPlan:
     new_messages: list[Message]  # rendered after the checkpoint
 
 
-def plan_turn(trajectory: Trajectory, incoming: list[Message],
-              max_rollback_steps: int) -> TurnPlan:
+def plan_turn(trajectory: Trajectory, incoming: list[Message], max_rollback_steps: int) -> TurnPlan:
     """Raises `RollbackTooDeep` or `BadRole`; the trajectory is left as it is either way."""
     ends = trajectory.checkpoint_ends()
     common = common_prefix_len(trajectory.messages(), incoming)
@@ -33,6 +32,6 @@ def plan_turn(trajectory: Trajectory, incoming: list[Message],
     discarded = len(trajectory) - keep
     if discarded > max_rollback_steps:
         raise RollbackTooDeep(discarded, max_rollback_steps)
-    new = incoming[ends[keep]:]
+    new = incoming[ends[keep] :]
     check_new_roles(new, continuing=keep > 0)
     return TurnPlan(keep, discarded, new)

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from router.errors import MalformedTrajectory
-from router.trajectory import TurnRecord
+from raylane.router.errors import MalformedTrajectory
+from raylane.router.trajectory import TurnRecord
 
 
 @dataclass
@@ -39,21 +38,30 @@ class TrainingSample:
         experts = None
         if self.routed_experts is not None:
             data = np.ascontiguousarray(self.routed_experts, dtype=np.int32)
-            experts = {"data": base64.b64encode(data.tobytes()).decode("ascii"),
-                       "shape": list(data.shape)}
-        return {"tokens": self.tokens, "loss_mask": self.loss_mask,
-                "rollout_logprobs": self.rollout_logprobs, "routed_experts": experts,
-                "weight_versions": self.weight_versions, "status": self.status}
+            experts = {
+                "data": base64.b64encode(data.tobytes()).decode("ascii"),
+                "shape": list(data.shape),
+            }
+        return {
+            "tokens": self.tokens,
+            "loss_mask": self.loss_mask,
+            "rollout_logprobs": self.rollout_logprobs,
+            "routed_experts": experts,
+            "weight_versions": self.weight_versions,
+            "status": self.status,
+        }
 
     def to_safetensors(self) -> bytes:
         """tokens int64, loss_mask int8, rollout_logprobs float32, routed_experts int32 (absent
         when None), weight_versions int64; `status` in the header metadata."""
         from safetensors.numpy import save
 
-        tensors = {"tokens": np.asarray(self.tokens, dtype=np.int64),
-                   "loss_mask": np.asarray(self.loss_mask, dtype=np.int8),
-                   "rollout_logprobs": np.asarray(self.rollout_logprobs, dtype=np.float32),
-                   "weight_versions": np.asarray(self.weight_versions, dtype=np.int64)}
+        tensors = {
+            "tokens": np.asarray(self.tokens, dtype=np.int64),
+            "loss_mask": np.asarray(self.loss_mask, dtype=np.int8),
+            "rollout_logprobs": np.asarray(self.rollout_logprobs, dtype=np.float32),
+            "weight_versions": np.asarray(self.weight_versions, dtype=np.int64),
+        }
         if self.routed_experts is not None:
             tensors["routed_experts"] = np.ascontiguousarray(self.routed_experts, dtype=np.int32)
         return save(tensors, metadata={"status": self.status})
@@ -64,16 +72,20 @@ class TrainingSample:
 
         tensors = load(data)
         # the format: 8-byte little-endian header length, then the JSON header
-        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
-        return cls(tokens=tensors["tokens"].tolist(), loss_mask=tensors["loss_mask"].tolist(),
-                   rollout_logprobs=tensors["rollout_logprobs"].tolist(),
-                   routed_experts=tensors.get("routed_experts"),
-                   weight_versions=tensors["weight_versions"].tolist(),
-                   status=header["__metadata__"]["status"])
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        return cls(
+            tokens=tensors["tokens"].tolist(),
+            loss_mask=tensors["loss_mask"].tolist(),
+            rollout_logprobs=tensors["rollout_logprobs"].tolist(),
+            routed_experts=tensors.get("routed_experts"),
+            weight_versions=tensors["weight_versions"].tolist(),
+            status=header["__metadata__"]["status"],
+        )
 
 
-def merge_trajectory(records: Sequence[TurnRecord],
-                     max_seq_len: int | None = None) -> TrainingSample:
+def merge_trajectory(
+    records: Sequence[TurnRecord], max_seq_len: int | None = None
+) -> TrainingSample:
     """One sample from a session's records; `MalformedTrajectory` says why when it can't."""
     _check_records(records)
     kept = _cut(records, max_seq_len)
@@ -87,12 +99,22 @@ def merge_trajectory(records: Sequence[TurnRecord],
         logprobs += [0.0] * len(r.prompt_ids) + list(r.logprobs)
     last = kept[-1]
     cut = len(kept) < len(records)
-    status = ("aborted" if last.finish_reason == "abort" else
-              "truncated" if cut or last.finish_reason == "length" else "completed")
+    status = (
+        "aborted"
+        if last.finish_reason == "abort"
+        else "truncated"
+        if cut or last.finish_reason == "length"
+        else "completed"
+    )
     experts = records[-1].routed_experts
-    return TrainingSample(tokens, mask, logprobs,
-                          None if experts is None else experts[:len(tokens) - 1],
-                          [r.weight_version for r in kept], status)
+    return TrainingSample(
+        tokens,
+        mask,
+        logprobs,
+        None if experts is None else experts[: len(tokens) - 1],
+        [r.weight_version for r in kept],
+        status,
+    )
 
 
 def _check_records(records: Sequence[TurnRecord]) -> None:
@@ -101,20 +123,24 @@ def _check_records(records: Sequence[TurnRecord]) -> None:
     expected = 0
     for i, r in enumerate(records):
         if r.prefix_len != expected:
-            raise MalformedTrajectory(f"turn {i} starts at token {r.prefix_len} but the turns "
-                                      f"before it end at {expected}")
+            raise MalformedTrajectory(
+                f"turn {i} starts at token {r.prefix_len} but the turns before it end at {expected}"
+            )
         if len(r.logprobs) != len(r.output_ids):
-            raise MalformedTrajectory(f"turn {i} has {len(r.output_ids)} output ids but "
-                                      f"{len(r.logprobs)} logprobs")
+            raise MalformedTrajectory(
+                f"turn {i} has {len(r.output_ids)} output ids but {len(r.logprobs)} logprobs"
+            )
         expected = r.end
     last = records[-1]
     if last.blobs_dropped:
         raise MalformedTrajectory("the last turn's routed experts were dropped")
     experts = last.routed_experts
     if experts is not None and (experts.ndim != 3 or experts.shape[0] != last.end - 1):
-        raise MalformedTrajectory(f"the last turn's routed experts have shape "
-                                  f"{list(experts.shape)}; expected [{last.end - 1}, layers, "
-                                  f"top_k] (one row per token but the last)")
+        raise MalformedTrajectory(
+            f"the last turn's routed experts have shape "
+            f"{list(experts.shape)}; expected [{last.end - 1}, layers, "
+            f"top_k] (one row per token but the last)"
+        )
 
 
 def _cut(records: Sequence[TurnRecord], max_seq_len: int | None) -> Sequence[TurnRecord]:
@@ -123,6 +149,8 @@ def _cut(records: Sequence[TurnRecord], max_seq_len: int | None) -> Sequence[Tur
         return records
     fits = [r for r in records if r.end <= max_seq_len]
     if not fits:
-        raise MalformedTrajectory(f"the first turn alone is {records[0].end} tokens, more than "
-                                  f"max_seq_len={max_seq_len}, so no turn boundary fits")
-    return records[:len(fits)]
+        raise MalformedTrajectory(
+            f"the first turn alone is {records[0].end} tokens, more than "
+            f"max_seq_len={max_seq_len}, so no turn boundary fits"
+        )
+    return records[: len(fits)]

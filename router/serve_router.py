@@ -24,16 +24,27 @@ import time
 from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-IMPORT_PATH = "router.serve_router:TargetedRequestRouter"
-CONTROL_METHODS = frozenset({"pause", "resume", "weight_version", "begin_weight_update",
-                             "load_weight_bucket", "finish_weight_update", "abort",
-                             "flush_cache", "arm_fault"})
+IMPORT_PATH = "raylane.router.serve_router:TargetedRequestRouter"
+CONTROL_METHODS = frozenset(
+    {
+        "pause",
+        "resume",
+        "weight_version",
+        "begin_weight_update",
+        "load_weight_bucket",
+        "finish_weight_update",
+        "abort",
+        "flush_cache",
+        "arm_fault",
+    }
+)
 CONTROL_GRACE_S = 30.0
 
 
 class TargetedRequestRouter(RequestRouter):
     async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica],
+        self,
+        candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         target = _target(pending_request) if pending_request else None
@@ -48,8 +59,9 @@ class TargetedRequestRouter(RequestRouter):
         queue = self._replica_queue_len_cache.get
         return [sorted(candidate_replicas, key=lambda r: queue(r.replica_id) or 0)]
 
-    def _fulfill_next_pending_request(self, replica: RunningReplica,
-                                      request_metadata: RequestMetadata | None = None) -> None:
+    def _fulfill_next_pending_request(
+        self, replica: RunningReplica, request_metadata: RequestMetadata | None = None
+    ) -> None:
         pending = [p for p in self._pending_requests_to_fulfill if not p.future.done()]
         known = {r.replica_id.unique_id for r in self._replicas_list}
         chosen_for = [p for p in pending if p.metadata is request_metadata]
@@ -68,8 +80,10 @@ def _target(request: PendingRequest) -> str | None:
 
 
 def _must_wait(request: PendingRequest) -> bool:
-    return (request.metadata.call_method in CONTROL_METHODS
-            and time.time() - request.created_at < CONTROL_GRACE_S)
+    return (
+        request.metadata.call_method in CONTROL_METHODS
+        and time.time() - request.created_at < CONTROL_GRACE_S
+    )
 
 
 def _may_serve(request: PendingRequest, replica_id: str, known: set[str]) -> bool:

@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.engine.outputs import CompletionOutput
-from router.errors import SessionModelMismatch
-from router.messages import Message
-from router.trajectory import Trajectory
+from raylane.actors.engine.outputs import CompletionOutput
+from raylane.router.errors import SessionModelMismatch
+from raylane.router.messages import Message
+from raylane.router.trajectory import Trajectory
 
 SAMPLE_MODES = ("merged",)
 
@@ -27,15 +27,18 @@ class SessionConfig:
     def __post_init__(self) -> None:
         if self.ttl_s is not None and not self.ttl_s > 0:
             raise ValueError("SessionConfig.ttl_s must be > 0 seconds, or None")
-        if self.max_sessions is not None and (not isinstance(self.max_sessions, int)
-                                              or self.max_sessions < 1):
+        if self.max_sessions is not None and (
+            not isinstance(self.max_sessions, int) or self.max_sessions < 1
+        ):
             raise ValueError("SessionConfig.max_sessions must be an int >= 1, or None")
         if not isinstance(self.max_rollback_steps, int) or self.max_rollback_steps < 0:
             raise ValueError("SessionConfig.max_rollback_steps must be an int >= 0")
         if self.sample_mode == "per_turn":
-            raise ValueError("SessionConfig.sample_mode='per_turn' would need every turn's "
-                             "routed-expert blob, O(turns x prefix) memory; the registry keeps "
-                             "only the newest max_rollback_steps + 1 — use 'merged'")
+            raise ValueError(
+                "SessionConfig.sample_mode='per_turn' would need every turn's "
+                "routed-expert blob, O(turns x prefix) memory; the registry keeps "
+                "only the newest max_rollback_steps + 1 — use 'merged'"
+            )
         if self.sample_mode not in SAMPLE_MODES:
             raise ValueError(f"SessionConfig.sample_mode must be one of {SAMPLE_MODES}")
 
@@ -70,10 +73,16 @@ class Session:
     def describe(self) -> dict[str, Any]:
         """JSON-ready: metadata, the conversation and the records (without blobs)."""
         traj = self.trajectory
-        return {"session_id": self.id, "created_at": self.created_at, "metadata": self.metadata,
-                "model": self.model,
-                "num_turns": len(traj), "num_tokens": traj.num_tokens,
-                "messages": traj.messages(), "records": [r.to_dict() for r in traj.records]}
+        return {
+            "session_id": self.id,
+            "created_at": self.created_at,
+            "metadata": self.metadata,
+            "model": self.model,
+            "num_turns": len(traj),
+            "num_tokens": traj.num_tokens,
+            "messages": traj.messages(),
+            "records": [r.to_dict() for r in traj.records],
+        }
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,9 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-
-from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from router.session import Session
-from router.trajectory import Trajectory, TurnRecord
+from raylane.actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from raylane.router.session import Session
+from raylane.router.trajectory import Trajectory, TurnRecord
 
 FORMAT = 1  # bump when the layout changes; `decode_session` refuses formats it does not know
 _PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
@@ -27,32 +26,53 @@ _PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f
 
 def encode_session(session: Session) -> dict[str, Any]:
     """JSON-ready (`json.dumps(..., allow_nan=False)` accepts it)."""
-    return {"format": FORMAT, "id": session.id, "metadata": session.metadata,
-            "model": session.model, "created_at": session.created_at,
-            "last_used": session.last_used,
-            "records": [_encode_record(r) for r in session.trajectory.records]}
+    return {
+        "format": FORMAT,
+        "id": session.id,
+        "metadata": session.metadata,
+        "model": session.model,
+        "created_at": session.created_at,
+        "last_used": session.last_used,
+        "records": [_encode_record(r) for r in session.trajectory.records],
+    }
 
 
 def decode_session(data: dict[str, Any]) -> Session:
     if data.get("format") != FORMAT:
-        raise ValueError(f"stored session format {data.get('format')!r}; this Router reads "
-                         f"format {FORMAT}")
+        raise ValueError(
+            f"stored session format {data.get('format')!r}; this Router reads format {FORMAT}"
+        )
     trajectory = Trajectory()
     trajectory.records = [_decode_record(r) for r in data["records"]]
     # "model" is absent from sessions stored before they recorded it (then None: unknown)
-    return Session(data["id"], data["metadata"], created_at=data["created_at"],
-                   trajectory=trajectory, last_used=data["last_used"], model=data.get("model"))
+    return Session(
+        data["id"],
+        data["metadata"],
+        created_at=data["created_at"],
+        trajectory=trajectory,
+        last_used=data["last_used"],
+        model=data.get("model"),
+    )
 
 
 def _encode_record(r: TurnRecord) -> dict[str, Any]:
     experts = None
     if r.routed_experts is not None:
         experts = {"data": _b64(r.routed_experts, "<i4"), "shape": list(r.routed_experts.shape)}
-    return {"new_messages": r.new_messages, "reply": r.reply, "params": _encode_params(r.params),
-            "tools": r.tools, "prefix_len": r.prefix_len, "prompt_ids": r.prompt_ids,
-            "output_ids": r.output_ids, "logprobs": _b64(r.logprobs, "<f8"),
-            "finish_reason": r.finish_reason, "weight_version": r.weight_version,
-            "routed_experts": experts, "blobs_dropped": r.blobs_dropped}
+    return {
+        "new_messages": r.new_messages,
+        "reply": r.reply,
+        "params": _encode_params(r.params),
+        "tools": r.tools,
+        "prefix_len": r.prefix_len,
+        "prompt_ids": r.prompt_ids,
+        "output_ids": r.output_ids,
+        "logprobs": _b64(r.logprobs, "<f8"),
+        "finish_reason": r.finish_reason,
+        "weight_version": r.weight_version,
+        "routed_experts": experts,
+        "blobs_dropped": r.blobs_dropped,
+    }
 
 
 def _decode_record(d: dict[str, Any]) -> TurnRecord:
@@ -60,12 +80,20 @@ def _decode_record(d: dict[str, Any]) -> TurnRecord:
     if experts is not None:
         # a writable copy, as the engine hands blobs out (frombuffer over bytes is read-only)
         experts = _unb64(experts["data"], "<i4").astype(np.int32).reshape(experts["shape"])
-    return TurnRecord(new_messages=d["new_messages"], reply=d["reply"],
-                      params=_decode_params(d["params"]), prefix_len=d["prefix_len"],
-                      prompt_ids=d["prompt_ids"], output_ids=d["output_ids"],
-                      logprobs=_unb64(d["logprobs"], "<f8").tolist(),
-                      finish_reason=d["finish_reason"], weight_version=d["weight_version"],
-                      routed_experts=experts, tools=d["tools"], blobs_dropped=d["blobs_dropped"])
+    return TurnRecord(
+        new_messages=d["new_messages"],
+        reply=d["reply"],
+        params=_decode_params(d["params"]),
+        prefix_len=d["prefix_len"],
+        prompt_ids=d["prompt_ids"],
+        output_ids=d["output_ids"],
+        logprobs=_unb64(d["logprobs"], "<f8").tolist(),
+        finish_reason=d["finish_reason"],
+        weight_version=d["weight_version"],
+        routed_experts=experts,
+        tools=d["tools"],
+        blobs_dropped=d["blobs_dropped"],
+    )
 
 
 def _encode_params(params: SamplingParams) -> dict[str, Any]:

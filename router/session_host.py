@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.replica_generator import ReplicaPicker, ReplicaRequests, ReplicaTurnGenerator
-from router.session_store import MemorySessionStore, SessionStore
-from router.sessions import SessionConfig, SessionRegistry
-from router.tito import TemplateSplicer
+from raylane.router.replica_generator import ReplicaPicker, ReplicaRequests, ReplicaTurnGenerator
+from raylane.router.session_store import MemorySessionStore, SessionStore
+from raylane.router.sessions import SessionConfig, SessionRegistry
+from raylane.router.tito import TemplateSplicer
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,13 @@ class SessionSetup:
     @property
     def key(self) -> tuple:
         # handles do not compare equal across pickling; their names do
-        return (self.model_dir, self.replicas.app_name, self.replicas.deployment_name,
-                self.return_routed_experts, self.config)
+        return (
+            self.model_dir,
+            self.replicas.app_name,
+            self.replicas.deployment_name,
+            self.return_routed_experts,
+            self.config,
+        )
 
 
 def auto_tokenizer(model_dir: str) -> Any:
@@ -55,9 +60,12 @@ class SessionHost:
     """Builds the Router's `SessionRegistry` for the served model and keeps it while the
     model stays the same."""
 
-    def __init__(self, picker: ReplicaPicker,
-                 load_tokenizer: Callable[[str], Any] = auto_tokenizer,
-                 store: SessionStore | None = None) -> None:
+    def __init__(
+        self,
+        picker: ReplicaPicker,
+        load_tokenizer: Callable[[str], Any] = auto_tokenizer,
+        store: SessionStore | None = None,
+    ) -> None:
         self.picker = picker
         self.load_tokenizer = load_tokenizer
         self.store = store or MemorySessionStore()  # shared by every registry built here
@@ -82,10 +90,16 @@ class SessionHost:
                 return
             # off the event loop: the replica table keeps answering meanwhile
             tokenizer = await asyncio.to_thread(self.load_tokenizer, setup.model_dir)
-            generator = ReplicaTurnGenerator(ReplicaRequests(setup.replicas, self.picker),
-                                             setup.return_routed_experts)
+            generator = ReplicaTurnGenerator(
+                ReplicaRequests(setup.replicas, self.picker), setup.return_routed_experts
+            )
             if self.num_sessions:
                 log.warning("the served model changed; forgetting %d sessions", self.num_sessions)
-            self._registry = SessionRegistry(TemplateSplicer(tokenizer), generator, setup.config,
-                                             store=self.store, model=setup.model_dir)
+            self._registry = SessionRegistry(
+                TemplateSplicer(tokenizer),
+                generator,
+                setup.config,
+                store=self.store,
+                model=setup.model_dir,
+            )
             self._key = setup.key

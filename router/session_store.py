@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from router.session import Session
+    from raylane.router.session import Session
 
 
 class SessionStore(Protocol):
@@ -26,7 +26,7 @@ class SessionStore(Protocol):
     registry still holds, `last_used`); it is called under the session's lock, so the session
     does not change while it is read. `last_used` is seconds on the registry's clock (wall time
     by default), the time of the last create or turn. Failures raise
-    `router.errors.SessionStoreUnavailable`.
+    `raylane.router.errors.SessionStoreUnavailable`.
     """
 
     durable: bool
@@ -72,6 +72,6 @@ def open_session_store(dsn: str | None) -> SessionStore:
     """PostgreSQL at `dsn` (connected on first use), or memory only when there is none."""
     if not dsn:
         return MemorySessionStore()
-    from router.session_store_pg import PgSessionStore
+    from raylane.router.session_store_pg import PgSessionStore
 
     return PgSessionStore(dsn)

@@ -17,18 +17,20 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import asyncpg
-
-from router.errors import SessionStoreUnavailable
-from router.session_codec import FORMAT, decode_session, encode_session
+from raylane.router.errors import SessionStoreUnavailable
+from raylane.router.session_codec import FORMAT, decode_session, encode_session
 
 if TYPE_CHECKING:
-    from router.session import Session
+    from raylane.router.session import Session
 
 log = logging.getLogger(__name__)
 
 # pg_advisory_xact_lock key: Routers that start at once migrate one at a time ("rl-sesss").
 MIGRATION_LOCK_KEY = 0x726C2D7365737373
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, """
+MIGRATIONS: tuple[tuple[int, str], ...] = (
+    (
+        1,
+        """
 CREATE TABLE raylane_sessions (
     id text PRIMARY KEY,
     format integer NOT NULL,             -- router/session_codec.py FORMAT
@@ -37,7 +39,9 @@ CREATE TABLE raylane_sessions (
     updated_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX raylane_sessions_last_used_idx ON raylane_sessions (last_used);
-"""),)
+""",
+    ),
+)
 
 SAVE_SQL = """INSERT INTO raylane_sessions (id, format, last_used, record)
               VALUES ($1, $2, $3, $4::json)
@@ -67,25 +71,29 @@ class PgSessionStore:
 
     async def load(self, session_id: str) -> Session | None:
         async with self._connection() as conn:
-            text = await conn.fetchval("SELECT record FROM raylane_sessions WHERE id = $1",
-                                       session_id)
+            text = await conn.fetchval(
+                "SELECT record FROM raylane_sessions WHERE id = $1", session_id
+            )
         if text is None:
             return None
         try:
             return await asyncio.to_thread(_loads, text)
         except (ValueError, KeyError, TypeError) as e:  # a newer Router's format, or damage
-            raise SessionStoreUnavailable(f"the stored session {session_id!r} cannot be read: "
-                                          f"{type(e).__name__}: {e}") from e
+            raise SessionStoreUnavailable(
+                f"the stored session {session_id!r} cannot be read: {type(e).__name__}: {e}"
+            ) from e
 
     async def delete(self, session_ids: list[str]) -> None:
         async with self._connection() as conn:
-            await conn.execute("DELETE FROM raylane_sessions WHERE id = ANY($1::text[])",
-                               list(session_ids))
+            await conn.execute(
+                "DELETE FROM raylane_sessions WHERE id = ANY($1::text[])", list(session_ids)
+            )
 
     async def purge(self, idle_before: float) -> int:
         async with self._connection() as conn:
-            status = await conn.execute("DELETE FROM raylane_sessions WHERE last_used < $1",
-                                        idle_before)
+            status = await conn.execute(
+                "DELETE FROM raylane_sessions WHERE last_used < $1", idle_before
+            )
         return int(status.split()[-1])  # "DELETE <count>"
 
     async def close(self) -> None:
@@ -101,15 +109,20 @@ class PgSessionStore:
                 yield conn
         except _DOWN as e:
             # NOTE: never the DSN in the message: it may hold a password
-            raise SessionStoreUnavailable(f"the session store (PostgreSQL) failed: "
-                                          f"{type(e).__name__}: {e}; retry") from e
+            raise SessionStoreUnavailable(
+                f"the session store (PostgreSQL) failed: {type(e).__name__}: {e}; retry"
+            ) from e
 
     async def _connect(self) -> asyncpg.Pool:
         async with self._lock:  # every session call of a fresh Router may arrive at once
             if self._pool is None:
-                pool = await asyncpg.create_pool(self._dsn, min_size=1, max_size=self._max_size,
-                                                 timeout=self._timeout_s,
-                                                 command_timeout=self._timeout_s * 6)
+                pool = await asyncpg.create_pool(
+                    self._dsn,
+                    min_size=1,
+                    max_size=self._max_size,
+                    timeout=self._timeout_s,
+                    command_timeout=self._timeout_s * 6,
+                )
                 try:
                     async with pool.acquire() as conn:
                         await migrate(conn)
@@ -130,13 +143,16 @@ async def migrate(conn: asyncpg.Connection) -> list[int]:
         await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK_KEY)
         await conn.execute("""CREATE TABLE IF NOT EXISTS raylane_sessions_migrations (
             version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())""")
-        done = {r["version"] for r in
-                await conn.fetch("SELECT version FROM raylane_sessions_migrations")}
+        done = {
+            r["version"]
+            for r in await conn.fetch("SELECT version FROM raylane_sessions_migrations")
+        }
         for version, sql in MIGRATIONS:
             if version not in done:
                 await conn.execute(sql)
-                await conn.execute("INSERT INTO raylane_sessions_migrations (version) "
-                                   "VALUES ($1)", version)
+                await conn.execute(
+                    "INSERT INTO raylane_sessions_migrations (version) VALUES ($1)", version
+                )
                 applied.append(version)
     return applied
 

@@ -21,19 +21,19 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from actors.engine.outputs import CompletionOutput, RequestOutput
-from actors.engine.sampling_params import SamplingParams
-from router.errors import BadSessionRequest, SessionNotFound, TooManySessions
-from router.generator import TurnGenerator
-from router.messages import Message, normalize_message, normalize_messages
-from router.rollback import TurnPlan, plan_turn
-from router.samples import TrainingSample, merge_trajectory
-from router.session import Session, SessionConfig, TurnResult
-from router.session_store import MemorySessionStore, SessionStore
-from router.tito import TemplateSplicer
-from router.trajectory import TurnRecord
-from router.turn_deadline import until_deadline
-from router.write_through import WriteThrough
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.errors import BadSessionRequest, SessionNotFound, TooManySessions
+from raylane.router.generator import TurnGenerator
+from raylane.router.messages import Message, normalize_message, normalize_messages
+from raylane.router.rollback import TurnPlan, plan_turn
+from raylane.router.samples import TrainingSample, merge_trajectory
+from raylane.router.session import Session, SessionConfig, TurnResult
+from raylane.router.session_store import MemorySessionStore, SessionStore
+from raylane.router.tito import TemplateSplicer
+from raylane.router.trajectory import TurnRecord
+from raylane.router.turn_deadline import until_deadline
+from raylane.router.write_through import WriteThrough
 
 ReplyParser = Callable[[CompletionOutput], Message]
 
@@ -51,13 +51,15 @@ class _Turn:
     params: SamplingParams
     tools: list[dict] | None
 
-    def result(self, out: RequestOutput, message: Message | None = None,
-               index: int | None = None) -> TurnResult:
+    def result(
+        self, out: RequestOutput, message: Message | None = None, index: int | None = None
+    ) -> TurnResult:
         choice = out.outputs[0]
         if choice.routed_experts is not None:  # the record keeps the blob; the reply does not
             choice = dataclasses.replace(choice, routed_experts=None)
-        return TurnResult(choice, out.weight_version, len(self.full_prompt),
-                          self.plan.discarded, message, index)
+        return TurnResult(
+            choice, out.weight_version, len(self.full_prompt), self.plan.discarded, message, index
+        )
 
 
 class SessionRegistry:
@@ -71,12 +73,17 @@ class SessionRegistry:
     recorded with another model is refused (see `Session.continue_with`).
     """
 
-    def __init__(self, splicer: TemplateSplicer, generator: TurnGenerator,
-                 config: SessionConfig | None = None,
-                 reply_parser: ReplyParser = default_reply,
-                 # wall time: a stored session's last use must mean the same after a restart
-                 clock: Callable[[], float] = time.time,
-                 store: SessionStore | None = None, model: str | None = None) -> None:
+    def __init__(
+        self,
+        splicer: TemplateSplicer,
+        generator: TurnGenerator,
+        config: SessionConfig | None = None,
+        reply_parser: ReplyParser = default_reply,
+        # wall time: a stored session's last use must mean the same after a restart
+        clock: Callable[[], float] = time.time,
+        store: SessionStore | None = None,
+        model: str | None = None,
+    ) -> None:
         self.splicer = splicer
         self.generator = generator
         self.config = config or SessionConfig()
@@ -99,8 +106,9 @@ class SessionRegistry:
         self._expire()
         self._make_room()
         session_id = "sess-" + secrets.token_urlsafe(18)  # 144 random bits: unguessable
-        session = Session(session_id, dict(metadata or {}), last_used=self.clock(),
-                          model=self.model)
+        session = Session(
+            session_id, dict(metadata or {}), last_used=self.clock(), model=self.model
+        )
         self._sessions[session_id] = session
         async with session.lock:  # the cap never drops a locked session while it is written
             try:
@@ -132,8 +140,7 @@ class SessionRegistry:
     async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
         """The session's completed turns merged into one training sample."""
         if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
-            raise BadSessionRequest("max_seq_len must be a positive integer",
-                                    param="max_seq_len")
+            raise BadSessionRequest("max_seq_len must be a positive integer", param="max_seq_len")
         return merge_trajectory((await self.get(session_id)).trajectory.records, max_seq_len)
 
     async def _load(self, session_id: str) -> None:
@@ -158,8 +165,7 @@ class SessionRegistry:
         if self.config.ttl_s is None:
             return
         cutoff = self.clock() - self.config.ttl_s
-        idle = [s for s in self._sessions.values()
-                if s.last_used < cutoff and not s.lock.locked()]
+        idle = [s for s in self._sessions.values() if s.last_used < cutoff and not s.lock.locked()]
         for session in idle:
             self._drop(session, f"unused for over {self.config.ttl_s:g} s")
 
@@ -198,24 +204,42 @@ class SessionRegistry:
             await self._store.delete(session_id)
             self._drop(session, None)
 
-    async def chat(self, session_id: str, messages: list[Message],
-                   params: SamplingParams | None = None, *, tools: list[dict] | None = None,
-                   chat_template_kwargs: dict[str, Any] | None = None,
-                   timeout_s: float | None = None) -> TurnResult:
+    async def chat(
+        self,
+        session_id: str,
+        messages: list[Message],
+        params: SamplingParams | None = None,
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> TurnResult:
         """Run one turn to completion; returns the committed result."""
         result = None
-        async with aclosing(self.chat_stream(session_id, messages, params, tools=tools,
-                                             chat_template_kwargs=chat_template_kwargs,
-                                             timeout_s=timeout_s)) as turn:
+        async with aclosing(
+            self.chat_stream(
+                session_id,
+                messages,
+                params,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                timeout_s=timeout_s,
+            )
+        ) as turn:
             async for result in turn:
                 pass
         return result
 
-    async def chat_stream(self, session_id: str, messages: list[Message],
-                          params: SamplingParams | None = None, *,
-                          tools: list[dict] | None = None,
-                          chat_template_kwargs: dict[str, Any] | None = None,
-                          timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
+    async def chat_stream(
+        self,
+        session_id: str,
+        messages: list[Message],
+        params: SamplingParams | None = None,
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[TurnResult]:
         """Run one turn, yielding cumulative progress and, last, the committed result (without
         replay blobs: the session's record keeps them, the client gets none).
 
@@ -231,8 +255,9 @@ class SessionRegistry:
                 raise SessionNotFound(session_id, self._gone.get(session_id))
             turn = self._prepare(session, messages, params, tools, chat_template_kwargs or {})
             final = None
-            outs = until_deadline(self.generator.generate(turn.full_prompt, turn.params,
-                                                          session_id), timeout_s)
+            outs = until_deadline(
+                self.generator.generate(turn.full_prompt, turn.params, session_id), timeout_s
+            )
             async with aclosing(outs):
                 async for out in outs:
                     if out.finished:
@@ -248,34 +273,45 @@ class SessionRegistry:
             await self._store.save(session)
         yield turn.result(final, message, index)
 
-    def _prepare(self, session: Session, messages: list[Message], params: SamplingParams | None,
-                 tools: list[dict] | None, template_kwargs: dict[str, Any]) -> _Turn:
+    def _prepare(
+        self,
+        session: Session,
+        messages: list[Message],
+        params: SamplingParams | None,
+        tools: list[dict] | None,
+        template_kwargs: dict[str, Any],
+    ) -> _Turn:
         params = _session_params(params)
         traj = session.trajectory
         plan = plan_turn(traj, normalize_messages(messages), self.config.max_rollback_steps)
         if plan.keep == 0:
             prompt_ids = self.splicer.first_turn(plan.new_messages, tools, **template_kwargs)
         else:
-            prompt_ids = self.splicer.next_turn(plan.new_messages,
-                                                traj.records[plan.keep - 1].output_ids,
-                                                tools, **template_kwargs)
+            prompt_ids = self.splicer.next_turn(
+                plan.new_messages, traj.records[plan.keep - 1].output_ids, tools, **template_kwargs
+            )
         full = traj.tokens(plan.keep)  # a fresh list: the stored ids stay untouched
         prefix_len = len(full)
         full += prompt_ids
         return _Turn(plan, prefix_len, prompt_ids, full, params, tools)
 
-    def _commit(self, session: Session, turn: _Turn,
-                out: RequestOutput) -> tuple[Message, int]:
+    def _commit(self, session: Session, turn: _Turn, out: RequestOutput) -> tuple[Message, int]:
         choice = out.outputs[0]
         # stored normalised, so the client's echo of it compares equal
         reply = normalize_message(self.reply_parser(choice))
-        record = TurnRecord(new_messages=turn.plan.new_messages, reply=reply, params=turn.params,
-                            prefix_len=turn.prefix_len, prompt_ids=turn.prompt_ids,
-                            output_ids=list(choice.token_ids),
-                            logprobs=list(choice.logprobs or []),
-                            finish_reason=choice.finish_reason,
-                            weight_version=out.weight_version,
-                            routed_experts=choice.routed_experts, tools=turn.tools)
+        record = TurnRecord(
+            new_messages=turn.plan.new_messages,
+            reply=reply,
+            params=turn.params,
+            prefix_len=turn.prefix_len,
+            prompt_ids=turn.prompt_ids,
+            output_ids=list(choice.token_ids),
+            logprobs=list(choice.logprobs or []),
+            finish_reason=choice.finish_reason,
+            weight_version=out.weight_version,
+            routed_experts=choice.routed_experts,
+            tools=turn.tools,
+        )
         session.trajectory.commit(turn.plan.keep, record, self.config.blob_window)
         return reply, len(session.trajectory) - 1
 
@@ -285,7 +321,8 @@ def _session_params(params: SamplingParams | None) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise BadSessionRequest(f"params must be SamplingParams, got {type(params).__name__}")
     if params.n != 1:
-        raise BadSessionRequest("n must be 1 in a session: a session records one trajectory",
-                                param="n")
+        raise BadSessionRequest(
+            "n must be 1 in a session: a session records one trajectory", param="n"
+        )
     # training needs the logprob of every generated token
     return params if params.logprobs is not None else dataclasses.replace(params, logprobs=0)

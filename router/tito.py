@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from router.errors import BadRole
-from router.messages import Message
+from raylane.router.errors import BadRole
+from raylane.router.messages import Message
 
 # Plain words: any template renders them verbatim, and the marker cannot occur by accident.
 _MARKER = "raylane-junction-4f1c9e2a"
@@ -55,15 +55,21 @@ class TemplateSplicer:
     def __init__(self, tokenizer: ChatTokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def first_turn(self, messages: list[Message], tools: list[dict] | None = None,
-                   **template_kwargs: Any) -> list[int]:
+    def first_turn(
+        self, messages: list[Message], tools: list[dict] | None = None, **template_kwargs: Any
+    ) -> list[int]:
         """The whole prompt of a session's first turn (what `apply_chat_template` gives)."""
         text = self._render(messages, tools, True, template_kwargs)
         _check_system_kept(messages[1:], text)
         return self._encode(text)
 
-    def next_turn(self, new_messages: list[Message], last_output_ids: list[int],
-                  tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
+    def next_turn(
+        self,
+        new_messages: list[Message],
+        last_output_ids: list[int],
+        tools: list[dict] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
         """The ids to append after a stored turn whose output was `last_output_ids`."""
         suffix = _after_marker(self._render(_DUMMY + new_messages, tools, True, template_kwargs))
         _check_system_kept(new_messages, suffix)
@@ -75,15 +81,23 @@ class TemplateSplicer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _render(self, messages: list[Message], tools: list[dict] | None, generation_prompt: bool,
-                template_kwargs: dict[str, Any]) -> str:
+    def _render(
+        self,
+        messages: list[Message],
+        tools: list[dict] | None,
+        generation_prompt: bool,
+        template_kwargs: dict[str, Any],
+    ) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False,
-                **template_kwargs)
+                messages,
+                tools=tools,
+                add_generation_prompt=generation_prompt,
+                tokenize=False,
+                **template_kwargs,
+            )
         except Exception as e:  # jinja's raise_exception, a TypeError on odd content, ...
-            raise BadRole(f"the chat template rejected the messages: {e}",
-                          param="messages") from e
+            raise BadRole(f"the chat template rejected the messages: {e}", param="messages") from e
 
     def _encode(self, text: str) -> list[int]:
         # the template writes its own BOS where it wants one, as apply_chat_template does
@@ -93,9 +107,11 @@ class TemplateSplicer:
 def _after_marker(text: str) -> str:
     at = text.find(_MARKER)
     if at < 0 or text.find(_MARKER, at + 1) >= 0:
-        raise BadRole("the chat template does not render an assistant turn verbatim, so new "
-                      "messages cannot be appended to a stored conversation")
-    return text[at + len(_MARKER):]
+        raise BadRole(
+            "the chat template does not render an assistant turn verbatim, so new "
+            "messages cannot be appended to a stored conversation"
+        )
+    return text[at + len(_MARKER) :]
 
 
 def _overlap(tail: list[int], head: list[int], limit: int) -> int:
@@ -111,5 +127,8 @@ def _check_system_kept(messages: list[Message], rendered: str) -> None:
     # of training on a prompt the client did not mean
     for m in messages:
         if m["role"] == "system" and m["content"] and m["content"] not in rendered:
-            raise BadRole("this model's chat template drops system messages after the first; "
-                          "send the instruction as a user message", param="messages")
+            raise BadRole(
+                "this model's chat template drops system messages after the first; "
+                "send the instruction as a user message",
+                param="messages",
+            )

@@ -13,9 +13,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
-
-from actors.engine.sampling_params import SamplingParams
-from router.messages import Message
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.messages import Message
 
 
 @dataclass
@@ -55,10 +54,16 @@ class TurnRecord:
         experts = self.routed_experts
         params = {f.name: getattr(self.params, f.name) for f in fields(self.params) if f.init}
         return {
-            "new_messages": self.new_messages, "reply": self.reply, "params": params,
-            "tools": self.tools, "prefix_len": self.prefix_len, "prompt_ids": self.prompt_ids,
-            "output_ids": self.output_ids, "logprobs": self.logprobs,
-            "finish_reason": self.finish_reason, "weight_version": self.weight_version,
+            "new_messages": self.new_messages,
+            "reply": self.reply,
+            "params": params,
+            "tools": self.tools,
+            "prefix_len": self.prefix_len,
+            "prompt_ids": self.prompt_ids,
+            "output_ids": self.output_ids,
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish_reason,
+            "weight_version": self.weight_version,
             "routed_experts_shape": None if experts is None else list(experts.shape),
             "routed_experts_dropped": self.blobs_dropped,
         }
@@ -84,8 +89,7 @@ class Trajectory:
         return ids
 
     def messages(self) -> list[Message]:
-        return list(itertools.chain.from_iterable(r.new_messages + [r.reply]
-                                                  for r in self.records))
+        return list(itertools.chain.from_iterable(r.new_messages + [r.reply] for r in self.records))
 
     def checkpoint_ends(self) -> list[int]:
         """Message counts at which a rollback may land: 0, then after each generated reply."""

@@ -9,12 +9,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from actors.engine.outputs import CompletionOutput, RequestOutput, aborted
-from router.errors import BadSessionRequest
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput, aborted
+from raylane.router.errors import BadSessionRequest
 
 
-async def until_deadline(outputs: AsyncIterator[RequestOutput],
-                         timeout_s: float | None) -> AsyncIterator[RequestOutput]:
+async def until_deadline(
+    outputs: AsyncIterator[RequestOutput], timeout_s: float | None
+) -> AsyncIterator[RequestOutput]:
     """`outputs` as they come, for at most `timeout_s` seconds (None: no limit). At the deadline
     `outputs` is closed (which aborts the generation, see `TurnGenerator`) and one last output
     ends the turn: the partial output, finish reason "abort"."""

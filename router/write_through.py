@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from router.errors import SessionStoreUnavailable
-from router.session_store import SessionStore
+from raylane.router.errors import SessionStoreUnavailable
+from raylane.router.session_store import SessionStore
 
 if TYPE_CHECKING:
-    from router.session import Session
+    from raylane.router.session import Session
 
 log = logging.getLogger(__name__)
 PURGE_EVERY_S = 60.0

@@ -9,13 +9,12 @@ server holds one bucket at a time; the body limit of that route alone is large (
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-
-from session_server.backend import ControlBackend
-from session_server.context import backend_of
-from session_server.errors import bad_request
-from session_server.native_format import partial_items
-from session_server.openapi import BINARY, ok
-from session_server.response_schemas import (
+from raylane.session_server.backend import ControlBackend
+from raylane.session_server.context import backend_of
+from raylane.session_server.errors import bad_request
+from raylane.session_server.native_format import partial_items
+from raylane.session_server.openapi import BINARY, ok
+from raylane.session_server.response_schemas import (
     Aborted,
     BucketLoaded,
     CacheFlushed,
@@ -23,7 +22,7 @@ from session_server.response_schemas import (
     UpdateBegun,
     WeightVersion,
 )
-from session_server.schemas import AbortRequest, BeginUpdateRequest, PauseRequest
+from raylane.session_server.schemas import AbortRequest, BeginUpdateRequest, PauseRequest
 
 BUCKET_PATH = r"/admin/update_weights/[^/]+/bucket"  # for the body limit
 
@@ -50,9 +49,14 @@ async def begin_update(body: BeginUpdateRequest, request: Request) -> dict:
     return {"update_id": update_id}
 
 
-@router.post("/update_weights/{update_id}/bucket", response_model=None, responses=ok(BucketLoaded),
-             openapi_extra={"requestBody": {"required": True,
-                                            "content": {"application/octet-stream": BINARY}}})
+@router.post(
+    "/update_weights/{update_id}/bucket",
+    response_model=None,
+    responses=ok(BucketLoaded),
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"application/octet-stream": BINARY}}
+    },
+)
 async def load_bucket(update_id: str, request: Request) -> dict:
     """Body: the bucket's safetensors bytes (Content-Type application/octet-stream)."""
     payload = await request.body()
@@ -61,8 +65,7 @@ async def load_bucket(update_id: str, request: Request) -> dict:
     return {"tensors": await control_of(request).load_bucket(update_id, payload)}
 
 
-@router.post("/update_weights/{update_id}/commit", response_model=None,
-             responses=ok(WeightVersion))
+@router.post("/update_weights/{update_id}/commit", response_model=None, responses=ok(WeightVersion))
 async def commit_update(update_id: str, request: Request) -> dict:
     return {"weight_version": await control_of(request).commit_update(update_id)}
 

@@ -6,25 +6,36 @@ import time
 from collections.abc import Sequence
 
 from fastapi import FastAPI
+from raylane.session_server import (
+    admin_routes,
+    metrics,
+    native_routes,
+    openai_routes,
+    session_routes,
+)
+from raylane.session_server.auth import ADMIN_PREFIX, AdminAuth, ApiKeyAuth
+from raylane.session_server.backend import EngineBackend
+from raylane.session_server.body_limit import BodyLimit
+from raylane.session_server.errors import install_error_handlers
+from raylane.session_server.header_limit import HeaderLimit
+from raylane.session_server.metrics import MetricsSource
+from raylane.session_server.openapi import ERRORS
+from raylane.session_server.schemas import MAX_N
+from raylane.session_server.tool_calls import PARSERS, detect_parser
 
-from session_server import admin_routes, metrics, native_routes, openai_routes, session_routes
-from session_server.auth import ADMIN_PREFIX, AdminAuth, ApiKeyAuth
-from session_server.backend import EngineBackend
-from session_server.body_limit import BodyLimit
-from session_server.errors import install_error_handlers
-from session_server.header_limit import HeaderLimit
-from session_server.metrics import MetricsSource
-from session_server.openapi import ERRORS
-from session_server.schemas import MAX_N
-from session_server.tool_calls import PARSERS, detect_parser
 
-
-def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
-              max_body_bytes: int = 8 << 20, admin_api_key: str | None = None,
-              max_bucket_bytes: int = 1 << 30,
-              request_timeout_s: float | None = None, max_n: int = 128,
-              tool_call_parser: str | None = None,
-              metrics_sources: Sequence[MetricsSource] = ()) -> FastAPI:
+def build_app(
+    backend: EngineBackend,
+    *,
+    api_keys: list[str] | None = None,
+    max_body_bytes: int = 8 << 20,
+    admin_api_key: str | None = None,
+    max_bucket_bytes: int = 1 << 30,
+    request_timeout_s: float | None = None,
+    max_n: int = 128,
+    tool_call_parser: str | None = None,
+    metrics_sources: Sequence[MetricsSource] = (),
+) -> FastAPI:
     """The HTTP surface: OpenAI routes, SGLang-style /generate, /tokenize, /detokenize,
     multi-turn /sessions, /health and /metrics, with the OpenAI error body for every error.
 
@@ -44,8 +55,9 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     if admin_api_key is not None and admin_api_key in (api_keys or []):
         raise ValueError("admin_api_key must differ from every user API key")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
-        raise ValueError(f"tool_call_parser must be one of {list(PARSERS)}, got "
-                         f"{tool_call_parser!r}")
+        raise ValueError(
+            f"tool_call_parser must be one of {list(PARSERS)}, got {tool_call_parser!r}"
+        )
     app = FastAPI(title="raylane", summary="OpenAI-compatible and native LLM serving")
     app.state.backend = backend
     app.state.created = int(time.time())
@@ -53,28 +65,33 @@ def build_app(backend: EngineBackend, *, api_keys: list[str] | None = None,
     app.state.max_n = max_n
     app.state.metrics_sources = tuple(metrics_sources)
     app.state.tool_call_parser = tool_call_parser or detect_parser(
-        getattr(backend.tokenizer, "chat_template", None))
+        getattr(backend.tokenizer, "chat_template", None)
+    )
     install_error_handlers(app)
     admin = admin_api_key is not None
     modules = [openai_routes, native_routes, session_routes, metrics]
     for module in (modules + [admin_routes]) if admin else modules:
         app.include_router(module.router, responses=ERRORS)  # the OpenAI error body
     # added last = runs first: auth before the body is read
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
-                       path_limits={admin_routes.BUCKET_PATH: max_bucket_bytes} if admin else {})
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=max_body_bytes,
+        path_limits={admin_routes.BUCKET_PATH: max_bucket_bytes} if admin else {},
+    )
     if admin:
         app.add_middleware(AdminAuth, admin_key=admin_api_key)
     if api_keys:
-        app.add_middleware(ApiKeyAuth, api_keys=list(api_keys),
-                           pass_prefixes=(ADMIN_PREFIX,) if admin else ())
+        app.add_middleware(
+            ApiKeyAuth, api_keys=list(api_keys), pass_prefixes=(ADMIN_PREFIX,) if admin else ()
+        )
     app.add_middleware(HeaderLimit)  # first of all: nothing reads a header flood
     return app
 
 
-def _check_limits(max_body_bytes: int, max_bucket_bytes: int,
-                  request_timeout_s: float | None, max_n: int) -> None:
-    for name, value in (("max_body_bytes", max_body_bytes),
-                        ("max_bucket_bytes", max_bucket_bytes)):
+def _check_limits(
+    max_body_bytes: int, max_bucket_bytes: int, request_timeout_s: float | None, max_n: int
+) -> None:
+    for name, value in (("max_body_bytes", max_body_bytes), ("max_bucket_bytes", max_bucket_bytes)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1")
     if request_timeout_s is not None and not request_timeout_s > 0:

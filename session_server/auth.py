@@ -9,9 +9,8 @@ from __future__ import annotations
 import hmac
 import re
 
+from raylane.session_server.errors import error_response
 from starlette.types import ASGIApp, Receive, Scope, Send
-
-from session_server.errors import error_response
 
 OPEN_PATHS = frozenset({"/health"})
 ADMIN_PREFIX = "/admin/"
@@ -39,13 +38,20 @@ class ApiKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = canonical_path(scope) if scope["type"] == "http" else ""
-        if (scope["type"] != "http" or path in OPEN_PATHS
-                or path.startswith(self.pass_prefixes) or _matches(scope, self.keys)):
+        if (
+            scope["type"] != "http"
+            or path in OPEN_PATHS
+            or path.startswith(self.pass_prefixes)
+            or _matches(scope, self.keys)
+        ):
             await self.app(scope, receive, send)
             return
-        response = error_response(401, "Incorrect or missing API key: send it as "
-                                  "'Authorization: Bearer <key>'", code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
+        response = error_response(
+            401,
+            "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
         await response(scope, receive, send)
 
 
@@ -66,13 +72,19 @@ class AdminAuth:
             await self.app(scope, receive, send)
             return
         if _bearer(scope) is None:
-            response = error_response(401, "the admin routes need the admin key: send it as "
-                                      "'Authorization: Bearer <admin key>'",
-                                      code="invalid_api_key",
-                                      headers={"WWW-Authenticate": "Bearer"})
+            response = error_response(
+                401,
+                "the admin routes need the admin key: send it as "
+                "'Authorization: Bearer <admin key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         elif not _matches(scope, self.keys):
-            response = error_response(403, "this key may not use the admin routes; they need "
-                                      "the admin key", code="forbidden")
+            response = error_response(
+                403,
+                "this key may not use the admin routes; they need the admin key",
+                code="forbidden",
+            )
         else:
             await self.app(scope, receive, send)
             return

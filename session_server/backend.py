@@ -1,7 +1,7 @@
 """What the HTTP layer needs from the cluster, as a small protocol the layer above injects.
 
 `build_app(backend)` only talks to an `EngineBackend`; `LocalBackend` runs one AsyncLLMEngine in
-process (tests, single-process serving) and `cluster.serve` provides one over the Router actor
+process (tests, single-process serving) and `raylane.serve` provides one over the Router actor
 and the Ray Serve engine replicas. Its `sessions` (a `SessionBackend`) serve the session routes,
 its `control` (a `ControlBackend`) the admin routes.
 """
@@ -13,16 +13,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from actors.engine.outputs import RequestOutput
-from actors.engine.sampling_params import SamplingParams
-from router.control import ControlPlane
-from router.errors import ReplicaFailed
-from router.generator import EngineTurnGenerator
-from router.messages import Message
-from router.replica_calls import EngineCalls, EngineTable
-from router.samples import TrainingSample
-from router.sessions import SessionConfig, SessionRegistry, TurnResult
-from router.tito import TemplateSplicer
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.control import ControlPlane
+from raylane.router.errors import ReplicaFailed
+from raylane.router.generator import EngineTurnGenerator
+from raylane.router.messages import Message
+from raylane.router.replica_calls import EngineCalls, EngineTable
+from raylane.router.samples import TrainingSample
+from raylane.router.sessions import SessionConfig, SessionRegistry, TurnResult
+from raylane.router.tito import TemplateSplicer
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,9 @@ class ModelInfo:
 
 
 class SessionBackend(Protocol):
-    """Multi-turn sessions: a `router.sessions.SessionRegistry` in process, or
-    `cluster.serve_backend.RouterSessions` over the Router actor, which hosts one. Errors are
-    the registry's (each a `router.errors.SessionError` with its HTTP status)."""
+    """Multi-turn sessions: a `raylane.router.sessions.SessionRegistry` in process, or
+    `raylane.serve_backend.RouterSessions` over the Router actor, which hosts one. Errors are
+    the registry's (each a `raylane.router.errors.SessionError` with its HTTP status)."""
 
     async def create(self, metadata: dict[str, Any] | None = None) -> str: ...
 
@@ -43,24 +43,29 @@ class SessionBackend(Protocol):
 
     async def delete(self, session_id: str) -> None: ...
 
-    def chat_stream(self, session_id: str, messages: list[Message],
-                    params: SamplingParams | None = None, *, tools: list[dict] | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None,
-                    timeout_s: float | None = None) -> AsyncIterator[TurnResult]:
+    def chat_stream(
+        self,
+        session_id: str,
+        messages: list[Message],
+        params: SamplingParams | None = None,
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[TurnResult]:
         """The turn's cumulative progress, then its committed result (`message` set), without
         replay blobs. Closing the iterator early aborts the turn and leaves no trace. Past
         `timeout_s` seconds the turn is aborted where it runs (the engine request too) and
         commits its partial output, finish reason "abort" (`SessionRegistry.chat_stream`)."""
         ...
 
-    async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
-        ...
+    async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample: ...
 
 
 class ControlBackend(Protocol):
-    """The RL control plane over every engine replica (see `router.control.ControlPlane`, whose
-    errors — `ValueError` for bad input, `router.errors.ControlError`s with their HTTP status —
-    these raise as they are)."""
+    """The RL control plane over every engine replica (see `raylane.router.control.ControlPlane`,
+    whose errors — `ValueError` for bad input, `raylane.router.errors.ControlError`s with their
+    HTTP status — these raise as they are)."""
 
     async def pause(self, mode: str) -> dict[str, Any]:
         """Pause in mode "abort", "wait", "keep" or "retract";
@@ -100,11 +105,16 @@ class EngineBackend(Protocol):
     sessions: SessionBackend
     control: ControlBackend
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 routing_key: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        routing_key: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; closing the iterator early aborts it.
 
-        Raises `ValueError` for bad input, `router.errors.ReplicasBusy` (429) and
+        Raises `ValueError` for bad input, `raylane.router.errors.ReplicasBusy` (429) and
         `ReplicaFailed` (503).
         """
         ...
@@ -155,7 +165,7 @@ class LocalBackend:
     """One in-process AsyncLLMEngine behind the protocol, with its own session registry."""
 
     def __init__(self, engine, model_name: str, session_config: SessionConfig | None = None):
-        from actors.engine.async_engine import AsyncLLMEngine
+        from raylane.actors.engine.async_engine import AsyncLLMEngine
 
         self.engine: AsyncLLMEngine = engine
         self.tokenizer = engine.tokenizer
@@ -166,8 +176,9 @@ class LocalBackend:
         capture = cfg.enable_return_routed_experts and validator.num_moe_layers > 0
         generator = EngineTurnGenerator(engine, return_routed_experts=capture)
         # sessions record the model by its path, as the Router's do (`SessionSetup.model_dir`)
-        self.sessions = SessionRegistry(TemplateSplicer(self.tokenizer), generator,
-                                        session_config, model=cfg.model)
+        self.sessions = SessionRegistry(
+            TemplateSplicer(self.tokenizer), generator, session_config, model=cfg.model
+        )
         self.control = LocalControl(engine)
 
     async def generate(self, prompt_ids, params, request_id, routing_key=None):

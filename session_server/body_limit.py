@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import re
 
+from raylane.session_server.errors import error_response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from session_server.errors import error_response
 
 DRAIN_BYTES = 256 << 20
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int,
-                 path_limits: dict[str, int] | None = None):
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None):
         self.app = app
         self.max_bytes = max_bytes
         # regex (matching the whole path) -> limit; the first that matches wins
@@ -61,8 +59,9 @@ async def _read(receive: Receive, limit: int) -> list[Message]:
 async def _refuse(scope: Scope, receive: Receive, send: Send, limit: int, drain: bool) -> None:
     if drain:
         await _drain(receive)
-    response = error_response(413, f"the request body is larger than {limit} bytes",
-                              code="request_too_large")
+    response = error_response(
+        413, f"the request body is larger than {limit} bytes", code="request_too_large"
+    )
     await response(scope, receive, send)
 
 

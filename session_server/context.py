@@ -5,9 +5,8 @@ from __future__ import annotations
 import uuid
 
 from fastapi import Request
-
-from session_server.backend import EngineBackend, ModelInfo
-from session_server.errors import APIError, bad_request
+from raylane.session_server.backend import EngineBackend, ModelInfo
+from raylane.session_server.errors import APIError, bad_request
 
 ROUTING_HEADERS = ("x-routing-key", "x-session-id")
 
@@ -19,8 +18,12 @@ def backend_of(request: Request) -> EngineBackend:
 def check_model(name: str | None, info: ModelInfo) -> None:
     """`None` means the served model; any other name is a 404 as OpenAI answers it."""
     if name is not None and name != info.name:
-        raise APIError(404, f"The model {name!r} does not exist; this server serves "
-                       f"{info.name!r}", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model {name!r} does not exist; this server serves {info.name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def check_n(request: Request, n: int) -> None:

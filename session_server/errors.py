@@ -15,18 +15,23 @@ import re
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from raylane.actors.engine.errors import EnginePaused, RequestFailed
+from raylane.router.errors import RouterError
 from starlette.exceptions import HTTPException
-
-from actors.engine.errors import EnginePaused, RequestFailed
-from router.errors import RouterError
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-          403: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 409: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error",
-          431: "invalid_request_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+}
 # "SamplingParams.top_p must ...", "prompt: 9 tokens ...", "logprobs: 30 is more than ..."
 # pydantic names the union member that failed ("str", "list[int]", "function-after[...]")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|.*\[.*\])$")
@@ -36,9 +41,16 @@ _PARAM = re.compile(r"^(?:SamplingParams\.)?([a-z_.]+)(?::| must| is)")
 class APIError(Exception):
     """An error the client caused or can act on; rendered as the OpenAI error body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None,
-                 type: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        type: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -56,17 +68,35 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value" if param else None)
 
 
-def error_body(status: int, message: str, param: str | None = None,
-               code: str | None = None, type: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type or _TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
+def error_body(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    type: str | None = None,
+) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": type or _TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
-def error_response(status: int, message: str, *, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None,
-                   type: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code, type), status_code=status,
-                        headers=headers)
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+    type: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(status, message, param, code, type), status_code=status, headers=headers
+    )
 
 
 def from_exception(exc: BaseException, param_names: dict[str, str] | None = None) -> APIError:
@@ -84,8 +114,14 @@ def from_exception(exc: BaseException, param_names: dict[str, str] | None = None
         return APIError(500, str(exc), code="request_failed")
     if isinstance(exc, RouterError):
         headers = {"Retry-After": "1"} if exc.status == 429 else None
-        return APIError(exc.status, str(exc), param=exc.param, code=exc.code, headers=headers,
-                        type=exc.error_type)
+        return APIError(
+            exc.status,
+            str(exc),
+            param=exc.param,
+            code=exc.code,
+            headers=headers,
+            type=exc.error_type,
+        )
     log.exception("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
@@ -96,15 +132,16 @@ def _value_error(message: str, param_names: dict[str, str]) -> APIError:
         return bad_request(message)
     param = param_names.get(match.group(1), match.group(1))
     if param != match.group(1):  # say it in the client's words
-        message = param + message[match.end(1):]
+        message = param + message[match.end(1) :]
     elif message.startswith("SamplingParams."):
-        message = message[len("SamplingParams."):]
+        message = message[len("SamplingParams.") :]
     return bad_request(message, param)
 
 
 def api_error_response(err: APIError) -> JSONResponse:
-    return error_response(err.status, err.message, param=err.param, code=err.code,
-                          headers=err.headers, type=err.type)
+    return error_response(
+        err.status, err.message, param=err.param, code=err.code, headers=err.headers, type=err.type
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -116,8 +153,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(_: Request, exc: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(exc.status_code, str(exc.detail), code=code,
-                              headers=getattr(exc, "headers", None))
+        return error_response(
+            exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None)
+        )
 
     async def on_any(request: Request, exc: Exception) -> JSONResponse:
         # a route may name the fields engine errors refer to in the client's words

@@ -6,8 +6,7 @@ import base64
 import math
 
 import numpy as np
-
-from actors.engine.outputs import RequestOutput
+from raylane.actors.engine.outputs import RequestOutput
 
 _FLOOR = -9999.0  # JSON has no -inf; vLLM reports this instead
 
@@ -20,13 +19,23 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float],
-                  tops: list[dict[int, float]], num_top: int) -> dict:
+def chat_logprobs(
+    tokenizer,
+    token_ids: list[int],
+    logprobs: list[float],
+    tops: list[dict[int, float]],
+    num_top: int,
+) -> dict:
     """`choices[i].logprobs` of a chat completion: one entry per token with its top alternatives."""
-    return {"content": [
-        {**_chat_entry(tokenizer, t, lp),
-         "top_logprobs": [_chat_entry(tokenizer, a, alp) for a, alp in _best(top, num_top)]}
-        for t, lp, top in zip(token_ids, logprobs, tops)]}
+    return {
+        "content": [
+            {
+                **_chat_entry(tokenizer, t, lp),
+                "top_logprobs": [_chat_entry(tokenizer, a, alp) for a, alp in _best(top, num_top)],
+            }
+            for t, lp, top in zip(token_ids, logprobs, tops)
+        ]
+    }
 
 
 def _chat_entry(tokenizer, token_id: int, logprob: float) -> dict:
@@ -34,8 +43,14 @@ def _chat_entry(tokenizer, token_id: int, logprob: float) -> dict:
     return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float],
-                        tops: list[dict[int, float]], num_top: int, offset: int) -> dict:
+def completion_logprobs(
+    tokenizer,
+    token_ids: list[int],
+    logprobs: list[float],
+    tops: list[dict[int, float]],
+    num_top: int,
+    offset: int,
+) -> dict:
     """`choices[i].logprobs` of a (legacy) completion; `offset` is where the first token's text
     starts in the choice's text."""
     tokens = [token_text(tokenizer, t) for t in token_ids]
@@ -46,23 +61,31 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float],
     return {
         "tokens": tokens,
         "token_logprobs": [finite(lp) for lp in logprobs],
-        "top_logprobs": [{token_text(tokenizer, a): finite(alp) for a, alp in _best(top, num_top)}
-                         for top in tops],
+        "top_logprobs": [
+            {token_text(tokenizer, a): finite(alp) for a, alp in _best(top, num_top)}
+            for top in tops
+        ],
         "text_offset": offsets,
     }
 
 
-def sglang_logprobs(tokenizer, token_ids: list[int], logprobs: list[float],
-                    with_text: bool) -> list[list]:
+def sglang_logprobs(
+    tokenizer, token_ids: list[int], logprobs: list[float], with_text: bool
+) -> list[list]:
     """SGLang's `[logprob, token_id, text or None]` triples."""
-    return [[finite(lp), t, token_text(tokenizer, t) if with_text else None]
-            for t, lp in zip(token_ids, logprobs)]
+    return [
+        [finite(lp), t, token_text(tokenizer, t) if with_text else None]
+        for t, lp in zip(token_ids, logprobs)
+    ]
 
 
-def sglang_top_logprobs(tokenizer, tops: list[dict[int, float]], num_top: int,
-                        with_text: bool) -> list[list[list]]:
-    return [sglang_logprobs(tokenizer, [a for a, _ in best], [lp for _, lp in best], with_text)
-            for best in (_best(top, num_top) for top in tops)]
+def sglang_top_logprobs(
+    tokenizer, tops: list[dict[int, float]], num_top: int, with_text: bool
+) -> list[list[list]]:
+    return [
+        sglang_logprobs(tokenizer, [a for a, _ in best], [lp for _, lp in best], with_text)
+        for best in (_best(top, num_top) for top in tops)
+    ]
 
 
 def _best(top: dict[int, float], num: int) -> list[tuple[int, float]]:
@@ -82,6 +105,9 @@ def usage(finals: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

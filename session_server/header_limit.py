@@ -5,17 +5,17 @@ CVE-2025-48956).
 
 from __future__ import annotations
 
+from raylane.session_server.errors import error_response
 from starlette.types import ASGIApp, Receive, Scope, Send
-
-from session_server.errors import error_response
 
 MAX_HEADER_COUNT = 100
 MAX_HEADER_BYTES = 64 << 10  # names and values together
 
 
 class HeaderLimit:
-    def __init__(self, app: ASGIApp, max_count: int = MAX_HEADER_COUNT,
-                 max_bytes: int = MAX_HEADER_BYTES):
+    def __init__(
+        self, app: ASGIApp, max_count: int = MAX_HEADER_COUNT, max_bytes: int = MAX_HEADER_BYTES
+    ):
         if max_count < 1 or max_bytes < 1:
             raise ValueError("max_header_count and max_header_bytes must be >= 1")
         self.app = app
@@ -28,9 +28,11 @@ class HeaderLimit:
             size = sum(len(name) + len(value) for name, value in headers)
             if len(headers) > self.max_count or size > self.max_bytes:
                 response = error_response(
-                    431, f"request headers too large: {len(headers)} headers, {size} bytes "
+                    431,
+                    f"request headers too large: {len(headers)} headers, {size} bytes "
                     f"(at most {self.max_count} headers and {self.max_bytes} bytes)",
-                    code="headers_too_large")
+                    code="headers_too_large",
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

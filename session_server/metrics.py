@@ -23,9 +23,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-
-from session_server.context import backend_of
-from session_server.openapi import ok
+from raylane.session_server.context import backend_of
+from raylane.session_server.openapi import ok
 
 PREFIX = "raylane:"
 SOURCE_TIMEOUT_S = 2.0  # a scrape waits this long for an extra source, then goes without it
@@ -94,9 +93,11 @@ class EngineStatsCollector(Collector):
         total: Counter[str] = Counter()
         for s in self.snapshots:
             total.update(s["finished"])
-        family = CounterMetricFamily(PREFIX + "request_success",
-                                     "Count of processed requests by finish reason.",
-                                     labels=["model_name", "finished_reason"])
+        family = CounterMetricFamily(
+            PREFIX + "request_success",
+            "Count of processed requests by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
         for reason in sorted(FINISH_REASONS | set(total)):  # zeros too, so rates start at 0
             family.add_metric([self.model_name, reason], total[reason])
         return family
@@ -108,8 +109,9 @@ class EngineStatsCollector(Collector):
             bounds = parts[0]["buckets"]
             # replicas run the same code, so their bucket bounds agree
             counts = [sum(col) for col in zip(*(p["counts"] for p in parts))]
-            family.add_metric([self.model_name], _cumulative(bounds, counts),
-                              sum(p["sum"] for p in parts))
+            family.add_metric(
+                [self.model_name], _cumulative(bounds, counts), sum(p["sum"] for p in parts)
+            )
         return family
 
 
@@ -136,8 +138,15 @@ def render(model_name: str, snapshots: list[dict]) -> bytes:
     return generate_latest(registry)
 
 
-@router.get("/metrics", response_class=Response, responses=ok(content={
-    "text/plain": {"schema": {"type": "string", "description": "Prometheus text format"}}}))
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses=ok(
+        content={
+            "text/plain": {"schema": {"type": "string", "description": "Prometheus text format"}}
+        }
+    ),
+)
 async def metrics(request: Request) -> Response:
     backend = backend_of(request)
     body = render(backend.info.name, await backend.stats())

@@ -6,11 +6,11 @@ request has several samples; text that may still be trimmed by a stop string is 
 
 from __future__ import annotations
 
-from actors.engine.outputs import CompletionOutput, RequestOutput
-from actors.engine.sampling_params import SamplingParams
-from session_server import formatting as fmt
-from session_server.schemas import GenerateRequest
-from session_server.streaming import ChoiceCursor, hold_for
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.session_server import formatting as fmt
+from raylane.session_server.schemas import GenerateRequest
+from raylane.session_server.streaming import ChoiceCursor, hold_for
 
 
 def finish_reason(c: CompletionOutput) -> dict | None:
@@ -22,29 +22,48 @@ def finish_reason(c: CompletionOutput) -> dict | None:
         return {"type": "stop", "matched": matched}
     if c.finish_reason == "length":
         return {"type": "length", "length": len(c.token_ids)}
-    return {"type": c.finish_reason, "message": _MESSAGES.get(c.finish_reason,
-                                                               "the request was aborted")}
+    return {
+        "type": c.finish_reason,
+        "message": _MESSAGES.get(c.finish_reason, "the request was aborted"),
+    }
 
 
-_MESSAGES = {"stale": "the request's tokens would span more weight versions than its "
-                      "max_weight_lag allows"}
+_MESSAGES = {
+    "stale": "the request's tokens would span more weight versions than its max_weight_lag allows"
+}
 
 
 def partial_items(outputs: list[RequestOutput]) -> list[dict]:
     """/generate-shaped items of requests ended early (an admin abort): one per sample."""
-    return [{"text": c.text, "output_ids": list(c.token_ids), "index": c.index,
-             "meta_info": {"id": out.request_id, "finish_reason": finish_reason(c),
-                           "prompt_tokens": len(out.prompt_token_ids),
-                           "completion_tokens": len(c.token_ids),
-                           "cached_tokens": out.num_cached_tokens,
-                           "weight_version": out.weight_version,
-                           "weight_versions": list(c.weight_versions)}}
-            for out in outputs for c in out.outputs]
+    return [
+        {
+            "text": c.text,
+            "output_ids": list(c.token_ids),
+            "index": c.index,
+            "meta_info": {
+                "id": out.request_id,
+                "finish_reason": finish_reason(c),
+                "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": len(c.token_ids),
+                "cached_tokens": out.num_cached_tokens,
+                "weight_version": out.weight_version,
+                "weight_versions": list(c.weight_versions),
+            },
+        }
+        for out in outputs
+        for c in out.outputs
+    ]
 
 
 class NativeFormatter:
-    def __init__(self, request_id: str, body: GenerateRequest, params: SamplingParams,
-                 tokenizer, num_prompts: int):
+    def __init__(
+        self,
+        request_id: str,
+        body: GenerateRequest,
+        params: SamplingParams,
+        tokenizer,
+        num_prompts: int,
+    ):
         self.id = request_id
         self.body = body
         self.params = params
@@ -54,15 +73,16 @@ class NativeFormatter:
 
     def items(self, finals: dict[int, RequestOutput]) -> list[dict]:
         """Prompt-major: every sample of prompt 0, then of prompt 1, ..."""
-        return [self._item(i, finals[i], c, c.text) for i in sorted(finals)
-                for c in finals[i].outputs]
+        return [
+            self._item(i, finals[i], c, c.text) for i in sorted(finals) for c in finals[i].outputs
+        ]
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict]:
         chunks = []
         for c in out.outputs:
             cursor = self.cursors.setdefault((i, c.index), ChoiceCursor(hold_for(self.params)))
             if cursor.advance(c) is not None:
-                chunks.append(self._item(i, out, c, c.text[:cursor.sent_chars]))
+                chunks.append(self._item(i, out, c, c.text[: cursor.sent_chars]))
         return chunks
 
     def _item(self, i: int, out: RequestOutput, c: CompletionOutput, text: str) -> dict:
@@ -81,15 +101,18 @@ class NativeFormatter:
             "weight_version": out.weight_version,
             "weight_versions": list(c.weight_versions),  # of each output token
             "routed_experts": fmt.routed_experts(c.routed_experts)
-            if self.body.return_routed_experts else None,
+            if self.body.return_routed_experts
+            else None,
         }
         if self.params.return_kept_mass:
             meta["kept_mass_logprobs"] = [fmt.finite(x) for x in c.kept_mass_logprobs or []]
         if self.body.return_logprob and c.logprobs is not None:
             with_text = self.body.return_text_in_logprobs
             meta["output_token_logprobs"] = fmt.sglang_logprobs(
-                self.tokenizer, c.token_ids, c.logprobs, with_text)
+                self.tokenizer, c.token_ids, c.logprobs, with_text
+            )
             if self.body.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = fmt.sglang_top_logprobs(
-                    self.tokenizer, c.top_logprobs or [], self.body.top_logprobs_num, with_text)
+                    self.tokenizer, c.top_logprobs or [], self.body.top_logprobs_num, with_text
+                )
         return meta

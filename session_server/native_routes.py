@@ -7,8 +7,7 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-
-from session_server.context import (
+from raylane.session_server.context import (
     backend_of,
     check_model,
     check_n,
@@ -16,14 +15,18 @@ from session_server.context import (
     routing_key,
     timeout_of,
 )
-from session_server.errors import bad_request, error_response, from_exception
-from session_server.native_format import NativeFormatter
-from session_server.openapi import EVENT_STREAM, ok
-from session_server.prompts import chat_text, encode, generate_prompts
-from session_server.response_schemas import DetokenizeResponse, GenerateItem, TokenizeResponse
-from session_server.sampling import SGLANG_NAMES, resolve_max_tokens, sglang_params
-from session_server.schemas import DetokenizeRequest, GenerateRequest, TokenizeRequest
-from session_server.streaming import Indexed, final_outputs, primed, sse_response, start
+from raylane.session_server.errors import bad_request, error_response, from_exception
+from raylane.session_server.native_format import NativeFormatter
+from raylane.session_server.openapi import EVENT_STREAM, ok
+from raylane.session_server.prompts import chat_text, encode, generate_prompts
+from raylane.session_server.response_schemas import (
+    DetokenizeResponse,
+    GenerateItem,
+    TokenizeResponse,
+)
+from raylane.session_server.sampling import SGLANG_NAMES, resolve_max_tokens, sglang_params
+from raylane.session_server.schemas import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from raylane.session_server.streaming import Indexed, final_outputs, primed, sse_response, start
 
 router = APIRouter()
 
@@ -35,19 +38,32 @@ async def generate(body: GenerateRequest, request: Request):
     check_n(request, body.sampling_params.n)
     prompts, batched = generate_prompts(body.text, body.input_ids, backend.tokenizer)
     try:
-        max_tokens = resolve_max_tokens(body.sampling_params.max_new_tokens, prompts,
-                                        backend.info, "max_new_tokens",
-                                        "text" if body.text is not None else "input_ids")
-        params = sglang_params(body.sampling_params, max_tokens,
-                               body.top_logprobs_num if body.return_logprob else None,
-                               body.return_routed_experts)
-        formatter = NativeFormatter(body.rid or new_id("gen"), body, params, backend.tokenizer,
-                                    len(prompts))
-        stream = start(backend, prompts, params, formatter.id,
-                       routing_key(request, body.routing_key), timeout_of(request, body.timeout))
+        max_tokens = resolve_max_tokens(
+            body.sampling_params.max_new_tokens,
+            prompts,
+            backend.info,
+            "max_new_tokens",
+            "text" if body.text is not None else "input_ids",
+        )
+        params = sglang_params(
+            body.sampling_params,
+            max_tokens,
+            body.top_logprobs_num if body.return_logprob else None,
+            body.return_routed_experts,
+        )
+        formatter = NativeFormatter(
+            body.rid or new_id("gen"), body, params, backend.tokenizer, len(prompts)
+        )
+        stream = start(
+            backend,
+            prompts,
+            params,
+            formatter.id,
+            routing_key(request, body.routing_key),
+            timeout_of(request, body.timeout),
+        )
         if body.stream:
-            return sse_response(await primed(request, _renamed(stream)), formatter.chunks,
-                                list)
+            return sse_response(await primed(request, _renamed(stream)), formatter.chunks, list)
         items = formatter.items(await final_outputs(request, _renamed(stream), len(prompts)))
     except ValueError as e:
         raise from_exception(e, SGLANG_NAMES) from None
@@ -79,8 +95,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     if special is None:
         special = body.messages is None
     ids = encode(backend.tokenizer, text, "prompt", special) if text else []
-    return {"count": len(ids), "max_model_len": backend.info.max_model_len, "tokens": ids,
-            "token_strs": None}
+    return {
+        "count": len(ids),
+        "max_model_len": backend.info.max_model_len,
+        "tokens": ids,
+        "token_strs": None,
+    }
 
 
 @router.post("/detokenize", response_model=None, responses=ok(DetokenizeResponse))
@@ -95,8 +115,11 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     return {"prompt": text, "text": text}
 
 
-@router.get("/health", response_class=Response,
-            responses=ok(description="Ready: an empty body (503 when no replica can serve)"))
+@router.get(
+    "/health",
+    response_class=Response,
+    responses=ok(description="Ready: an empty body (503 when no replica can serve)"),
+)
 async def health(request: Request) -> Response:
     try:
         ready = await backend_of(request).ready()

@@ -10,21 +10,28 @@ import dataclasses
 import time
 from itertools import accumulate
 
-from actors.engine.outputs import CompletionOutput, RequestOutput
-from actors.engine.sampling_params import SamplingParams
-from session_server import formatting as fmt
-from session_server.schemas import OpenAISampling
-from session_server.streaming import ChoiceCursor, Delta, hold_for
-from session_server.tool_calls import ToolParser, openai_deltas
-from session_server.tool_calls.choice import ToolPlan
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.session_server import formatting as fmt
+from raylane.session_server.schemas import OpenAISampling
+from raylane.session_server.streaming import ChoiceCursor, Delta, hold_for
+from raylane.session_server.tool_calls import ToolParser, openai_deltas
+from raylane.session_server.tool_calls.choice import ToolPlan
 
 
 class _Formatter:
     object = ""
     chunk_object = ""
 
-    def __init__(self, request_id: str, model: str, body: OpenAISampling,
-                 params: SamplingParams, tokenizer, num_top: int):
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        body: OpenAISampling,
+        params: SamplingParams,
+        tokenizer,
+        num_top: int,
+    ):
         self.id = request_id
         self.created = int(time.time())
         self.model = model
@@ -38,8 +45,13 @@ class _Formatter:
 
     def _head(self, kind: str) -> dict:
         # weight_version: an extension (RL trainers check which weights answered)
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "weight_version": self.version}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "weight_version": self.version,
+        }
 
     def _saw(self, outs: list[RequestOutput]) -> None:
         self.version = max([self.version, *(o.weight_version for o in outs)])
@@ -83,10 +95,14 @@ class _Formatter:
     def _usage(self, finals: list[RequestOutput]) -> dict:
         return fmt.usage(finals)
 
-    def _choices(self, finals: dict[int, RequestOutput]) -> list[tuple[int, RequestOutput,
-                                                                      CompletionOutput]]:
-        return [(i * self.params.n + c.index, finals[i], c) for i in sorted(finals)
-                for c in finals[i].outputs]
+    def _choices(
+        self, finals: dict[int, RequestOutput]
+    ) -> list[tuple[int, RequestOutput, CompletionOutput]]:
+        return [
+            (i * self.params.n + c.index, finals[i], c)
+            for i in sorted(finals)
+            for c in finals[i].outputs
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,15 +127,24 @@ class CompletionFormatter(_Formatter):
         finals = {i: self._shown(out) for i, out in finals.items()}
         self._saw(list(finals.values()))
         choices = [self._choice(idx, out, c) for idx, out, c in self._choices(finals)]
-        return {**self._head("text_completion"), "system_fingerprint": None, "choices": choices,
-                "usage": fmt.usage([finals[i] for i in sorted(finals)])}
+        return {
+            **self._head("text_completion"),
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": fmt.usage([finals[i] for i in sorted(finals)]),
+        }
 
     def _choice(self, idx: int, out: RequestOutput, c: CompletionOutput) -> dict:
         prefix, prefix_lp = self._prompt_part(idx // self.params.n, out)
-        choice = {"index": idx, "text": prefix + c.text,
-                  "logprobs": _joined(prefix_lp, self._logprobs(c.token_ids, c.logprobs,
-                                                                c.top_logprobs, len(prefix))),
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        choice = {
+            "index": idx,
+            "text": prefix + c.text,
+            "logprobs": _joined(
+                prefix_lp, self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, len(prefix))
+            ),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
         if self.body.return_token_ids:
             choice["prompt_token_ids"] = out.prompt_token_ids
         return self._extras(choice, c, c.token_ids)
@@ -138,17 +163,28 @@ class CompletionFormatter(_Formatter):
                 choices.append(self._stream_choice(i, idx, out, c, d, echo_now))
         return [self._chunk([ch]) for ch in choices]
 
-    def _stream_choice(self, i: int, idx: int, out: RequestOutput, c: CompletionOutput,
-                       d: Delta | None, echo_now: bool) -> dict:
+    def _stream_choice(
+        self,
+        i: int,
+        idx: int,
+        out: RequestOutput,
+        c: CompletionOutput,
+        d: Delta | None,
+        echo_now: bool,
+    ) -> dict:
         if d is None:  # the prompt part alone: the choice has nothing new yet
             none = [] if c.logprobs is not None else None
             d = Delta("", [], none, none, 0, False, False)
         prefix, prefix_lp = self._prompt_part(i, out) if echo_now else ("", None)
         shift = len(self.echo.texts[i]) if self.echo is not None else 0
         lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, d.text_offset + shift)
-        choice = {"index": idx, "text": prefix + d.text, "logprobs": _joined(prefix_lp, lp),
-                  "finish_reason": c.finish_reason if d.finished else None,
-                  "stop_reason": c.stop_reason if d.finished else None}
+        choice = {
+            "index": idx,
+            "text": prefix + d.text,
+            "logprobs": _joined(prefix_lp, lp),
+            "finish_reason": c.finish_reason if d.finished else None,
+            "stop_reason": c.stop_reason if d.finished else None,
+        }
         if self.body.return_token_ids and (echo_now if self.echo is not None else d.first):
             choice["prompt_token_ids"] = out.prompt_token_ids
         return self._extras(choice, c, d.token_ids)
@@ -177,25 +213,39 @@ def _prompt_logprobs(tokenizer, out: RequestOutput) -> dict:
     entries = list(out.prompt_logprobs or [])
     entries += [None] * (len(ids) - len(entries))  # ended (deadline) before its prefill ran
     tokens = [fmt.token_text(tokenizer, t) for t in ids]
-    tops = [None if e is None else
-            {fmt.token_text(tokenizer, a): fmt.finite(lp)
-             for a, lp in sorted(e.items(), key=lambda kv: -kv[1])} for e in entries]
-    return {"tokens": tokens,
-            "token_logprobs": [None if e is None else fmt.finite(e[t])
-                               for t, e in zip(ids, entries)],
-            "top_logprobs": tops,
-            "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=0))}
+    tops = [
+        None
+        if e is None
+        else {
+            fmt.token_text(tokenizer, a): fmt.finite(lp)
+            for a, lp in sorted(e.items(), key=lambda kv: -kv[1])
+        }
+        for e in entries
+    ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if e is None else fmt.finite(e[t]) for t, e in zip(ids, entries)],
+        "top_logprobs": tops,
+        "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=0)),
+    }
 
 
 def _prompt_only(out: RequestOutput) -> RequestOutput:
     """`out` without its generated token (see `Echo.prompt_only`)."""
-    samples = [dataclasses.replace(
-        c, text="", token_ids=[], weight_versions=[], stop_reason=None,
-        logprobs=None if c.logprobs is None else [],
-        top_logprobs=None if c.top_logprobs is None else [],
-        kept_mass_logprobs=None if c.kept_mass_logprobs is None else [],
-        finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason)
-        for c in out.outputs]
+    samples = [
+        dataclasses.replace(
+            c,
+            text="",
+            token_ids=[],
+            weight_versions=[],
+            stop_reason=None,
+            logprobs=None if c.logprobs is None else [],
+            top_logprobs=None if c.top_logprobs is None else [],
+            kept_mass_logprobs=None if c.kept_mass_logprobs is None else [],
+            finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason,
+        )
+        for c in out.outputs
+    ]
     return dataclasses.replace(out, outputs=samples)
 
 
@@ -218,8 +268,12 @@ class ChatFormatter(_Formatter):
         out0 = finals[0]
         self._saw([out0])
         choices = [self._choice(idx, c) for idx, _, c in self._choices(finals)]
-        body = {**self._head("chat.completion"), "system_fingerprint": None, "choices": choices,
-                "usage": self._usage([out0])}
+        body = {
+            **self._head("chat.completion"),
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": self._usage([out0]),
+        }
         if self.body.return_token_ids:
             body["prompt_token_ids"] = out0.prompt_token_ids
         return body
@@ -229,9 +283,13 @@ class ChatFormatter(_Formatter):
         reason = c.finish_reason
         if self.tools is not None:
             reason = self.tools.finish_reason(reason, "tool_calls" in message)
-        choice = {"index": idx, "message": message,
-                  "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
-                  "finish_reason": reason, "stop_reason": c.stop_reason}
+        choice = {
+            "index": idx,
+            "message": message,
+            "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
+            "finish_reason": reason,
+            "stop_reason": c.stop_reason,
+        }
         return self._extras(choice, c, c.token_ids)
 
     def _message(self, c: CompletionOutput) -> dict:
@@ -250,11 +308,18 @@ class ChatFormatter(_Formatter):
             if not deltas and not (d.finished or self._token_level):
                 continue  # the tool-call parser holds the text back for now
             # a delta with several message pieces: all but the last go out on their own
-            chunks += [self._chunk([{"index": idx, "delta": delta, "logprobs": None,
-                                     "finish_reason": None}]) for delta in deltas[:-1]]
-            choice = {"index": idx, "delta": deltas[-1] if deltas else {},
-                      "logprobs": self._logprobs(d.token_ids, d.logprobs, d.top_logprobs),
-                      "finish_reason": self._stream_finish(i, c) if d.finished else None}
+            chunks += [
+                self._chunk(
+                    [{"index": idx, "delta": delta, "logprobs": None, "finish_reason": None}]
+                )
+                for delta in deltas[:-1]
+            ]
+            choice = {
+                "index": idx,
+                "delta": deltas[-1] if deltas else {},
+                "logprobs": self._logprobs(d.token_ids, d.logprobs, d.top_logprobs),
+                "finish_reason": self._stream_finish(i, c) if d.finished else None,
+            }
             if d.finished:
                 choice["stop_reason"] = c.stop_reason
             chunks.append(self._chunk([self._extras(choice, c, d.token_ids)]))
@@ -274,9 +339,17 @@ class ChatFormatter(_Formatter):
     def _role_chunk(self, out: RequestOutput) -> dict:
         """The first chunk names the role of every choice, as OpenAI's stream does."""
         self._saw([out])
-        chunk = self._chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}
-                             for j in range(self.params.n)])
+        chunk = self._chunk(
+            [
+                {
+                    "index": j,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for j in range(self.params.n)
+            ]
+        )
         if self.body.return_token_ids:
             chunk["prompt_token_ids"] = out.prompt_token_ids
         return chunk

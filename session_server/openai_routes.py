@@ -6,8 +6,7 @@ import dataclasses
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-
-from session_server.context import (
+from raylane.session_server.context import (
     backend_of,
     check_model,
     check_n,
@@ -15,20 +14,20 @@ from session_server.context import (
     routing_key,
     timeout_of,
 )
-from session_server.errors import bad_request
-from session_server.openai_format import ChatFormatter, CompletionFormatter, Echo
-from session_server.openapi import EVENT_STREAM, ok
-from session_server.prompts import completion_prompts, render_chat
-from session_server.response_schemas import ChatCompletion, Completion, ModelCard, ModelList
-from session_server.sampling import (
+from raylane.session_server.errors import bad_request
+from raylane.session_server.openai_format import ChatFormatter, CompletionFormatter, Echo
+from raylane.session_server.openapi import EVENT_STREAM, ok
+from raylane.session_server.prompts import completion_prompts, render_chat
+from raylane.session_server.response_schemas import ChatCompletion, Completion, ModelCard, ModelList
+from raylane.session_server.sampling import (
     chat_max_tokens,
     name_engine_errors,
     openai_params,
     resolve_max_tokens,
 )
-from session_server.schemas import ChatCompletionRequest, CompletionRequest
-from session_server.streaming import final_outputs, primed, sse_response, start
-from session_server.tool_calls.choice import tool_plan
+from raylane.session_server.schemas import ChatCompletionRequest, CompletionRequest
+from raylane.session_server.streaming import final_outputs, primed, sse_response, start
+from raylane.session_server.tool_calls.choice import tool_plan
 
 router = APIRouter()
 
@@ -47,10 +46,16 @@ async def retrieve_model(model_id: str, request: Request) -> dict:
 async def _model_card(request: Request) -> dict:
     backend = backend_of(request)
     info = backend.info
-    return {"id": info.name, "object": "model", "created": request.app.state.created,
-            "owned_by": "raylane", "root": info.name, "parent": None,
-            "max_model_len": info.max_model_len,
-            "weight_version": await backend.control.weight_version()}
+    return {
+        "id": info.name,
+        "object": "model",
+        "created": request.app.state.created,
+        "owned_by": "raylane",
+        "root": info.name,
+        "parent": None,
+        "max_model_len": info.max_model_len,
+        "weight_version": await backend.control.weight_version(),
+    }
 
 
 @router.post("/v1/completions", responses=ok(Completion, EVENT_STREAM))
@@ -69,10 +74,23 @@ async def completions(body: CompletionRequest, request: Request):
     name_engine_errors(request, body)
     if echo is not None and body.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-    formatter = CompletionFormatter(new_id("cmpl"), backend.info.name, body, params,
-                                    backend.tokenizer, body.logprobs or 0, echo=echo)
-    stream = start(backend, prompts, params, formatter.id, routing_key(request, body.user),
-                   timeout_of(request, body.timeout))
+    formatter = CompletionFormatter(
+        new_id("cmpl"),
+        backend.info.name,
+        body,
+        params,
+        backend.tokenizer,
+        body.logprobs or 0,
+        echo=echo,
+    )
+    stream = start(
+        backend,
+        prompts,
+        params,
+        formatter.id,
+        routing_key(request, body.user),
+        timeout_of(request, body.timeout),
+    )
     if body.stream:
         return sse_response(await primed(request, stream), formatter.chunks, formatter.tail)
     return JSONResponse(formatter.response(await final_outputs(request, stream, len(prompts))))
@@ -93,17 +111,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     name_engine_errors(request, body)
     if tools is not None:
         params = tools.constrain(params, request)
-    formatter = ChatFormatter(new_id("chatcmpl"), backend.info.name, body, params,
-                              backend.tokenizer, num_top, tools=tools)
-    stream = start(backend, [prompt], params, formatter.id, routing_key(request, body.user),
-                   timeout_of(request, body.timeout))
+    formatter = ChatFormatter(
+        new_id("chatcmpl"), backend.info.name, body, params, backend.tokenizer, num_top, tools=tools
+    )
+    stream = start(
+        backend,
+        [prompt],
+        params,
+        formatter.id,
+        routing_key(request, body.user),
+        timeout_of(request, body.timeout),
+    )
     if body.stream:
         return sse_response(await primed(request, stream), formatter.chunks, formatter.tail)
     return JSONResponse(formatter.response(await final_outputs(request, stream, 1)))
 
 
-def _echo(body: CompletionRequest, prompts: list[list[int]], tokenizer,
-          vocab_size: int) -> Echo | None:
+def _echo(
+    body: CompletionRequest, prompts: list[list[int]], tokenizer, vocab_size: int
+) -> Echo | None:
     """What `echo: true` puts before each completion: the prompt as sent (token ids decoded)."""
     if not body.echo:
         return None
@@ -114,8 +140,9 @@ def _echo(body: CompletionRequest, prompts: list[list[int]], tokenizer,
     else:  # ids are decoded before the engine checks them: a bad one must be a 400 here
         bad = [t for p in prompts for t in p if not 0 <= t < vocab_size]
         if bad:
-            raise bad_request(f"prompt: token ids must be in [0, {vocab_size}); got {bad[:5]}",
-                              "prompt")
+            raise bad_request(
+                f"prompt: token ids must be in [0, {vocab_size}); got {bad[:5]}", "prompt"
+            )
         texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
     return Echo(texts, prompt_only=body.max_tokens == 0)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from session_server.errors import bad_request
-from session_server.schemas import ChatMessage, ChatTemplateFields
+from raylane.session_server.errors import bad_request
+from raylane.session_server.schemas import ChatMessage, ChatTemplateFields
 
 
 def completion_prompts(prompt: str | list, tokenizer) -> list[list[int]]:
@@ -22,8 +22,9 @@ def completion_prompts(prompt: str | list, tokenizer) -> list[list[int]]:
     return [_non_empty(list(p), "prompt") for p in prompt]
 
 
-def generate_prompts(text: str | list[str] | None, input_ids: list | None,
-                     tokenizer) -> tuple[list[list[int]], bool]:
+def generate_prompts(
+    text: str | list[str] | None, input_ids: list | None, tokenizer
+) -> tuple[list[list[int]], bool]:
     """SGLang's `text` or `input_ids`; returns the prompts and whether the input was a batch."""
     if (text is None) == (input_ids is None):
         raise bad_request("give exactly one of 'text' and 'input_ids'", "input_ids")
@@ -50,11 +51,16 @@ def render_chat(tokenizer, body: ChatTemplateFields) -> list[int]:
 
 def chat_text(tokenizer, body: ChatTemplateFields) -> str:
     if body.add_generation_prompt and body.continue_final_message:
-        raise bad_request("add_generation_prompt and continue_final_message are exclusive",
-                          "continue_final_message")
+        raise bad_request(
+            "add_generation_prompt and continue_final_message are exclusive",
+            "continue_final_message",
+        )
     kwargs: dict[str, Any] = dict(body.chat_template_kwargs or {})
-    kwargs.update(add_generation_prompt=body.add_generation_prompt,
-                  continue_final_message=body.continue_final_message, tokenize=False)
+    kwargs.update(
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        tokenize=False,
+    )
     if body.tools is not None:
         kwargs["tools"] = body.tools
     messages = message_dicts(body.messages)
@@ -93,8 +99,9 @@ def _call_for_template(call: Any) -> Any:
 
 def _part_text(kind: str, text: str | None, i: int) -> str:
     if kind != "text" or text is None:
-        raise bad_request(f"messages[{i}].content: only text parts are supported, got {kind!r}",
-                          "messages")
+        raise bad_request(
+            f"messages[{i}].content: only text parts are supported, got {kind!r}", "messages"
+        )
     return text
 
 

@@ -2,44 +2,84 @@
 
 from __future__ import annotations
 
-from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from session_server.backend import ModelInfo
-from session_server.errors import bad_request
-from session_server.schemas import ChatCompletionRequest, OpenAISampling, SGLangSamplingParams
+from raylane.actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from raylane.session_server.backend import ModelInfo
+from raylane.session_server.errors import bad_request
+from raylane.session_server.schemas import (
+    ChatCompletionRequest,
+    OpenAISampling,
+    SGLangSamplingParams,
+)
 
 # engine field -> SGLang field, so a /generate error names what the client sent
-SGLANG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
-                "logprobs": "top_logprobs_num", "prompt": "input_ids",
-                "include_stop_str_in_output": "no_stop_trim",
-                "structured_outputs.json": "json_schema", "structured_outputs.regex": "regex",
-                "structured_outputs.grammar": "ebnf"}
+SGLANG_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "logprobs": "top_logprobs_num",
+    "prompt": "input_ids",
+    "include_stop_str_in_output": "no_stop_trim",
+    "structured_outputs.json": "json_schema",
+    "structured_outputs.regex": "regex",
+    "structured_outputs.grammar": "ebnf",
+}
 _SO_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 # SamplingParams fields both APIs carry (under SGLANG_NAMES' names in /generate)
-_SHARED = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-           "presence_penalty", "frequency_penalty", "min_tokens", "stop", "stop_token_ids",
-           "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+_SHARED = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
 # what an OpenAI field sent as null (or left out) means
-_OPENAI_NULLS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                 "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_OPENAI_NULLS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 
-def resolve_max_tokens(requested: int | None, prompts: list[list[int]], info: ModelInfo,
-                       field: str, prompt_field: str) -> int | None:
+def resolve_max_tokens(
+    requested: int | None, prompts: list[list[int]], info: ModelInfo, field: str, prompt_field: str
+) -> int | None:
     """The tokens to generate: what was asked if it fits the context, else a 400; the rest of
     the context when nothing was asked."""
     longest = max(len(p) for p in prompts)
     room = info.max_model_len - longest
     if room <= 0:
-        raise bad_request(f"{prompt_field}: {longest} tokens leave no room to generate within "
-                          f"the model's context of {info.max_model_len} tokens", prompt_field)
+        raise bad_request(
+            f"{prompt_field}: {longest} tokens leave no room to generate within "
+            f"the model's context of {info.max_model_len} tokens",
+            prompt_field,
+        )
     if requested is None:
         return room
     if requested > room:
-        raise bad_request(f"{field}: {requested} tokens requested, but the prompt uses {longest} "
-                          f"of the model's {info.max_model_len}-token context; at most {room} "
-                          f"can be generated", field)
+        raise bad_request(
+            f"{field}: {requested} tokens requested, but the prompt uses {longest} "
+            f"of the model's {info.max_model_len}-token context; at most {room} "
+            f"can be generated",
+            field,
+        )
     return requested
 
 
@@ -50,15 +90,21 @@ def chat_max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
     return body.max_tokens, "max_tokens"
 
 
-def openai_params(body: OpenAISampling, max_tokens: int | None,
-                  logprobs: int | None) -> SamplingParams:
+def openai_params(
+    body: OpenAISampling, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     fields = {name: _or(getattr(body, name), _OPENAI_NULLS.get(name)) for name in _SHARED}
     spec, _ = structured_outputs_of(body)
-    return SamplingParams(**fields, seed=body.seed, max_tokens=max_tokens, logprobs=logprobs,
-                          return_routed_experts=body.return_routed_experts,
-                          structured_outputs=spec)
+    return SamplingParams(
+        **fields,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        return_routed_experts=body.return_routed_experts,
+        structured_outputs=spec,
+    )
 
 
 def structured_outputs_of(body: OpenAISampling) -> tuple[StructuredOutputsParams | None, str]:
@@ -70,8 +116,9 @@ def structured_outputs_of(body: OpenAISampling) -> tuple[StructuredOutputsParams
         if spec is not None:
             found.append((spec, "response_format"))
     if body.structured_outputs is not None:
-        found.append((_spec(dict(body.structured_outputs), "structured_outputs"),
-                      "structured_outputs"))
+        found.append(
+            (_spec(dict(body.structured_outputs), "structured_outputs"), "structured_outputs")
+        )
     for name, kind in _GUIDED.items():
         if getattr(body, name) is not None:
             found.append((_spec({kind: getattr(body, name)}, name), name))
@@ -94,14 +141,19 @@ def _response_format(value: dict) -> StructuredOutputsParams | None:
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
     if kind != "json_schema":
-        raise bad_request(f"response_format.type must be 'text', 'json_object' or "
-                          f"'json_schema', got {kind!r}", "response_format")
+        raise bad_request(
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "response_format",
+        )
     wrapper = value.get("json_schema")
     schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
     if not isinstance(schema, dict):
-        raise bad_request("response_format.json_schema.schema must be a JSON schema object "
-                          "({'type': 'json_schema', 'json_schema': {'name': ..., 'schema': "
-                          "{...}}})", "response_format")
+        raise bad_request(
+            "response_format.json_schema.schema must be a JSON schema object "
+            "({'type': 'json_schema', 'json_schema': {'name': ..., 'schema': "
+            "{...}}})",
+            "response_format",
+        )
     # strict or not, the output follows the schema: constrained decoding has no looser mode
     return _spec({"json": schema}, "response_format")
 
@@ -109,32 +161,44 @@ def _response_format(value: dict) -> StructuredOutputsParams | None:
 def _spec(fields: dict, field: str) -> StructuredOutputsParams:
     unknown = sorted(set(fields) - {*_SO_KINDS, "whitespace_flexible"})
     if unknown:
-        raise bad_request(f"{field}: unknown keys {unknown}; use one of {list(_SO_KINDS)}",
-                          field)
+        raise bad_request(f"{field}: unknown keys {unknown}; use one of {list(_SO_KINDS)}", field)
     try:
         return StructuredOutputsParams(**fields)
     except (ValueError, TypeError) as e:
         raise bad_request(f"{field}: {str(e).removeprefix('SamplingParams.')}", field) from None
 
 
-def sglang_params(sp: SGLangSamplingParams, max_tokens: int | None, logprobs: int | None,
-                  return_routed_experts: bool) -> SamplingParams:
+def sglang_params(
+    sp: SGLangSamplingParams,
+    max_tokens: int | None,
+    logprobs: int | None,
+    return_routed_experts: bool,
+) -> SamplingParams:
     fields = {name: getattr(sp, SGLANG_NAMES.get(name, name)) for name in _SHARED}
     seed = sp.seed if sp.seed is not None else sp.sampling_seed
-    return SamplingParams(**fields, seed=seed, max_tokens=max_tokens, logprobs=logprobs,
-                          return_routed_experts=return_routed_experts,
-                          max_weight_lag=sp.max_weight_lag, return_kept_mass=sp.return_kept_mass,
-                          structured_outputs=_sglang_spec(sp))
+    return SamplingParams(
+        **fields,
+        seed=seed,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        return_routed_experts=return_routed_experts,
+        max_weight_lag=sp.max_weight_lag,
+        return_kept_mass=sp.return_kept_mass,
+        structured_outputs=_sglang_spec(sp),
+    )
 
 
 def _sglang_spec(sp: SGLangSamplingParams) -> StructuredOutputsParams | None:
-    given = {name: value for name, value in (("json_schema", sp.json_schema), ("regex", sp.regex),
-                                             ("ebnf", sp.ebnf)) if value is not None}
+    given = {
+        name: value
+        for name, value in (("json_schema", sp.json_schema), ("regex", sp.regex), ("ebnf", sp.ebnf))
+        if value is not None
+    }
     if len(given) > 1:
         raise bad_request(f"give one of {sorted(given)}, not several", sorted(given)[1])
     if not given:
         return None
-    (name, value), = given.items()
+    ((name, value),) = given.items()
     kind = {"json_schema": "json", "ebnf": "grammar"}.get(name, name)
     return _spec({kind: value}, name)
 

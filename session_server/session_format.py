@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.engine.outputs import CompletionOutput, RequestOutput
-from router.messages import Message
-from router.sessions import TurnResult
-from session_server.openai_format import ChatFormatter
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.router.messages import Message
+from raylane.router.sessions import TurnResult
+from raylane.session_server.openai_format import ChatFormatter
 
 
 @dataclass
@@ -29,13 +29,25 @@ class SessionChatFormatter(ChatFormatter):
         ids = list(out.token_ids)
         asked = self.body.logprobs
         choice = CompletionOutput(
-            0, out.text, ids, logprobs=list(out.logprobs) if asked else None,
+            0,
+            out.text,
+            ids,
+            logprobs=list(out.logprobs) if asked else None,
             top_logprobs=[{}] * len(ids) if asked else None,  # top-n is refused on this route
-            finish_reason=out.finish_reason)
+            finish_reason=out.finish_reason,
+        )
         if result.message is not None:
             self.reply = result.message
-        return TurnView(self.id, None, [], [choice], out.finished, 0, result.weight_version,
-                        prompt_len=result.prompt_len)
+        return TurnView(
+            self.id,
+            None,
+            [],
+            [choice],
+            out.finished,
+            0,
+            result.weight_version,
+            prompt_len=result.prompt_len,
+        )
 
     def _message(self, c: CompletionOutput) -> dict:
         return dict(self.reply) if self.reply is not None else super()._message(c)
@@ -43,8 +55,11 @@ class SessionChatFormatter(ChatFormatter):
     def _usage(self, finals: list[RequestOutput]) -> dict:
         prompt = sum(o.prompt_len for o in finals)
         completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     def response(self, finals: dict[int, RequestOutput]) -> dict:
         body = super().response(finals)

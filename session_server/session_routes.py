@@ -18,26 +18,29 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
-
-from router.sessions import TurnResult
-from session_server.backend import SessionBackend
-from session_server.context import backend_of, check_model, new_id, timeout_of
-from session_server.errors import bad_request, from_exception
-from session_server.formatting import finite
-from session_server.openai_routes import check_chat
-from session_server.openapi import BINARY, EVENT_STREAM, ok
-from session_server.prompts import message_dicts
-from session_server.response_schemas import (
+from raylane.router.sessions import TurnResult
+from raylane.session_server.backend import SessionBackend
+from raylane.session_server.context import backend_of, check_model, new_id, timeout_of
+from raylane.session_server.errors import bad_request, from_exception
+from raylane.session_server.formatting import finite
+from raylane.session_server.openai_routes import check_chat
+from raylane.session_server.openapi import BINARY, EVENT_STREAM, ok
+from raylane.session_server.prompts import message_dicts
+from raylane.session_server.response_schemas import (
     ChatCompletion,
     SessionCreated,
     SessionDeleted,
     SessionDescription,
     TrainingSample,
 )
-from session_server.sampling import chat_max_tokens, openai_params
-from session_server.schemas import ChatCompletionRequest, CreateSessionRequest, SessionSampleRequest
-from session_server.session_format import SessionChatFormatter
-from session_server.streaming import Indexed, final_outputs, primed, sse_response
+from raylane.session_server.sampling import chat_max_tokens, openai_params
+from raylane.session_server.schemas import (
+    ChatCompletionRequest,
+    CreateSessionRequest,
+    SessionSampleRequest,
+)
+from raylane.session_server.session_format import SessionChatFormatter
+from raylane.session_server.streaming import Indexed, final_outputs, primed, sse_response
 
 router = APIRouter(prefix="/sessions")
 SAFETENSORS_TYPES = ("application/safetensors", "application/octet-stream")
@@ -49,8 +52,7 @@ def sessions_of(request: Request) -> SessionBackend:
 
 
 @router.post("", response_model=None, responses=ok(SessionCreated))
-async def create_session(request: Request,
-                         body: CreateSessionRequest | None = Body(None)) -> dict:
+async def create_session(request: Request, body: CreateSessionRequest | None = Body(None)) -> dict:
     session_id = await sessions_of(request).create(body.metadata if body else None)
     return {"session_id": session_id}
 
@@ -85,22 +87,29 @@ async def session_chat(session_id: str, body: ChatCompletionRequest, request: Re
     asked, field = _check_session_chat(body, backend.info.max_model_len)
     body = body.model_copy(update={"return_routed_experts": False})  # the record keeps them
     params = openai_params(body, asked, 0 if body.logprobs else None)
-    formatter = SessionChatFormatter(new_id("chatcmpl"), backend.info.name, body, params,
-                                     backend.tokenizer, 0)
-    turn = backend.sessions.chat_stream(session_id, message_dicts(body.messages), params,
-                                        tools=body.tools,
-                                        chat_template_kwargs=body.chat_template_kwargs,
-                                        timeout_s=timeout_of(request, body.timeout))
+    formatter = SessionChatFormatter(
+        new_id("chatcmpl"), backend.info.name, body, params, backend.tokenizer, 0
+    )
+    turn = backend.sessions.chat_stream(
+        session_id,
+        message_dicts(body.messages),
+        params,
+        tools=body.tools,
+        chat_template_kwargs=body.chat_template_kwargs,
+        timeout_s=timeout_of(request, body.timeout),
+    )
     stream = _views(turn, formatter, {"prompt": "messages", "max_tokens": field})
     if body.stream:
         return sse_response(await primed(request, stream), formatter.chunks, formatter.tail)
     return JSONResponse(formatter.response(await final_outputs(request, stream, 1)))
 
 
-@router.post("/{session_id}/samples",
-             responses=ok(TrainingSample, dict.fromkeys(SAFETENSORS_TYPES, BINARY)))
-async def session_sample(session_id: str, request: Request,
-                         body: SessionSampleRequest | None = Body(None)) -> Response:
+@router.post(
+    "/{session_id}/samples", responses=ok(TrainingSample, dict.fromkeys(SAFETENSORS_TYPES, BINARY))
+)
+async def session_sample(
+    session_id: str, request: Request, body: SessionSampleRequest | None = Body(None)
+) -> Response:
     sample = await sessions_of(request).sample(session_id, body.max_seq_len if body else None)
     kind = safetensors_type(request.headers.get("accept", ""))
     if kind is not None:
@@ -123,21 +132,30 @@ def safetensors_type(accept: str) -> str | None:
 
 def _check_session_chat(body: ChatCompletionRequest, max_model_len: int) -> tuple[int | None, str]:
     if body.continue_final_message or not body.add_generation_prompt:
-        raise bad_request("a session turn always ends with the model's reply: "
-                          "add_generation_prompt must be true and continue_final_message false",
-                          "add_generation_prompt")
+        raise bad_request(
+            "a session turn always ends with the model's reply: "
+            "add_generation_prompt must be true and continue_final_message false",
+            "add_generation_prompt",
+        )
     if body.top_logprobs:
-        raise bad_request("top_logprobs is not supported on session routes; logprobs=true gives "
-                          "each generated token's logprob", "top_logprobs")
+        raise bad_request(
+            "top_logprobs is not supported on session routes; logprobs=true gives "
+            "each generated token's logprob",
+            "top_logprobs",
+        )
     asked, field = chat_max_tokens(body)
     if asked is not None and asked >= max_model_len:
-        raise bad_request(f"{field}: {asked} tokens leave no room for a prompt in the model's "
-                          f"{max_model_len}-token context", field)
+        raise bad_request(
+            f"{field}: {asked} tokens leave no room for a prompt in the model's "
+            f"{max_model_len}-token context",
+            field,
+        )
     return asked, field
 
 
-async def _views(turn: AsyncIterator[TurnResult], formatter: SessionChatFormatter,
-                 param_names: dict[str, str]) -> AsyncIterator[Indexed]:
+async def _views(
+    turn: AsyncIterator[TurnResult], formatter: SessionChatFormatter, param_names: dict[str, str]
+) -> AsyncIterator[Indexed]:
     """The turn as the chat formatter's (prompt index, output) stream; engine errors name the
     request's fields."""
     async with aclosing(turn):

@@ -16,21 +16,25 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-
-from actors.engine.outputs import CompletionOutput, RequestOutput, aborted
-from actors.engine.sampling_params import SamplingParams
-from router.errors import ReplicaFailed
-from session_server.backend import EngineBackend
-from session_server.errors import ClientGone, error_body, from_exception
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput, aborted
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.errors import ReplicaFailed
+from raylane.session_server.backend import EngineBackend
+from raylane.session_server.errors import ClientGone, error_body, from_exception
 
 T = TypeVar("T")
 Indexed = tuple[int, RequestOutput]  # (prompt index, cumulative output)
 DONE = "data: [DONE]\n\n"
 
 
-def start(backend: EngineBackend, prompts: list[list[int]], params: SamplingParams,
-          request_id: str, routing_key: str | None,
-          timeout_s: float | None = None) -> AsyncIterator[Indexed]:
+def start(
+    backend: EngineBackend,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    request_id: str,
+    routing_key: str | None,
+    timeout_s: float | None = None,
+) -> AsyncIterator[Indexed]:
     """One backend request per prompt (ids `<request_id>-<i>` when several), merged. Past
     `timeout_s` the requests still running end with their partial outputs, finish reason
     "abort" (and are aborted on the engine)."""
@@ -40,8 +44,13 @@ def start(backend: EngineBackend, prompts: list[list[int]], params: SamplingPara
     return _with_deadline(merged, prompts, params, request_id, timeout_s)
 
 
-def _start(backend: EngineBackend, prompts: list[list[int]], params: SamplingParams,
-           request_id: str, routing_key: str | None) -> AsyncIterator[Indexed]:
+def _start(
+    backend: EngineBackend,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    request_id: str,
+    routing_key: str | None,
+) -> AsyncIterator[Indexed]:
     if len(prompts) == 1:
         return _single(backend.generate(prompts[0], params, request_id, routing_key))
     iterators = []
@@ -55,9 +64,13 @@ def _start(backend: EngineBackend, prompts: list[list[int]], params: SamplingPar
     return _merge(iterators)
 
 
-async def _with_deadline(stream: AsyncIterator[Indexed], prompts: list[list[int]],
-                         params: SamplingParams, request_id: str,
-                         timeout_s: float) -> AsyncIterator[Indexed]:
+async def _with_deadline(
+    stream: AsyncIterator[Indexed],
+    prompts: list[list[int]],
+    params: SamplingParams,
+    request_id: str,
+    timeout_s: float,
+) -> AsyncIterator[Indexed]:
     last: dict[int, RequestOutput] = {}
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -78,13 +91,15 @@ async def _with_deadline(stream: AsyncIterator[Indexed], prompts: list[list[int]
             yield i, _ended_at_deadline(last.get(i), prompt, params, rid)
 
 
-def _ended_at_deadline(out: RequestOutput | None, prompt: list[int], params: SamplingParams,
-                       request_id: str) -> RequestOutput:
+def _ended_at_deadline(
+    out: RequestOutput | None, prompt: list[int], params: SamplingParams, request_id: str
+) -> RequestOutput:
     """The partial output as final, every unfinished sample's finish reason "abort"."""
     if out is None:  # nothing came back yet: empty samples
         asked = [] if params.logprobs is not None else None
-        empty = [CompletionOutput(k, "", [], logprobs=asked, top_logprobs=asked)
-                 for k in range(params.n)]
+        empty = [
+            CompletionOutput(k, "", [], logprobs=asked, top_logprobs=asked) for k in range(params.n)
+        ]
         out = RequestOutput(request_id, None, list(prompt), empty, False)
     return aborted(out)
 
@@ -153,8 +168,9 @@ async def _disconnected(request: Request) -> None:
         await asyncio.sleep(0.1)
 
 
-async def final_outputs(request: Request, stream: AsyncIterator[Indexed],
-                        num_prompts: int) -> dict[int, RequestOutput]:
+async def final_outputs(
+    request: Request, stream: AsyncIterator[Indexed], num_prompts: int
+) -> dict[int, RequestOutput]:
     """Run every prompt to completion; the last output of each, by prompt index."""
 
     async def collect() -> dict[int, RequestOutput]:
@@ -192,8 +208,11 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-def sse_response(stream: AsyncIterator[Indexed], chunks: Callable[[int, RequestOutput], list[dict]],
-                 tail: Callable[[], list[dict]]) -> StreamingResponse:
+def sse_response(
+    stream: AsyncIterator[Indexed],
+    chunks: Callable[[int, RequestOutput], list[dict]],
+    tail: Callable[[], list[dict]],
+) -> StreamingResponse:
     """`chunks(i, out)` turns each output into events, `tail()` adds the last ones (usage);
     an error mid-stream becomes an error event; the stream always ends with `[DONE]`."""
 
@@ -210,8 +229,11 @@ def sse_response(stream: AsyncIterator[Indexed], chunks: Callable[[int, RequestO
                 yield sse(error_body(err.status, err.message, err.param, err.code, err.type))
         yield DONE
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 @dataclass
@@ -243,10 +265,15 @@ class ChoiceCursor:
         if end <= start and len(c.token_ids) <= n0 and not c.finished:
             return None
         self.sent_chars, self.sent_tokens, self.done = max(end, start), len(c.token_ids), c.finished
-        return Delta(c.text[start:end], c.token_ids[n0:],
-                     c.logprobs[n0:] if c.logprobs is not None else None,
-                     c.top_logprobs[n0:] if c.top_logprobs is not None else None,
-                     start, c.finished, first=start == 0 and n0 == 0)
+        return Delta(
+            c.text[start:end],
+            c.token_ids[n0:],
+            c.logprobs[n0:] if c.logprobs is not None else None,
+            c.top_logprobs[n0:] if c.top_logprobs is not None else None,
+            start,
+            c.finished,
+            first=start == 0 and n0 == 0,
+        )
 
 
 def hold_for(params: SamplingParams) -> int:

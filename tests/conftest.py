@@ -39,6 +39,6 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """The embedded default model's HF directory (converted once, then cached)."""
-    from cluster.models import default_model_path
+    from raylane.models import default_model_path
 
     return default_model_path()

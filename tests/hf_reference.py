@@ -20,14 +20,21 @@ def hf_greedy(model_dir: str, prompt: list[int], max_new: int) -> tuple[list[int
     model = hf_model(model_dir)
     # eos_token_id=None: never stop early, like ignore_eos (min_new_tokens would instead mask
     # EOS out of the logits and change the greedy choice)
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                         dtype=torch.long), do_sample=False, max_new_tokens=max_new,
-                         eos_token_id=None, output_logits=True, return_dict_in_generate=True,
-                         pad_token_id=0)
-    ids = out.sequences[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    ids = out.sequences[0, len(prompt) :].tolist()
     assert len(ids) == max_new, "the reference stopped early"
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
-                for step, t in zip(out.logits, ids)]
+    logprobs = [
+        torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, ids)
+    ]
     return ids, logprobs
 
 
@@ -57,8 +64,12 @@ def hf_router_topk(model_dir: str, token_ids: list[int]) -> torch.Tensor:
     return torch.stack([p.reshape(len(token_ids), top_k) for p in picks], dim=1)
 
 
-def perturbed_model(model_dir: str, out_dir: str, seed: int, scale: float = 0.05,
-                    ) -> tuple[str, list[tuple[str, torch.Tensor]]]:
+def perturbed_model(
+    model_dir: str,
+    out_dir: str,
+    seed: int,
+    scale: float = 0.05,
+) -> tuple[str, list[tuple[str, torch.Tensor]]]:
     """The model's weights plus seeded Gaussian noise, saved as their own HF model in `out_dir`
     (for reference runs) and returned as named HF tensors (what a trainer sends):
     (out_dir, [(name, tensor)])."""

@@ -54,9 +54,12 @@ def _tokenizer_json() -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_CORPUS * 4, trainer)
     return tok.to_str()
 
@@ -67,24 +70,41 @@ def make_tokenizer() -> Any:
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json()), eos_token="<|im_end|>",
-        bos_token="<|im_start|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
         chat_template=CHAT_TEMPLATE,
     )
 
 
 def _common(tokenizer: Any) -> dict[str, Any]:
     return {
-        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 1024, "initializer_range": 0.3, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "initializer_range": 0.3,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
     }
 
 
-def _save(path: str | os.PathLike, config_cls: Any, model_cls: Any, seed: int,
-          overrides: dict[str, Any], **defaults: Any) -> str:
+def _save(
+    path: str | os.PathLike,
+    config_cls: Any,
+    model_cls: Any,
+    seed: int,
+    overrides: dict[str, Any],
+    **defaults: Any,
+) -> str:
     tokenizer = make_tokenizer()
     config = config_cls(**{**_common(tokenizer), **defaults, **overrides})
     with torch.random.fork_rng():
@@ -115,8 +135,16 @@ def make_qwen3(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
     """Qwen3 (q/k norm) with head_dim 32 != hidden / heads, 3 layers."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    return _save(path, Qwen3Config, Qwen3ForCausalLM, seed, overrides, head_dim=32,
-                 num_hidden_layers=3, use_sliding_window=False)
+    return _save(
+        path,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        seed,
+        overrides,
+        head_dim=32,
+        num_hidden_layers=3,
+        use_sliding_window=False,
+    )
 
 
 def make_qwen3_moe(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
@@ -124,18 +152,38 @@ def make_qwen3_moe(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> 
     Override `decoder_sparse_step=2, mlp_only_layers=[]` for the same mix by sparse step."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    return _save(path, Qwen3MoeConfig, Qwen3MoeForCausalLM, seed, overrides,
-                 num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
-                 moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0, 2],
-                 norm_topk_prob=True, head_dim=16, use_sliding_window=False)
+    return _save(
+        path,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        seed,
+        overrides,
+        num_hidden_layers=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0, 2],
+        norm_topk_prob=True,
+        head_dim=16,
+        use_sliding_window=False,
+    )
 
 
 def make_mixtral(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
     """Mixtral, 4 experts top-2 on both layers (expert intermediate size 32)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return _save(path, MixtralConfig, MixtralForCausalLM, seed, overrides, intermediate_size=32,
-                 num_local_experts=4, num_experts_per_tok=2)
+    return _save(
+        path,
+        MixtralConfig,
+        MixtralForCausalLM,
+        seed,
+        overrides,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
 
 
 def attach_kv_cache(model: Any, num_slots: int) -> None:
@@ -147,16 +195,18 @@ def attach_kv_cache(model: Any, num_slots: int) -> None:
         layer.v_cache = torch.zeros(shape, dtype=dtype)
 
 
-def run_prefill(model: Any, token_ids: list[int], start: int = 0,
-                block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor | None]:
+def run_prefill(
+    model: Any, token_ids: list[int], start: int = 0, block_size: int = 16
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run tokens[start:] of one sequence as one prefill chunk whose first `start` tokens are
     already in the cache (blocks 0, 1, ... in order). Returns (logits [T, V], routed or None)."""
-    from kernels.attention.builder import SeqSlice, build_metadata
+    from raylane.kernels.attention.builder import SeqSlice, build_metadata
 
     n = len(token_ids)
     table = list(range(-(-n // block_size)))
-    meta = build_metadata([SeqSlice(num_new=n - start, context_len=n, block_table=table)], [],
-                          block_size)
+    meta = build_metadata(
+        [SeqSlice(num_new=n - start, context_len=n, block_table=table)], [], block_size
+    )
     ids = torch.tensor(token_ids[start:], dtype=torch.long)
     positions = torch.arange(start, n, dtype=torch.long)
     with torch.no_grad():

@@ -11,8 +11,19 @@ from .perf import BatchPerf, ConsolidationResult
 from .store import MemoryStore
 
 __all__ = [
-    "LLM", "BankBusy", "BatchPerf", "CallFailed", "CommitConflict", "ConsolidationConfig",
-    "ConsolidationError", "ConsolidationMetrics", "ConsolidationResult",
-    "ConsolidationServiceConfig", "Consolidator",
-    "EngineLLM", "InvalidAnswer", "MemoryStore", "OpenAICompatibleLLM",
+    "LLM",
+    "BankBusy",
+    "BatchPerf",
+    "CallFailed",
+    "CommitConflict",
+    "ConsolidationConfig",
+    "ConsolidationError",
+    "ConsolidationMetrics",
+    "ConsolidationResult",
+    "ConsolidationServiceConfig",
+    "Consolidator",
+    "EngineLLM",
+    "InvalidAnswer",
+    "MemoryStore",
+    "OpenAICompatibleLLM",
 ]

@@ -38,9 +38,15 @@ class ConsolidationActor:
     the constructor, so an actor Ray restarts resumes its passes.
     """
 
-    def __init__(self, dsn: str, llm_factory: Callable[[], LLM],
-                 config: ConsolidationConfig | None = None, *, every_s: float | None = None,
-                 banks: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        llm_factory: Callable[[], LLM],
+        config: ConsolidationConfig | None = None,
+        *,
+        every_s: float | None = None,
+        banks: Sequence[str] | None = None,
+    ) -> None:
         self._dsn = dsn
         self._llm_factory = llm_factory
         self._config = config or ConsolidationConfig()
@@ -49,8 +55,8 @@ class ConsolidationActor:
         self._metrics = ConsolidationMetrics(self._registry)
         self._consolidator: Consolidator | None = None
         self._connecting = asyncio.Lock()
-        self._running: dict[str, str] = {}           # bank id -> op id
-        self._tasks: dict[str, asyncio.Task] = {}     # op id -> background run
+        self._running: dict[str, str] = {}  # bank id -> op id
+        self._tasks: dict[str, asyncio.Task] = {}  # op id -> background run
         self._schedules: dict[str, asyncio.Task] = {}  # bank id -> periodic submitter
         self._passes = None if every_s is None else self._start_passes(banks, every_s)
 
@@ -133,8 +139,9 @@ class ConsolidationActor:
         async with self._connecting:
             if self._consolidator is None:
                 store = await MemoryStore.connect(self._dsn)
-                self._consolidator = Consolidator(store, self._llm_factory(), self._config,
-                                                  metrics=self._metrics)
+                self._consolidator = Consolidator(
+                    store, self._llm_factory(), self._config, metrics=self._metrics
+                )
         return self._consolidator
 
     async def _run(self, consolidator: Consolidator, bank_id: str, op_id: str) -> None:
@@ -159,7 +166,8 @@ class ConsolidationActor:
             raise ValueError(f"every_s must be positive, got {every_s}")
         # NOTE: Ray runs an async actor's constructor on the actor's event loop
         return asyncio.get_running_loop().create_task(
-            self._pass_every(None if banks is None else list(banks), every_s))
+            self._pass_every(None if banks is None else list(banks), every_s)
+        )
 
     async def _pass_every(self, banks: list[str] | None, every_s: float) -> None:
         while True:

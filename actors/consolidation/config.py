@@ -49,17 +49,30 @@ class ConsolidationServiceConfig:
     limits: ConsolidationConfig = field(default_factory=ConsolidationConfig)
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.dsn, str) and self.dsn != "", "dsn", "a non-empty string",
-               self.dsn)
+        _check(isinstance(self.dsn, str) and self.dsn != "", "dsn", "a non-empty string", self.dsn)
         if self.banks is not None:
             object.__setattr__(self, "banks", _bank_ids(self.banks))
         number = isinstance(self.interval_s, (int, float)) and not isinstance(self.interval_s, bool)
-        _check(number and self.interval_s > 0, "interval_s", "a positive number of seconds",
-               self.interval_s)
-        _check(self.model is None or (isinstance(self.model, str) and self.model != ""),
-               "model", "a non-empty string", self.model)
-        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
-               and self.max_tokens >= 1, "max_tokens", "a positive integer", self.max_tokens)
+        _check(
+            number and self.interval_s > 0,
+            "interval_s",
+            "a positive number of seconds",
+            self.interval_s,
+        )
+        _check(
+            self.model is None or (isinstance(self.model, str) and self.model != ""),
+            "model",
+            "a non-empty string",
+            self.model,
+        )
+        _check(
+            isinstance(self.max_tokens, int)
+            and not isinstance(self.max_tokens, bool)
+            and self.max_tokens >= 1,
+            "max_tokens",
+            "a positive integer",
+            self.max_tokens,
+        )
 
     @classmethod
     def from_dict(cls, data: dict, *, default_dsn: str | None = None) -> ConsolidationServiceConfig:
@@ -67,19 +80,24 @@ class ConsolidationServiceConfig:
         side by side; `banks: all` (or no `banks`) means every bank; a missing `dsn` is
         `default_dsn`. Unknown keys raise `ValueError` naming them."""
         if not isinstance(data, dict):
-            raise ValueError(f"consolidation: must be a mapping of options, got "
-                             f"{type(data).__name__}")
+            raise ValueError(
+                f"consolidation: must be a mapping of options, got {type(data).__name__}"
+            )
         own = {f.name for f in fields(cls)} - {"limits"}
         limit_names = {f.name for f in fields(ConsolidationConfig)}
         unknown = set(data) - own - limit_names
         if unknown:
-            raise ValueError(f"consolidation: unknown option(s) {sorted(unknown)}; known: "
-                             f"{sorted(own | limit_names)}")
+            raise ValueError(
+                f"consolidation: unknown option(s) {sorted(unknown)}; known: "
+                f"{sorted(own | limit_names)}"
+            )
         options = {k: v for k, v in data.items() if k in own}
         options.setdefault("dsn", default_dsn)
         if options["dsn"] is None:
-            raise ValueError("consolidation.dsn is required (the PostgreSQL DSN of the memory "
-                             "banks; or set RAYLANE_CONSOLIDATION_DSN)")
+            raise ValueError(
+                "consolidation.dsn is required (the PostgreSQL DSN of the memory "
+                "banks; or set RAYLANE_CONSOLIDATION_DSN)"
+            )
         if options.get("banks") == BANKS_ALL:
             options["banks"] = None
         try:
@@ -91,11 +109,14 @@ class ConsolidationServiceConfig:
 
 def _bank_ids(banks: object) -> tuple[str, ...]:
     if isinstance(banks, str) or not isinstance(banks, (list, tuple)):
-        raise ValueError(f"consolidation.banks must be a list of bank ids or {BANKS_ALL!r}, "
-                         f"got {banks!r}")
+        raise ValueError(
+            f"consolidation.banks must be a list of bank ids or {BANKS_ALL!r}, got {banks!r}"
+        )
     if not banks or not all(isinstance(b, str) and b for b in banks):
-        raise ValueError(f"consolidation.banks must list non-empty bank ids (or be "
-                         f"{BANKS_ALL!r}), got {list(banks)!r}")
+        raise ValueError(
+            f"consolidation.banks must list non-empty bank ids (or be "
+            f"{BANKS_ALL!r}), got {list(banks)!r}"
+        )
     return tuple(dict.fromkeys(banks))  # each bank once, in the order given
 
 

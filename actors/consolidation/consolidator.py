@@ -51,8 +51,14 @@ class Consolidator:
     one after another, each reading the scope's observations fresh. Every batch commits alone.
     """
 
-    def __init__(self, store: MemoryStore, llm: LLM, config: ConsolidationConfig | None = None,
-                 *, metrics: ConsolidationMetrics | None = None) -> None:
+    def __init__(
+        self,
+        store: MemoryStore,
+        llm: LLM,
+        config: ConsolidationConfig | None = None,
+        *,
+        metrics: ConsolidationMetrics | None = None,
+    ) -> None:
         self.store = store
         self.llm = llm
         self.config = config or ConsolidationConfig()
@@ -105,13 +111,23 @@ class Consolidator:
             groups = group_by_tags(memories)
             snapshots = await self.store.snapshots(state.bank_id, list(groups), state.op_id)
             limit = asyncio.Semaphore(self.config.max_parallel_groups)
-            await asyncio.gather(*(self._group(state, limit, tags, group, snapshots[tags])
-                                   for tags, group in groups.items()))
+            await asyncio.gather(
+                *(
+                    self._group(state, limit, tags, group, snapshots[tags])
+                    for tags, group in groups.items()
+                )
+            )
             if state.error is not None:
                 raise state.error
 
-    async def _group(self, state: _RunState, limit: asyncio.Semaphore, tags: Tags,
-                     memories: list[Memory], snapshot: ScopeSnapshot) -> None:
+    async def _group(
+        self,
+        state: _RunState,
+        limit: asyncio.Semaphore,
+        tags: Tags,
+        memories: list[Memory],
+        snapshot: ScopeSnapshot,
+    ) -> None:
         async with limit:
             scope = self.store.scope(state.bank_id, tags, state.op_id)
             try:
@@ -124,8 +140,9 @@ class Consolidator:
                 # Other groups finish their in-flight batch, then stop at their next check.
                 state.fail(exc)
 
-    async def _batch(self, state: _RunState, scope: TagScope, memories: Sequence[Memory],
-                     snapshot: ScopeSnapshot) -> tuple[BatchPerf, ScopeSnapshot]:
+    async def _batch(
+        self, state: _RunState, scope: TagScope, memories: Sequence[Memory], snapshot: ScopeSnapshot
+    ) -> tuple[BatchPerf, ScopeSnapshot]:
         """Consolidate one batch; `snapshot` is the scope as the previous statement left it,
         and the scope as this batch leaves it is returned for the next."""
         perf = BatchPerf(tags=scope.tags, memories=len(memories))
@@ -136,8 +153,14 @@ class Consolidator:
         self.metrics.record_batch(perf)
         return perf, snapshot
 
-    async def _attempt(self, state: _RunState, scope: TagScope, memories: Sequence[Memory],
-                       snapshot: ScopeSnapshot, perf: BatchPerf) -> ScopeSnapshot:
+    async def _attempt(
+        self,
+        state: _RunState,
+        scope: TagScope,
+        memories: Sequence[Memory],
+        snapshot: ScopeSnapshot,
+        perf: BatchPerf,
+    ) -> ScopeSnapshot:
         """One LLM call for `memories` and its commit; on a failed call, split and retry.
 
         Returns the scope's snapshot after the last statement, for the next call.
@@ -157,8 +180,15 @@ class Consolidator:
         perf.skipped += sum(len(a.memory_ids) for a in actions if a.kind == "skip")
         return commit.snapshot
 
-    async def _split(self, state: _RunState, scope: TagScope, memories: Sequence[Memory],
-                     snapshot: ScopeSnapshot, perf: BatchPerf, exc: CallFailed) -> ScopeSnapshot:
+    async def _split(
+        self,
+        state: _RunState,
+        scope: TagScope,
+        memories: Sequence[Memory],
+        snapshot: ScopeSnapshot,
+        perf: BatchPerf,
+        exc: CallFailed,
+    ) -> ScopeSnapshot:
         if len(memories) == 1:
             log.warning("memory %s failed consolidation: %s", memories[0].id, exc)
             perf.failed += 1
@@ -167,8 +197,9 @@ class Consolidator:
         snapshot = await self._attempt(state, scope, memories[:half], snapshot, perf)
         return await self._attempt(state, scope, memories[half:], snapshot, perf)
 
-    async def _ask(self, memories: Sequence[Memory], observations: list[ObservationView],
-                   perf: BatchPerf) -> list[Action]:
+    async def _ask(
+        self, memories: Sequence[Memory], observations: list[ObservationView], perf: BatchPerf
+    ) -> list[Action]:
         messages = build_messages(memories, observations)
         response_format = answer_format([m.id for m in memories], [o.id for o in observations])
         perf.llm_calls += 1
@@ -188,12 +219,19 @@ class Consolidator:
         finally:
             perf.db_seconds += time.perf_counter() - started
 
-    async def _finish(self, state: _RunState, status: str,
-                      error: str | None = None) -> ConsolidationResult:
-        result = ConsolidationResult(state.op_id, state.bank_id, status,
-                                     time.perf_counter() - state.started, tuple(state.batches))
-        await self.store.operations.finish(state.op_id, status, result.stats(),
-                                           [b.to_dict() for b in result.batches], error)
+    async def _finish(
+        self, state: _RunState, status: str, error: str | None = None
+    ) -> ConsolidationResult:
+        result = ConsolidationResult(
+            state.op_id,
+            state.bank_id,
+            status,
+            time.perf_counter() - state.started,
+            tuple(state.batches),
+        )
+        await self.store.operations.finish(
+            state.op_id, status, result.stats(), [b.to_dict() for b in result.batches], error
+        )
         self.metrics.record_run(status)
         return result
 

@@ -56,8 +56,14 @@ def default_answer(request: dict[str, Any]) -> dict[str, Any]:
         observations = request["observations"]
         if observations:
             first = observations[0]
-            actions.append({"action": "update", "observation_id": first["id"],
-                            "memory_ids": ids, "text": f"{first['text']}; {text}"})
+            actions.append(
+                {
+                    "action": "update",
+                    "observation_id": first["id"],
+                    "memory_ids": ids,
+                    "text": f"{first['text']}; {text}",
+                }
+            )
         else:
             actions.append({"action": "create", "memory_ids": ids, "text": text})
     return {"actions": actions}
@@ -71,18 +77,19 @@ class FakeLLM:
     in_flight: int = 0
     max_in_flight: int = 0
 
-    async def complete(self, messages: list[dict], *,
-                       response_format: dict | None = None) -> str:
-        call = FakeCall(read_request(messages), started=time.monotonic(),
-                        response_format=response_format)
+    async def complete(self, messages: list[dict], *, response_format: dict | None = None) -> str:
+        call = FakeCall(
+            read_request(messages), started=time.monotonic(), response_format=response_format
+        )
         self.calls.append(call)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             await asyncio.sleep(self.latency)
             scripted = self.behaviour(call.request) if self.behaviour else None
-            call.answer = scripted if scripted is not None else json.dumps(
-                default_answer(call.request))
+            call.answer = (
+                scripted if scripted is not None else json.dumps(default_answer(call.request))
+            )
             return call.answer
         except Exception as exc:
             call.error = repr(exc)

@@ -20,4 +20,4 @@ def group_by_tags(memories: Sequence[Memory]) -> dict[Tags, list[Memory]]:
 
 def chunked(items: Sequence[T], size: int) -> list[Sequence[T]]:
     """Consecutive slices of at most `size` items."""
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]

@@ -1,7 +1,7 @@
 """The LLM the consolidator talks to: a protocol and two implementations.
 
 - `OpenAICompatibleLLM`: any OpenAI-compatible chat endpoint (the cluster's own Serve app).
-- `EngineLLM`: an in-process `actors.engine.AsyncLLMEngine` plus a chat-template tokenizer.
+- `EngineLLM`: an in-process `raylane.actors.engine.AsyncLLMEngine` plus a chat-template tokenizer.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from .errors import CallFailed
 class LLM(Protocol):
     """Anything that turns chat messages into the model's answer text."""
 
-    async def complete(self, messages: list[dict], *,
-                       response_format: dict | None = None) -> str: ...
+    async def complete(
+        self, messages: list[dict], *, response_format: dict | None = None
+    ) -> str: ...
 
 
 class OpenAICompatibleLLM:
@@ -28,21 +29,33 @@ class OpenAICompatibleLLM:
     split; connection errors and 5xx propagate, because a smaller batch would not help.
     """
 
-    def __init__(self, base_url: str, model: str, *, api_key: str = "EMPTY",
-                 max_tokens: int = 1024, timeout: float = 120.0, client: Any = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str = "EMPTY",
+        max_tokens: int = 1024,
+        timeout: float = 120.0,
+        client: Any = None,
+    ) -> None:
         if client is None:
             from openai import AsyncOpenAI
+
             client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout)
         self._client = client
         self.model = model
         self.max_tokens = max_tokens
 
-    async def complete(self, messages: list[dict], *,
-                       response_format: dict | None = None) -> str:
+    async def complete(self, messages: list[dict], *, response_format: dict | None = None) -> str:
         import openai
 
-        kwargs: dict[str, Any] = {"model": self.model, "messages": messages,
-                                  "temperature": 0.0, "max_tokens": self.max_tokens}
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "temperature": 0.0,
+            "max_tokens": self.max_tokens,
+        }
         if response_format is not None:
             kwargs["response_format"] = response_format
         try:
@@ -57,7 +70,7 @@ def _constrained(params: Any, response_format: dict | None) -> Any:
         return params
     import dataclasses
 
-    from actors.engine import StructuredOutputsParams
+    from raylane.actors.engine import StructuredOutputsParams
 
     if response_format["type"] == "json_object":
         spec = StructuredOutputsParams(json_object=True)
@@ -76,7 +89,7 @@ class _ChatTokenizer(Protocol):
 
 def _default_sampling_params(max_tokens: int) -> Any:
     # Imported on first use: the engine (and torch) is only needed when this class is.
-    from actors.engine import SamplingParams
+    from raylane.actors.engine import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
@@ -88,17 +101,23 @@ class EngineLLM:
     the engine's structured outputs, as the HTTP endpoint would.
     """
 
-    def __init__(self, engine: _Engine, tokenizer: _ChatTokenizer, *, max_tokens: int = 1024,
-                 sampling_params: Callable[[int], Any] = _default_sampling_params) -> None:
+    def __init__(
+        self,
+        engine: _Engine,
+        tokenizer: _ChatTokenizer,
+        *,
+        max_tokens: int = 1024,
+        sampling_params: Callable[[int], Any] = _default_sampling_params,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         self._sampling_params = sampling_params
 
-    async def complete(self, messages: list[dict], *,
-                       response_format: dict | None = None) -> str:
-        prompt = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                    add_generation_prompt=True)
+    async def complete(self, messages: list[dict], *, response_format: dict | None = None) -> str:
+        prompt = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         params = _constrained(self._sampling_params(self.max_tokens), response_format)
         request_id = f"consolidation-{uuid.uuid4().hex}"
         text = ""

@@ -78,7 +78,10 @@ async def migrate(conn: asyncpg.Connection) -> list[int]:
         for m in MIGRATIONS:
             if m.version not in done:
                 await conn.execute(m.sql)
-                await conn.execute("INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
-                                   m.version, m.name)
+                await conn.execute(
+                    "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
+                    m.version,
+                    m.name,
+                )
                 applied_now.append(m.version)
     return applied_now

@@ -32,7 +32,8 @@ class OperationLog:
 
     async def create(self, bank_id: str) -> str:
         op_id = await self._pool.fetchval(
-            "INSERT INTO consolidation_operations (bank_id) VALUES ($1) RETURNING id", bank_id)
+            "INSERT INTO consolidation_operations (bank_id) VALUES ($1) RETURNING id", bank_id
+        )
         return str(op_id)
 
     async def start(self, op_id: str, bank_id: str) -> None:
@@ -40,14 +41,26 @@ class OperationLog:
         if result != "UPDATE 1":
             raise ValueError(f"operation {op_id} of bank {bank_id!r} is not pending")
 
-    async def finish(self, op_id: str, status: str, stats: dict[str, Any],
-                     perf: list[dict[str, Any]], error: str | None = None) -> None:
+    async def finish(
+        self,
+        op_id: str,
+        status: str,
+        stats: dict[str, Any],
+        perf: list[dict[str, Any]],
+        error: str | None = None,
+    ) -> None:
         if status not in FINAL_STATUSES:
             raise ValueError(f"status must be one of {FINAL_STATUSES}, got {status!r}")
         await self._pool.execute(
             """UPDATE consolidation_operations
                SET status = $2, stats = $3, perf = $4, error = $5, finished_at = now()
-               WHERE id = $1""", op_id, status, stats, perf, error)
+               WHERE id = $1""",
+            op_id,
+            status,
+            stats,
+            perf,
+            error,
+        )
 
     async def request_cancel(self, op_id: str) -> bool:
         """Flag a pending or running operation; False if it is unknown or already finished."""
@@ -55,7 +68,9 @@ class OperationLog:
             return False
         row = await self._pool.fetchval(
             """UPDATE consolidation_operations SET cancel_requested = true
-               WHERE id = $1 AND status IN ('pending', 'running') RETURNING id""", op_id)
+               WHERE id = $1 AND status IN ('pending', 'running') RETURNING id""",
+            op_id,
+        )
         return row is not None
 
     async def get(self, op_id: str) -> dict[str, Any] | None:
@@ -63,13 +78,15 @@ class OperationLog:
         if _as_uuid(op_id) is None:
             return None
         row = await self._pool.fetchrow(
-            "SELECT * FROM consolidation_operations WHERE id = $1", op_id)
+            "SELECT * FROM consolidation_operations WHERE id = $1", op_id
+        )
         return None if row is None else _as_dict(row)
 
     async def for_bank(self, bank_id: str) -> list[dict[str, Any]]:
         """A bank's operations, oldest first."""
-        rows = await self._pool.fetch("SELECT * FROM consolidation_operations WHERE bank_id = $1 "
-                                      "ORDER BY created_at", bank_id)
+        rows = await self._pool.fetch(
+            "SELECT * FROM consolidation_operations WHERE bank_id = $1 ORDER BY created_at", bank_id
+        )
         return [_as_dict(r) for r in rows]
 
 

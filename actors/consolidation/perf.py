@@ -16,13 +16,13 @@ class BatchPerf:
 
     tags: Tags = ()
     memories: int = 0
-    consolidated: int = 0   # memories stamped consolidated_at
-    failed: int = 0         # memories stamped consolidation_failed_at
-    created: int = 0        # observations created
-    updated: int = 0        # observations updated
-    skipped: int = 0        # memories consolidated without an observation
+    consolidated: int = 0  # memories stamped consolidated_at
+    failed: int = 0  # memories stamped consolidation_failed_at
+    created: int = 0  # observations created
+    updated: int = 0  # observations updated
+    skipped: int = 0  # memories consolidated without an observation
     llm_calls: int = 0
-    failed_calls: int = 0   # calls answered invalidly or rejected (each one splits the batch)
+    failed_calls: int = 0  # calls answered invalidly or rejected (each one splits the batch)
     prompt_chars: int = 0
     db_round_trips: int = 0
     llm_seconds: float = 0.0
@@ -55,7 +55,7 @@ class ConsolidationResult:
 
     op_id: str
     bank_id: str
-    status: str   # completed | cancelled (a failed run raises instead)
+    status: str  # completed | cancelled (a failed run raises instead)
     wall_seconds: float
     batches: tuple[BatchPerf, ...]
 
@@ -67,5 +67,9 @@ class ConsolidationResult:
         """The JSON stored in the operation's `stats` column."""
         total = self.total.to_dict()
         del total["tags"]
-        return {"status": self.status, "wall_seconds": self.wall_seconds,
-                "batches": len(self.batches), **total}
+        return {
+            "status": self.status,
+            "wall_seconds": self.wall_seconds,
+            "batches": len(self.batches),
+            **total,
+        }

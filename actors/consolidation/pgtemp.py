@@ -17,8 +17,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-PG_BIN_CANDIDATES = ("/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin",
-                     "/usr/lib/postgresql/14/bin", "/usr/local/pgsql/bin")
+PG_BIN_CANDIDATES = (
+    "/usr/lib/postgresql/15/bin",
+    "/usr/lib/postgresql/16/bin",
+    "/usr/lib/postgresql/14/bin",
+    "/usr/local/pgsql/bin",
+)
 # initdb refuses to run as root, so as root every server command runs as this user.
 PG_OS_USER = "postgres"
 
@@ -45,8 +49,10 @@ class TempPostgres:
     def __init__(self, bin_dir: Path | None = None) -> None:
         found = bin_dir or find_pg_bin()
         if found is None:
-            raise FileNotFoundError("PostgreSQL server binaries (initdb, pg_ctl) not found; "
-                                    "install postgresql or set RAYLANE_PG_BIN")
+            raise FileNotFoundError(
+                "PostgreSQL server binaries (initdb, pg_ctl) not found; "
+                "install postgresql or set RAYLANE_PG_BIN"
+            )
         self.bin_dir = found
         self.root: Path | None = None
         self.port = 0
@@ -70,8 +76,16 @@ class TempPostgres:
         if os.geteuid() == 0:
             shutil.chown(self.root, PG_OS_USER)
             shutil.chown(self.root / "sock", PG_OS_USER)
-        self._run("initdb", "-D", str(self.root / "data"), "-U", "postgres",
-                  "--auth=trust", "--encoding=UTF8", "--no-sync")
+        self._run(
+            "initdb",
+            "-D",
+            str(self.root / "data"),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--no-sync",
+        )
         # NOTE: a free port can be taken between probing and binding; retry on a new one.
         for attempt in range(3):
             self.port = free_port()
@@ -86,10 +100,23 @@ class TempPostgres:
     def _pg_ctl_start(self) -> None:
         assert self.root is not None
         # fsync off: these clusters are disposable; a killed *client* is what tests exercise.
-        options = (f"-p {self.port} -k {self.root / 'sock'} -c listen_addresses=127.0.0.1 "
-                   "-c fsync=off -c full_page_writes=off -c max_connections=200")
-        self._run("pg_ctl", "-D", str(self.root / "data"), "-l", str(self.root / "log"),
-                  "-o", options, "-w", "-t", "30", "start")
+        options = (
+            f"-p {self.port} -k {self.root / 'sock'} -c listen_addresses=127.0.0.1 "
+            "-c fsync=off -c full_page_writes=off -c max_connections=200"
+        )
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.root / "data"),
+            "-l",
+            str(self.root / "log"),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            "30",
+            "start",
+        )
 
     def stop(self) -> None:
         if self.root is None:
@@ -108,8 +135,9 @@ class TempPostgres:
         cmd = [str(self.bin_dir / tool), *args]
         if os.geteuid() == 0:
             cmd = ["runuser", "-u", PG_OS_USER, "--", *cmd]
-        subprocess.run(cmd, check=check, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                       cwd=self.root)
+        subprocess.run(
+            cmd, check=check, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.root
+        )
 
     def __enter__(self) -> Self:
         self.start()
@@ -117,4 +145,3 @@ class TempPostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-

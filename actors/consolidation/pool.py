@@ -10,8 +10,7 @@ import asyncpg
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
-    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads,
-                              schema="pg_catalog")
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
 async def _keep_session(conn: asyncpg.Connection) -> None:
@@ -33,8 +32,9 @@ class CountingPool:
 
     @classmethod
     async def create(cls, dsn: str, *, min_size: int, max_size: int) -> CountingPool:
-        pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size,
-                                         init=_init_connection, reset=_keep_session)
+        pool = await asyncpg.create_pool(
+            dsn, min_size=min_size, max_size=max_size, init=_init_connection, reset=_keep_session
+        )
         return cls(pool)
 
     def acquire(self) -> Any:
@@ -56,7 +56,8 @@ class CountingPool:
     async def close(self) -> None:
         await self._pool.close()
 
-    async def _send(self, method: Callable[..., Awaitable[Any]], sql: str,
-                    args: tuple[Any, ...]) -> Any:
+    async def _send(
+        self, method: Callable[..., Awaitable[Any]], sql: str, args: tuple[Any, ...]
+    ) -> Any:
         self.statements += 1
         return await method(sql, *args)

@@ -42,30 +42,48 @@ def answer_format(memory_ids: Sequence[int], observation_ids: Sequence[int]) -> 
         _action_schema("create", {"text": text}),
     ]
     if observation_ids:
-        choices.append(_action_schema("update", {
-            "observation_id": {"enum": [str(i) for i in observation_ids]}, "text": text}))
+        choices.append(
+            _action_schema(
+                "update",
+                {"observation_id": {"enum": [str(i) for i in observation_ids]}, "text": text},
+            )
+        )
     ids = [str(i) for i in memory_ids]
-    schema = {"type": "object", "properties": {i: {"anyOf": choices} for i in ids},
-              "required": ids, "additionalProperties": False}
-    return {"type": "json_schema",
-            "json_schema": {"name": "consolidation", "schema": schema, "strict": True}}
+    schema = {
+        "type": "object",
+        "properties": {i: {"anyOf": choices} for i in ids},
+        "required": ids,
+        "additionalProperties": False,
+    }
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "consolidation", "schema": schema, "strict": True},
+    }
 
 
 def _action_schema(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": {"action": {"const": kind}, **fields},
-            "required": ["action", *fields], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"action": {"const": kind}, **fields},
+        "required": ["action", *fields],
+        "additionalProperties": False,
+    }
+
 
 USER_LEAD = "Consolidate these memories:\n"
 
 
-def build_messages(memories: Sequence[Memory],
-                   observations: Sequence[ObservationView]) -> list[dict[str, str]]:
+def build_messages(
+    memories: Sequence[Memory], observations: Sequence[ObservationView]
+) -> list[dict[str, str]]:
     payload = {
         "memories": [{"id": str(m.id), "text": m.content, "tags": list(m.tags)} for m in memories],
         "observations": [{"id": str(o.id), "text": o.text} for o in observations],
     }
-    return [{"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": USER_LEAD + json.dumps(payload, ensure_ascii=False)}]
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": USER_LEAD + json.dumps(payload, ensure_ascii=False)},
+    ]
 
 
 def read_request(messages: Sequence[dict[str, str]]) -> dict[str, Any]:
@@ -83,8 +101,9 @@ def read_request(messages: Sequence[dict[str, str]]) -> dict[str, Any]:
     return obj
 
 
-def parse_answer(text: str, memory_ids: Sequence[int],
-                 observation_ids: Sequence[int]) -> list[Action]:
+def parse_answer(
+    text: str, memory_ids: Sequence[int], observation_ids: Sequence[int]
+) -> list[Action]:
     """Validate a model answer against its batch and scope; raises InvalidAnswer."""
     obj = _load_json(text)
     if not isinstance(obj, dict):
@@ -106,8 +125,11 @@ def _from_keyed(obj: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(value, dict):
             raise InvalidAnswer(f"memory {memory_id}: not an action object")
         kind = value.get("action")
-        key = (kind, value.get("observation_id") if kind == "update" else None,
-               value.get("text") if kind == "create" else None)
+        key = (
+            kind,
+            value.get("observation_id") if kind == "update" else None,
+            value.get("text") if kind == "create" else None,
+        )
         group = groups.setdefault(key, {**value, "memory_ids": []})
         group["memory_ids"].append(memory_id)
         if kind == "update" and value.get("text") not in group["text"]:

@@ -28,8 +28,11 @@ def _observations_of(source: str) -> str:
 
 SNAPSHOT_SQL = f"""
 SELECT {CANCELLED},
-       {_observations_of("(SELECT id, content AS text FROM observations "
-                         "WHERE bank_id = $1 AND tags = $2) AS scope")}
+       {
+    _observations_of(
+        "(SELECT id, content AS text FROM observations WHERE bank_id = $1 AND tags = $2) AS scope"
+    )
+}
 """
 
 # $2 a JSON array of tag sets. Each scope's observations are matched on its exact tag set.
@@ -123,7 +126,7 @@ class ScopeSnapshot:
 class CommitResult:
     created: int
     updated: int
-    snapshot: ScopeSnapshot   # the scope after this commit
+    snapshot: ScopeSnapshot  # the scope after this commit
 
 
 class TagScope:
@@ -133,32 +136,41 @@ class TagScope:
     batches cost the database, one per statement, whatever the batch size.
     """
 
-    def __init__(self, pool: CountingPool, bank_id: str, tags: Tags,
-                 op_id: str | None = None) -> None:
+    def __init__(
+        self, pool: CountingPool, bank_id: str, tags: Tags, op_id: str | None = None
+    ) -> None:
         self._pool = pool
         self.bank_id = bank_id
         self.tags = tags
         self.op_id = op_id
         self.round_trips = 0
 
-    async def commit(self, memory_ids: Sequence[int],
-                     actions: Sequence[Action]) -> CommitResult:
+    async def commit(self, memory_ids: Sequence[int], actions: Sequence[Action]) -> CommitResult:
         """Apply a batch's actions and stamp its memories, atomically.
 
         Raises CommitConflict, having written nothing, when a memory is no longer pending or
         an update names an observation outside the scope.
         """
-        creates = [{"text": a.text, "memory_ids": list(a.memory_ids)}
-                   for a in actions if a.kind == "create"]
-        updates = [{"id": a.observation_id, "text": a.text, "memory_ids": list(a.memory_ids)}
-                   for a in actions if a.kind == "update"]
+        creates = [
+            {"text": a.text, "memory_ids": list(a.memory_ids)}
+            for a in actions
+            if a.kind == "create"
+        ]
+        updates = [
+            {"id": a.observation_id, "text": a.text, "memory_ids": list(a.memory_ids)}
+            for a in actions
+            if a.kind == "update"
+        ]
         row = await self._query(COMMIT_SQL, list(memory_ids), creates, updates)
         if not row["pending"]:
-            raise CommitConflict("some of the batch's memories are already consolidated or "
-                                 "failed; nothing was written")
+            raise CommitConflict(
+                "some of the batch's memories are already consolidated or "
+                "failed; nothing was written"
+            )
         if not row["in_scope"]:
-            raise CommitConflict("an update named an observation outside the scope; "
-                                 "nothing was written")
+            raise CommitConflict(
+                "an update named an observation outside the scope; nothing was written"
+            )
         return CommitResult(row["created"], row["updated"], _snapshot(row))
 
     async def mark_failed(self, memory_id: int) -> ScopeSnapshot:
@@ -170,8 +182,9 @@ class TagScope:
         return await self._pool.fetchrow(sql, self.bank_id, list(self.tags), self.op_id, *args)
 
 
-async def read_snapshots(pool: CountingPool, bank_id: str, tag_sets: Sequence[Tags],
-                         op_id: str | None) -> dict[Tags, ScopeSnapshot]:
+async def read_snapshots(
+    pool: CountingPool, bank_id: str, tag_sets: Sequence[Tags], op_id: str | None
+) -> dict[Tags, ScopeSnapshot]:
     """The snapshots of several scopes of a bank, in one query.
 
     Safe to read ahead of a group's first batch: under the bank lock, only that group ever

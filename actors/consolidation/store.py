@@ -20,8 +20,9 @@ LOCK_SQL = "SELECT pg_try_advisory_lock($1, hashtext($2))"
 UNLOCK_SQL = "SELECT pg_advisory_unlock($1, hashtext($2))"
 
 MEMORY_COLUMNS = "id, bank_id, content, tags, created_at, consolidated_at, consolidation_failed_at"
-OBSERVATION_COLUMNS = ("id, bank_id, content, tags, source_memory_ids, proof_count, "
-                       "created_at, updated_at, history")
+OBSERVATION_COLUMNS = (
+    "id, bank_id, content, tags, source_memory_ids, proof_count, created_at, updated_at, history"
+)
 
 
 class MemoryStore:
@@ -54,8 +55,9 @@ class MemoryStore:
         (memory_id,) = await self.retain_many(bank_id, [(content, tags)])
         return memory_id
 
-    async def retain_many(self, bank_id: str,
-                          items: Sequence[tuple[str, Iterable[str]]]) -> list[int]:
+    async def retain_many(
+        self, bank_id: str, items: Sequence[tuple[str, Iterable[str]]]
+    ) -> list[int]:
         """Store many memories in one statement, in order; returns their ids in that order."""
         rows = [{"content": c, "tags": list(normalize_tags(t))} for c, t in items]
         records = await self._pool.fetch(
@@ -63,7 +65,10 @@ class MemoryStore:
                SELECT $1, e.item->>'content',
                       ARRAY(SELECT jsonb_array_elements_text(e.item->'tags'))
                FROM jsonb_array_elements($2::jsonb) WITH ORDINALITY AS e(item, n)
-               ORDER BY e.n RETURNING id""", bank_id, rows)
+               ORDER BY e.n RETURNING id""",
+            bank_id,
+            rows,
+        )
         # Rows are inserted in item order, so bigserial ids ascend in that order too.
         return sorted(r["id"] for r in records)
 
@@ -71,21 +76,26 @@ class MemoryStore:
         """The observations of one scope: exactly this bank and this tag set."""
         rows = await self._pool.fetch(
             f"SELECT {OBSERVATION_COLUMNS} FROM observations WHERE bank_id = $1 AND tags = $2 "
-            "ORDER BY id", bank_id, list(normalize_tags(tags)))
+            "ORDER BY id",
+            bank_id,
+            list(normalize_tags(tags)),
+        )
         return [_observation(r) for r in rows]
 
     async def all_observations(self, bank_id: str) -> list[Observation]:
         """Every observation of a bank, all scopes (for operators and tests)."""
         rows = await self._pool.fetch(
             f"SELECT {OBSERVATION_COLUMNS} FROM observations WHERE bank_id = $1 ORDER BY id",
-            bank_id)
+            bank_id,
+        )
         return [_observation(r) for r in rows]
 
     async def memories(self, bank_id: str) -> list[Memory]:
         """Every memory of a bank, oldest first."""
         rows = await self._pool.fetch(
             f"SELECT {MEMORY_COLUMNS} FROM memories WHERE bank_id = $1 ORDER BY created_at, id",
-            bank_id)
+            bank_id,
+        )
         return [_memory(r) for r in rows]
 
     async def pending(self, bank_id: str, limit: int) -> list[Memory]:
@@ -93,7 +103,10 @@ class MemoryStore:
         rows = await self._pool.fetch(
             f"""SELECT {MEMORY_COLUMNS} FROM memories
                 WHERE bank_id = $1 AND consolidated_at IS NULL AND consolidation_failed_at IS NULL
-                ORDER BY created_at, id LIMIT $2""", bank_id, limit)
+                ORDER BY created_at, id LIMIT $2""",
+            bank_id,
+            limit,
+        )
         return [_memory(r) for r in rows]
 
     async def pending_banks(self, among: Sequence[str] | None = None) -> list[str]:
@@ -103,7 +116,9 @@ class MemoryStore:
             """SELECT DISTINCT bank_id FROM memories
                WHERE consolidated_at IS NULL AND consolidation_failed_at IS NULL
                  AND ($1::text[] IS NULL OR bank_id = ANY($1::text[]))
-               ORDER BY bank_id""", None if among is None else list(among))
+               ORDER BY bank_id""",
+            None if among is None else list(among),
+        )
         return [r["bank_id"] for r in rows]
 
     def scope(self, bank_id: str, tags: Tags, op_id: str | None = None) -> TagScope:
@@ -111,8 +126,9 @@ class MemoryStore:
         behalf of operation `op_id` (whose cancel flag it reports)."""
         return TagScope(self._pool, bank_id, tags, op_id)
 
-    async def snapshots(self, bank_id: str, tag_sets: Sequence[Tags],
-                        op_id: str | None = None) -> dict[Tags, ScopeSnapshot]:
+    async def snapshots(
+        self, bank_id: str, tag_sets: Sequence[Tags], op_id: str | None = None
+    ) -> dict[Tags, ScopeSnapshot]:
         """The observations of several scopes of a bank, each kept to its own, in one query."""
         return await read_snapshots(self._pool, bank_id, tag_sets, op_id)
 
@@ -142,14 +158,28 @@ async def _unlock(conn: asyncpg.Connection, bank_id: str) -> None:
         conn.terminate()
         raise
 
+
 def _memory(r: asyncpg.Record) -> Memory:
-    return Memory(id=r["id"], bank_id=r["bank_id"], content=r["content"], tags=tuple(r["tags"]),
-                  created_at=r["created_at"], consolidated_at=r["consolidated_at"],
-                  consolidation_failed_at=r["consolidation_failed_at"])
+    return Memory(
+        id=r["id"],
+        bank_id=r["bank_id"],
+        content=r["content"],
+        tags=tuple(r["tags"]),
+        created_at=r["created_at"],
+        consolidated_at=r["consolidated_at"],
+        consolidation_failed_at=r["consolidation_failed_at"],
+    )
 
 
 def _observation(r: asyncpg.Record) -> Observation:
-    return Observation(id=r["id"], bank_id=r["bank_id"], content=r["content"],
-                       tags=tuple(r["tags"]), source_memory_ids=tuple(r["source_memory_ids"]),
-                       proof_count=r["proof_count"], created_at=r["created_at"],
-                       updated_at=r["updated_at"], history=tuple(r["history"]))
+    return Observation(
+        id=r["id"],
+        bank_id=r["bank_id"],
+        content=r["content"],
+        tags=tuple(r["tags"]),
+        source_memory_ids=tuple(r["source_memory_ids"]),
+        proof_count=r["proof_count"],
+        created_at=r["created_at"],
+        updated_at=r["updated_at"],
+        history=tuple(r["history"]),
+    )

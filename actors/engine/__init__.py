@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
-from actors.engine.config import EngineConfig
-from actors.engine.outputs import CompletionOutput, RequestOutput
-from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from raylane.actors.engine.config import EngineConfig
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
-    # the engines import torch; keep `from actors.engine import SamplingParams` light
+    # the engines import torch; keep `from raylane.actors.engine import SamplingParams` light
     if name == "LLMEngine":
-        from actors.engine.llm_engine import LLMEngine
+        from raylane.actors.engine.llm_engine import LLMEngine
 
         return LLMEngine
     if name == "AsyncLLMEngine":
-        from actors.engine.async_engine import AsyncLLMEngine
+        from raylane.actors.engine.async_engine import AsyncLLMEngine
 
         return AsyncLLMEngine
     raise AttributeError(name)
 
 
-__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput",
-           "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "AsyncLLMEngine",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

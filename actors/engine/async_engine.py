@@ -7,13 +7,13 @@ import sys
 import time
 from collections.abc import AsyncIterator
 
-from actors.engine.config import EngineConfig
-from actors.engine.errors import EnginePaused, RequestFailed
-from actors.engine.llm_engine import LLMEngine, Prompt
-from actors.engine.outputs import RequestOutput
-from actors.engine.plan_ahead import PlanAheadClock
-from actors.engine.sampling_params import SamplingParams
-from actors.models.weights import TensorSpec
+from raylane.actors.engine.config import EngineConfig
+from raylane.actors.engine.errors import EnginePaused, RequestFailed
+from raylane.actors.engine.llm_engine import LLMEngine, Prompt
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.plan_ahead import PlanAheadClock
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.models.weights import TensorSpec
 
 PAUSE_MODES = ("abort", "wait", "keep", "retract")
 # The model runs in a worker thread that takes the GIL back after every torch op, while this
@@ -34,8 +34,12 @@ class AsyncLLMEngine:
     An output whose request failed (a step raised) raises `RequestFailed` in its consumer.
     """
 
-    def __init__(self, engine: LLMEngine, max_paused_requests: int = 1024,
-                 gil_switch_interval_s: float | None = GIL_SWITCH_INTERVAL_S):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_paused_requests: int = 1024,
+        gil_switch_interval_s: float | None = GIL_SWITCH_INTERVAL_S,
+    ):
         """`gil_switch_interval_s`: lowers the process's `sys.setswitchinterval` to this
         (None: leave it), see `GIL_SWITCH_INTERVAL_S`."""
         if gil_switch_interval_s is not None:
@@ -60,8 +64,9 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         stream = await self.add_request(prompt, params, request_id)
         try:
             async for out in stream:
@@ -69,8 +74,9 @@ class AsyncLLMEngine:
         finally:
             stream.close()
 
-    async def add_request(self, prompt: Prompt, params: SamplingParams | None,
-                          request_id: str) -> RequestStream:
+    async def add_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str
+    ) -> RequestStream:
         """Admit a request now and return its outputs. What is wrong with it (a ValueError), a
         duplicate id and a paused engine's full queue (`EnginePaused`) raise here; while paused
         it waits for the resume."""
@@ -140,8 +146,9 @@ class AsyncLLMEngine:
         """Generate again: kept requests continue, retracted ones re-prefill, queued ones are
         admitted (idempotent). RuntimeError while a weight update is half loaded."""
         if self.engine.weight_update_open:
-            raise RuntimeError("a weight update is half loaded: finish it (or send it again) "
-                               "before resuming")
+            raise RuntimeError(
+                "a weight update is half loaded: finish it (or send it again) before resuming"
+            )
         self._paused = None
         self._resumed.set()
         if self.engine.has_unfinished_requests():
@@ -150,8 +157,9 @@ class AsyncLLMEngine:
     def begin_weight_update(self, specs: list[TensorSpec]) -> None:
         """Check an update's manifest on every rank; the engine must be paused with nothing
         running (any pause mode; "wait" once it returned)."""
-        if self._paused is None or (self._paused == "wait"
-                                    and self.engine.has_unfinished_requests()):
+        if self._paused is None or (
+            self._paused == "wait" and self.engine.has_unfinished_requests()
+        ):
             raise RuntimeError("pause the engine before updating its weights")
         self.engine.begin_weight_update(specs)
 
@@ -171,8 +179,10 @@ class AsyncLLMEngine:
         if self._paused is None:
             return
         if self._num_held >= self.max_paused_requests:
-            raise EnginePaused(f"the engine is paused and {self._num_held} requests already "
-                               "wait for it to resume; retry later")
+            raise EnginePaused(
+                f"the engine is paused and {self._num_held} requests already "
+                "wait for it to resume; retry later"
+            )
         self._num_held += 1
         try:
             while self._paused is not None:

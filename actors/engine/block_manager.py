@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from actors.engine.sequence import Sequence
+from raylane.actors.engine.sequence import Sequence
 
 
 class Block:

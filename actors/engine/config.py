@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.engine.strict import check_type, strict_fields
+from raylane.actors.engine.strict import check_type, strict_fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTOR_BACKENDS = ("uni", "ray")
@@ -68,8 +68,13 @@ class EngineConfig:
         check_type("EngineConfig", "kv_cache_memory_gb", self.kv_cache_memory_gb, (int, float))
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "max_logprobs"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+            "max_logprobs",
+        ):
             value = getattr(self, name)
             check_type("EngineConfig", name, value, int)
             if value < 1:
@@ -91,10 +96,15 @@ class EngineConfig:
         sizes = self.cudagraph_capture_sizes
         if sizes is None:
             return
-        if not isinstance(sizes, (tuple, list)) or not sizes or any(
-                isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
-            raise ValueError("EngineConfig.cudagraph_capture_sizes must be a non-empty list of "
-                             f"batch sizes >= 1, got {sizes!r}")
+        if (
+            not isinstance(sizes, (tuple, list))
+            or not sizes
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
+        ):
+            raise ValueError(
+                "EngineConfig.cudagraph_capture_sizes must be a non-empty list of "
+                f"batch sizes >= 1, got {sizes!r}"
+            )
         object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
 
     @property
@@ -108,21 +118,31 @@ class EngineConfig:
         if self.shard_resources is not None:
             check_type("EngineConfig", "shard_resources", self.shard_resources, dict)
             for key, value in self.shard_resources.items():
-                if not isinstance(key, str) or isinstance(value, bool) or \
-                        not isinstance(value, (int, float)) or value < 0:
-                    raise ValueError("EngineConfig.shard_resources must map Ray resource names "
-                                     f"to amounts >= 0, got {self.shard_resources!r}")
+                if (
+                    not isinstance(key, str)
+                    or isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or value < 0
+                ):
+                    raise ValueError(
+                        "EngineConfig.shard_resources must map Ray resource names "
+                        f"to amounts >= 0, got {self.shard_resources!r}"
+                    )
         backend = self.distributed_executor_backend
         if backend is None:
             return
         check_type("EngineConfig", "distributed_executor_backend", backend, str)
         if backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"EngineConfig.distributed_executor_backend must be one of "
-                             f"{EXECUTOR_BACKENDS} or None, got {backend!r}")
+            raise ValueError(
+                f"EngineConfig.distributed_executor_backend must be one of "
+                f"{EXECUTOR_BACKENDS} or None, got {backend!r}"
+            )
         if backend == "uni" and self.tensor_parallel_size > 1:
-            raise ValueError(f"EngineConfig.distributed_executor_backend='uni' runs one rank in "
-                             f"process; tensor_parallel_size={self.tensor_parallel_size} needs "
-                             "'ray' (or leave it None)")
+            raise ValueError(
+                f"EngineConfig.distributed_executor_backend='uni' runs one rank in "
+                f"process; tensor_parallel_size={self.tensor_parallel_size} needs "
+                "'ray' (or leave it None)"
+            )
 
     @property
     def executor_backend(self) -> str:

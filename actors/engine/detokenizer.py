@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.engine.sequence import Sequence
+from raylane.actors.engine.sequence import Sequence
 
 
 class IncrementalDetokenizer:
@@ -19,11 +19,11 @@ class IncrementalDetokenizer:
         self.read_offset = 0
 
     def step(self, ids: list[int]) -> str:
-        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
-        full = self._decode(ids[self.prefix_offset:])
+        prefix = self._decode(ids[self.prefix_offset : self.read_offset])
+        full = self._decode(ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-            return full[len(prefix):]
+            return full[len(prefix) :]
         return ""
 
     def _decode(self, ids: list[int]) -> str:
@@ -57,12 +57,15 @@ class StopChecker:
         longest = max(len(s) for s in params.stop_list)
         window_start = max(0, len(seq.text) - delta_len - longest + 1)
         # the earliest match in the text wins, so the kept text never holds any stop string
-        found = [(at, stop) for stop in params.stop_list
-                 if (at := seq.text.find(stop, window_start)) >= 0]
+        found = [
+            (at, stop)
+            for stop in params.stop_list
+            if (at := seq.text.find(stop, window_start)) >= 0
+        ]
         if not found:
             return False
         at, stop = min(found)
-        seq.text = seq.text[:at + len(stop) if params.include_stop_str_in_output else at]
+        seq.text = seq.text[: at + len(stop) if params.include_stop_str_in_output else at]
         self._finish(seq, "stop", stop)
         return True
 

@@ -15,8 +15,7 @@ import json
 from collections import OrderedDict
 
 import numpy as np
-
-from actors.engine.sampling_params import StructuredOutputsParams
+from raylane.actors.engine.sampling_params import StructuredOutputsParams
 
 MAX_SPEC_CHARS = 256 * 1024  # a schema / grammar larger than this is refused before compiling
 _CACHE_SIZE = 256
@@ -64,16 +63,18 @@ class GrammarCompiler:
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         masks = lnp.allocate_token_bitmask(len(matchers), self.vocab_size)
-        lnp.fill_next_token_bitmask_par(self._executor,
-                                        [(m, i) for i, m in enumerate(matchers)], masks)
+        lnp.fill_next_token_bitmask_par(
+            self._executor, [(m, i) for i, m in enumerate(matchers)], masks
+        )
         return masks
 
     def _tokenizer(self):
         if self._ll_tokenizer is None:
             import llguidance.hf
 
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer,
-                                                              n_vocab=self.vocab_size)
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.vocab_size
+            )
         return self._ll_tokenizer
 
     def _compile(self, spec: StructuredOutputsParams, key: str) -> str:
@@ -104,7 +105,8 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
         case "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(
-                {"type": "object"}, defaults=compact)
+                {"type": "object"}, defaults=compact
+            )
         case "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
         case "choice":

@@ -9,22 +9,28 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from actors.engine.config import EngineConfig
-from actors.engine.outputs import RequestOutput
-from actors.engine.planner import StepPlanner
-from actors.engine.postprocessor import Postprocessor
-from actors.engine.request import Request
-from actors.engine.sampling_params import SamplingParams
-from actors.engine.scheduler import Scheduler
-from actors.engine.setup import EngineParts, build_engine_parts
-from actors.engine.stats import EngineStats
-from actors.engine.step_launcher import LaunchedStep, StepLauncher
-from actors.engine.validate import RequestValidator, as_params_list, as_prompt_list
-from actors.engine.weight_sync import WeightSync, too_stale
-from actors.executor.base import StepFailed
-from actors.models.weights import DEFAULT_BUCKET_BYTES, Payload, TensorSpec, iter_buckets, specs_of
-from actors.runner.faults import Faults
-from actors.runner.plan import StepResult
+from raylane.actors.engine.config import EngineConfig
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.planner import StepPlanner
+from raylane.actors.engine.postprocessor import Postprocessor
+from raylane.actors.engine.request import Request
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.scheduler import Scheduler
+from raylane.actors.engine.setup import EngineParts, build_engine_parts
+from raylane.actors.engine.stats import EngineStats
+from raylane.actors.engine.step_launcher import LaunchedStep, StepLauncher
+from raylane.actors.engine.validate import RequestValidator, as_params_list, as_prompt_list
+from raylane.actors.engine.weight_sync import WeightSync, too_stale
+from raylane.actors.executor.base import StepFailed
+from raylane.actors.models.weights import (
+    DEFAULT_BUCKET_BYTES,
+    Payload,
+    TensorSpec,
+    iter_buckets,
+    specs_of,
+)
+from raylane.actors.runner.faults import Faults
+from raylane.actors.runner.plan import StepResult
 
 if TYPE_CHECKING:
     import torch
@@ -49,18 +55,29 @@ class LLMEngine:
         self.runner_info = parts.runner_info
         self.planner = StepPlanner()
         self.block_manager = parts.block_manager
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_model_len)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_model_len,
+        )
         self.stop_checker = parts.stop_checker
         self.validator = RequestValidator(parts)
         self.grammars = parts.grammars
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.weights = WeightSync(self.executor, self.block_manager)
-        self.post = Postprocessor(self.scheduler, self.planner, self.stop_checker, self.stats,
-                                  self.requests, lambda: self.weights.version)
-        self.launcher = StepLauncher(self.scheduler, self.planner, self.executor, self.grammars,
-                                     self.post, self.stats)
+        self.post = Postprocessor(
+            self.scheduler,
+            self.planner,
+            self.stop_checker,
+            self.stats,
+            self.requests,
+            lambda: self.weights.version,
+        )
+        self.launcher = StepLauncher(
+            self.scheduler, self.planner, self.executor, self.grammars, self.post, self.stats
+        )
         self._in_flight: LaunchedStep | None = None  # launched, to be collected by a later step
         self._due: LaunchedStep | None = None  # launched, to be collected by this step
         self._held: list[RequestOutput] = []  # outputs of steps drained outside step()
@@ -82,9 +99,12 @@ class LLMEngine:
 
     # --- weight updates (RL): check, buckets, finish; between steps --------------------------
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                       version: int | None = None,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[RequestOutput]:
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> list[RequestOutput]:
         """A whole update in one call (offline use): check every name and shape on every rank,
         load bounded buckets, switch to `version` (default: the next). Returns the outputs of
         requests it ended as "stale" (`SamplingParams.max_weight_lag`)."""
@@ -148,15 +168,17 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Prompt,
-                    params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+    ) -> None:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         token_ids = self.validator.check(prompt, params)
         text = prompt if isinstance(prompt, str) else None
-        request = Request(request_id, text, token_ids, params, self.config.block_size,
-                          self.tokenizer)
+        request = Request(
+            request_id, text, token_ids, params, self.config.block_size, self.tokenizer
+        )
         if params.structured_outputs is not None:
             matchers = self.grammars.matchers(params.structured_outputs, len(request.seqs))
             for seq, matcher in zip(request.seqs, matchers):
@@ -212,8 +234,12 @@ class LLMEngine:
         """With async scheduling, launch the step after the one due while that one runs (once;
         True if it launched one). A grammar's next mask needs the token in flight, so
         constrained batches step serially."""
-        if (self._due is None or self._in_flight is not None or not self.config.async_scheduling
-                or self.launcher.constrained()):
+        if (
+            self._due is None
+            or self._in_flight is not None
+            or not self.config.async_scheduling
+            or self.launcher.constrained()
+        ):
             return False
         self._in_flight = self.launcher.launch()
         self.stats.steps_planned_ahead += self._in_flight is not None
@@ -264,14 +290,16 @@ class LLMEngine:
     # --- statistics ---------------------------------------------------------------------------
 
     def stats_snapshot(self, paused: bool = False) -> dict:
-        return self.stats.snapshot(self.scheduler, self.block_manager, self.weight_version,
-                                   paused)
+        return self.stats.snapshot(self.scheduler, self.block_manager, self.weight_version, paused)
 
     # --- batch helpers ------------------------------------------------------------------------
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in the order of `prompts`."""
         prompts = as_prompt_list(prompts)
         params_list = as_params_list(params, len(prompts))
@@ -291,9 +319,13 @@ class LLMEngine:
                         bar.update(1)
         return [finished[rid] for rid in ids]
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             **template_kwargs) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template, then `generate`."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.validator.render_chat(conv, **template_kwargs) for conv in convs]

@@ -13,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
-from actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
 
 _LISTS = ("token_ids", "logprobs", "top_logprobs", "weight_versions", "kept_mass_logprobs")
 
@@ -27,13 +26,15 @@ class DeltaEncoder:
 
     def encode(self, out: RequestOutput) -> RequestOutput:
         prompt = self._new(-1, "prompt_logprobs", out.prompt_logprobs)
-        return dataclasses.replace(out, outputs=[self._completion(c) for c in out.outputs],
-                                   prompt_logprobs=prompt)
+        return dataclasses.replace(
+            out, outputs=[self._completion(c) for c in out.outputs], prompt_logprobs=prompt
+        )
 
     def _completion(self, c: CompletionOutput) -> CompletionOutput:
         news = {name: self._new(c.index, name, getattr(c, name)) for name in _LISTS}
         return dataclasses.replace(
-            c, routed_experts=self._new(c.index, "routed_experts", c.routed_experts), **news)
+            c, routed_experts=self._new(c.index, "routed_experts", c.routed_experts), **news
+        )
 
     def _new(self, index: int, name: str, values):
         """The items of a growing list (or array rows) not sent yet; None stays None."""
@@ -54,8 +55,11 @@ class DeltaDecoder:
 
     def decode(self, delta: RequestOutput) -> RequestOutput:
         self._prompt = _joined(self._prompt, delta.prompt_logprobs)
-        return dataclasses.replace(delta, outputs=[self._completion(c) for c in delta.outputs],
-                                   prompt_logprobs=self._prompt)
+        return dataclasses.replace(
+            delta,
+            outputs=[self._completion(c) for c in delta.outputs],
+            prompt_logprobs=self._prompt,
+        )
 
     def _completion(self, d: CompletionOutput) -> CompletionOutput:
         prev = self._acc.get(d.index)

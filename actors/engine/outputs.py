@@ -48,6 +48,7 @@ class RequestOutput:
 def aborted(out: RequestOutput) -> RequestOutput:
     """`out` as a final output: every sample still running ends with finish reason "abort"
     (a deadline passed; the engine request was aborted)."""
-    samples = [c if c.finished else dataclasses.replace(c, finish_reason="abort")
-               for c in out.outputs]
+    samples = [
+        c if c.finished else dataclasses.replace(c, finish_reason="abort") for c in out.outputs
+    ]
     return dataclasses.replace(out, outputs=samples, finished=True)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 
 class PlanAheadClock:
-    def __init__(self, smoothing: float = 0.2, plan_margin: float = 3.0,
-                 min_wait_s: float = 1e-3) -> None:
+    def __init__(
+        self, smoothing: float = 0.2, plan_margin: float = 3.0, min_wait_s: float = 1e-3
+    ) -> None:
         """`plan_margin`: how many (smoothed) planning times before the predicted end to plan;
         waits shorter than `min_wait_s` are not worth a timer: plan at once."""
         self.smoothing = smoothing

@@ -11,10 +11,10 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from actors.engine.sampling_params import SamplingParams
-from actors.engine.scheduler import SchedulerOutput
-from actors.engine.sequence import Sequence
-from actors.runner.plan import CachedRequest, NewRequest, SamplingOptions, StepPlan
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.scheduler import SchedulerOutput
+from raylane.actors.engine.sequence import Sequence
+from raylane.actors.runner.plan import CachedRequest, NewRequest, SamplingOptions, StepPlan
 
 _OPTION_FIELDS = [f.name for f in dataclasses.fields(SamplingOptions)]
 
@@ -33,8 +33,11 @@ class StepPlanner:
         self._preempted: list[int] = []  # preempted between steps (a retract)
         self._step_ids = itertools.count()
 
-    def plan(self, batch: SchedulerOutput, token_masks: dict[int, object] | None = None,
-             ) -> StepPlan:
+    def plan(
+        self,
+        batch: SchedulerOutput,
+        token_masks: dict[int, object] | None = None,
+    ) -> StepPlan:
         """The plan of one step; the planner's memory changes only once it is built (a plan
         that raises leaves nothing half-recorded)."""
         new, cached, known = [], [], {}
@@ -45,17 +48,28 @@ class StepPlanner:
             else:
                 # NOTE: a sequence is new to the runners only before its first step, so its
                 # tokens are exactly the prompt (a preempted one comes back as a resumed delta)
-                new.append(NewRequest(seq.seq_id, seq.index, tuple(seq.token_ids),
-                                      tuple(seq.block_table), seq.num_computed_tokens,
-                                      sampling_options(seq.params)))
+                new.append(
+                    NewRequest(
+                        seq.seq_id,
+                        seq.index,
+                        tuple(seq.token_ids),
+                        tuple(seq.block_table),
+                        seq.num_computed_tokens,
+                        sampling_options(seq.params),
+                    )
+                )
             known[seq.seq_id] = _Known(len(seq), len(seq.block_table))
         self.preempted(batch.preempted)
         plan = StepPlan(
-            step_id=next(self._step_ids), new_requests=tuple(new), cached_requests=tuple(cached),
+            step_id=next(self._step_ids),
+            new_requests=tuple(new),
+            cached_requests=tuple(cached),
             scheduled=tuple((item.seq.seq_id, item.num_new) for item in batch.scheduled),
-            num_prefills=len(batch.prefills), finished_seq_ids=tuple(self._finished),
+            num_prefills=len(batch.prefills),
+            finished_seq_ids=tuple(self._finished),
             preempted_seq_ids=tuple(self._preempted),
-            token_masks=tuple((token_masks or {}).items()))
+            token_masks=tuple((token_masks or {}).items()),
+        )
         self._known.update(known)
         self._finished, self._preempted = [], []
         return plan
@@ -78,9 +92,13 @@ class StepPlanner:
 
     def _delta(self, seq: Sequence) -> CachedRequest:
         known = self._known[seq.seq_id]
-        return CachedRequest(seq.seq_id, tuple(seq.runner_token_ids(known.num_tokens)),
-                             tuple(seq.block_table[known.num_blocks:]), seq.num_computed_tokens,
-                             known.resumed)
+        return CachedRequest(
+            seq.seq_id,
+            tuple(seq.runner_token_ids(known.num_tokens)),
+            tuple(seq.block_table[known.num_blocks :]),
+            seq.num_computed_tokens,
+            known.resumed,
+        )
 
     def _mark_preempted(self, seq: Sequence) -> bool:
         known = self._known.get(seq.seq_id)

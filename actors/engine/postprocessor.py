@@ -15,21 +15,26 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-
-from actors.engine.detokenizer import StopChecker
-from actors.engine.outputs import RequestOutput
-from actors.engine.planner import StepPlanner
-from actors.engine.request import Request
-from actors.engine.scheduler import ScheduledSeq, Scheduler
-from actors.engine.sequence import Sequence
-from actors.engine.stats import EngineStats
-from actors.runner.plan import StepResult
+from raylane.actors.engine.detokenizer import StopChecker
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.planner import StepPlanner
+from raylane.actors.engine.request import Request
+from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler
+from raylane.actors.engine.sequence import Sequence
+from raylane.actors.engine.stats import EngineStats
+from raylane.actors.runner.plan import StepResult
 
 
 class Postprocessor:
-    def __init__(self, scheduler: Scheduler, planner: StepPlanner, stop_checker: StopChecker,
-                 stats: EngineStats, requests: dict[str, Request],
-                 weight_version: Callable[[], int]):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        planner: StepPlanner,
+        stop_checker: StopChecker,
+        stats: EngineStats,
+        requests: dict[str, Request],
+        weight_version: Callable[[], int],
+    ):
         self.scheduler = scheduler
         self.planner = planner
         self.stop_checker = stop_checker
@@ -54,8 +59,13 @@ class Postprocessor:
                 continue
             request = self.requests[seq.request_id]
             self.stats.token(request, now)
-            seq.append_token(token, result.logprobs[i], result.top_logprobs[i],
-                             self.weight_version(), result.kept_mass[i])
+            seq.append_token(
+                token,
+                result.logprobs[i],
+                result.top_logprobs[i],
+                self.weight_version(),
+                result.kept_mass[i],
+            )
             self.stop_checker.check(seq, request.detokenize(seq))
             if seq.matcher is not None:
                 self._advance_grammar(seq, request, token)
@@ -71,8 +81,10 @@ class Postprocessor:
         the request with an error, never with a "stop" whose text is not in the language."""
         matcher = seq.matcher
         if not matcher.consume_token(token) or matcher.is_error():
-            request.error = (f"the structured-output grammar rejected token {token}: "
-                             f"{matcher.get_error() or 'not allowed'}")
+            request.error = (
+                f"the structured-output grammar rejected token {token}: "
+                f"{matcher.get_error() or 'not allowed'}"
+            )
             seq.finish_reason = None
             self.end(request, "error", keep_routing=False)
         elif seq.finish_reason is None and matcher.is_stopped():
@@ -101,7 +113,7 @@ class Postprocessor:
         """A finished sequence: keep its routing record, free its blocks, tell the runners."""
         if keep_routing and seq.params.return_routed_experts and seq.routing_parts:
             # every position but the last sampled token was fed through the model
-            seq.routed_experts = np.concatenate(seq.routing_parts)[:len(seq.token_ids) - 1]
+            seq.routed_experts = np.concatenate(seq.routing_parts)[: len(seq.token_ids) - 1]
             seq.routing_parts = []
         self.scheduler.finish(seq)
         self.planner.forget(seq)

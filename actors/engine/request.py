@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import time
 
-from actors.engine.detokenizer import IncrementalDetokenizer
-from actors.engine.outputs import CompletionOutput, RequestOutput
-from actors.engine.sampling_params import SamplingParams
-from actors.engine.sequence import Sequence
+from raylane.actors.engine.detokenizer import IncrementalDetokenizer
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.sequence import Sequence
 
 
 class Request:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, block_size: int, tokenizer):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        block_size: int,
+        tokenizer,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -21,12 +28,15 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time = 0.0
         self.error: str | None = None  # a step it was in failed
-        self.seqs = [Sequence(request_id, i, prompt_token_ids, params, block_size)
-                     for i in range(params.n)]
+        self.seqs = [
+            Sequence(request_id, i, prompt_token_ids, params, block_size) for i in range(params.n)
+        ]
         # samples 2..n start once the first one's prompt is in the cache, so they share its blocks
         self.seqs[0].siblings = self.seqs[1:]
-        self.detokenizers = {s.seq_id: IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-                             for s in self.seqs}
+        self.detokenizers = {
+            s.seq_id: IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+            for s in self.seqs
+        }
 
     @property
     def finished(self) -> bool:
@@ -42,12 +52,13 @@ class Request:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=head.token_ids[:head.num_prompt_tokens],
+            prompt_token_ids=head.token_ids[: head.num_prompt_tokens],
             outputs=[self._completion(s) for s in self.seqs],
             finished=self.finished,
             num_cached_tokens=head.num_cached_tokens,
             weight_version=weight_version,
-            prompt_logprobs=list(head.prompt_logprobs) if self.params.prompt_logprobs is not None
+            prompt_logprobs=list(head.prompt_logprobs)
+            if self.params.prompt_logprobs is not None
             else None,
             metrics=self._metrics(),
             error=self.error,

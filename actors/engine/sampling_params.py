@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.engine.strict import check_type, strict_fields
+from raylane.actors.engine.strict import check_type, strict_fields
 
 _NUM = (int, float)
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -27,21 +27,30 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
-            raise ValueError("SamplingParams.structured_outputs must set exactly one of "
-                             f"{list(_KINDS)}, got {set_ or 'none'}")
+            raise ValueError(
+                "SamplingParams.structured_outputs must set exactly one of "
+                f"{list(_KINDS)}, got {set_ or 'none'}"
+            )
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError("SamplingParams.structured_outputs.json must be a JSON schema "
-                             "(an object or its JSON text)")
+            raise ValueError(
+                "SamplingParams.structured_outputs.json must be a JSON schema "
+                "(an object or its JSON text)"
+            )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"SamplingParams.structured_outputs.{name} must be a "
-                                 "non-empty string")
+                raise ValueError(
+                    f"SamplingParams.structured_outputs.{name} must be a non-empty string"
+                )
         if self.choice is not None and (
-                not isinstance(self.choice, (list, tuple)) or not self.choice
-                or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("SamplingParams.structured_outputs.choice must be a non-empty "
-                             "list of non-empty strings")
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                "SamplingParams.structured_outputs.choice must be a non-empty "
+                "list of non-empty strings"
+            )
 
     @property
     def kind(self) -> str:
@@ -87,18 +96,29 @@ class SamplingParams:
         self._check_numbers()
         self._check_stops()
         if self.structured_outputs is not None and not isinstance(
-                self.structured_outputs, StructuredOutputsParams):
-            raise ValueError("SamplingParams.structured_outputs must be a "
-                             "StructuredOutputsParams")
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("SamplingParams.structured_outputs must be a StructuredOutputsParams")
 
     def _check_numbers(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             check_type("SamplingParams", name, getattr(self, name), int)
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             check_type("SamplingParams", name, getattr(self, name), _NUM)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "return_routed_experts", "return_kept_mass"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "return_routed_experts",
+            "return_kept_mass",
+        ):
             check_type("SamplingParams", name, getattr(self, name), bool)
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "max_weight_lag"):
             if getattr(self, name) is not None:
@@ -113,8 +133,11 @@ class SamplingParams:
         _require(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _require(self.min_tokens >= 0, "min_tokens", "must be >= 0")
-        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-                 "must be <= max_tokens")
+        _require(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must be <= max_tokens",
+        )
         for name in ("logprobs", "prompt_logprobs", "max_weight_lag"):
             value = getattr(self, name)
             _require(value is None or value >= 0, name, "must be >= 0")
@@ -128,8 +151,11 @@ class SamplingParams:
         for s in stop:
             _require(isinstance(s, str) and s != "", "stop", "must hold non-empty strings")
         for t in self.stop_token_ids or []:
-            _require(isinstance(t, int) and not isinstance(t, bool) and t >= 0, "stop_token_ids",
-                     "must hold non-negative token ids")
+            _require(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0,
+                "stop_token_ids",
+                "must hold non-negative token ids",
+            )
         self.stop_list = stop
 
     @property
@@ -138,8 +164,11 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 def _require(ok: bool, name: str, message: str) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from actors.engine.block_manager import BlockManager
-from actors.engine.sequence import Sequence, SequenceStatus
+from raylane.actors.engine.block_manager import BlockManager
+from raylane.actors.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -55,8 +55,13 @@ class Scheduler:
     sequence is preempted by recompute and goes back to the head of the queue.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int | None = None,
+    ):
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -139,8 +144,10 @@ class Scheduler:
     def _check_fits(self, seq: Sequence) -> None:
         need = seq.num_blocks_for(len(seq))
         if need > self.blocks.num_blocks:
-            raise RuntimeError(f"request {seq.request_id} needs {need} KV blocks but the cache "
-                               f"has {self.blocks.num_blocks}; raise num_kv_blocks")
+            raise RuntimeError(
+                f"request {seq.request_id} needs {need} KV blocks but the cache "
+                f"has {self.blocks.num_blocks}; raise num_kv_blocks"
+            )
 
     @staticmethod
     def _emit(out: SchedulerOutput, item: ScheduledSeq) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import itertools
 
-from actors.engine.sampling_params import SamplingParams
-from actors.runner.plan import PLACEHOLDER
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.runner.plan import PLACEHOLDER
 
 _ids = itertools.count()
 
@@ -20,8 +20,14 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """A prompt plus the tokens generated for it (sample `index` of request `request_id`)."""
 
-    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, block_size: int):
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        block_size: int,
+    ):
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.index = index
@@ -47,7 +53,8 @@ class Sequence:
         self.top_logprobs: list[dict[int, float]] = []
         # entry t is the logprobs of prompt token t (None for the first); filled as prefill runs
         self.prompt_logprobs: list[dict[int, float] | None] = (
-            [None] if params.prompt_logprobs is not None else [])
+            [None] if params.prompt_logprobs is not None else []
+        )
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -69,7 +76,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -91,7 +98,7 @@ class Sequence:
         return -(-num_tokens // self.block_size)
 
     def block_tokens(self, i: int) -> list[int]:
-        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     def will_finish(self, max_model_len: int | None = None) -> bool:
         """Its pending tokens reach max_tokens or the context limit: no step after theirs can
@@ -103,9 +110,14 @@ class Sequence:
         max_tokens = self.params.max_tokens
         return max_tokens is not None and self.num_output_tokens + self.num_pending >= max_tokens
 
-    def append_token(self, token_id: int, logprob: float | None,
-                     top: dict[int, float] | None, weight_version: int = 0,
-                     kept_mass: float | None = None) -> None:
+    def append_token(
+        self,
+        token_id: int,
+        logprob: float | None,
+        top: dict[int, float] | None,
+        weight_version: int = 0,
+        kept_mass: float | None = None,
+    ) -> None:
         """The oldest pending token arrived (async scheduling), or a token of a serial step."""
         self.num_pending = max(0, self.num_pending - 1)
         self.token_ids.append(token_id)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from actors.engine.block_manager import BlockManager
-from actors.engine.config import EngineConfig
-from actors.engine.detokenizer import StopChecker
-from actors.engine.grammar import GrammarCompiler
-from actors.executor import Executor, create_executor
-from actors.runner.config import RunnerConfig, RunnerInfo
+from raylane.actors.engine.block_manager import BlockManager
+from raylane.actors.engine.config import EngineConfig
+from raylane.actors.engine.detokenizer import StopChecker
+from raylane.actors.engine.grammar import GrammarCompiler
+from raylane.actors.executor import Executor, create_executor
+from raylane.actors.runner.config import RunnerConfig, RunnerInfo
 
 
 @dataclass
@@ -34,9 +34,8 @@ class EngineParts:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
+    from raylane.actors.models import check_tp_shape, load_tokenizer, resolve_model_dir
     from transformers import AutoConfig
-
-    from actors.models import check_tp_shape, load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(config.model)  # a .gguf converts once, here, for every rank
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -45,16 +44,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     eos = _eos_token_ids(hf_config, tokenizer, model_dir)
     max_len = config.max_model_len or getattr(hf_config, "max_position_embeddings", 4096)
     config = dataclasses.replace(config, max_model_len=max_len)
-    executor = create_executor(runner_config(config, model_dir, eos), config.executor_backend,
-                               config.shard_resources)
+    executor = create_executor(
+        runner_config(config, model_dir, eos), config.executor_backend, config.shard_resources
+    )
     info = executor.info
     config = dataclasses.replace(config, num_kv_blocks=info.num_kv_blocks)
     return EngineParts(
         config=config,
         tokenizer=tokenizer,
         executor=executor,
-        block_manager=BlockManager(info.num_kv_blocks, config.block_size,
-                                   config.enable_prefix_caching),
+        block_manager=BlockManager(
+            info.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        ),
         stop_checker=StopChecker(eos, max_len),
         vocab_size=hf_config.vocab_size,
         num_moe_layers=info.num_moe_layers,
@@ -64,15 +65,22 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 def runner_config(config: EngineConfig, model_dir: str, eos: list[int]) -> RunnerConfig:
     return RunnerConfig(
-        model_dir=model_dir, dtype=config.dtype, device=config.device,
-        block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
+        model_dir=model_dir,
+        dtype=config.dtype,
+        device=config.device,
+        block_size=config.block_size,
+        num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory_gb=config.kv_cache_memory_gb,
-        enable_return_routed_experts=config.enable_return_routed_experts, seed=config.seed,
+        enable_return_routed_experts=config.enable_return_routed_experts,
+        seed=config.seed,
         attention_backend=config.attention_backend,
-        tensor_parallel_size=config.tensor_parallel_size, eos_token_ids=tuple(eos),
+        tensor_parallel_size=config.tensor_parallel_size,
+        eos_token_ids=tuple(eos),
         sample_on_every_rank=config.async_scheduling and config.tensor_parallel_size > 1,
-        enforce_eager=config.enforce_eager, cudagraph_capture_sizes=config.capture_sizes,
-        max_model_len=config.max_model_len)
+        enforce_eager=config.enforce_eager,
+        cudagraph_capture_sizes=config.capture_sizes,
+        max_model_len=config.max_model_len,
+    )
 
 
 def _eos_token_ids(hf_config, tokenizer, model_dir: str) -> list[int]:

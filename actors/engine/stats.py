@@ -10,12 +10,74 @@ import bisect
 import time
 from collections import Counter
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class Histogram:
@@ -55,8 +117,17 @@ class StepTimes:
     (the clocks agree across processes of one node: perf_counter is CLOCK_MONOTONIC).
     """
 
-    PARTS = ("schedule", "plan", "dispatch", "prepare", "forward", "collectives", "sample",
-             "return", "postprocess")
+    PARTS = (
+        "schedule",
+        "plan",
+        "dispatch",
+        "prepare",
+        "forward",
+        "collectives",
+        "sample",
+        "return",
+        "postprocess",
+    )
 
     def __init__(self) -> None:
         self.steps = 0
@@ -66,8 +137,12 @@ class StepTimes:
 
     def add(self, timer: StepTimer, runner: dict[str, float]) -> None:
         self.steps += 1
-        laps = {**timer.laps, **{k: runner[k] for k in ("prepare", "forward", "collectives",
-                                                        "sample") if k in runner}}
+        laps = {
+            **timer.laps,
+            **{
+                k: runner[k] for k in ("prepare", "forward", "collectives", "sample") if k in runner
+            },
+        }
         if "sent_at" in runner and "started_at" in runner:
             # async scheduling sends a plan while the runner is busy: its wait in the queue
             # is not transport
@@ -127,8 +202,9 @@ class EngineStats:
         self.finished[request.seqs[0].finish_reason] += 1
         self.observe("e2e_request_latency_seconds", now - request.arrival_time)
 
-    def snapshot(self, scheduler, block_manager, weight_version: int = 0,
-                 paused: bool = False) -> dict:
+    def snapshot(
+        self, scheduler, block_manager, weight_version: int = 0, paused: bool = False
+    ) -> dict:
         return {
             "gauges": {
                 "num_requests_running": len(scheduler.running),

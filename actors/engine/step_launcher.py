@@ -12,15 +12,15 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from actors.engine.grammar import GrammarCompiler
-from actors.engine.outputs import RequestOutput
-from actors.engine.planner import StepPlanner
-from actors.engine.postprocessor import Postprocessor
-from actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from actors.engine.stats import EngineStats, StepTimer
-from actors.executor.base import Executor
-from actors.runner.faults import Faults
-from actors.runner.plan import StepResult
+from raylane.actors.engine.grammar import GrammarCompiler
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.planner import StepPlanner
+from raylane.actors.engine.postprocessor import Postprocessor
+from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from raylane.actors.engine.stats import EngineStats, StepTimer
+from raylane.actors.executor.base import Executor
+from raylane.actors.runner.faults import Faults
+from raylane.actors.runner.plan import StepResult
 
 
 @dataclass
@@ -33,8 +33,15 @@ class LaunchedStep:
 
 
 class StepLauncher:
-    def __init__(self, scheduler: Scheduler, planner: StepPlanner, executor: Executor,
-                 grammars: GrammarCompiler, post: Postprocessor, stats: EngineStats):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        planner: StepPlanner,
+        executor: Executor,
+        grammars: GrammarCompiler,
+        post: Postprocessor,
+        stats: EngineStats,
+    ):
         self.scheduler = scheduler
         self.planner = planner
         self.executor = executor

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.sampling_params import SamplingParams
 
 
 class RequestValidator:
@@ -27,14 +27,19 @@ class RequestValidator:
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                   or not 0 <= t < self.vocab_size]
+            bad = [
+                t
+                for t in ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+            ]
             if bad:
-                raise ValueError(f"prompt: token ids must be ints in [0, {self.vocab_size}); "
-                                 f"got {bad[:5]}")
+                raise ValueError(
+                    f"prompt: token ids must be ints in [0, {self.vocab_size}); got {bad[:5]}"
+                )
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, "
-                             f"got {type(prompt).__name__}")
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError("prompt: must not be empty")
         return ids
@@ -42,14 +47,18 @@ class RequestValidator:
     def _check_length(self, ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.max_model_len
         if len(ids) >= max_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
-                             f"max_model_len={max_len}; shorten the prompt")
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within "
+                f"max_model_len={max_len}; shorten the prompt"
+            )
         total = min(len(ids) + (params.max_tokens or max_len), max_len)
         blocks = -(-total // self.config.block_size)
         if blocks > self.config.num_kv_blocks:
-            raise ValueError(f"max_tokens: prompt + max_tokens = {total} tokens need {blocks} KV "
-                             f"blocks but the cache has {self.config.num_kv_blocks}; lower "
-                             f"max_tokens or raise num_kv_blocks")
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens = {total} tokens need {blocks} KV "
+                f"blocks but the cache has {self.config.num_kv_blocks}; lower "
+                f"max_tokens or raise num_kv_blocks"
+            )
 
     def _check_features(self, params: SamplingParams) -> None:
         limit = self.config.max_logprobs
@@ -61,8 +70,10 @@ class RequestValidator:
             if not self.num_moe_layers:
                 raise ValueError("return_routed_experts: the model has no MoE layers")
             if not self.config.enable_return_routed_experts:
-                raise ValueError("return_routed_experts: start the engine with "
-                                 "EngineConfig(enable_return_routed_experts=True)")
+                raise ValueError(
+                    "return_routed_experts: start the engine with "
+                    "EngineConfig(enable_return_routed_experts=True)"
+                )
         if params.structured_outputs is not None:
             self.grammars.grammar(params.structured_outputs)  # compiles once; ValueError if bad
 

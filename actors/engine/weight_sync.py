@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.engine.block_manager import BlockManager
-from actors.executor.base import Executor
-from actors.models.weights import Payload, TensorSpec, WeightUpdate, bucket_specs
+from raylane.actors.engine.block_manager import BlockManager
+from raylane.actors.executor.base import Executor
+from raylane.actors.models.weights import Payload, TensorSpec, WeightUpdate, bucket_specs
 
 
 class WeightSync:
@@ -31,15 +31,19 @@ class WeightSync:
     def begin(self, specs: list[TensorSpec]) -> None:
         """ValueError naming the first tensor that would not load on some rank; a second
         begin replaces an unfinished update."""
-        self.executor.collective_rpc("check_weight_update",
-                                     [(s.name, s.shape, s.dtype) for s in specs])
+        self.executor.collective_rpc(
+            "check_weight_update", [(s.name, s.shape, s.dtype) for s in specs]
+        )
         self._update = WeightUpdate({s.name: s for s in specs})
 
     def load(self, bucket: Payload | dict[str, Any]) -> int:
         """Apply one bucket; returns how many tensors it held."""
         update = self._require()
-        specs = [TensorSpec.of(name, t) for name, t in bucket.items()] if isinstance(
-            bucket, dict) else bucket_specs(bucket)
+        specs = (
+            [TensorSpec.of(name, t) for name, t in bucket.items()]
+            if isinstance(bucket, dict)
+            else bucket_specs(bucket)
+        )
         update.check(specs)
         update.dirty = True  # from here on, the weights are neither old nor new until finish
         self.executor.load_weight_bucket(bucket)

@@ -4,24 +4,25 @@
 
 from __future__ import annotations
 
-from actors.executor.base import Executor, ExecutorError
-from actors.runner.config import RunnerConfig
+from raylane.actors.executor.base import Executor, ExecutorError
+from raylane.actors.runner.config import RunnerConfig
 
 BACKENDS = ("uni", "ray")
 
 
-def create_executor(config: RunnerConfig, backend: str,
-                    shard_resources: dict[str, float] | None = None) -> Executor:
+def create_executor(
+    config: RunnerConfig, backend: str, shard_resources: dict[str, float] | None = None
+) -> Executor:
     """Start the runners of `config` on `backend` ("uni" or "ray"); blocks until they are ready.
 
     `shard_resources`: the Ray resources of each rank's bundle (Ray executor only)."""
     # NOTE: imported here so the engine core stays free of torch and Ray until it starts one
     if backend == "uni":
-        from actors.executor.uni import UniExecutor
+        from raylane.actors.executor.uni import UniExecutor
 
         return UniExecutor(config)
     if backend == "ray":
-        from actors.executor.ray_executor import RayExecutor
+        from raylane.actors.executor.ray_executor import RayExecutor
 
         return RayExecutor(config, shard_resources)
     raise ValueError(f"distributed_executor_backend must be one of {BACKENDS}, got {backend!r}")

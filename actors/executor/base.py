@@ -6,8 +6,8 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from actors.runner.config import RunnerInfo
-from actors.runner.plan import StepError, StepPlan, StepResult
+from raylane.actors.runner.config import RunnerInfo
+from raylane.actors.runner.plan import StepError, StepPlan, StepResult
 
 
 class ExecutorError(RuntimeError):

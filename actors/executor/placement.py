@@ -16,8 +16,9 @@ DEFAULT_CPU_SHARD = {"CPU": 0.1}  # fractional: ranks share the cores of a CPU n
 DEFAULT_GPU_SHARD = {"GPU": 1.0}
 
 
-def shard_bundle(resources: dict[str, float] | None, device: str,
-                 cluster_has_gpus: bool) -> dict[str, float]:
+def shard_bundle(
+    resources: dict[str, float] | None, device: str, cluster_has_gpus: bool
+) -> dict[str, float]:
     """The Ray resources of one rank's bundle: as configured, else one GPU on a GPU device and a
     tenth of a CPU on a CPU one."""
     if resources:
@@ -40,8 +41,9 @@ def total(bundles: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def check_fits_one_node(bundles: list[dict[str, float]], nodes: list[dict[str, Any]],
-                        what: str) -> None:
+def check_fits_one_node(
+    bundles: list[dict[str, float]], nodes: list[dict[str, Any]], what: str
+) -> None:
     """ValueError naming the shortfall when no alive node could hold all `bundles` at once.
 
     `nodes` as `ray.nodes()` returns them (their total resources, not what is free now: a
@@ -53,11 +55,16 @@ def check_fits_one_node(bundles: list[dict[str, float]], nodes: list[dict[str, A
         return
     wanted = ", ".join(f"{v:g} {k}" for k, v in sorted(need.items()))
     best = {k: max((res.get(k, 0.0) for res in alive), default=0.0) for k in need}
-    short = ", ".join(f"{k}: needs {need[k]:g}, the largest node has {best[k]:g}"
-                      for k in sorted(need) if best[k] < need[k])
-    raise ValueError(f"{what} needs {wanted} on one node (a tensor-parallel group never spans "
-                     f"nodes), but no node has that much ({short or 'not all at once'}); lower "
-                     f"tensor_parallel_size or the per-shard resources, or add bigger nodes")
+    short = ", ".join(
+        f"{k}: needs {need[k]:g}, the largest node has {best[k]:g}"
+        for k in sorted(need)
+        if best[k] < need[k]
+    )
+    raise ValueError(
+        f"{what} needs {wanted} on one node (a tensor-parallel group never spans "
+        f"nodes), but no node has that much ({short or 'not all at once'}); lower "
+        f"tensor_parallel_size or the per-shard resources, or add bigger nodes"
+    )
 
 
 @dataclass
@@ -72,8 +79,10 @@ class ShardPlacement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=self.first_bundle + rank,
-            placement_group_capture_child_tasks=False)
+            placement_group=self.group,
+            placement_group_bundle_index=self.first_bundle + rank,
+            placement_group_capture_child_tasks=False,
+        )
 
     def release(self) -> None:
         if self.owned:
@@ -82,8 +91,9 @@ class ShardPlacement:
             remove_placement_group(self.group)
 
 
-def place_shards(bundle: dict[str, float], world_size: int,
-                 timeout_s: float = 300.0) -> ShardPlacement:
+def place_shards(
+    bundle: dict[str, float], world_size: int, timeout_s: float = 300.0
+) -> ShardPlacement:
     """Reuse the current Serve replica's placement group when it was made for the shards,
     else make a STRICT_PACK group of `world_size` bundles and wait until it is placed."""
     import ray
@@ -102,21 +112,28 @@ def place_shards(bundle: dict[str, float], world_size: int,
         from ray.util import remove_placement_group
 
         remove_placement_group(group)
-        raise RuntimeError(f"the {world_size} shards ({bundle} each) found no room on one node "
-                           f"within {timeout_s:.0f} s: other work holds the resources") from None
+        raise RuntimeError(
+            f"the {world_size} shards ({bundle} each) found no room on one node "
+            f"within {timeout_s:.0f} s: other work holds the resources"
+        ) from None
     return ShardPlacement(group, 0, owned=True)
 
 
-def _check_replica_group(specs: list[dict[str, float]], bundle: dict[str, float],
-                         world_size: int) -> None:
+def _check_replica_group(
+    specs: list[dict[str, float]], bundle: dict[str, float], world_size: int
+) -> None:
     """ValueError unless bundles 1..world_size of the current group each hold one shard: a
     shard asking for more than its bundle has would wait forever instead of starting."""
     if len(specs) < world_size + 1:
-        raise ValueError(f"the current placement group has {len(specs)} bundles; "
-                         f"tensor_parallel_size={world_size} needs {world_size + 1} "
-                         "(the replica's, then one per shard)")
+        raise ValueError(
+            f"the current placement group has {len(specs)} bundles; "
+            f"tensor_parallel_size={world_size} needs {world_size + 1} "
+            "(the replica's, then one per shard)"
+        )
     for index in range(1, world_size + 1):
         if any(specs[index].get(k, 0.0) < v for k, v in bundle.items() if v > 0):
-            raise ValueError(f"bundle {index} of the current placement group ({specs[index]}) "
-                             f"cannot hold a shard needing {bundle}; deploy the replica with "
-                             "placement_group_bundles=replica_bundles(shard, world_size)")
+            raise ValueError(
+                f"bundle {index} of the current placement group ({specs[index]}) "
+                f"cannot hold a shard needing {bundle}; deploy the replica with "
+                "placement_group_bundles=replica_bundles(shard, world_size)"
+            )

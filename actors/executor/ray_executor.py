@@ -32,12 +32,12 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from actors.executor.base import ExecutorError, result_or_step_failed
-from actors.executor.placement import ShardPlacement, place_shards, shard_bundle
-from actors.executor.step_channel import ShardFailed, StepChannels
-from actors.runner.config import RunnerConfig, RunnerInfo
-from actors.runner.plan import StepPlan, StepResult
-from actors.shard import ModelShard
+from raylane.actors.executor.base import ExecutorError, result_or_step_failed
+from raylane.actors.executor.placement import ShardPlacement, place_shards, shard_bundle
+from raylane.actors.executor.step_channel import ShardFailed, StepChannels
+from raylane.actors.runner.config import RunnerConfig, RunnerInfo
+from raylane.actors.runner.plan import StepPlan, StepResult
+from raylane.actors.shard import ModelShard
 
 START_TIMEOUT_S = 600.0  # loading a big model slice on a slow disk
 HEALTH_TIMEOUT_S = 60.0  # a busy node can be slow to answer; a dead shard fails at once
@@ -49,8 +49,9 @@ class RayExecutor:
 
         ensure_ray()
         self.world_size = config.tensor_parallel_size
-        bundle = shard_bundle(shard_resources, config.device,
-                              ray.cluster_resources().get("GPU", 0) > 0)
+        bundle = shard_bundle(
+            shard_resources, config.device, ray.cluster_resources().get("GPU", 0) > 0
+        )
         self._error: BaseException | None = None
         self.channels: StepChannels | None = None
         self._serving: list | None = None  # the shards' serve_steps calls, while they run
@@ -69,11 +70,16 @@ class RayExecutor:
         # the ranks split this process's thread budget (one per core is the fastest on CPU)
         threads = max(1, torch.get_num_threads() // self.world_size)
         actor = ray.remote(ModelShard)
-        return [actor.options(num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0),
-                              resources=_custom(bundle), max_restarts=0,
-                              scheduling_strategy=self.placement.strategy(rank))
-                .remote(config, rank, self.world_size, threads)
-                for rank in range(self.world_size)]
+        return [
+            actor.options(
+                num_cpus=bundle.get("CPU", 0.0),
+                num_gpus=bundle.get("GPU", 0.0),
+                resources=_custom(bundle),
+                max_restarts=0,
+                scheduling_strategy=self.placement.strategy(rank),
+            ).remote(config, rank, self.world_size, threads)
+            for rank in range(self.world_size)
+        ]
 
     def _start(self) -> RunnerInfo:
         import ray
@@ -102,8 +108,9 @@ class RayExecutor:
         nodes = self._gather([s.node_id.remote() for s in self.shards], START_TIMEOUT_S)
         if any(node != here for node in nodes):
             return None
-        endpoints = self._gather([s.open_step_channel.remote() for s in self.shards],
-                                 START_TIMEOUT_S)
+        endpoints = self._gather(
+            [s.open_step_channel.remote() for s in self.shards], START_TIMEOUT_S
+        )
         return StepChannels(endpoints)
 
     # --- the protocol -------------------------------------------------------------------------
@@ -170,8 +177,9 @@ class RayExecutor:
         if self._serving is not None:  # the shards take no Ray call while serving steps
             self._on_channel(self.channels.command, "ping")
         else:
-            self._gather([s.ping.remote() for s in self.shards], HEALTH_TIMEOUT_S,
-                         kill_on_error=True)
+            self._gather(
+                [s.ping.remote() for s in self.shards], HEALTH_TIMEOUT_S, kill_on_error=True
+            )
 
     def _on_channel(self, call, arg):
         try:
@@ -220,8 +228,9 @@ class RayExecutor:
 
     # --- waiting on every rank ----------------------------------------------------------------
 
-    def _gather(self, refs: list, timeout_s: float | None = None,
-                kill_on_error: bool = False) -> list:
+    def _gather(
+        self, refs: list, timeout_s: float | None = None, kill_on_error: bool = False
+    ) -> list:
         """Wait for every rank; the first failure anywhere raises at once."""
         import ray
 
@@ -252,14 +261,18 @@ def ensure_ray() -> None:
 
     if ray.is_initialized():
         return
-    for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
-                       ("RAY_USAGE_STATS_ENABLED", "0")):
+    for key, value in (
+        ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+        ("RAY_AUTH_MODE", "disabled"),
+        ("RAY_USAGE_STATS_ENABLED", "0"),
+    ):
         os.environ.setdefault(key, value)
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
     else:
-        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
-                 log_to_driver=False)
+        ray.init(
+            address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False
+        )
 
 
 def _drain(refs: list) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import selectors
 import socket
 
-from actors.runner import wire
-from actors.runner.plan import ChannelCommand, StepError, StepPlan, StepResult
-from actors.shard import LOOPBACK
+from raylane.actors.runner import wire
+from raylane.actors.runner.plan import ChannelCommand, StepError, StepPlan, StepResult
+from raylane.actors.shard import LOOPBACK
 
 
 class ShardFailed(RuntimeError):

@@ -14,17 +14,19 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from actors.executor.base import ExecutorError, StepFailed
-from actors.runner.config import RunnerConfig
-from actors.runner.model_runner import ModelRunner
-from actors.runner.plan import StepPlan, StepResult
+from raylane.actors.executor.base import ExecutorError, StepFailed
+from raylane.actors.runner.config import RunnerConfig
+from raylane.actors.runner.model_runner import ModelRunner
+from raylane.actors.runner.plan import StepPlan, StepResult
 
 
 class UniExecutor:
     def __init__(self, config: RunnerConfig):
         if config.tensor_parallel_size != 1:
-            raise ValueError("distributed_executor_backend='uni' runs one rank; "
-                             f"tensor_parallel_size={config.tensor_parallel_size} needs 'ray'")
+            raise ValueError(
+                "distributed_executor_backend='uni' runs one rank; "
+                f"tensor_parallel_size={config.tensor_parallel_size} needs 'ray'"
+            )
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="raylane-runner")
         self.runner = self._worker.submit(ModelRunner, config).result()
         self.info = self.runner.info()

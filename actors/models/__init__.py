@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from actors.models.checkpoint import LazyTensor, ReadStats
-from actors.models.layers import TPGroup
-from actors.models.loader import load_model, load_tokenizer, load_weights, resolve_model_dir
-from actors.models.packing import pack_linear_weights, unpack_linear_weights
-from actors.models.registry import get_model_class, supported_architectures
-from actors.models.tp_shape import check_tp_shape
+from raylane.actors.models.checkpoint import LazyTensor, ReadStats
+from raylane.actors.models.layers import TPGroup
+from raylane.actors.models.loader import load_model, load_tokenizer, load_weights, resolve_model_dir
+from raylane.actors.models.packing import pack_linear_weights, unpack_linear_weights
+from raylane.actors.models.registry import get_model_class, supported_architectures
+from raylane.actors.models.tp_shape import check_tp_shape
 
 __all__ = [
     "LazyTensor",

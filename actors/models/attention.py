@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
+from raylane.kernels.attention import AttentionBackend, AttentionMetadata, get_backend
 from torch import nn
-
-from kernels.attention import AttentionBackend, AttentionMetadata, get_backend
 
 
 class Attention(nn.Module):
@@ -25,8 +24,9 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
         # q [T, H, D], k/v [T, KVH, D] -> [T, H, D]
         if self.k_cache is None:
             raise RuntimeError("Attention.k_cache is not attached; the runner allocates it")

@@ -14,10 +14,18 @@ import torch
 
 # safetensors dtype names -> torch dtypes (the ones a checkpoint of ours can hold)
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -41,9 +49,13 @@ class LazyTensor:
     so nothing reads a whole tensor by accident.
     """
 
-    def __init__(self, source: Any, stats: ReadStats | None = None,
-                 ranges: tuple[tuple[int, int], ...] | None = None,
-                 kept: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        stats: ReadStats | None = None,
+        ranges: tuple[tuple[int, int], ...] | None = None,
+        kept: tuple[int, ...] | None = None,
+    ) -> None:
         # source: a safetensors slice (`get_shape()`, `get_dtype()`, `[tuple of slices]`)
         self._source, self._stats = source, stats
         full = tuple(source.get_shape())
@@ -81,8 +93,10 @@ class LazyTensor:
         size = self.shape[dim]
         start = start + size if start < 0 else start
         if start < 0 or length < 0 or start + length > size:
-            raise ValueError(f"checkpoint tensor of shape {tuple(self.shape)} has no "
-                             f"[{start}:{start + length}] along dim {dim}")
+            raise ValueError(
+                f"checkpoint tensor of shape {tuple(self.shape)} has no "
+                f"[{start}:{start + length}] along dim {dim}"
+            )
         return self._with_range(self._kept[dim], start, length)
 
     def __getitem__(self, key: Any) -> LazyTensor:
@@ -120,7 +134,7 @@ class LazyTensor:
             raise IndexError("an index can only have a single ellipsis")
         if Ellipsis in key:
             at = key.index(Ellipsis)
-            key = key[:at] + (slice(None),) * (self.dim() - len(key) + 1) + key[at + 1:]
+            key = key[:at] + (slice(None),) * (self.dim() - len(key) + 1) + key[at + 1 :]
         if len(key) > self.dim():
             raise IndexError(f"too many indices for a {self.dim()}-d tensor")
         return key + (slice(None),) * (self.dim() - len(key))

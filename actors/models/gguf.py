@@ -40,8 +40,7 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def gguf_to_hf_dir(gguf_path: str | os.PathLike,
-                   log: Callable[[str], None] = _stderr) -> str:
+def gguf_to_hf_dir(gguf_path: str | os.PathLike, log: Callable[[str], None] = _stderr) -> str:
     """Return a cached HF directory (config, float32 safetensors, tokenizer) for a GGUF file."""
     path = Path(gguf_path)
     if not path.is_file():
@@ -53,8 +52,10 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike,
     with open(target.parent / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # NOTE: another process may have converted meanwhile
         if not (target / _DONE).exists():
-            log(f"raylane: converting {path.name} to a Hugging Face directory once "
-                f"(dequantizing, ~10 s); cached at {target}")
+            log(
+                f"raylane: converting {path.name} to a Hugging Face directory once "
+                f"(dequantizing, ~10 s); cached at {target}"
+            )
             started = time.monotonic()
             _convert(path.resolve(), target)
             log(f"raylane: converted in {time.monotonic() - started:.1f} s")
@@ -63,8 +64,10 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike,
 
 def _convert(path: Path, target: Path) -> None:
     if importlib.util.find_spec("accelerate") is None or importlib.util.find_spec("gguf") is None:
-        raise RuntimeError("loading a GGUF file needs the `gguf` and `accelerate` packages: "
-                           "pip install gguf accelerate")
+        raise RuntimeError(
+            "loading a GGUF file needs the `gguf` and `accelerate` packages: "
+            "pip install gguf accelerate"
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")

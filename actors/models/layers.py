@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from raylane.actors.models.checkpoint import LazyTensor, materialize
+from raylane.actors.models.tp_shape import split_evenly, split_kv_heads
 from torch import nn
-
-from actors.models.checkpoint import LazyTensor, materialize
-from actors.models.tp_shape import split_evenly, split_kv_heads
 
 Loaded = torch.Tensor | LazyTensor  # what a weight_loader receives
 
@@ -72,19 +71,22 @@ def copy_checked(dst: torch.Tensor, src: Loaded, what: str) -> None:
     """Copy `src` (cast to dst's dtype) into `dst`, reading a lazy `src` only after the shape
     check; ValueError naming both shapes when they differ."""
     if dst.shape != src.shape:
-        raise ValueError(f"weight {what}: checkpoint slice has shape {tuple(src.shape)}, "
-                         f"the model expects {tuple(dst.shape)}")
+        raise ValueError(
+            f"weight {what}: checkpoint slice has shape {tuple(src.shape)}, "
+            f"the model expects {tuple(dst.shape)}"
+        )
     dst.copy_(materialize(src))
 
 
-def split_rows(loaded: Loaded, dim: int, full: int, index: int, size: int,
-               what: str) -> Loaded:
+def split_rows(loaded: Loaded, dim: int, full: int, index: int, size: int, what: str) -> Loaded:
     """Rank slice `[index * size, (index + 1) * size)` of `loaded` along `dim`, after checking
     the checkpoint tensor is `full` long there: every rank then rejects a wrong tensor the same
     way, before any of them copies a slice (no half-loaded group, no silent truncation)."""
     if loaded.dim() <= dim or loaded.shape[dim] != full:
-        raise ValueError(f"weight {what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
-                         f"expected {full} along dim {dim}")
+        raise ValueError(
+            f"weight {what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+            f"expected {full} along dim {dim}"
+        )
     return loaded.narrow(dim, index * size, size)
 
 
@@ -94,8 +96,9 @@ def new_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Paramet
     return param
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:
     """x [T, in] -> [T, out]; through the oneDNN-packed copy of `weight` when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
@@ -123,16 +126,18 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight (e.g. the MoE router)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup | None = None
+    ) -> None:
         super().__init__(input_size, output_size, bias, tp)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication in forward."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup | None = None
+    ) -> None:
         tp = tp or TPGroup()
         super().__init__(input_size, divide(output_size, tp.world_size, "output_size"), bias, tp)
 
@@ -145,8 +150,13 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul, e.g. [gate | up]; shard_id = index."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__(input_size, sum(output_sizes), bias, tp)
         world = self.tp.world_size
         self.local_sizes = [divide(s, world, "output_sizes") for s in output_sizes]
@@ -167,8 +177,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     KV heads are split across ranks, or replicated when there are fewer KV heads than ranks.
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: TPGroup | None = None,
+    ) -> None:
         tp = tp or TPGroup()
         self.num_heads = divide(num_heads, tp.world_size, "num_attention_heads")
         # per rank: its own KV heads, or one KV head shared by `kv_replicas` ranks
@@ -196,8 +213,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed with an all-reduce."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup | None = None
+    ) -> None:
         tp = tp or TPGroup()
         super().__init__(divide(input_size, tp.world_size, "input_size"), output_size, bias, tp)
 
@@ -228,8 +246,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
         if loaded.shape[0] != self.num_embeddings:
-            raise ValueError(f"weight vocab rows: checkpoint has {loaded.shape[0]}, "
-                             f"the model expects vocab_size {self.num_embeddings}")
+            raise ValueError(
+                f"weight vocab rows: checkpoint has {loaded.shape[0]}, "
+                f"the model expects vocab_size {self.num_embeddings}"
+            )
         rows = max(0, min(self.per_rank, loaded.shape[0] - self.start))
         param.data[rows:].zero_()
         start = min(self.start, loaded.shape[0])  # a rank past a tiny vocab gets only padding

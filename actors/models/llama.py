@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
-
-from actors.models.attention import Attention
-from actors.models.layers import (
+from raylane.actors.models.attention import Attention
+from raylane.actors.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -21,10 +19,11 @@ from actors.models.layers import (
     TPGroup,
     VocabParallelEmbedding,
 )
-from kernels.activation import SiluAndMul
-from kernels.attention.metadata import AttentionMetadata
-from kernels.norm import RMSNorm
-from kernels.rotary import RotaryEmbedding, apply_rotary, rope_parameters_of
+from raylane.kernels.activation import SiluAndMul
+from raylane.kernels.attention.metadata import AttentionMetadata
+from raylane.kernels.norm import RMSNorm
+from raylane.kernels.rotary import RotaryEmbedding, apply_rotary, rope_parameters_of
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -43,22 +42,32 @@ class AttentionSpec:
     max_position_embeddings: int
 
     @classmethod
-    def from_config(cls, config: Any, qkv_bias: bool | None = None, o_bias: bool | None = None,
-                    qk_norm: bool = False) -> AttentionSpec:
+    def from_config(
+        cls,
+        config: Any,
+        qkv_bias: bool | None = None,
+        o_bias: bool | None = None,
+        qk_norm: bool = False,
+    ) -> AttentionSpec:
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise ValueError("layer_types: sliding-window attention layers are not supported")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % kv_heads:
-            raise ValueError(f"num_key_value_heads: {kv_heads} does not divide "
-                             f"num_attention_heads {heads}")
+            raise ValueError(
+                f"num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}"
+            )
         bias = bool(getattr(config, "attention_bias", False))
         return cls(
-            hidden_size=config.hidden_size, num_heads=heads, num_kv_heads=kv_heads,
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             qkv_bias=bias if qkv_bias is None else qkv_bias,
-            o_bias=bias if o_bias is None else o_bias, qk_norm=qk_norm,
-            rms_norm_eps=config.rms_norm_eps, rope_parameters=rope_parameters_of(config),
+            o_bias=bias if o_bias is None else o_bias,
+            qk_norm=qk_norm,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_parameters=rope_parameters_of(config),
             max_position_embeddings=config.max_position_embeddings,
         )
 
@@ -66,39 +75,48 @@ class AttentionSpec:
 class LlamaAttention(nn.Module):
     def __init__(self, spec: AttentionSpec, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads,
-                                          spec.num_kv_heads, spec.qkv_bias, tp)
+        self.qkv_proj = QKVParallelLinear(
+            spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.qkv_bias, tp
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = spec.head_dim
-        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size,
-                                        spec.o_bias, tp)
+        self.o_proj = RowParallelLinear(
+            spec.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias, tp
+        )
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim,
-                              spec.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
         t, d, h, kvh = hidden.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
-        v = qkv[:, (h + kvh) * d:].view(t, kvh, d)  # [T, KVH, D]
+        v = qkv[:, (h + kvh) * d :].view(t, kvh, d)  # [T, KVH, D]
         if self.q_norm is None:  # rotate q and k heads in one go: [T, H + KVH, D]
-            qk = apply_rotary(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
+            qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]  # NOTE: views, row stride (H + KVH) * D
         else:
-            q = self.q_norm(qkv[:, :h * d].view(t, h, d))
-            k = self.k_norm(qkv[:, h * d:(h + kvh) * d].view(t, kvh, d))
+            q = self.q_norm(qkv[:, : h * d].view(t, h, d))
+            k = self.k_norm(qkv[:, h * d : (h + kvh) * d].view(t, kvh, d))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q, k, v, attn)  # [T, H, D]
         return self.o_proj(out.reshape(t, h * d))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str,
-                 bias: bool = False, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool = False,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
-                                                       bias, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias, tp
+        )
         self.act_fn = SiluAndMul(hidden_act)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
 
@@ -109,17 +127,23 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. `mlp` returns a tensor, or (tensor, expert ids) when `is_moe`."""
 
-    def __init__(self, spec: AttentionSpec, mlp: nn.Module, is_moe: bool,
-                 tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, spec: AttentionSpec, mlp: nn.Module, is_moe: bool, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, tp)
         self.mlp, self.is_moe = mlp, is_moe
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, attn: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -133,18 +157,27 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, spec: AttentionSpec, layers: list[LlamaDecoderLayer],
-                 tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        spec: AttentionSpec,
+        layers: list[LlamaDecoderLayer],
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_parameters,
-                                          spec.max_position_embeddings,
-                                          dtype=torch.get_default_dtype())
+        self.rotary_emb = RotaryEmbedding(
+            spec.head_dim,
+            spec.rope_parameters,
+            spec.max_position_embeddings,
+            dtype=torch.get_default_dtype(),
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary_emb(positions)  # [T, head_dim] each, shared by all layers
         residual, routed = None, []
@@ -161,11 +194,15 @@ class LlamaForCausalLM(nn.Module):
 
     # fused param -> the checkpoint names it is stacked from, with their shard ids
     stacked_params_mapping: ClassVar[list[tuple[str, str, Any]]] = [
-        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
     ]
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
     }
     weight_renames: ClassVar[list[tuple[str, str]]] = []  # checkpoint name fragment -> ours
     num_moe_layers = 0
@@ -187,12 +224,18 @@ class LlamaForCausalLM(nn.Module):
         return AttentionSpec.from_config(config)
 
     def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
-        mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                       bool(getattr(config, "mlp_bias", False)), self.tp)
+        mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bool(getattr(config, "mlp_bias", False)),
+            self.tp,
+        )
         return LlamaDecoderLayer(spec, mlp, is_moe=False, tp=self.tp)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids / positions [T] int64 -> (hidden [T, D] after the final norm, routed
         expert ids [T, num_moe_layers, top_k] int32 or None for dense models)."""
         return self.model(input_ids, positions, attn)

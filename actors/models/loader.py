@@ -16,17 +16,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from raylane.actors.models.checkpoint import LazyTensor, ReadStats
+from raylane.actors.models.gguf import gguf_to_hf_dir
+from raylane.actors.models.layers import Loaded, TPGroup, copy_checked
+from raylane.actors.models.packing import pack_linear_weights, refresh_packed_weights
+from raylane.actors.models.registry import get_model_class
+from raylane.actors.models.tp_shape import check_tp_shape
 from torch import nn
 
-from actors.models.checkpoint import LazyTensor, ReadStats
-from actors.models.gguf import gguf_to_hf_dir
-from actors.models.layers import Loaded, TPGroup, copy_checked
-from actors.models.packing import pack_linear_weights, refresh_packed_weights
-from actors.models.registry import get_model_class
-from actors.models.tp_shape import check_tp_shape
-
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
 
 
 def resolve_model_dir(path: str | os.PathLike) -> str:
@@ -35,8 +39,10 @@ def resolve_model_dir(path: str | os.PathLike) -> str:
     if p.is_file() and p.suffix == ".gguf":
         return gguf_to_hf_dir(p)
     if not (p / "config.json").is_file():
-        raise ValueError(f"model: {str(path)!r} is neither a Hugging Face directory with "
-                         "config.json nor a .gguf file")
+        raise ValueError(
+            f"model: {str(path)!r} is neither a Hugging Face directory with "
+            "config.json nor a .gguf file"
+        )
     return str(p)
 
 
@@ -67,8 +73,9 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: str | os.PathLike,
-                    stats: ReadStats | None = None) -> Iterator[tuple[str, Loaded]]:
+def iter_checkpoint(
+    model_dir: str | os.PathLike, stats: ReadStats | None = None
+) -> Iterator[tuple[str, Loaded]]:
     """(name, tensor) pairs of a checkpoint, one tensor at a time.
 
     Safetensors files yield `LazyTensor` views that read nothing until a region of them is
@@ -89,15 +96,15 @@ def iter_checkpoint(model_dir: str | os.PathLike,
 
 
 def _iter_bin(file: Path, stats: ReadStats | None) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in torch.load(file, map_location="cpu", mmap=True,
-                                   weights_only=True).items():
+    for name, tensor in torch.load(file, map_location="cpu", mmap=True, weights_only=True).items():
         if stats is not None:
             stats.add(tensor)
         yield name, tensor
 
 
-def _target(model: nn.Module, experts: list[tuple[str, str, Any]],
-            name: str) -> tuple[str, Any] | None:
+def _target(
+    model: nn.Module, experts: list[tuple[str, str, Any]], name: str
+) -> tuple[str, Any] | None:
     """Checkpoint name -> (our parameter name, shard id), or None to skip the tensor."""
     if "rotary_emb.inv_freq" in name:
         return None
@@ -119,8 +126,9 @@ def _plain_loader(param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> 
     copy_checked(param.data, loaded, "parameter")  # e.g. norm weights, whole on every rank
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, Loaded]],
-                 partial: bool = False) -> set[str]:
+def load_weights(
+    model: nn.Module, weights: Iterable[tuple[str, Loaded]], partial: bool = False
+) -> set[str]:
     """Copy checkpoint tensors (or `LazyTensor` views) into `model`, each parameter taking its
     TP rank's slice; ValueError on unknown or missing weights and on shape mismatches.
     Returns the names of the parameters it wrote.
@@ -151,8 +159,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Loaded]],
     return loaded
 
 
-def check_weights(model_class: type, config: Any, tp: TPGroup, dtype: torch.dtype,
-                  specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+def check_weights(
+    model_class: type,
+    config: Any,
+    tp: TPGroup,
+    dtype: torch.dtype,
+    specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+) -> None:
     """Run the weight loaders of a shape-only (meta) twin of the model on shape-only tensors:
     raises the ValueError a real load of those names and shapes would raise, and touches no
     weight. This is how an update is checked on every rank before any weight changes."""
@@ -177,11 +190,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
-               device: str | torch.device = "cpu",
-               tp: TPGroup | None = None,
-               pack_weights: bool = True,
-               read_stats: ReadStats | None = None) -> tuple[nn.Module, Any, str]:
+def load_model(
+    path: str | os.PathLike,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device = "cpu",
+    tp: TPGroup | None = None,
+    pack_weights: bool = True,
+    read_stats: ReadStats | None = None,
+) -> tuple[nn.Module, Any, str]:
     """Build and load the model at `path` (HF directory or .gguf).
 
     `tp`: this rank's place in its tensor-parallel group; the shapes are checked first

@@ -14,9 +14,8 @@ from __future__ import annotations
 import functools
 
 import torch
+from raylane.actors.models.layers import LinearBase, ParallelLMHead, linear
 from torch import nn
-
-from actors.models.layers import LinearBase, ParallelLMHead, linear
 
 BATCH_HINT = 32  # the layout oneDNN picks for this batch size serves 1..512 tokens well
 # packed vs F.linear on the same inputs: both accumulate in float32, bfloat16 rounds the output
@@ -24,16 +23,20 @@ _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in _TOLERANCE
-            and reorder_supported(weight.dtype))
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in _TOLERANCE
+        and reorder_supported(weight.dtype)
+    )
 
 
 @functools.cache
 def reorder_supported(dtype: torch.dtype) -> bool:
     """oneDNN can pack `dtype` weights on this CPU (its bf16 path needs avx512bw/vl/dq or
     avx_ne_convert: on a CPU without them the reorder raises)."""
-    if not (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
         return False
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), BATCH_HINT)
@@ -63,8 +66,9 @@ def pack_linear_weights(model: nn.Module) -> int:
     if not modules or not can_pack(modules[0].weight):
         return 0
     with torch.no_grad():
-        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), BATCH_HINT)
-                  for m in modules]
+        packed = [
+            torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), BATCH_HINT) for m in modules
+        ]
         if not _agrees(modules[0], packed[0]):
             return 0
     for module, weight in zip(modules, packed):
@@ -86,8 +90,9 @@ def repack_changed(model: nn.Module, param_names: set[str]) -> int:
     with torch.no_grad():
         for module in modules:
             module.packed = None  # its memory is reused for the new pack (no page faults)
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(),
-                                                                    BATCH_HINT)
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(
+                module.weight.detach(), BATCH_HINT
+            )
     return len(modules)
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
-
-from actors.models.layers import (
+from raylane.actors.models.layers import (
     Loaded,
     ReplicatedLinear,
     TPGroup,
@@ -22,14 +20,15 @@ from actors.models.layers import (
     new_param,
     split_rows,
 )
-from actors.models.llama import (
+from raylane.actors.models.llama import (
     AttentionSpec,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     Qwen3ForCausalLM,
 )
-from kernels.moe import fused_moe
+from raylane.kernels.moe import fused_moe
+from torch import nn
 
 
 class FusedMoE(nn.Module):
@@ -38,13 +37,13 @@ class FusedMoE(nn.Module):
     w13_weight [E, 2 * I_local, H] holds gate rows then up rows; w2_weight [E, H, I_local].
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.tp = tp or TPGroup()
         self.local = divide(intermediate_size, self.tp.world_size, "moe_intermediate_size")
-        self.w13_weight = new_param((num_experts, 2 * self.local, hidden_size),
-                                     self.weight_loader)
+        self.w13_weight = new_param((num_experts, 2 * self.local, hidden_size), self.weight_loader)
         self.w2_weight = new_param((num_experts, hidden_size, self.local), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
@@ -61,23 +60,29 @@ class FusedMoE(nn.Module):
             # gate rows [0, I), up rows [I, 2I): each part's rank slice
             both = split_rows(loaded, 1, 2 * full, 0, 2 * full, "experts.gate_up_proj")
             copy_checked(param.data[:, :n], both.narrow(1, rank * n, n), "experts.gate_proj")
-            copy_checked(param.data[:, n:], both.narrow(1, full + rank * n, n),
-                         "experts.up_proj")
+            copy_checked(param.data[:, n:], both.narrow(1, full + rank * n, n), "experts.up_proj")
         elif part == "down":  # [H, I]
             what = f"expert {expert} down"
             copy_checked(param.data[expert], split_rows(loaded, 1, full, rank, n, what), what)
         else:  # gate or up, [I, H]
             rows = slice(0, n) if part == "gate" else slice(n, 2 * n)
             what = f"expert {expert} {part}"
-            copy_checked(param.data[expert, rows], split_rows(loaded, 0, full, rank, n, what),
-                         what)
+            copy_checked(param.data[expert, rows], split_rows(loaded, 0, full, rank, n, what), what)
 
 
 class SparseMoeBlock(nn.Module):
     """Router (`gate`) + experts; routing is softmax -> top-k (-> renormalise)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, hidden_act: str, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        hidden_act: str,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok: {top_k} must be in [1, {num_experts}]")
@@ -89,19 +94,28 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (out [T, H], expert ids [T, top_k] int32)."""
         router_logits = self.gate(x)  # [T, E]
-        out, ids = fused_moe(x, router_logits, self.experts.w13_weight, self.experts.w2_weight,
-                             self.top_k, self.renormalize, self.hidden_act)
+        out, ids = fused_moe(
+            x,
+            router_logits,
+            self.experts.w13_weight,
+            self.experts.w2_weight,
+            self.top_k,
+            self.renormalize,
+            self.hidden_act,
+        )
         return self.tp.all_reduce(out), ids
 
 
 def is_moe_layer(config: Any, layer_idx: int) -> bool:
     step = getattr(config, "decoder_sparse_step", 1) or 1
-    return (layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
-            and config.num_experts > 0 and (layer_idx + 1) % step == 0)
+    return (
+        layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and config.num_experts > 0
+        and (layer_idx + 1) % step == 0
+    )
 
 
-def expert_mapping(num_experts: int, gate: str, up: str,
-                   down: str) -> list[tuple[str, str, Any]]:
+def expert_mapping(num_experts: int, gate: str, up: str, down: str) -> list[tuple[str, str, Any]]:
     """(our param fragment, checkpoint fragment, shard id) for per-expert and fused 3-D names."""
     mapping: list[tuple[str, str, Any]] = [
         ("experts.w13_weight", "experts.gate_up_proj", (None, "gate_up")),
@@ -124,13 +138,17 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
         if is_moe_layer(config, layer_idx):
-            moe = SparseMoeBlock(config.hidden_size, config.moe_intermediate_size,
-                                 config.num_experts, config.num_experts_per_tok,
-                                 bool(getattr(config, "norm_topk_prob", True)),
-                                 config.hidden_act, self.tp)
+            moe = SparseMoeBlock(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                bool(getattr(config, "norm_topk_prob", True)),
+                config.hidden_act,
+                self.tp,
+            )
             return LlamaDecoderLayer(spec, moe, is_moe=True, tp=self.tp)
-        mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                       tp=self.tp)
+        mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=self.tp)
         return LlamaDecoderLayer(spec, mlp, is_moe=False, tp=self.tp)
 
     def expert_params_mapping(self) -> list[tuple[str, str, Any]]:
@@ -154,9 +172,15 @@ class MixtralForCausalLM(LlamaForCausalLM):
         self.moe_top_k = config.num_experts_per_tok
 
     def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
-        moe = SparseMoeBlock(config.hidden_size, config.intermediate_size,
-                             config.num_local_experts, config.num_experts_per_tok, True,
-                             config.hidden_act, self.tp)
+        moe = SparseMoeBlock(
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_local_experts,
+            config.num_experts_per_tok,
+            True,
+            config.hidden_act,
+            self.tp,
+        )
         return LlamaDecoderLayer(spec, moe, is_moe=True, tp=self.tp)
 
     def expert_params_mapping(self) -> list[tuple[str, str, Any]]:

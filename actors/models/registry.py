@@ -7,11 +7,11 @@ from typing import Any
 
 # architecture -> (module, class); imported lazily so a lookup never builds torch modules
 _MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("actors.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("actors.models.llama", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("actors.models.llama", "Qwen3ForCausalLM"),
-    "Qwen3MoeForCausalLM": ("actors.models.qwen3_moe", "Qwen3MoeForCausalLM"),
-    "MixtralForCausalLM": ("actors.models.qwen3_moe", "MixtralForCausalLM"),
+    "LlamaForCausalLM": ("raylane.actors.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("raylane.actors.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("raylane.actors.models.llama", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("raylane.actors.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("raylane.actors.models.qwen3_moe", "MixtralForCausalLM"),
 }
 
 
@@ -21,14 +21,18 @@ def supported_architectures() -> list[str]:
 
 def get_model_class(config: Any) -> type:
     """The class for an HF config (or an architecture name); ValueError if unsupported."""
-    archs = [config] if isinstance(config, str) else list(getattr(config, "architectures", None)
-                                                           or [])
+    archs = (
+        [config] if isinstance(config, str) else list(getattr(config, "architectures", None) or [])
+    )
     if not archs:
-        raise ValueError("architectures: config.json names no architecture; "
-                         f"supported: {supported_architectures()}")
+        raise ValueError(
+            "architectures: config.json names no architecture; "
+            f"supported: {supported_architectures()}"
+        )
     for arch in archs:
         if arch in _MODELS:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(module), name)
-    raise ValueError(f"architectures: {archs} not supported; "
-                     f"supported: {supported_architectures()}")
+    raise ValueError(
+        f"architectures: {archs} not supported; supported: {supported_architectures()}"
+    )

@@ -14,17 +14,21 @@ def divide_problem(value: int, tp: int, field: str) -> str | None:
     """Why `field`=`value` cannot be split over `tp` ranks, or None when it can."""
     if value % tp == 0:
         return None
-    return (f"tensor_parallel_size={tp} does not divide {field}={value}; "
-            f"pick a tensor_parallel_size that divides {value}")
+    return (
+        f"tensor_parallel_size={tp} does not divide {field}={value}; "
+        f"pick a tensor_parallel_size that divides {value}"
+    )
 
 
 def kv_heads_problem(kv_heads: int, tp: int) -> str | None:
     """KV heads are split when tp divides them, replicated when tp is a multiple of them."""
     if kv_heads % tp == 0 or (tp > kv_heads and tp % kv_heads == 0):
         return None
-    return (f"tensor_parallel_size={tp} neither divides num_key_value_heads={kv_heads} nor is "
-            f"a multiple of it (KV heads are split or replicated across ranks); pick a "
-            f"tensor_parallel_size that divides {kv_heads} or is a multiple of it")
+    return (
+        f"tensor_parallel_size={tp} neither divides num_key_value_heads={kv_heads} nor is "
+        f"a multiple of it (KV heads are split or replicated across ranks); pick a "
+        f"tensor_parallel_size that divides {kv_heads} or is a multiple of it"
+    )
 
 
 def split_evenly(value: int, tp: int, field: str) -> int:
@@ -52,8 +56,11 @@ def check_tp_shape(hf_config: Any, tp: int) -> None:
         raise ValueError(f"tensor_parallel_size={tp!r} must be an integer >= 1")
     problem = _first_problem(hf_config, tp)
     if problem:
-        valid = [n for n in _divisors(hf_config.num_attention_heads)
-                 if _first_problem(hf_config, n) is None]
+        valid = [
+            n
+            for n in _divisors(hf_config.num_attention_heads)
+            if _first_problem(hf_config, n) is None
+        ]
         raise ValueError(f"{problem} (valid for this model: {_join(valid)})")
 
 
@@ -80,8 +87,10 @@ def _mlp_sizes(config: Any) -> list[tuple[str, int]]:
 def _is_moe_layer(config: Any, layer_idx: int) -> bool:
     # NOTE: the Qwen3-MoE rule of HF (and of qwen3_moe.is_moe_layer), kept here torch-free
     step = getattr(config, "decoder_sparse_step", 1) or 1
-    return (layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
-            and (layer_idx + 1) % step == 0)
+    return (
+        layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and (layer_idx + 1) % step == 0
+    )
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:

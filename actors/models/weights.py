@@ -93,8 +93,10 @@ class WeightUpdate:
             if declared is None:
                 raise ValueError(f"bucket: tensor {spec.name!r} is not in the update's manifest")
             if declared != spec:
-                raise ValueError(f"bucket: tensor {spec.name!r} is {spec.shape} {spec.dtype}, "
-                                 f"the manifest says {declared.shape} {declared.dtype}")
+                raise ValueError(
+                    f"bucket: tensor {spec.name!r} is {spec.shape} {spec.dtype}, "
+                    f"the manifest says {declared.shape} {declared.dtype}"
+                )
 
 
 def specs_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
@@ -117,7 +119,7 @@ def _entries(payload: Payload) -> tuple[list[tuple[TensorSpec, tuple[int, int]]]
     if size > len(view) - 8:
         raise ValueError("bucket: not a safetensors payload (header longer than the body)")
     try:
-        header = json.loads(bytes(view[8:8 + size]))
+        header = json.loads(bytes(view[8 : 8 + size]))
     except ValueError:
         raise ValueError("bucket: not a safetensors payload (bad header)") from None
     if not isinstance(header, dict):
@@ -136,16 +138,21 @@ def _entries(payload: Payload) -> tuple[list[tuple[TensorSpec, tuple[int, int]]]
         spec = TensorSpec(name, tuple(shape), dtype)
         span = entry.get("data_offsets")
         nbytes = math.prod(spec.shape) * _ITEM_SIZES[dtype]
-        if (not isinstance(span, list) or len(span) != 2
-                or not all(isinstance(x, int) for x in span)
-                or not 0 <= span[0] <= span[1] <= body or span[1] - span[0] != nbytes):
+        if (
+            not isinstance(span, list)
+            or len(span) != 2
+            or not all(isinstance(x, int) for x in span)
+            or not 0 <= span[0] <= span[1] <= body
+            or span[1] - span[0] != nbytes
+        ):
             raise ValueError(f"bucket: tensor {name!r} has bad data offsets {span!r}")
         entries.append((spec, (span[0], span[1])))
     return entries, 8 + size
 
 
-def pack_bucket(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                scratch: np.ndarray | None = None) -> np.ndarray:
+def pack_bucket(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], scratch: np.ndarray | None = None
+) -> np.ndarray:
     """The tensors in safetensors layout in one uint8 array: a header, then each tensor's
     bytes, copied once. A Ray object store holds it without a copy on the reading side.
     `scratch`: a uint8 array to write into when it is large enough (the result is then a view
@@ -157,17 +164,23 @@ def pack_bucket(named_tensors: Iterable[tuple[str, torch.Tensor]],
     header, offset = {}, 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_NAMES[dtype_name(t.dtype)],
-                        "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _SAFETENSORS_NAMES[dtype_name(t.dtype)],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the body starts 8-byte aligned, as safetensors writes it
     total = 8 + len(head) + offset
-    out = scratch[:total] if scratch is not None and scratch.size >= total else np.empty(
-        total, dtype=np.uint8)
+    out = (
+        scratch[:total]
+        if scratch is not None and scratch.size >= total
+        else np.empty(total, dtype=np.uint8)
+    )
     out[:8] = np.frombuffer(struct.pack("<Q", len(head)), dtype=np.uint8)
-    out[8:8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
-    body = torch.from_numpy(out[8 + len(head):])
+    out[8 : 8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    body = torch.from_numpy(out[8 + len(head) :])
     for (name, t), entry in zip(tensors, header.values()):
         begin, end = entry["data_offsets"]
         if end > begin:
@@ -195,15 +208,17 @@ def decode_bucket(payload: Payload) -> dict[str, torch.Tensor]:
             if end == begin:
                 tensors[spec.name] = torch.empty(spec.shape, dtype=dtype)
                 continue
-            flat = torch.frombuffer(view, dtype=torch.uint8, count=end - begin,
-                                    offset=start + begin)
+            flat = torch.frombuffer(
+                view, dtype=torch.uint8, count=end - begin, offset=start + begin
+            )
             tensors[spec.name] = flat.view(dtype).view(spec.shape)
     return tensors
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                 max_bytes: int = DEFAULT_BUCKET_BYTES,
-                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    max_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Groups of tensors of at most `max_bytes` each (a bigger tensor travels alone), so an
     update never holds more than one bucket at a time."""
     if max_bytes <= 0:

@@ -18,10 +18,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
-from actors.runner.inputs import StepInputs
-from actors.runner.kv_cache import KVCache
-from kernels.attention import AttentionMetadata
+from raylane.actors.runner.inputs import StepInputs
+from raylane.actors.runner.kv_cache import KVCache
+from raylane.kernels.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +33,9 @@ class Captured:
 
 
 class GraphRunner:
-    def __init__(self, model, kv: KVCache, sizes: tuple[int, ...], max_model_len: int,
-                 device: torch.device):
+    def __init__(
+        self, model, kv: KVCache, sizes: tuple[int, ...], max_model_len: int, device: torch.device
+    ):
         self.model, self.kv, self.device = model, kv, device
         self.sizes = tuple(sorted(sizes))
         self.max_blocks = -(-max_model_len // kv.block_size)
@@ -48,15 +48,19 @@ class GraphRunner:
         self.positions = new(torch.long)
         self.slot_mapping = new(torch.long, kv.scratch_slot)
         self.seq_lens = new(torch.int32, 1)
-        self.block_tables = torch.full((size, self.max_blocks), kv.scratch_block,
-                                       dtype=torch.int32, device=device)
+        self.block_tables = torch.full(
+            (size, self.max_blocks), kv.scratch_block, dtype=torch.int32, device=device
+        )
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
 
     def fits(self, step: StepInputs) -> bool:
         """A pure decode batch that samples every row and fits the largest size."""
         attn = step.attn
-        return (attn.num_prefills == 0 and attn.num_seqs <= self.sizes[-1]
-                and step.logits_indices.shape[0] == attn.num_seqs)
+        return (
+            attn.num_prefills == 0
+            and attn.num_seqs <= self.sizes[-1]
+            and step.logits_indices.shape[0] == attn.num_seqs
+        )
 
     def padded_size(self, batch: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
@@ -79,8 +83,12 @@ class GraphRunner:
                     logits, routed = self._forward(size, meta)
             except RuntimeError as e:  # an op that syncs with the host cannot be captured
                 # (e.g. torch._grouped_mm's fallback outside bf16 on sm90): run eager instead
-                logger.warning("CUDA graph capture failed at batch %d (%s); decode batches of "
-                               "this size and below replay eagerly", size, e)
+                logger.warning(
+                    "CUDA graph capture failed at batch %d (%s); decode batches of "
+                    "this size and below replay eagerly",
+                    size,
+                    e,
+                )
                 torch.cuda.synchronize(self.device)
                 return
             pool = graph.pool()
@@ -124,7 +132,13 @@ class GraphRunner:
 
     def _metadata(self, size: int, width: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size, :width],
-            num_prefills=0, num_prefill_tokens=0, max_query_len=1, max_seq_len=max_seq_len,
-            block_size=self.kv.block_size)
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size, :width],
+            num_prefills=0,
+            num_prefill_tokens=0,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            block_size=self.kv.block_size,
+        )

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from actors.runner.requests import ScheduledRequest
-from kernels.attention import AttentionMetadata
-from kernels.attention.builder import SeqSlice, build_metadata
+from raylane.actors.runner.requests import ScheduledRequest
+from raylane.kernels.attention import AttentionMetadata
+from raylane.kernels.attention.builder import SeqSlice, build_metadata
 
 
 @dataclass
@@ -41,17 +40,19 @@ class InputPreparer:
         for item in scheduled:
             start = item.state.num_computed_tokens
             first_row = len(ids)
-            ids.extend(item.state.token_ids[start:start + item.num_new])
+            ids.extend(item.state.token_ids[start : start + item.num_new])
             positions.extend(range(start, start + item.num_new))
             rows = logit_rows(item, first_row)
             logits_rows.append((len(logits_idx), len(rows)))
             logits_idx.extend(rows)
         slices = [SeqSlice(i.num_new, i.context_len, i.state.block_ids) for i in scheduled]
-        attn = build_metadata(slices[:num_prefills], slices[num_prefills:], self.block_size,
-                              self.device)
+        attn = build_metadata(
+            slices[:num_prefills], slices[num_prefills:], self.block_size, self.device
+        )
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return StepInputs(as_tensor(ids), as_tensor(positions), attn, as_tensor(logits_idx),
-                          logits_rows)
+        return StepInputs(
+            as_tensor(ids), as_tensor(positions), attn, as_tensor(logits_idx), logits_rows
+        )
 
 
 def logit_rows(item: ScheduledRequest, first_row: int) -> list[int]:
@@ -65,8 +66,11 @@ def logit_rows(item: ScheduledRequest, first_row: int) -> list[int]:
     rows = []
     if state.options.prompt_logprobs is not None:
         start, done = state.num_computed_tokens, state.num_prompt_logprobs_done
-        rows = [first_row + j for j in range(item.num_new)
-                if done <= start + j + 1 < state.num_prompt_tokens]
+        rows = [
+            first_row + j
+            for j in range(item.num_new)
+            if done <= start + j + 1 < state.num_prompt_tokens
+        ]
     if item.samples:
         rows.append(first_row + item.num_new - 1)
     return rows

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from actors.runner.config import RunnerConfig
+from raylane.actors.runner.config import RunnerConfig
 
 
 class KVCache:
@@ -19,8 +18,15 @@ class KVCache:
     the padding rows of a graph-replayed batch write their K/V and read their context.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, layers, routing: torch.Tensor | None,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        layers,
+        routing: torch.Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.routing = routing
@@ -33,13 +39,15 @@ class KVCache:
             layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     @classmethod
-    def allocate(cls, config: RunnerConfig, layers, model, dtype: torch.dtype,
-                 device: torch.device) -> KVCache:
+    def allocate(
+        cls, config: RunnerConfig, layers, model, dtype: torch.dtype, device: torch.device
+    ) -> KVCache:
         per_slot = sum(2 * layer.num_kv_heads * layer.head_dim for layer in layers)
         itemsize = torch.tensor([], dtype=dtype).element_size()
         bytes_per_block = per_slot * config.block_size * itemsize
         num_blocks = config.num_kv_blocks or max(
-            1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
+            1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block
+        )
         routing = None
         if config.enable_return_routed_experts:
             shape = ((num_blocks + 1) * config.block_size, model.num_moe_layers, model.moe_top_k)

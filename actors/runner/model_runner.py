@@ -16,20 +16,19 @@ import time
 from collections.abc import Iterable
 
 import torch
-
-from actors.models import TPGroup, load_model, load_weights
-from actors.models.loader import check_weights
-from actors.models.packing import repack_changed
-from actors.models.weights import Payload, decode_bucket, torch_dtype
-from actors.runner.config import RunnerConfig, RunnerInfo
-from actors.runner.faults import Faults
-from actors.runner.graph_runner import GraphRunner
-from actors.runner.inputs import InputPreparer, StepInputs
-from actors.runner.kv_cache import KVCache
-from actors.runner.plan import StepPlan, StepResult
-from actors.runner.requests import RequestTable, ScheduledRequest
-from actors.runner.sampler import Sampler
-from kernels.attention import get_backend
+from raylane.actors.models import TPGroup, load_model, load_weights
+from raylane.actors.models.loader import check_weights
+from raylane.actors.models.packing import repack_changed
+from raylane.actors.models.weights import Payload, decode_bucket, torch_dtype
+from raylane.actors.runner.config import RunnerConfig, RunnerInfo
+from raylane.actors.runner.faults import Faults
+from raylane.actors.runner.graph_runner import GraphRunner
+from raylane.actors.runner.inputs import InputPreparer, StepInputs
+from raylane.actors.runner.kv_cache import KVCache
+from raylane.actors.runner.plan import StepPlan, StepResult
+from raylane.actors.runner.requests import RequestTable, ScheduledRequest
+from raylane.actors.runner.sampler import Sampler
+from raylane.kernels.attention import get_backend
 
 
 class ModelRunner:
@@ -37,8 +36,13 @@ class ModelRunner:
         self.config = config
         self.tp = tp or TPGroup()
         self.device = resolve_device(config.device)
-        model, hf_config, _ = load_model(config.model_dir, resolve_dtype(config.dtype, self.device),
-                                         self.device, self.tp, pack_weights=config.pack_weights)
+        model, hf_config, _ = load_model(
+            config.model_dir,
+            resolve_dtype(config.dtype, self.device),
+            self.device,
+            self.tp,
+            pack_weights=config.pack_weights,
+        )
         self.model = model
         self.hf_config = hf_config
         self.dtype = next(model.parameters()).dtype
@@ -49,8 +53,9 @@ class ModelRunner:
         self.kv = KVCache.allocate(config, layers, model, self.dtype, self.device)
         self.inputs = InputPreparer(config.block_size, self.device)
         self.graphs = self._graph_runner(config)
-        self.sampler = Sampler(hf_config.vocab_size, list(config.eos_token_ids), self.device,
-                               config.seed)
+        self.sampler = Sampler(
+            hf_config.vocab_size, list(config.eos_token_ids), self.device, config.seed
+        )
         self.requests = RequestTable()
         self.faults = Faults()
         self.vocab_size = hf_config.vocab_size
@@ -61,8 +66,9 @@ class ModelRunner:
             eager = self.device.type != "cuda"
         if eager:
             return None
-        graphs = GraphRunner(self.model, self.kv, config.cudagraph_capture_sizes,
-                             config.max_model_len, self.device)
+        graphs = GraphRunner(
+            self.model, self.kv, config.cudagraph_capture_sizes, config.max_model_len, self.device
+        )
         if self.device.type == "cuda":
             graphs.capture()
         return graphs
@@ -72,10 +78,14 @@ class ModelRunner:
         return self.tp.rank == 0
 
     def info(self) -> RunnerInfo:
-        return RunnerInfo(num_kv_blocks=self.kv.num_blocks, vocab_size=self.vocab_size,
-                          num_moe_layers=getattr(self.model, "num_moe_layers", 0),
-                          moe_top_k=getattr(self.model, "moe_top_k", 0),
-                          dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
+        return RunnerInfo(
+            num_kv_blocks=self.kv.num_blocks,
+            vocab_size=self.vocab_size,
+            num_moe_layers=getattr(self.model, "num_moe_layers", 0),
+            moe_top_k=getattr(self.model, "moe_top_k", 0),
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+        )
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
@@ -94,8 +104,9 @@ class ModelRunner:
         if not scheduled:
             return StepResult.empty(len(entries)) if self.samples else None
         self.faults.check("prepare")
-        step = self.inputs.prepare(scheduled, sum(1 for item in entries[:plan.num_prefills]
-                                                  if item is not None))
+        step = self.inputs.prepare(
+            scheduled, sum(1 for item in entries[: plan.num_prefills] if item is not None)
+        )
         prepared = time.perf_counter()
         self.faults.check("forward")
         replayed = self.graphs is not None and self.graphs.fits(step)
@@ -111,13 +122,19 @@ class ModelRunner:
         if result is None:
             return None
         if len(scheduled) < len(entries):  # entries of failed requests come back empty
-            result = result.spread([i for i, item in enumerate(entries) if item is not None],
-                                   len(entries))
+            result = result.spread(
+                [i for i, item in enumerate(entries) if item is not None], len(entries)
+            )
         finished = time.perf_counter()
         result.graph_replayed = replayed
-        result.timings = {"started_at": start, "prepare": prepared - start,
-                          "forward": computed - prepared, "sample": finished - computed,
-                          "collectives": self.tp.clock.take(), "finished_at": finished}
+        result.timings = {
+            "started_at": start,
+            "prepare": prepared - start,
+            "forward": computed - prepared,
+            "sample": finished - computed,
+            "collectives": self.tp.clock.take(),
+            "finished_at": finished,
+        }
         return result
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,8 +155,13 @@ class ModelRunner:
     def check_weight_update(self, specs: list[tuple[str, tuple[int, ...], str]]) -> None:
         """ValueError naming the tensor if any (name, full shape, dtype) would not load here;
         changes nothing (the loaders run on a shape-only twin of the model)."""
-        check_weights(type(self.model), self.hf_config, self.tp, self.dtype,
-                      [(name, tuple(shape), torch_dtype(dtype)) for name, shape, dtype in specs])
+        check_weights(
+            type(self.model),
+            self.hf_config,
+            self.tp,
+            self.dtype,
+            [(name, tuple(shape), torch_dtype(dtype)) for name, shape, dtype in specs],
+        )
 
     def load_weight_bucket(self, bucket: Payload | dict[str, torch.Tensor]) -> int:
         """Copy a bucket (safetensors bytes or a uint8 array of them, read in place; or named
@@ -156,8 +178,13 @@ class ModelRunner:
 
     # --- results (sampling rank) --------------------------------------------------------------
 
-    def _result(self, scheduled: list[ScheduledRequest], step: StepInputs,
-                logits: torch.Tensor, masks: dict[int, object]) -> StepResult:
+    def _result(
+        self,
+        scheduled: list[ScheduledRequest],
+        step: StepInputs,
+        logits: torch.Tensor,
+        masks: dict[int, object],
+    ) -> StepResult:
         result = StepResult.empty(len(scheduled))
         picks, sampled = self._draw(scheduled, step, logits, masks)
         for k, i in enumerate(picks):
@@ -171,15 +198,26 @@ class ModelRunner:
         self._routed_experts(scheduled, result)
         return result
 
-    def _draw_only(self, scheduled: list[ScheduledRequest], step: StepInputs,
-                   logits: torch.Tensor, masks: dict[int, object]) -> None:
+    def _draw_only(
+        self,
+        scheduled: list[ScheduledRequest],
+        step: StepInputs,
+        logits: torch.Tensor,
+        masks: dict[int, object],
+    ) -> None:
         """A rank that does not report: draw the same tokens as rank 0, to fill placeholders."""
         picks, drawn = self._draw(scheduled, step, logits, masks, tokens_only=True)
         for k, i in enumerate(picks):
             scheduled[i].state.last_sampled = drawn.token_ids[k]
 
-    def _draw(self, scheduled: list[ScheduledRequest], step: StepInputs, logits: torch.Tensor,
-              masks: dict[int, object], tokens_only: bool = False):
+    def _draw(
+        self,
+        scheduled: list[ScheduledRequest],
+        step: StepInputs,
+        logits: torch.Tensor,
+        masks: dict[int, object],
+        tokens_only: bool = False,
+    ):
         """Sample the rows whose chunk reaches the end of its sequence: (their indices in
         `scheduled`, the SampleResult), or ([], None) when none does."""
         picks = [i for i, item in enumerate(scheduled) if item.samples]
@@ -187,19 +225,24 @@ class ModelRunner:
             return picks, None
         rows = [step.logits_rows[i][0] + step.logits_rows[i][1] - 1 for i in picks]
         states = [scheduled[i].state for i in picks]
-        return picks, self.sampler(logits[rows], states, tokens_only=tokens_only,
-                                   masks=[masks.get(s.seq_id) for s in states])
+        return picks, self.sampler(
+            logits[rows],
+            states,
+            tokens_only=tokens_only,
+            masks=[masks.get(s.seq_id) for s in states],
+        )
 
-    def _prompt_logprobs(self, item: ScheduledRequest, rows: tuple[int, int],
-                         logits: torch.Tensor) -> list[dict[int, float]]:
+    def _prompt_logprobs(
+        self, item: ScheduledRequest, rows: tuple[int, int], logits: torch.Tensor
+    ) -> list[dict[int, float]]:
         state = item.state
         first, count = rows
         count -= int(item.samples)  # the sampling row is not a prompt row
         if state.options.prompt_logprobs is None or count <= 0:
             return []
-        lp = logits[first:first + count].float().log_softmax(dim=-1)  # [count, V]
+        lp = logits[first : first + count].float().log_softmax(dim=-1)  # [count, V]
         target0 = state.num_prompt_logprobs_done
-        targets = torch.tensor(state.token_ids[target0:target0 + count], device=lp.device)
+        targets = torch.tensor(state.token_ids[target0 : target0 + count], device=lp.device)
         chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
         top_v, top_i = lp.topk(state.options.prompt_logprobs, dim=-1)  # k=0 gives empty rows
         entries = []

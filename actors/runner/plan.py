@@ -45,8 +45,11 @@ class SamplingOptions:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 @dataclass(frozen=True)
@@ -136,14 +139,26 @@ class StepResult:
 
     @classmethod
     def empty(cls, size: int) -> StepResult:
-        return cls([None] * size, [None] * size, [None] * size, [[] for _ in range(size)],
-                   [None] * size, [None] * size)
+        return cls(
+            [None] * size,
+            [None] * size,
+            [None] * size,
+            [[] for _ in range(size)],
+            [None] * size,
+            [None] * size,
+        )
 
     def spread(self, rows: list[int], size: int) -> StepResult:
         """This result's entries at `rows` of a result of `size` entries (the others empty)."""
         out = StepResult.empty(size)
-        for name in ("token_ids", "logprobs", "top_logprobs", "prompt_logprobs",
-                     "routed_experts", "kept_mass"):
+        for name in (
+            "token_ids",
+            "logprobs",
+            "top_logprobs",
+            "prompt_logprobs",
+            "routed_experts",
+            "kept_mass",
+        ):
             column = getattr(out, name)
             for row, value in zip(rows, getattr(self, name)):
                 column[row] = value

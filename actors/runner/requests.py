@@ -9,18 +9,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.runner.plan import PLACEHOLDER, CachedRequest, NewRequest, SamplingOptions, StepPlan
+from raylane.actors.runner.plan import (
+    PLACEHOLDER,
+    CachedRequest,
+    NewRequest,
+    SamplingOptions,
+    StepPlan,
+)
 
 
 class RequestState:
     """One sequence as the runner sees it."""
 
-    __slots__ = ("seq_id", "sample_index", "options", "token_ids", "num_prompt_tokens",
-                 "block_ids", "num_computed_tokens", "last_sampled", "num_prompt_logprobs_done",
-                 "num_routed_reported")
+    __slots__ = (
+        "seq_id",
+        "sample_index",
+        "options",
+        "token_ids",
+        "num_prompt_tokens",
+        "block_ids",
+        "num_computed_tokens",
+        "last_sampled",
+        "num_prompt_logprobs_done",
+        "num_routed_reported",
+    )
 
-    def __init__(self, seq_id: int, sample_index: int, token_ids: list[int],
-                 block_ids: list[int], num_computed_tokens: int, options: SamplingOptions):
+    def __init__(
+        self,
+        seq_id: int,
+        sample_index: int,
+        token_ids: list[int],
+        block_ids: list[int],
+        num_computed_tokens: int,
+        options: SamplingOptions,
+    ):
         self.seq_id = seq_id
         self.sample_index = sample_index
         self.options = options
@@ -35,15 +57,21 @@ class RequestState:
 
     @classmethod
     def from_plan(cls, new: NewRequest) -> RequestState:
-        return cls(new.seq_id, new.sample_index, list(new.token_ids), list(new.block_ids),
-                   new.num_computed_tokens, new.options)
+        return cls(
+            new.seq_id,
+            new.sample_index,
+            list(new.token_ids),
+            list(new.block_ids),
+            new.num_computed_tokens,
+            new.options,
+        )
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -53,8 +81,10 @@ class RequestState:
         for token in delta.new_token_ids:
             if token == PLACEHOLDER:
                 if self.last_sampled is None:
-                    raise RuntimeError(f"seq {self.seq_id}: a placeholder token but this rank "
-                                       "sampled nothing for it")
+                    raise RuntimeError(
+                        f"seq {self.seq_id}: a placeholder token but this rank "
+                        "sampled nothing for it"
+                    )
                 token = self.last_sampled
             self.token_ids.append(token)
         if delta.resumed:
@@ -110,8 +140,10 @@ class RequestTable:
         for delta in plan.cached_requests:
             if delta.seq_id not in self.failed:
                 self._get(delta.seq_id).update(delta)
-        return [None if seq_id in self.failed else ScheduledRequest(self._get(seq_id), n)
-                for seq_id, n in plan.scheduled]
+        return [
+            None if seq_id in self.failed else ScheduledRequest(self._get(seq_id), n)
+            for seq_id, n in plan.scheduled
+        ]
 
     def fail(self, plan: StepPlan) -> None:
         """The plan's step raised: drop the state of every request it named."""

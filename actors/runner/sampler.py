@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from actors.runner.requests import RequestState
-from kernels import sampling
+from raylane.actors.runner.requests import RequestState
+from raylane.kernels import sampling
 
 
 @dataclass
@@ -31,12 +30,17 @@ class Sampler:
         self.device = device
         self.seed = seed  # the engine's, for unseeded requests
 
-    def __call__(self, logits: torch.Tensor, states: list[RequestState],
-                 tokens_only: bool = False, masks: list | None = None) -> SampleResult:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        states: list[RequestState],
+        tokens_only: bool = False,
+        masks: list | None = None,
+    ) -> SampleResult:
         """Sample a token per row; `tokens_only` skips logprobs and kept mass (a rank that
         only needs to know what was sampled). `masks`: per row, None or a grammar's int32 bit
         set of the allowed tokens, applied after the raw logprobs are taken."""
-        logits = logits[:, :self.vocab_size].float()  # [B, V]
+        logits = logits[:, : self.vocab_size].float()  # [B, V]
         wants_logprobs = any(s.options.logprobs is not None for s in states) and not tokens_only
         raw = logits.log_softmax(dim=-1) if wants_logprobs else None
         if masks is not None and any(m is not None for m in masks):
@@ -47,12 +51,17 @@ class Sampler:
         tokens, kept = self._draw(logits, states, tokens_only)
         kept_mass = [None] * len(states)
         if kept is not None:
-            kept_mass = [m if s.options.return_kept_mass else None
-                         for m, s in zip(kept.tolist(), states)]
+            kept_mass = [
+                m if s.options.return_kept_mass else None for m, s in zip(kept.tolist(), states)
+            ]
         return SampleResult(tokens.tolist(), *self._logprobs(raw, tokens, states), kept_mass)
 
-    def _draw(self, logits: torch.Tensor, states: list[RequestState], tokens_only: bool = False,
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        states: list[RequestState],
+        tokens_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled ids, and the log kept mass of each row when any row asks for it."""
         greedy = logits.argmax(dim=-1)
         wants_kept = any(s.options.return_kept_mass for s in states) and not tokens_only
@@ -62,11 +71,17 @@ class Sampler:
         temps = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
         logits = logits / temps.unsqueeze(1)
         # a top_k past the vocabulary keeps every token (and may not fit an int64 column)
-        top_k = self._column([min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size
-                              for p in params], torch.long) if any(p.top_k > 0 for p in params) \
+        top_k = (
+            self._column(
+                [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params],
+                torch.long,
+            )
+            if any(p.top_k > 0 for p in params)
             else None
-        top_p = (self._column([p.top_p for p in params])
-                 if any(p.top_p < 1 for p in params) else None)
+        )
+        top_p = (
+            self._column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None
+        )
         probs = sampling.apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
             probs = sampling.apply_min_p(probs, self._column([p.min_p for p in params]))
@@ -77,8 +92,9 @@ class Sampler:
         if not wants_kept:
             return tokens, None
         # greedy rows were not scaled (temperature 1), so `logits` serves both kinds
-        kept = torch.where(is_greedy, _greedy_kept(logits, greedy),
-                           sampling.kept_log_mass(logits, probs > 0))
+        kept = torch.where(
+            is_greedy, _greedy_kept(logits, greedy), sampling.kept_log_mass(logits, probs > 0)
+        )
         return tokens, kept
 
     def _apply_grammar(self, logits: torch.Tensor, masks: list) -> torch.Tensor:
@@ -106,15 +122,19 @@ class Sampler:
         prompt_mask = torch.zeros(batch, vocab, dtype=torch.bool, device=logits.device)
         counts = torch.zeros(batch, vocab, device=logits.device)
         for i, s in enumerate(states):
-            prompt = torch.tensor(s.token_ids[:s.num_prompt_tokens], device=logits.device)
+            prompt = torch.tensor(s.token_ids[: s.num_prompt_tokens], device=logits.device)
             prompt_mask[i, prompt] = True
             out = torch.tensor(s.output_token_ids, dtype=torch.long, device=logits.device)
             counts[i].index_add_(0, out, torch.ones(len(out), device=logits.device))
         params = [s.options for s in states]
         return sampling.apply_penalties(
-            logits, prompt_mask, counts, self._column([p.repetition_penalty for p in params]),
+            logits,
+            prompt_mask,
+            counts,
+            self._column([p.repetition_penalty for p in params]),
             self._column([p.presence_penalty for p in params]),
-            self._column([p.frequency_penalty for p in params]))
+            self._column([p.frequency_penalty for p in params]),
+        )
 
     def _logprobs(self, raw: torch.Tensor | None, tokens: torch.Tensor, states: list[RequestState]):
         if raw is None:
@@ -123,8 +143,12 @@ class Sampler:
         n_max = max(s.options.logprobs or 0 for s in states)
         values, ids = sampling.top_logprobs(raw, n_max)
         values, ids = values.tolist(), ids.tolist()
-        top = [dict(zip(ids[i][:s.options.logprobs], values[i][:s.options.logprobs]))
-               if s.options.logprobs is not None else None for i, s in enumerate(states)]
+        top = [
+            dict(zip(ids[i][: s.options.logprobs], values[i][: s.options.logprobs]))
+            if s.options.logprobs is not None
+            else None
+            for i, s in enumerate(states)
+        ]
         lps = [lp if s.options.logprobs is not None else None for lp, s in zip(chosen, states)]
         return lps, top
 
@@ -162,7 +186,7 @@ def _fold64(seed: int) -> int:
     """Any Python int (SamplingParams does not bound seeds) to 64 bits: an int64 seed is its
     two's complement, a wider one has its higher 64-bit chunks mixed in."""
     folded = seed & _MASK64
-    while not -2**63 <= seed < 2**63:
+    while not -(2**63) <= seed < 2**63:
         seed >>= 64
         folded = _mix64(folded) ^ (seed & _MASK64)
     return folded

@@ -15,13 +15,20 @@ import struct
 
 _LENGTH = struct.Struct("!Q")
 _ALLOWED = {
-    ("actors.runner.plan", "StepPlan"), ("actors.runner.plan", "NewRequest"),
-    ("actors.runner.plan", "CachedRequest"), ("actors.runner.plan", "SamplingOptions"),
-    ("actors.runner.plan", "StepResult"), ("actors.runner.plan", "ChannelCommand"),
-    ("actors.runner.plan", "StepError"),
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"), ("numpy._core.numeric", "_frombuffer"),
-    ("numpy.core.numeric", "_frombuffer"), ("builtins", "RuntimeError"),
+    ("raylane.actors.runner.plan", "StepPlan"),
+    ("raylane.actors.runner.plan", "NewRequest"),
+    ("raylane.actors.runner.plan", "CachedRequest"),
+    ("raylane.actors.runner.plan", "SamplingOptions"),
+    ("raylane.actors.runner.plan", "StepResult"),
+    ("raylane.actors.runner.plan", "ChannelCommand"),
+    ("raylane.actors.runner.plan", "StepError"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy._core.numeric", "_frombuffer"),
+    ("numpy.core.numeric", "_frombuffer"),
+    ("builtins", "RuntimeError"),
 }
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from actors.engine.block_manager import BlockManager
-from actors.engine.sampling_params import SamplingParams
-from actors.engine.sequence import Sequence
+from raylane.actors.engine.block_manager import BlockManager
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.sequence import Sequence
 
 POLICIES = ("fold", "flush", "none")
 
@@ -34,11 +34,13 @@ class CacheRow:
     blocks: int
 
 
-def measure(policy: str, num_prompts: int = 64, prompt_blocks: int = 64,
-            block_size: int = 16) -> CacheRow:
+def measure(
+    policy: str, num_prompts: int = 64, prompt_blocks: int = 64, block_size: int = 16
+) -> CacheRow:
     bm = BlockManager(num_prompts * prompt_blocks, block_size)
-    prompts = [[p * 100_000 + t for t in range(prompt_blocks * block_size)]
-               for p in range(num_prompts)]
+    prompts = [
+        [p * 100_000 + t for t in range(prompt_blocks * block_size)] for p in range(num_prompts)
+    ]
     _prefill_all(bm, prompts, block_size)
     start = time.perf_counter()
     if policy == "fold":
@@ -71,11 +73,17 @@ def _prefill_all(bm: BlockManager, prompts: list[list[int]], block_size: int) ->
 
 
 def print_cache_table(rows: list[CacheRow]) -> None:
-    print(f"\nprefix cache at an update, {rows[0].blocks} cached blocks of 16 tokens (none: no "
-          "protection, for reference):")
-    print(f"| {'policy':<6} | {'update us':>9} | {'stale hits':>10} | {'refill ms':>9} | "
-          f"{'hits after':>10} |")
+    print(
+        f"\nprefix cache at an update, {rows[0].blocks} cached blocks of 16 tokens (none: no "
+        "protection, for reference):"
+    )
+    print(
+        f"| {'policy':<6} | {'update us':>9} | {'stale hits':>10} | {'refill ms':>9} | "
+        f"{'hits after':>10} |"
+    )
     print(f"|{'-' * 8}|{'-' * 11}|{'-' * 12}|{'-' * 11}|{'-' * 12}|")
     for r in rows:
-        print(f"| {r.policy:<6} | {r.update_us:>9.1f} | {r.stale_hits:>10} | "
-              f"{r.refill_ms:>9.1f} | {r.hits_after:>10} |")
+        print(
+            f"| {r.policy:<6} | {r.update_us:>9.1f} | {r.stale_hits:>10} | "
+            f"{r.refill_ms:>9.1f} | {r.hits_after:>10} |"
+        )

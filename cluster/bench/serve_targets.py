@@ -8,12 +8,16 @@ import subprocess
 import sys
 import time
 
-from cluster.launch import free_port
+from raylane.launch import free_port
 
 
 @contextlib.contextmanager
-def raylane_endpoint(url: str | None, model_dir: str, torch_threads: int | None = None,
-                     direct_ingress: bool | None = None):
+def raylane_endpoint(
+    url: str | None,
+    model_dir: str,
+    torch_threads: int | None = None,
+    direct_ingress: bool | None = None,
+):
     """Yield (url, model name): the given endpoint, or a local one started for the run (as
     `raylane serve` does: its ingress replica answers HTTP itself unless `direct_ingress` is
     False)."""
@@ -22,11 +26,16 @@ def raylane_endpoint(url: str | None, model_dir: str, torch_threads: int | None 
 
         yield url, httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         return
-    from cluster import launch
-    from cluster.config import ClusterConfig
+    from raylane import launch
+    from raylane.config import ClusterConfig
 
-    config = ClusterConfig(model=model_dir, served_model_name="bench", port=free_port(),
-                           torch_threads=torch_threads, direct_ingress=direct_ingress)
+    config = ClusterConfig(
+        model=model_dir,
+        served_model_name="bench",
+        port=free_port(),
+        torch_threads=torch_threads,
+        direct_ingress=direct_ingress,
+    )
     launch.start_ray()
     try:
         yield launch.deploy(config), "bench"
@@ -39,9 +48,24 @@ def transformers_endpoint(model_dir: str):
     """`transformers serve --continuous-batching` on the same model, float32, on CPU."""
     port = free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "transformers")
-    proc = subprocess.Popen([exe, "serve", model_dir, "--continuous-batching", "--device", "cpu",
-                             "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "serve",
+            model_dir,
+            "--continuous-batching",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait(f"http://127.0.0.1:{port}/health", proc)
         yield f"http://127.0.0.1:{port}", model_dir

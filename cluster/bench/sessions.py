@@ -26,17 +26,33 @@ from dataclasses import dataclass, field
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", type=int, default=64, help="concurrent sessions (64)")
     parser.add_argument("--turns", type=int, default=50, help="turns per session (50)")
-    parser.add_argument("--tokens-per-turn", type=int, default=1000,
-                        help="new tokens per turn, prompt + output (1000)")
-    parser.add_argument("--output-share", type=float, default=0.8,
-                        help="share of a turn's new tokens the model generates (0.8)")
-    parser.add_argument("--blob-bytes-per-token", type=int, default=1024,
-                        help="routed-expert bytes per token, a multiple of 128 (1024)")
+    parser.add_argument(
+        "--tokens-per-turn",
+        type=int,
+        default=1000,
+        help="new tokens per turn, prompt + output (1000)",
+    )
+    parser.add_argument(
+        "--output-share",
+        type=float,
+        default=0.8,
+        help="share of a turn's new tokens the model generates (0.8)",
+    )
+    parser.add_argument(
+        "--blob-bytes-per-token",
+        type=int,
+        default=1024,
+        help="routed-expert bytes per token, a multiple of 128 (1024)",
+    )
     parser.add_argument("--max-rollback-steps", type=int, default=1)
-    parser.add_argument("--off-sessions", type=int, default=4,
-                        help="sessions for the run with dropping off (4)")
-    parser.add_argument("--touch", action="store_true",
-                        help="write every blob byte (real RSS; needs the retained bytes in RAM)")
+    parser.add_argument(
+        "--off-sessions", type=int, default=4, help="sessions for the run with dropping off (4)"
+    )
+    parser.add_argument(
+        "--touch",
+        action="store_true",
+        help="write every blob byte (real RSS; needs the retained bytes in RAM)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -79,10 +95,10 @@ class SyntheticTokenizer:
             self.vocab.setdefault(w, len(self.vocab) + 1)
         self._split = re.compile(r"<\|im_(?:start|end)\|>|\n|[^\s<]+")
 
-    def apply_chat_template(self, conversation, tools=None, add_generation_prompt=False,
-                            tokenize=False, **kwargs) -> str:
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-                       for m in conversation)
+    def apply_chat_template(
+        self, conversation, tools=None, add_generation_prompt=False, tokenize=False, **kwargs
+    ) -> str:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conversation)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -112,9 +128,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--blob-bytes-per-token must be a multiple of 128 (32 layers x int32)")
     _mmap_large_blocks()
     k = args.max_rollback_steps
-    cases = [Case("timing (no tracemalloc)", args.sessions, True, traced=False),
-             Case("dropping on", args.sessions, True),
-             Case("dropping off", args.off_sessions, False)]
+    cases = [
+        Case("timing (no tracemalloc)", args.sessions, True, traced=False),
+        Case("dropping on", args.sessions, True),
+        Case("dropping off", args.off_sessions, False),
+    ]
     results = [_run_case(c, args) for c in cases]
     print(_table(results, args, k))
     return 0
@@ -154,19 +172,21 @@ async def _drive(case: Case, args: argparse.Namespace) -> Result:
     import gc
     import tracemalloc
 
-    from router.sessions import SessionConfig, SessionRegistry
-    from router.tito import TemplateSplicer
+    from raylane.router.sessions import SessionConfig, SessionRegistry
+    from raylane.router.tito import TemplateSplicer
 
     work = _workload(args)
-    registry = SessionRegistry(TemplateSplicer(work.tokenizer), _generator(work),
-                               SessionConfig(max_rollback_steps=args.max_rollback_steps,
-                                             drop_blobs=case.drop))
+    registry = SessionRegistry(
+        TemplateSplicer(work.tokenizer),
+        _generator(work),
+        SessionConfig(max_rollback_steps=args.max_rollback_steps, drop_blobs=case.drop),
+    )
     ids = [await registry.create() for _ in range(case.sessions)]
     start = time.process_time()
-    await asyncio.gather(*(_session(registry, sid, args.turns, work, case.traced)
-                           for sid in ids))
-    result = Result(case, args.turns, wall_seconds=time.process_time() - start,
-                    gen_seconds=work.gen_seconds)
+    await asyncio.gather(*(_session(registry, sid, args.turns, work, case.traced) for sid in ids))
+    result = Result(
+        case, args.turns, wall_seconds=time.process_time() - start, gen_seconds=work.gen_seconds
+    )
     trajectories = [(await registry.get(sid)).trajectory for sid in ids]
     longest = max(trajectories, key=lambda t: t.num_tokens)
     result.final_prefix = longest.num_tokens
@@ -201,15 +221,20 @@ def _workload(args: argparse.Namespace) -> Workload:
     user_texts = [" ".join(rng.choices(words, k=user_words)) for _ in range(256)]
     reply_texts = [" ".join(rng.choices(words, k=out_words)) for _ in range(256)]
     replies = [(t, tok.encode(t) + [tok.eos_token_id]) for t in reply_texts]
-    return Workload(tok, user_texts, replies, rng,
-                    blob_shape=(32, args.blob_bytes_per_token // 128), touch=args.touch)
+    return Workload(
+        tok,
+        user_texts,
+        replies,
+        rng,
+        blob_shape=(32, args.blob_bytes_per_token // 128),
+        touch=args.touch,
+    )
 
 
 def _generator(work: Workload):
     import numpy as np
-
-    from actors.engine.outputs import CompletionOutput
-    from router.fake_generator import FakeTurnGenerator
+    from raylane.actors.engine.outputs import CompletionOutput
+    from raylane.router.fake_generator import FakeTurnGenerator
 
     def reply(prompt_ids: list[int]) -> CompletionOutput:
         t0 = time.process_time()
@@ -235,13 +260,15 @@ def _mb(n: float) -> str:
 
 
 def _table(results: list[Result], args: argparse.Namespace, k: int) -> str:
-    head = (f"sessions: {args.tokens_per_turn} new tokens/turn, "
-            f"{args.blob_bytes_per_token} B/token routed-expert blobs, max_rollback_steps={k}"
-            f"{', blobs touched' if args.touch else ''}\n\n"
-            "| case | sessions x turns | final prefix (tokens) | max retained / session (MB) "
-            f"| bound ({k}+2) x final blob (MB) | retained total (MB) | heap at end (MB) "
-            "| heap peak (MB) | heap after delete (MB) | registry us/turn |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        f"sessions: {args.tokens_per_turn} new tokens/turn, "
+        f"{args.blob_bytes_per_token} B/token routed-expert blobs, max_rollback_steps={k}"
+        f"{', blobs touched' if args.touch else ''}\n\n"
+        "| case | sessions x turns | final prefix (tokens) | max retained / session (MB) "
+        f"| bound ({k}+2) x final blob (MB) | retained total (MB) | heap at end (MB) "
+        "| heap peak (MB) | heap after delete (MB) | registry us/turn |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
+    )
     rows = []
     for r in results:
         traced = r.case.traced
@@ -251,5 +278,6 @@ def _table(results: list[Result], args: argparse.Namespace, k: int) -> str:
             f"| {_mb((k + 2) * r.final_blob)} | {_mb(r.retained_total)} "
             f"| {_mb(r.heap) if traced else '-'} | {_mb(r.heap_peak) if traced else '-'} "
             f"| {_mb(r.heap_after_delete) if traced else '-'} "
-            f"| {r.us_per_turn:,.0f} |")
+            f"| {r.us_per_turn:,.0f} |"
+        )
     return "\n".join([head, *rows])

@@ -18,31 +18,50 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from cluster.bench.throughput import Workload, make_workload
+from raylane.bench.throughput import Workload, make_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2)")
-    parser.add_argument("--tensor-parallel-sizes", default="2,3", metavar="N[,N...]",
-                        help="TP sizes to run beside TP=1 (sizes the model cannot be split "
-                             "into are reported and skipped; default 2,3)")
-    parser.add_argument("--eight-heads", action="store_true",
-                        help="use random weights in the model's shape but with 8 query / 4 KV "
-                             "heads, so TP=2 can split a 9-head model like SmolLM2")
+    parser.add_argument(
+        "--tensor-parallel-sizes",
+        default="2,3",
+        metavar="N[,N...]",
+        help="TP sizes to run beside TP=1 (sizes the model cannot be split "
+        "into are reported and skipped; default 2,3)",
+    )
+    parser.add_argument(
+        "--eight-heads",
+        action="store_true",
+        help="use random weights in the model's shape but with 8 query / 4 KV "
+        "heads, so TP=2 can split a 9-head model like SmolLM2",
+    )
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128],
-                        metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX")
+    )
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads of the engine (split between ranks; default: all)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the engine (split between ranks; default: all)",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument("--async-scheduling", choices=("both", "off", "on"), default="both",
-                        help="run each executor serial, with async scheduling, or both "
-                             "(default, side by side)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="timed passes per mode, alternating, after a warm pass; the best "
-                             "is reported (default 2)")
+    parser.add_argument(
+        "--async-scheduling",
+        choices=("both", "off", "on"),
+        default="both",
+        help="run each executor serial, with async scheduling, or both (default, side by side)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="timed passes per mode, alternating, after a warm pass; the best "
+        "is reported (default 2)",
+    )
 
 
 @dataclass
@@ -54,20 +73,33 @@ class Row:
     note: str = ""
 
 
-def run_config(model_dir: str, work: Workload, max_batched: int, modes: tuple[bool, ...],
-               repeats: int, **engine_kw) -> dict[bool, Row]:
+def run_config(
+    model_dir: str,
+    work: Workload,
+    max_batched: int,
+    modes: tuple[bool, ...],
+    repeats: int,
+    **engine_kw,
+) -> dict[bool, Row]:
     """The best timed pass per async_scheduling mode, one engine per mode, the modes
     alternating pass by pass (drift on a shared machine then hits both alike)."""
-    from actors.engine import EngineConfig, LLMEngine, SamplingParams
+    from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
     engines = {}
     try:
         for on in modes:
-            engines[on] = LLMEngine(EngineConfig(model=model_dir, dtype="float32",
-                                                 max_num_batched_tokens=max_batched,
-                                                 async_scheduling=on, **engine_kw))
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                  for n in work.output_lens]
+            engines[on] = LLMEngine(
+                EngineConfig(
+                    model=model_dir,
+                    dtype="float32",
+                    max_num_batched_tokens=max_batched,
+                    async_scheduling=on,
+                    **engine_kw,
+                )
+            )
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in work.output_lens
+        ]
         # NOTE: a whole untimed pass first: the first pass pays one-time costs per new batch
         # shape (oneDNN primitives), measured here at up to 40% of the pass
         for engine in engines.values():
@@ -85,7 +117,7 @@ def run_config(model_dir: str, work: Workload, max_batched: int, modes: tuple[bo
 
 
 def _timed_pass(engine, work: Workload, params) -> Row:
-    from actors.engine.stats import StepTimes
+    from raylane.actors.engine.stats import StepTimes
 
     engine.stats.step_times = StepTimes()
     start = time.perf_counter()
@@ -98,10 +130,9 @@ def _timed_pass(engine, work: Workload, params) -> Row:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from raylane.actors.models import check_tp_shape, resolve_model_dir
+    from raylane.models import default_model_path
     from transformers import AutoConfig
-
-    from actors.models import check_tp_shape, resolve_model_dir
-    from cluster.models import default_model_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,10 +142,13 @@ def run(args: argparse.Namespace) -> int:
         scratch = tempfile.mkdtemp(prefix="raylane-bench-")
         model_dir = eight_head_copy(model_dir, scratch)
     hf = AutoConfig.from_pretrained(model_dir)
-    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
-                         hf.vocab_size, args.seed)
-    configs = [("in-process executor, TP=1", {"distributed_executor_backend": "uni"}),
-               ("Ray executor, TP=1", {"distributed_executor_backend": "ray"})]
+    work = make_workload(
+        args.num_requests, tuple(args.prompt_len), tuple(args.output_len), hf.vocab_size, args.seed
+    )
+    configs = [
+        ("in-process executor, TP=1", {"distributed_executor_backend": "uni"}),
+        ("Ray executor, TP=1", {"distributed_executor_backend": "ray"}),
+    ]
     skipped = []
     for tp in (int(x) for x in args.tensor_parallel_sizes.split(",") if x.strip()):
         try:
@@ -126,8 +160,9 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     try:
         for name, kw in configs:
-            best = run_config(model_dir, work, args.max_num_batched_tokens, modes, args.repeats,
-                              **kw)
+            best = run_config(
+                model_dir, work, args.max_num_batched_tokens, modes, args.repeats, **kw
+            )
             for on in modes:
                 best[on].name = f"{name}{', async' if on else ''}"
                 rows.append(best[on])
@@ -154,33 +189,49 @@ def eight_head_copy(model_dir: str, scratch: str) -> str:
     return scratch
 
 
-COLUMNS = [("plan", ("plan",)), ("dispatch", ("dispatch",)), ("forward", ("prepare", "forward")),
-           ("collect.", ("collectives",)), ("sample", ("sample",)),
-           ("return", ("return",)), ("engine", ("schedule", "postprocess"))]
+COLUMNS = [
+    ("plan", ("plan",)),
+    ("dispatch", ("dispatch",)),
+    ("forward", ("prepare", "forward")),
+    ("collect.", ("collectives",)),
+    ("sample", ("sample",)),
+    ("return", ("return",)),
+    ("engine", ("schedule", "postprocess")),
+]
 
 
 def print_table(work: Workload, rows: list[Row], threads: int, skipped: list[str]) -> None:
-    print(f"\nworkload: {len(work.prompts)} requests, prompt tokens {sum(map(len, work.prompts))}"
-          f", useful output tokens {work.useful_tokens}, greedy, ignore_eos, float32, "
-          f"{threads} torch threads split between the ranks")
+    print(
+        f"\nworkload: {len(work.prompts)} requests, prompt tokens {sum(map(len, work.prompts))}"
+        f", useful output tokens {work.useful_tokens}, greedy, ignore_eos, float32, "
+        f"{threads} torch threads split between the ranks"
+    )
     heads = " | ".join(f"{c:>8}" for c, _ in COLUMNS)
-    print(f"| {'executor':<33} | {heads} | {'step ms':>7} | {'steps':>5} | {'tok/s':>6} |"
-          f" {'vs in-proc':>10} |")
+    print(
+        f"| {'executor':<33} | {heads} | {'step ms':>7} | {'steps':>5} | {'tok/s':>6} |"
+        f" {'vs in-proc':>10} |"
+    )
     print("|" + "|".join("-" * (w + 2) for w in [33] + [8] * len(COLUMNS) + [7, 5, 6, 10]) + "|")
     base = rows[0].seconds
     for row in rows:
         ms = row.per_step_ms
         cells = " | ".join(f"{sum(ms[p] for p in parts):>8.3f}" for _, parts in COLUMNS)
         step_ms = 1000 * row.seconds / max(1, row.steps)
-        print(f"| {row.name:<33} | {cells} | {step_ms:>7.2f} | {row.steps:>5} | "
-              f"{work.useful_tokens / row.seconds:>6.1f} | {base / row.seconds:>9.2f}x |")
-    print("(milliseconds per step; forward = input preparation + model, including the time "
-          "rank 0 waited in collectives, shown as collect.)")
+        print(
+            f"| {row.name:<33} | {cells} | {step_ms:>7.2f} | {row.steps:>5} | "
+            f"{work.useful_tokens / row.seconds:>6.1f} | {base / row.seconds:>9.2f}x |"
+        )
+    print(
+        "(milliseconds per step; forward = input preparation + model, including the time "
+        "rank 0 waited in collectives, shown as collect.)"
+    )
     serial = [r for r in rows if not r.name.endswith(", async")]
     if len(serial) > 1:
         transport = [r.per_step_ms["dispatch"] + r.per_step_ms["return"] for r in serial[:2]]
-        print(f"Ray executor overhead at TP=1: dispatch + return {transport[1]:.3f} ms/step vs "
-              f"{transport[0]:.3f} ms in process: {transport[1] - transport[0]:+.3f} ms/step")
+        print(
+            f"Ray executor overhead at TP=1: dispatch + return {transport[1]:.3f} ms/step vs "
+            f"{transport[0]:.3f} ms in process: {transport[1] - transport[0]:+.3f} ms/step"
+        )
     for row in rows:
         serial_row = next((r for r in rows if r.name + ", async" == row.name), None)
         if serial_row is not None:
@@ -195,7 +246,9 @@ def overlap_line(serial: Row, async_row: Row, work: Workload) -> str:
     engine = ms["schedule"] + ms["plan"] + ms["postprocess"]
     runner = ms["dispatch"] + ms["prepare"] + ms["forward"] + ms["sample"] + ms["return"]
     step_ms = [1000 * r.seconds / max(1, r.steps) for r in (serial, async_row)]
-    return (f"{serial.name}: engine {engine:.2f} + runner {runner:.2f} ms/step; serial step "
-            f"{step_ms[0]:.2f} ms, async {step_ms[1]:.2f} ms (max of the two "
-            f"{max(engine, runner):.2f}); throughput async / serial "
-            f"{serial.seconds / async_row.seconds:.3f}x")
+    return (
+        f"{serial.name}: engine {engine:.2f} + runner {runner:.2f} ms/step; serial step "
+        f"{step_ms[0]:.2f} ms, async {step_ms[1]:.2f} ms (max of the two "
+        f"{max(engine, runner):.2f}); throughput async / serial "
+        f"{serial.seconds / async_row.seconds:.3f}x"
+    )

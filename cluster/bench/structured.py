@@ -30,30 +30,40 @@ class SchemaRow:
         return self.tokens / self.seconds
 
 
-def run_schema(model_dir: str, work, schema_path: str, max_batched: int, max_num_seqs: int,
-               repeats: int) -> list[SchemaRow]:
-    from actors.engine import (
+def run_schema(
+    model_dir: str, work, schema_path: str, max_batched: int, max_num_seqs: int, repeats: int
+) -> list[SchemaRow]:
+    from raylane.actors.engine import (
         EngineConfig,
         LLMEngine,
         SamplingParams,
         StructuredOutputsParams,
     )
-    from actors.engine.stats import StepTimes
+    from raylane.actors.engine.stats import StepTimes
 
     with open(schema_path) as f:
         schema = json.load(f)
     spec = StructuredOutputsParams(json=schema)
-    constrained = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                                  structured_outputs=spec) for n in work.output_lens]
-    engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_num_seqs=max_num_seqs,
-                                    max_num_batched_tokens=max_batched))
+    constrained = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=spec)
+        for n in work.output_lens
+    ]
+    engine = LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            dtype="float32",
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_batched,
+        )
+    )
     best: dict[str, SchemaRow] = {}
     try:
         # warm (per-shape costs, the grammar's compile), and each request's constrained length
         outs = engine.generate(work.prompts, constrained, use_tqdm=False)
-        free = [dataclasses.replace(p, structured_outputs=None,
-                                    max_tokens=len(o.outputs[0].token_ids))
-                for p, o in zip(constrained, outs)]
+        free = [
+            dataclasses.replace(p, structured_outputs=None, max_tokens=len(o.outputs[0].token_ids))
+            for p, o in zip(constrained, outs)
+        ]
         engine.generate(work.prompts, free, use_tqdm=False)
         variants = {"unconstrained": free, "JSON schema": constrained}
         for _ in range(repeats):
@@ -81,7 +91,8 @@ def print_schema_table(rows: list[SchemaRow], schema_path: str, max_num_seqs: in
     print("|---------------|---------|--------|--------|---------|-------|---------|-----------|")
     base = rows[0].tok_s
     for r in rows:
-        print(f"| {r.name:<13} | {r.seconds:>7.2f} | {r.tokens:>6} | {r.tok_s:>6.1f} | "
-              f"{r.tok_s / base:>6.1%} | {r.steps:>5} | {r.plan_ms:>7.3f} | {r.sample_ms:>9.3f} |")
-    print("(plan: per step, includes computing the grammar masks; sample: includes applying "
-          "them)")
+        print(
+            f"| {r.name:<13} | {r.seconds:>7.2f} | {r.tokens:>6} | {r.tok_s:>6.1f} | "
+            f"{r.tok_s / base:>6.1%} | {r.steps:>5} | {r.plan_ms:>7.3f} | {r.sample_ms:>9.3f} |"
+        )
+    print("(plan: per step, includes computing the grammar masks; sample: includes applying them)")

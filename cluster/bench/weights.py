@@ -26,10 +26,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
     parser.add_argument("--repeats", type=int, default=3, help="updates timed per path")
     parser.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB")
-    parser.add_argument("--in-flight", type=int, default=32,
-                        help="requests generating during the pause -> update -> resume run")
-    parser.add_argument("--torch-threads", type=int, default=None,
-                        help="torch threads per replica (default: the cores split)")
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=32,
+        help="requests generating during the pause -> update -> resume run",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch threads per replica (default: the cores split)",
+    )
 
 
 @dataclass
@@ -54,31 +62,39 @@ class PauseRun:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from raylane.bench.cache_versions import POLICIES, measure, print_cache_table
+    from raylane.models import resolve_model
     from tqdm import tqdm
-
-    from cluster.bench.cache_versions import POLICIES, measure, print_cache_table
-    from cluster.models import resolve_model
 
     model_dir = resolve_model(args.model)
     named = load_named(model_dir)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     bucket = args.bucket_mb << 20
-    rows = [time_copy(named, args.repeats), time_clone(named, args.repeats),
-            time_encode(named, bucket, args.repeats)]
+    rows = [
+        time_copy(named, args.repeats),
+        time_clone(named, args.repeats),
+        time_encode(named, bucket, args.repeats),
+    ]
     with serving(model_dir, args) as url:
         rows.append(time_put(named, bucket, args.repeats))
         versions = iter(range(1, 10_000))
-        for name, make in (("HTTP (admin routes)", lambda: http_client(url)),
-                           ("in-cluster (object store)", in_cluster_client)):
+        for name, make in (
+            ("HTTP (admin routes)", lambda: http_client(url)),
+            ("in-cluster (object store)", in_cluster_client),
+        ):
             row = Row(name)
             for _ in tqdm(range(args.repeats), desc=name):
-                row.seconds.append(asyncio.run(timed_update(make, named, next(versions),
-                                                            bucket)))
+                row.seconds.append(asyncio.run(timed_update(make, named, next(versions), bucket)))
             rows.append(row)
-        pauses = [asyncio.run(pause_update_resume(make, url, named, next(versions), bucket,
-                                                  args.in_flight, name))
-                  for name, make in (("in-cluster", in_cluster_client),
-                                     ("HTTP", lambda: http_client(url)))]
+        pauses = [
+            asyncio.run(
+                pause_update_resume(make, url, named, next(versions), bucket, args.in_flight, name)
+            )
+            for name, make in (
+                ("in-cluster", in_cluster_client),
+                ("HTTP", lambda: http_client(url)),
+            )
+        ]
     print_table(rows, pauses, nbytes, len(named), args, torch.get_num_threads())
     print_cache_table([measure(policy) for policy in POLICIES])
     return 0
@@ -123,7 +139,7 @@ def time_clone(named: list, repeats: int) -> Row:
 def time_encode(named: list, bucket: int, repeats: int) -> Row:
     """The client's own share: packing every bucket in safetensors layout into its reused
     buffer (nothing sent)."""
-    from actors.models.weights import iter_buckets, pack_bucket
+    from raylane.actors.models.weights import iter_buckets, pack_bucket
 
     row = Row("client: pack buckets only")
     scratch = None
@@ -140,8 +156,7 @@ def time_put(named: list, bucket: int, repeats: int) -> Row:
     """Ray's share of the in-cluster path: every bucket put in the object store (and freed),
     nothing else; the floor of any update through it on this machine."""
     import ray
-
-    from actors.models.weights import iter_buckets, pack_bucket
+    from raylane.actors.models.weights import iter_buckets, pack_bucket
 
     row = Row("object store: ray.put only")
     packed = [pack_bucket(b) for b in iter_buckets(named, bucket)]
@@ -158,16 +173,21 @@ class serving:
     """A local cluster serving `model_dir` in float32 with the admin routes on; yields its URL."""
 
     def __init__(self, model_dir: str, args: argparse.Namespace):
-        from cluster.bench.serve_targets import free_port
-        from cluster.config import ClusterConfig
+        from raylane.bench.serve_targets import free_port
+        from raylane.config import ClusterConfig
 
         self.config = ClusterConfig(
-            model=model_dir, served_model_name="bench", port=free_port(),
-            replicas=args.replicas, torch_threads=args.torch_threads, admin_api_key=ADMIN_KEY,
-            engine={"dtype": "float32", "max_num_seqs": max(32, args.in_flight)})
+            model=model_dir,
+            served_model_name="bench",
+            port=free_port(),
+            replicas=args.replicas,
+            torch_threads=args.torch_threads,
+            admin_api_key=ADMIN_KEY,
+            engine={"dtype": "float32", "max_num_seqs": max(32, args.in_flight)},
+        )
 
     def __enter__(self) -> str:
-        from cluster import launch
+        from raylane import launch
 
         launch.start_ray()
         try:
@@ -177,19 +197,19 @@ class serving:
             raise
 
     def __exit__(self, *exc) -> None:
-        from cluster import launch
+        from raylane import launch
 
         launch.shutdown()
 
 
 def http_client(url: str):
-    from cluster.client import RolloutClient
+    from raylane.client import RolloutClient
 
     return RolloutClient(url, admin_key=ADMIN_KEY)
 
 
 def in_cluster_client():
-    from cluster.client import RolloutClient
+    from raylane.client import RolloutClient
 
     return RolloutClient.in_cluster()
 
@@ -201,14 +221,18 @@ async def timed_update(make, named: list, version: int, bucket: int) -> float:
         return time.perf_counter() - start
 
 
-async def pause_update_resume(make, url: str, named: list, version: int, bucket: int,
-                              in_flight: int, name: str) -> PauseRun:
+async def pause_update_resume(
+    make, url: str, named: list, version: int, bucket: int, in_flight: int, name: str
+) -> PauseRun:
     """`in_flight` requests generating; then pause("keep") -> update -> resume, timed."""
     async with make() as client:
         prompts = [[1 + (31 * i + j) % 1000 for j in range(16 + i % 8)] for i in range(in_flight)]
-        tasks = [asyncio.ensure_future(client.generate(p, temperature=0.0, max_tokens=96,
-                                                       ignore_eos=True, logprobs=None))
-                 for p in prompts]
+        tasks = [
+            asyncio.ensure_future(
+                client.generate(p, temperature=0.0, max_tokens=96, ignore_eos=True, logprobs=None)
+            )
+            for p in prompts
+        ]
         await decoding(url, in_flight)
         t0 = time.perf_counter()
         await client.pause("keep")
@@ -219,8 +243,9 @@ async def pause_update_resume(make, url: str, named: list, version: int, bucket:
         t3 = time.perf_counter()
         outs = [o[0] for o in await asyncio.gather(*tasks)]
     spanning = sum(_switches_once(o.weight_versions, version) for o in outs)
-    return PauseRun(name, t1 - t0, t2 - t1, t3 - t2, spanning,
-                    sum(o.finish_reason == "length" for o in outs))
+    return PauseRun(
+        name, t1 - t0, t2 - t1, t3 - t2, spanning, sum(o.finish_reason == "length" for o in outs)
+    )
 
 
 async def decoding(url: str, num: int, timeout_s: float = 300.0) -> None:
@@ -232,9 +257,11 @@ async def decoding(url: str, num: int, timeout_s: float = 300.0) -> None:
         start = _metric((await http.get("/metrics")).text, "raylane:generation_tokens")
         while time.monotonic() < deadline:
             text = (await http.get("/metrics")).text
-            if (_metric(text, "raylane:num_requests_running") == num
-                    and _metric(text, "raylane:num_requests_waiting") == 0
-                    and _metric(text, "raylane:generation_tokens") >= start + 3 * num):
+            if (
+                _metric(text, "raylane:num_requests_running") == num
+                and _metric(text, "raylane:num_requests_waiting") == 0
+                and _metric(text, "raylane:generation_tokens") >= start + 3 * num
+            ):
                 return
             await asyncio.sleep(0.1)
     raise TimeoutError(f"{num} requests were not all decoding within {timeout_s:.0f} s")
@@ -243,8 +270,11 @@ async def decoding(url: str, num: int, timeout_s: float = 300.0) -> None:
 def _metric(text: str, name: str) -> float:
     """The sum of a Prometheus family's samples (counters by their _total sample)."""
     names = (name, name + "_total")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.split("{", 1)[0].split(" ", 1)[0] in names)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.split("{", 1)[0].split(" ", 1)[0] in names
+    )
 
 
 def _switches_once(versions: list[int], new: int) -> bool:
@@ -255,31 +285,49 @@ def _switches_once(versions: list[int], new: int) -> bool:
     return len(set(versions[:cut])) == 1 and set(versions[cut:]) == {new}
 
 
-def print_table(rows: list[Row], pauses: list[PauseRun], nbytes: int, num_tensors: int,
-                args: argparse.Namespace, threads: int) -> None:
+def print_table(
+    rows: list[Row],
+    pauses: list[PauseRun],
+    nbytes: int,
+    num_tensors: int,
+    args: argparse.Namespace,
+    threads: int,
+) -> None:
     copy_gbs = nbytes / rows[0].best / 1e9
-    print(f"\nupdate: {num_tensors} tensors, {nbytes / 1e9:.3f} GB float32, {args.bucket_mb} MiB "
-          f"buckets, {args.replicas} replica(s), best of {args.repeats}; driver torch threads "
-          f"{threads}")
+    print(
+        f"\nupdate: {num_tensors} tensors, {nbytes / 1e9:.3f} GB float32, {args.bucket_mb} MiB "
+        f"buckets, {args.replicas} replica(s), best of {args.repeats}; driver torch threads "
+        f"{threads}"
+    )
     print(f"| {'path':<28} | {'seconds':>8} | {'median s':>8} | {'GB/s':>6} | {'vs copy':>7} |")
     print(f"|{'-' * 30}|{'-' * 10}|{'-' * 10}|{'-' * 8}|{'-' * 9}|")
     for row in rows:
         gbs = nbytes / row.best / 1e9
-        print(f"| {row.name:<28} | {row.best:>8.3f} | {statistics.median(row.seconds):>8.3f} | "
-              f"{gbs:>6.2f} | {100 * gbs / copy_gbs:>6.0f}% |")
+        print(
+            f"| {row.name:<28} | {row.best:>8.3f} | {statistics.median(row.seconds):>8.3f} | "
+            f"{gbs:>6.2f} | {100 * gbs / copy_gbs:>6.0f}% |"
+        )
     clone_gbs = nbytes / rows[1].best / 1e9
     cluster_gbs = nbytes / rows[-1].best / 1e9
     put_gbs = nbytes / next(r for r in rows if r.name.startswith("object store")).best / 1e9
-    print(f"in-cluster update: {100 * cluster_gbs / copy_gbs:.0f}% of the preallocated copy "
-          f"(target >= 50%), {100 * cluster_gbs / clone_gbs:.0f}% of the fresh-memory copy, "
-          f"{100 * cluster_gbs / put_gbs:.0f}% of ray.put alone")
-    print(f"\npause('keep') -> update -> resume with {args.in_flight} requests in flight "
-          "(greedy, 96 tokens each):")
-    print(f"| {'path':<10} | {'pause ms':>8} | {'update s':>8} | {'resume ms':>9} | "
-          f"{'total s':>7} | {'switched at the update':>22} | {'finished':>8} |")
+    print(
+        f"in-cluster update: {100 * cluster_gbs / copy_gbs:.0f}% of the preallocated copy "
+        f"(target >= 50%), {100 * cluster_gbs / clone_gbs:.0f}% of the fresh-memory copy, "
+        f"{100 * cluster_gbs / put_gbs:.0f}% of ray.put alone"
+    )
+    print(
+        f"\npause('keep') -> update -> resume with {args.in_flight} requests in flight "
+        "(greedy, 96 tokens each):"
+    )
+    print(
+        f"| {'path':<10} | {'pause ms':>8} | {'update s':>8} | {'resume ms':>9} | "
+        f"{'total s':>7} | {'switched at the update':>22} | {'finished':>8} |"
+    )
     print(f"|{'-' * 12}|{'-' * 10}|{'-' * 10}|{'-' * 11}|{'-' * 9}|{'-' * 24}|{'-' * 10}|")
     for p in pauses:
         total = p.pause_s + p.update_s + p.resume_s
-        print(f"| {p.name:<10} | {1e3 * p.pause_s:>8.1f} | {p.update_s:>8.3f} | "
-              f"{1e3 * p.resume_s:>9.1f} | {total:>7.3f} | "
-              f"{f'{p.spanning}/{args.in_flight}':>22} | {p.finished:>8} |")
+        print(
+            f"| {p.name:<10} | {1e3 * p.pause_s:>8.1f} | {p.update_s:>8.3f} | "
+            f"{1e3 * p.resume_s:>9.1f} | {total:>7.3f} | "
+            f"{f'{p.spanning}/{args.in_flight}':>22} | {p.finished:>8} |"
+        )

@@ -1,4 +1,4 @@
-"""The rollout client library: `from cluster.client import RolloutClient`.
+"""The rollout client library: `from raylane.client import RolloutClient`.
 
 One async API over HTTP (`RolloutClient(base_url, ...)`) and inside the Ray cluster
 (`RolloutClient.in_cluster()`): generate (token ids, logprobs, per-token weight versions,
@@ -6,11 +6,21 @@ routed experts, kept mass), pause/resume, bucketed weight updates, abort, multi-
 and fan-out (fork / release / gather / aggregate).
 """
 
-from cluster.client.errors import BadRequest, Busy, ClientError, Unauthorized
-from cluster.client.fanout import Branch, aggregate
-from cluster.client.rollout import Rollout
-from cluster.client.rollout_client import RolloutClient
-from cluster.client.session import Session, SessionTurn
+from raylane.client.errors import BadRequest, Busy, ClientError, Unauthorized
+from raylane.client.fanout import Branch, aggregate
+from raylane.client.rollout import Rollout
+from raylane.client.rollout_client import RolloutClient
+from raylane.client.session import Session, SessionTurn
 
-__all__ = ["BadRequest", "Branch", "Busy", "ClientError", "Rollout", "RolloutClient", "Session",
-           "SessionTurn", "Unauthorized", "aggregate"]
+__all__ = [
+    "BadRequest",
+    "Branch",
+    "Busy",
+    "ClientError",
+    "Rollout",
+    "RolloutClient",
+    "Session",
+    "SessionTurn",
+    "Unauthorized",
+    "aggregate",
+]

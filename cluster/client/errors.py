@@ -12,8 +12,14 @@ from __future__ import annotations
 class ClientError(Exception):
     """The server answered with an error status (the OpenAI error body's fields)."""
 
-    def __init__(self, status: int, message: str, type: str | None = None,
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
@@ -43,8 +49,15 @@ def from_status(status: int, body: object) -> ClientError:
     err = body.get("error") if isinstance(body, dict) else None
     if not isinstance(err, dict):
         err = {"message": str(body)}
-    kind = (BadRequest if status in (400, 404, 413, 422) else
-            Unauthorized if status in (401, 403) else
-            Busy if status in (429, 503) else ClientError)
-    return kind(status, str(err.get("message", "")), err.get("type"), err.get("param"),
-                err.get("code"))
+    kind = (
+        BadRequest
+        if status in (400, 404, 413, 422)
+        else Unauthorized
+        if status in (401, 403)
+        else Busy
+        if status in (429, 503)
+        else ClientError
+    )
+    return kind(
+        status, str(err.get("message", "")), err.get("type"), err.get("param"), err.get("code")
+    )

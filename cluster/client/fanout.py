@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from cluster.client.rollout import Rollout
+from raylane.client.rollout import Rollout
 
 T = TypeVar("T")
 
@@ -38,8 +38,10 @@ def join_prompt(prefix: list[int] | str, suffix: list[int] | str | None) -> list
     if suffix is None:
         return prefix
     if isinstance(prefix, str) != isinstance(suffix, str):
-        raise ValueError("suffixes: give text suffixes for a text prefix and token-id suffixes "
-                         "for a token-id prefix")
+        raise ValueError(
+            "suffixes: give text suffixes for a text prefix and token-id suffixes "
+            "for a token-id prefix"
+        )
     return prefix + suffix if isinstance(prefix, str) else [*prefix, *suffix]
 
 
@@ -48,8 +50,7 @@ def branch_seeds(seed: int | None, k: int) -> list[int | None]:
     return [None] * k if seed is None else [seed + i for i in range(k)]
 
 
-def aggregate(proposals: Sequence[T], k: int,
-              score: Callable[[T], float] | None = None) -> list[T]:
+def aggregate(proposals: Sequence[T], k: int, score: Callable[[T], float] | None = None) -> list[T]:
     """The k best proposals by `score` (highest first; ties keep their order), or the first k
     when no score is given. Asking for more than there are is a ValueError, never a short
     (or empty) answer that a caller would mistake for a result."""

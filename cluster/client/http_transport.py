@@ -7,35 +7,47 @@ from typing import Any
 
 import httpx
 import numpy as np
-
-from actors.engine.sampling_params import SamplingParams
-from cluster.client.errors import from_status
-from cluster.client.rollout import Rollout, from_generate_item, unfloor
-from cluster.client.session import SessionTurn
-from cluster.client.wire import chat_body, generate_body
-from router.samples import TrainingSample
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.client.errors import from_status
+from raylane.client.rollout import Rollout, from_generate_item, unfloor
+from raylane.client.session import SessionTurn
+from raylane.client.wire import chat_body, generate_body
+from raylane.router.samples import TrainingSample
 
 _SAFETENSORS = "application/safetensors"
 
 
 class HttpTransport:
-    def __init__(self, base_url: str, api_key: str | None = None, admin_key: str | None = None,
-                 connect_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        connect_timeout_s: float = 30.0,
+    ):
         self.api_key = api_key
         self.admin_key = admin_key
         self.can_abort = admin_key is not None
         # no read timeout: a generation takes as long as it takes (the client bounds it)
         self.http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"), timeout=httpx.Timeout(None, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            base_url=base_url.rstrip("/"),
+            timeout=httpx.Timeout(None, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
 
     # --- generation -------------------------------------------------------------------------
 
-    async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
-                       routing_key: str | None) -> list[Rollout]:
+    async def generate(
+        self,
+        prompt: list[int] | str,
+        params: SamplingParams,
+        request_id: str,
+        routing_key: str | None,
+    ) -> list[Rollout]:
         ids = await self.tokenize(prompt, None) if isinstance(prompt, str) else list(prompt)
-        answer = (await self._post("/generate", generate_body(ids, params, request_id,
-                                                              routing_key))).json()
+        answer = (
+            await self._post("/generate", generate_body(ids, params, request_id, routing_key))
+        ).json()
         items = answer if isinstance(answer, list) else [answer]
         return [from_generate_item(item, ids, request_id) for item in items]
 
@@ -58,15 +70,20 @@ class HttpTransport:
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
         body = {"version": version, "tensors": spec_dicts}
         return (await self._post("/admin/update_weights/begin", body, admin=True)).json()[
-            "update_id"]
+            "update_id"
+        ]
 
     def stage_bucket(self, payload: np.ndarray) -> bytes:
         return payload.tobytes()  # the body: safetensors bytes
 
     async def load_bucket(self, update_id: str, staged: bytes) -> int:
-        resp = await self._request("POST", f"/admin/update_weights/{update_id}/bucket",
-                                   admin=True, content=staged,
-                                   headers={"content-type": "application/octet-stream"})
+        resp = await self._request(
+            "POST",
+            f"/admin/update_weights/{update_id}/bucket",
+            admin=True,
+            content=staged,
+            headers={"content-type": "application/octet-stream"},
+        )
         return int(resp.json()["tensors"])
 
     async def commit_update(self, update_id: str) -> int:
@@ -85,16 +102,25 @@ class HttpTransport:
     async def create_session(self, metadata: dict | None) -> str:
         return (await self._post("/sessions", {"metadata": metadata})).json()["session_id"]
 
-    async def session_chat(self, session_id: str, messages: list[dict], params: SamplingParams,
-                           tools: list[dict] | None) -> SessionTurn:
-        resp = await self._post(f"/sessions/{session_id}/v1/chat/completions",
-                                chat_body(messages, params, tools))
+    async def session_chat(
+        self,
+        session_id: str,
+        messages: list[dict],
+        params: SamplingParams,
+        tools: list[dict] | None,
+    ) -> SessionTurn:
+        resp = await self._post(
+            f"/sessions/{session_id}/v1/chat/completions", chat_body(messages, params, tools)
+        )
         return _session_turn(resp.json())
 
     async def session_sample(self, session_id: str, max_seq_len: int | None) -> TrainingSample:
-        resp = await self._request("POST", f"/sessions/{session_id}/samples",
-                                   json={"max_seq_len": max_seq_len},
-                                   headers={"accept": _SAFETENSORS})
+        resp = await self._request(
+            "POST",
+            f"/sessions/{session_id}/samples",
+            json={"max_seq_len": max_seq_len},
+            headers={"accept": _SAFETENSORS},
+        )
         return TrainingSample.from_safetensors(resp.content)
 
     async def describe_session(self, session_id: str) -> dict:
@@ -111,8 +137,15 @@ class HttpTransport:
     async def _post(self, path: str, body: Any, admin: bool = False) -> httpx.Response:
         return await self._request("POST", path, admin=admin, json=body)
 
-    async def _request(self, method: str, path: str, *, admin: bool = False,
-                       headers: dict[str, str] | None = None, **kwargs) -> httpx.Response:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        admin: bool = False,
+        headers: dict[str, str] | None = None,
+        **kwargs,
+    ) -> httpx.Response:
         key = self.admin_key if admin else self.api_key
         headers = dict(headers or {})
         if key is not None:
@@ -133,8 +166,11 @@ def _body(resp: httpx.Response) -> object:
 def _session_turn(answer: dict) -> SessionTurn:
     choice = answer["choices"][0]
     content = (choice.get("logprobs") or {}).get("content") or []
-    return SessionTurn(message=choice["message"], text=choice["message"].get("content") or "",
-                       token_ids=[int(t) for t in choice.get("token_ids") or []],
-                       logprobs=[unfloor(e["logprob"]) for e in content],
-                       finish_reason=choice.get("finish_reason"),
-                       weight_version=int(answer.get("weight_version") or 0))
+    return SessionTurn(
+        message=choice["message"],
+        text=choice["message"].get("content") or "",
+        token_ids=[int(t) for t in choice.get("token_ids") or []],
+        logprobs=[unfloor(e["logprob"]) for e in content],
+        finish_reason=choice.get("finish_reason"),
+        weight_version=int(answer.get("weight_version") or 0),
+    )

@@ -12,16 +12,15 @@ from contextlib import aclosing
 from typing import Any
 
 import numpy as np
-
-from actors.engine.errors import EnginePaused, RequestFailed
-from actors.engine.outputs import RequestOutput
-from actors.engine.sampling_params import SamplingParams
-from cluster.client.errors import Busy, ClientError, NoReplica
-from cluster.client.rollout import Rollout, from_request_output
-from cluster.client.session import SessionTurn
-from router.errors import ReplicaFailed, ReplicasBusy, RouterError
-from router.replica_generator import ReplicaRequests, RouterPicker
-from router.samples import TrainingSample
+from raylane.actors.engine.errors import EnginePaused, RequestFailed
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.client.errors import Busy, ClientError, NoReplica
+from raylane.client.rollout import Rollout, from_request_output
+from raylane.client.session import SessionTurn
+from raylane.router.errors import ReplicaFailed, ReplicasBusy, RouterError
+from raylane.router.replica_generator import ReplicaRequests, RouterPicker
+from raylane.router.samples import TrainingSample
 
 ENGINE_DEPLOYMENT = "EngineDeployment"
 
@@ -29,32 +28,45 @@ ENGINE_DEPLOYMENT = "EngineDeployment"
 class RayTransport:
     can_abort = True
 
-    def __init__(self, router: Any, replicas: Any, model: str | None = None,
-                 return_routed_experts: bool = False):
+    def __init__(
+        self,
+        router: Any,
+        replicas: Any,
+        model: str | None = None,
+        return_routed_experts: bool = False,
+    ):
         self.router = router  # the Router actor's handle
         self.replicas = replicas  # the engine deployment's DeploymentHandle
         self.requests = ReplicaRequests(replicas, RouterPicker(router))
         self.model = model  # the served HF directory: its tokenizer and chat template
-        self.sessions = None if model is None else _router_sessions(
-            router, replicas, model, return_routed_experts)
+        self.sessions = (
+            None
+            if model is None
+            else _router_sessions(router, replicas, model, return_routed_experts)
+        )
         self._tokenizer = None
 
     @classmethod
-    def connect(cls, app_name: str, model: str | None = None,
-                return_routed_experts: bool = False) -> RayTransport:
+    def connect(
+        cls, app_name: str, model: str | None = None, return_routed_experts: bool = False
+    ) -> RayTransport:
         """Handles of a running app (`ray.init(address=...)` first when outside the cluster).
         `model`: the HF directory the app serves (its chat template builds session turns)."""
         import ray
         from ray import serve
-
-        from router.actor import NAMESPACE, ROUTER_NAME
+        from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
         router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
         replicas = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)
         return cls(router, replicas, model, return_routed_experts)
 
-    async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
-                       routing_key: str | None) -> list[Rollout]:
+    async def generate(
+        self,
+        prompt: list[int] | str,
+        params: SamplingParams,
+        request_id: str,
+        routing_key: str | None,
+    ) -> list[Rollout]:
         final: RequestOutput | None = None
         try:
             stream = self.requests.generate(prompt, params, request_id, routing_key)
@@ -74,14 +86,16 @@ class RayTransport:
         if messages is None:
             return list(tokenizer.encode(text, add_special_tokens=True))
         # as the HTTP layer renders a chat (session_server/prompts.py)
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=False)
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         return list(tokenizer.encode(rendered, add_special_tokens=False))
 
     def _tokenizer_of_model(self):
         if self.model is None:
-            raise ValueError("tokenize needs the served model: "
-                             "RolloutClient.in_cluster(model=HF_DIR)")
+            raise ValueError(
+                "tokenize needs the served model: RolloutClient.in_cluster(model=HF_DIR)"
+            )
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -127,24 +141,36 @@ class RayTransport:
 
     def _sessions(self):
         if self.sessions is None:
-            raise ValueError("sessions need the served model: "
-                             "RolloutClient.in_cluster(model=HF_DIR)")
+            raise ValueError(
+                "sessions need the served model: RolloutClient.in_cluster(model=HF_DIR)"
+            )
         return self.sessions
 
     async def create_session(self, metadata: dict | None) -> str:
         return await self._sessions().create(metadata)
 
-    async def session_chat(self, session_id: str, messages: list[dict], params: SamplingParams,
-                           tools: list[dict] | None) -> SessionTurn:
+    async def session_chat(
+        self,
+        session_id: str,
+        messages: list[dict],
+        params: SamplingParams,
+        tools: list[dict] | None,
+    ) -> SessionTurn:
         last = None
-        async with aclosing(self._sessions().chat_stream(session_id, messages, params,
-                                                         tools=tools)) as turn:
+        async with aclosing(
+            self._sessions().chat_stream(session_id, messages, params, tools=tools)
+        ) as turn:
             async for result in turn:
                 last = result
         out = last.output
-        return SessionTurn(message=last.message, text=out.text, token_ids=list(out.token_ids),
-                           logprobs=list(out.logprobs or []), finish_reason=out.finish_reason,
-                           weight_version=last.weight_version)
+        return SessionTurn(
+            message=last.message,
+            text=out.text,
+            token_ids=list(out.token_ids),
+            logprobs=list(out.logprobs or []),
+            finish_reason=out.finish_reason,
+            weight_version=last.weight_version,
+        )
 
     async def session_sample(self, session_id: str, max_seq_len: int | None) -> TrainingSample:
         return await self._sessions().sample(session_id, max_seq_len)
@@ -160,8 +186,8 @@ class RayTransport:
 
 
 def _router_sessions(router: Any, replicas: Any, model: str, routed: bool):
-    from cluster.serve_backend import RouterSessions
-    from router.session_host import SessionSetup
+    from raylane.router.session_host import SessionSetup
+    from raylane.serve_backend import RouterSessions
 
     # NOTE: must equal the ingress's setup (same model dir, same routed-experts flag), else
     # the Router takes it for a redeployed model and rebuilds its registry

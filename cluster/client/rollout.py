@@ -12,8 +12,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-
-from actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
 
 _JSON_FLOOR = -9999.0  # what the HTTP layer sends for a -inf logprob
 
@@ -46,33 +45,44 @@ def from_request_output(out: RequestOutput) -> list[Rollout]:
 
 def _from_completion(out: RequestOutput, c: CompletionOutput) -> Rollout:
     return Rollout(
-        request_id=out.request_id, index=c.index,
-        prompt_token_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids), text=c.text,
+        request_id=out.request_id,
+        index=c.index,
+        prompt_token_ids=list(out.prompt_token_ids),
+        token_ids=list(c.token_ids),
+        text=c.text,
         finish_reason=c.finish_reason,
         logprobs=None if c.logprobs is None else [float(x) for x in c.logprobs],
-        weight_versions=[int(v) for v in c.weight_versions], weight_version=out.weight_version,
+        weight_versions=[int(v) for v in c.weight_versions],
+        weight_version=out.weight_version,
         top_logprobs=None if c.top_logprobs is None else [dict(t) for t in c.top_logprobs],
         kept_mass_logprobs=None if c.kept_mass_logprobs is None else list(c.kept_mass_logprobs),
-        routed_experts=c.routed_experts, num_cached_tokens=out.num_cached_tokens)
+        routed_experts=c.routed_experts,
+        num_cached_tokens=out.num_cached_tokens,
+    )
 
 
-def from_generate_item(item: dict, prompt_token_ids: list[int] | None = None,
-                       request_id: str | None = None) -> Rollout:
+def from_generate_item(
+    item: dict, prompt_token_ids: list[int] | None = None, request_id: str | None = None
+) -> Rollout:
     """A rollout from one item of a `/generate` answer (HTTP)."""
     meta = item.get("meta_info") or {}
     ids = [int(t) for t in item.get("output_ids") or []]
     version = int(meta.get("weight_version") or 0)
     return Rollout(
-        request_id=request_id or meta.get("id", ""), index=int(item.get("index", 0)),
-        prompt_token_ids=list(prompt_token_ids or []), token_ids=ids,
-        text=item.get("text", ""), finish_reason=_finish_type(meta.get("finish_reason")),
+        request_id=request_id or meta.get("id", ""),
+        index=int(item.get("index", 0)),
+        prompt_token_ids=list(prompt_token_ids or []),
+        token_ids=ids,
+        text=item.get("text", ""),
+        finish_reason=_finish_type(meta.get("finish_reason")),
         logprobs=_logprobs(meta.get("output_token_logprobs")),
         weight_versions=[int(v) for v in meta.get("weight_versions") or []],
         weight_version=version,
         top_logprobs=_top_logprobs(meta.get("output_top_logprobs")),
         kept_mass_logprobs=_floats(meta.get("kept_mass_logprobs")),
         routed_experts=decode_routed_experts(meta.get("routed_experts")),
-        num_cached_tokens=int(meta.get("cached_tokens") or 0))
+        num_cached_tokens=int(meta.get("cached_tokens") or 0),
+    )
 
 
 def decode_routed_experts(blob: dict | None) -> np.ndarray | None:
@@ -108,4 +118,3 @@ def _top_logprobs(per_token: list[list[list]] | None) -> list[dict[int, float]] 
 
 def _floats(values: list[float] | None) -> list[float] | None:
     return None if values is None else [unfloor(v) for v in values]
-

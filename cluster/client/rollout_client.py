@@ -10,15 +10,14 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from raylane.actors.models.weights import DEFAULT_BUCKET_BYTES, iter_buckets, pack_bucket, specs_of
+from raylane.client.errors import Busy
+from raylane.client.fanout import Branch, aggregate, branch_seeds, join_prompt
+from raylane.client.rollout import Rollout
+from raylane.client.session import Session
+from raylane.client.transport import Transport
+from raylane.client.wire import sampling_params
 from tqdm import tqdm
-
-from actors.models.weights import DEFAULT_BUCKET_BYTES, iter_buckets, pack_bucket, specs_of
-from cluster.client.errors import Busy
-from cluster.client.fanout import Branch, aggregate, branch_seeds, join_prompt
-from cluster.client.rollout import Rollout
-from cluster.client.session import Session
-from cluster.client.transport import Transport
-from cluster.client.wire import sampling_params
 
 if TYPE_CHECKING:
     import torch
@@ -38,13 +37,20 @@ class RolloutClient:
     call is retried with backoff for up to `busy_timeout_s` before `Busy` is raised.
     """
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None,
-                 admin_key: str | None = None, timeout: float | None = None, *,
-                 busy_timeout_s: float = 300.0, transport: Transport | None = None):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        timeout: float | None = None,
+        *,
+        busy_timeout_s: float = 300.0,
+        transport: Transport | None = None,
+    ):
         if transport is None:
             if base_url is None:
                 raise ValueError("give base_url (HTTP) or use RolloutClient.in_cluster()")
-            from cluster.client.http_transport import HttpTransport
+            from raylane.client.http_transport import HttpTransport
 
             transport = HttpTransport(base_url, api_key, admin_key)
         self.transport = transport
@@ -53,14 +59,20 @@ class RolloutClient:
         self._scratch: np.ndarray | None = None  # where weight buckets are packed
 
     @classmethod
-    def in_cluster(cls, app_name: str | None = None, *, model: str | None = None,
-                   return_routed_experts: bool = False, timeout: float | None = None,
-                   busy_timeout_s: float = 300.0) -> RolloutClient:
+    def in_cluster(
+        cls,
+        app_name: str | None = None,
+        *,
+        model: str | None = None,
+        return_routed_experts: bool = False,
+        timeout: float | None = None,
+        busy_timeout_s: float = 300.0,
+    ) -> RolloutClient:
         """A client over Ray handles (call `ray.init(address=..., namespace="raylane")` first
         when not already inside the cluster). `model`: the served HF directory, needed only
         by `session()` (with the app's `return_routed_experts`)."""
-        from cluster.client.ray_transport import RayTransport
-        from cluster.launch import APP_NAME
+        from raylane.client.ray_transport import RayTransport
+        from raylane.launch import APP_NAME
 
         transport = RayTransport.connect(app_name or APP_NAME, model, return_routed_experts)
         return cls(timeout=timeout, busy_timeout_s=busy_timeout_s, transport=transport)
@@ -76,21 +88,29 @@ class RolloutClient:
 
     # --- generation -------------------------------------------------------------------------
 
-    async def generate(self, prompt: Prompt, *, timeout: float | None = None,
-                       routing_key: str | None = None, request_id: str | None = None,
-                       **sampling: Any) -> list[Rollout]:
+    async def generate(
+        self,
+        prompt: Prompt,
+        *,
+        timeout: float | None = None,
+        routing_key: str | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> list[Rollout]:
         """One `Rollout` per sample. `sampling` takes the `SamplingParams` fields (each
         token's logprob is returned unless `logprobs=None`); requests with the same
         `routing_key` go to the same replica."""
         params = sampling_params(sampling)
         request_id = request_id or f"rl-{uuid.uuid4().hex}"
-        call = self._retry_busy(lambda: self.transport.generate(prompt, params, request_id,
-                                                                routing_key))
+        call = self._retry_busy(
+            lambda: self.transport.generate(prompt, params, request_id, routing_key)
+        )
         timeout = self.timeout if timeout is None else timeout
         return await (call if timeout is None else asyncio.wait_for(call, timeout))
 
-    async def tokenize(self, text: str | None = None, *,
-                       messages: list[dict] | None = None) -> list[int]:
+    async def tokenize(
+        self, text: str | None = None, *, messages: list[dict] | None = None
+    ) -> list[int]:
         """The served model's token ids for `text` (as `generate` would encode it) or for chat
         `messages` (rendered with the chat template and the generation prompt)."""
         if (text is None) == (messages is None):
@@ -129,9 +149,14 @@ class RolloutClient:
         """End the requests now; their partial outputs (finish reason "abort")."""
         return await self.transport.abort(list(request_ids))
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                             progress: bool = False) -> int:
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        *,
+        progress: bool = False,
+    ) -> int:
         """Send new weights (HF checkpoint names, e.g. `model.named_parameters()`) as one
         transaction: the manifest first (a bad name or shape fails it before any weight
         changes), then buckets of at most `bucket_bytes` (one bigger tensor travels alone),
@@ -145,8 +170,13 @@ class RolloutClient:
             raise ValueError("update_weights: no tensors given")
         specs = [s.to_dict() for s in specs_of(named)]
         update_id = await self.transport.begin_update(version, specs)
-        with tqdm(total=sum(t.numel() * t.element_size() for _, t in named), unit="B",
-                  unit_scale=True, desc=f"weights v{version}", disable=not progress) as bar:
+        with tqdm(
+            total=sum(t.numel() * t.element_size() for _, t in named),
+            unit="B",
+            unit_scale=True,
+            desc=f"weights v{version}",
+            disable=not progress,
+        ) as bar:
             await self._send_buckets(update_id, iter_buckets(named, bucket_bytes), bar)
         return await self.transport.commit_update(update_id)
 
@@ -159,7 +189,8 @@ class RolloutClient:
                     await sending
                 sending = asyncio.ensure_future(self.transport.load_bucket(update_id, staged))
                 sending.add_done_callback(
-                    lambda _, n=sum(t.numel() * t.element_size() for _, t in bucket): bar.update(n))
+                    lambda _, n=sum(t.numel() * t.element_size() for _, t in bucket): bar.update(n)
+                )
                 del staged
             if sending is not None:
                 await sending
@@ -183,9 +214,17 @@ class RolloutClient:
 
     # --- fan-out ----------------------------------------------------------------------------
 
-    async def fork(self, prefix: Prompt, k: int, *, suffixes: Sequence[Prompt] | None = None,
-                   routing_key: str | None = None, warm: bool = True,
-                   timeout: float | None = None, **sampling: Any) -> list[Branch]:
+    async def fork(
+        self,
+        prefix: Prompt,
+        k: int,
+        *,
+        suffixes: Sequence[Prompt] | None = None,
+        routing_key: str | None = None,
+        warm: bool = True,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> list[Branch]:
         """k branches on one prefix (each prefix + `suffixes[i]` when given), started together.
 
         They share a routing key, so they run on one replica, where the prefix's KV blocks
@@ -203,17 +242,29 @@ class RolloutClient:
         sampling_params(sampling)  # a bad field fails here, not in k tasks
         key = routing_key or f"fork-{uuid.uuid4().hex}"
         if warm:
-            await self.generate(prefix, routing_key=key, max_tokens=1, temperature=0.0,
-                                logprobs=None, timeout=timeout)
+            await self.generate(
+                prefix,
+                routing_key=key,
+                max_tokens=1,
+                temperature=0.0,
+                logprobs=None,
+                timeout=timeout,
+            )
         seeds = branch_seeds(sampling.pop("seed", None), k)
-        return [self._branch(i, p, key, timeout, {**sampling, "seed": seeds[i]})
-                for i, p in enumerate(prompts)]
+        return [
+            self._branch(i, p, key, timeout, {**sampling, "seed": seeds[i]})
+            for i, p in enumerate(prompts)
+        ]
 
-    def _branch(self, index: int, prompt: Prompt, key: str, timeout: float | None,
-                sampling: dict) -> Branch:
+    def _branch(
+        self, index: int, prompt: Prompt, key: str, timeout: float | None, sampling: dict
+    ) -> Branch:
         request_id = f"branch-{uuid.uuid4().hex}"
-        task = asyncio.ensure_future(self.generate(prompt, routing_key=key, timeout=timeout,
-                                                   request_id=request_id, **sampling))
+        task = asyncio.ensure_future(
+            self.generate(
+                prompt, routing_key=key, timeout=timeout, request_id=request_id, **sampling
+            )
+        )
         return Branch(index, request_id, prompt, task)
 
     async def release(self, branch: Branch) -> None:
@@ -227,8 +278,9 @@ class RolloutClient:
                 await self.transport.abort([branch.request_id])
         await asyncio.gather(branch.task, return_exceptions=True)
 
-    async def gather(self, branches: Sequence[Branch],
-                     fail_fast: bool = True) -> list[Rollout | BaseException]:
+    async def gather(
+        self, branches: Sequence[Branch], fail_fast: bool = True
+    ) -> list[Rollout | BaseException]:
         """Every branch's sample, in order. `fail_fast`: the first error releases the
         siblings still running and is raised; otherwise errors take their branch's place."""
         released = [b.index for b in branches if b.released]

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cluster.client.wire import sampling_params
-from router.samples import TrainingSample
+from raylane.client.wire import sampling_params
+from raylane.router.samples import TrainingSample
 
 if TYPE_CHECKING:
-    from cluster.client.transport import Transport
+    from raylane.client.transport import Transport
 
 
 @dataclass
@@ -33,8 +33,9 @@ class Session:
         self.transport = transport
         self.session_id = session_id
 
-    async def chat(self, messages: list[dict], *, tools: list[dict] | None = None,
-                   **sampling: Any) -> SessionTurn:
+    async def chat(
+        self, messages: list[dict], *, tools: list[dict] | None = None, **sampling: Any
+    ) -> SessionTurn:
         """One turn: `messages` is the whole conversation so far, ending with the new user
         (or tool) message; `sampling` takes the `SamplingParams` fields."""
         params = sampling_params(sampling)

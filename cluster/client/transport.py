@@ -7,21 +7,25 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import numpy as np
-
-from actors.engine.sampling_params import SamplingParams
-from cluster.client.rollout import Rollout
-from cluster.client.session import SessionTurn
-from router.samples import TrainingSample
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.client.rollout import Rollout
+from raylane.client.session import SessionTurn
+from raylane.router.samples import TrainingSample
 
 
 class Transport(Protocol):
-    """Errors: `ValueError` for bad input, `cluster.client.errors.Busy` when no replica can
+    """Errors: `ValueError` for bad input, `raylane.client.errors.Busy` when no replica can
     take the request now, `PermissionError` for a missing or wrong admin key."""
 
     can_abort: bool  # abort() can reach the engines (HTTP: an admin key was given)
 
-    async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
-                       routing_key: str | None) -> list[Rollout]:
+    async def generate(
+        self,
+        prompt: list[int] | str,
+        params: SamplingParams,
+        request_id: str,
+        routing_key: str | None,
+    ) -> list[Rollout]:
         """The finished request, one rollout per sample; cancelling the call aborts it."""
         ...
 
@@ -54,11 +58,15 @@ class Transport(Protocol):
 
     async def create_session(self, metadata: dict | None) -> str: ...
 
-    async def session_chat(self, session_id: str, messages: list[dict],
-                           params: SamplingParams, tools: list[dict] | None) -> SessionTurn: ...
+    async def session_chat(
+        self,
+        session_id: str,
+        messages: list[dict],
+        params: SamplingParams,
+        tools: list[dict] | None,
+    ) -> SessionTurn: ...
 
-    async def session_sample(self, session_id: str,
-                             max_seq_len: int | None) -> TrainingSample: ...
+    async def session_sample(self, session_id: str, max_seq_len: int | None) -> TrainingSample: ...
 
     async def describe_session(self, session_id: str) -> dict: ...
 

@@ -1,1 +1,1 @@
-"""Runnable examples of the rollout client (run them with `python -m cluster.examples.NAME`)."""
+"""Runnable examples of the rollout client (run them with `python -m raylane.examples.NAME`)."""

@@ -6,8 +6,8 @@ and runs everywhere.
 
 from __future__ import annotations
 
-from kernels.attention.metadata import AttentionMetadata, SeqSlice
-from kernels.attention.registry import AttentionBackend, available_backends, get_backend
+from raylane.kernels.attention.metadata import AttentionMetadata, SeqSlice
+from raylane.kernels.attention.registry import AttentionBackend, available_backends, get_backend
 
 __all__ = [
     "AttentionBackend",

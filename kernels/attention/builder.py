@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import torch
-
-from kernels.attention.metadata import AttentionMetadata, SeqSlice
+from raylane.kernels.attention.metadata import AttentionMetadata, SeqSlice
 
 __all__ = ["SeqSlice", "build_metadata", "slot_mapping"]
 
 
-def build_metadata(prefills: list[SeqSlice], decodes: list[SeqSlice], block_size: int,
-                   device: torch.device | str = "cpu") -> AttentionMetadata:
+def build_metadata(
+    prefills: list[SeqSlice],
+    decodes: list[SeqSlice],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
     """Metadata for a step whose flat tokens are `prefills` then `decodes`, in that order."""
     seqs = prefills + decodes
     width = max((-(-s.context_len // block_size) for s in seqs), default=1)

@@ -7,10 +7,9 @@ It runs every row of a step, prefill chunks and decodes alike, from the metadata
 from __future__ import annotations
 
 import torch
-
-from kernels.attention import cpu_kernel
-from kernels.attention.metadata import AttentionMetadata
-from kernels.attention.torch_ref import store_kv
+from raylane.kernels.attention import cpu_kernel
+from raylane.kernels.attention.metadata import AttentionMetadata
+from raylane.kernels.attention.torch_ref import store_kv
 
 
 class CpuPagedAttention:
@@ -19,6 +18,14 @@ class CpuPagedAttention:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)
-        return cpu_kernel.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                          meta.query_start_loc, scale, out,
-                                          block_size=meta.block_size)
+        return cpu_kernel.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale,
+            out,
+            block_size=meta.block_size,
+        )

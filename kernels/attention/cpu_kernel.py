@@ -41,10 +41,19 @@ def is_available() -> bool:
     return _library() is not None
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, *,
-                    block_size: int, num_threads: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    block_size: int,
+    num_threads: int | None = None,
+) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context; writes and returns out.
 
     q, out [T, H, D] (last dim contiguous; any row and head strides, e.g. q sliced from a fused
@@ -66,17 +75,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sizes = _checked_sizes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     bad_seq = ctypes.c_int(-1)
     rc = lib.raylane_paged_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(), *sizes, block_size,
-        scale, _DTYPES[q.dtype], num_threads or torch.get_num_threads(), ctypes.byref(bad_seq))
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        query_start_loc.data_ptr(),
+        out.data_ptr(),
+        *sizes,
+        block_size,
+        scale,
+        _DTYPES[q.dtype],
+        num_threads or torch.get_num_threads(),
+        ctypes.byref(bad_seq),
+    )
     if rc != 0:
         where = f" (sequence {bad_seq.value})" if bad_seq.value >= 0 else ""
         raise ValueError(f"paged_attention: {_ERRORS.get(rc, f'error {rc}')}{where}")
     return out
 
 
-def _checked_sizes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
-                   ) -> tuple[int, ...]:
+def _checked_sizes(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
+) -> tuple[int, ...]:
     """The sizes and strides the C code takes, after checking everything that would make it
     read or write out of bounds short of the int tensors' values (it checks those itself).
 
@@ -84,31 +105,59 @@ def _checked_sizes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
     """
     dtype = q.dtype
     if dtype not in _DTYPES or not (dtype == k_cache.dtype == v_cache.dtype == out.dtype):
-        raise ValueError(f"paged_attention: q, caches and out must share a dtype in "
-                         f"{list(_DTYPES)}; got {dtype}, {k_cache.dtype}, {v_cache.dtype}, "
-                         f"{out.dtype}")
+        raise ValueError(
+            f"paged_attention: q, caches and out must share a dtype in "
+            f"{list(_DTYPES)}; got {dtype}, {k_cache.dtype}, {v_cache.dtype}, "
+            f"{out.dtype}"
+        )
     tensors = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     if not all(t.is_cpu for t in tensors):
         raise ValueError("paged_attention: every tensor must be on the CPU")
     q_shape, q_stride, out_stride, cache_shape = q.shape, q.stride(), out.stride(), k_cache.shape
     if len(q_shape) != 3 or out.shape != q_shape or q_stride[2] != 1 or out_stride[2] != 1:
-        raise ValueError(f"paged_attention: q and out must be [T, H, D] with contiguous D; "
-                         f"got {tuple(q_shape)} and {tuple(out.shape)}")
-    if (len(cache_shape) != 3 or v_cache.shape != cache_shape or cache_shape[2] != q_shape[2]
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-        raise ValueError(f"paged_attention: k_cache and v_cache must be contiguous "
-                         f"[num_slots, KVH, {q_shape[2]}]; got {tuple(cache_shape)}")
+        raise ValueError(
+            f"paged_attention: q and out must be [T, H, D] with contiguous D; "
+            f"got {tuple(q_shape)} and {tuple(out.shape)}"
+        )
+    if (
+        len(cache_shape) != 3
+        or v_cache.shape != cache_shape
+        or cache_shape[2] != q_shape[2]
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        raise ValueError(
+            f"paged_attention: k_cache and v_cache must be contiguous "
+            f"[num_slots, KVH, {q_shape[2]}]; got {tuple(cache_shape)}"
+        )
     (batch,), table_shape, table_stride = seq_lens.shape, block_tables.shape, block_tables.stride()
-    if (block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32
-            or query_start_loc.dtype != torch.int32 or len(table_shape) != 2
-            or table_shape[0] != batch or table_stride[1] != 1
-            or not (seq_lens.is_contiguous() and query_start_loc.is_contiguous())
-            or query_start_loc.shape != (batch + 1,)):
-        raise ValueError("paged_attention: block_tables [B, W], seq_lens [B] and "
-                         "query_start_loc [B + 1] must be int32 with contiguous rows")
-    return (q_stride[0], q_stride[1], out_stride[0], out_stride[1], cache_shape[0],
-            table_stride[0], table_shape[1], batch, q_shape[0], q_shape[1], cache_shape[1],
-            q_shape[2])
+    if (
+        block_tables.dtype != torch.int32
+        or seq_lens.dtype != torch.int32
+        or query_start_loc.dtype != torch.int32
+        or len(table_shape) != 2
+        or table_shape[0] != batch
+        or table_stride[1] != 1
+        or not (seq_lens.is_contiguous() and query_start_loc.is_contiguous())
+        or query_start_loc.shape != (batch + 1,)
+    ):
+        raise ValueError(
+            "paged_attention: block_tables [B, W], seq_lens [B] and "
+            "query_start_loc [B + 1] must be int32 with contiguous rows"
+        )
+    return (
+        q_stride[0],
+        q_stride[1],
+        out_stride[0],
+        out_stride[1],
+        cache_shape[0],
+        table_stride[0],
+        table_shape[1],
+        batch,
+        q_shape[0],
+        q_shape[1],
+        cache_shape[1],
+        q_shape[2],
+    )
 
 
 @functools.cache
@@ -125,8 +174,12 @@ def _library() -> ctypes.CDLL | None:
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     # pointers (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out), then
     # _checked_sizes(), then block_size, scale, dtype, num_threads, bad_seq
-    fn.argtypes = [ptr] * 7 + [i64] * 6 + [i32] * 6 + [i32, ctypes.c_float, i32, i32,
-                                                          ctypes.POINTER(ctypes.c_int)]
+    fn.argtypes = (
+        [ptr] * 7
+        + [i64] * 6
+        + [i32] * 6
+        + [i32, ctypes.c_float, i32, i32, ctypes.POINTER(ctypes.c_int)]
+    )
     fn.restype = ctypes.c_int
     return lib
 
@@ -137,8 +190,9 @@ def _build() -> Path:
     if compiler is None:
         raise OSError("no C compiler found (set CC)")
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(_FLAGS).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join([source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
     root = os.environ.get("RAYLANE_KERNEL_CACHE") or Path.home() / ".cache/raylane/kernels"
     target = Path(root) / key / "paged_attention.so"
     if target.exists():
@@ -149,8 +203,12 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)],
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [compiler, *_FLAGS, "-o", tmp, str(_SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if result.returncode != 0:
             raise OSError(f"{compiler} failed:\n{result.stderr.strip()}")
         os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache dir needs it readable

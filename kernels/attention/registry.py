@@ -6,8 +6,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
-
-from kernels.attention.metadata import AttentionMetadata
+from raylane.kernels.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
@@ -29,19 +28,19 @@ class AttentionBackend(Protocol):
 
 
 def _torch_backend() -> AttentionBackend:
-    from kernels.attention.torch_ref import TorchAttention
+    from raylane.kernels.attention.torch_ref import TorchAttention
 
     return TorchAttention()
 
 
 def _triton_backend() -> AttentionBackend:
-    from kernels.attention.triton_backend import TritonAttention
+    from raylane.kernels.attention.triton_backend import TritonAttention
 
     return TritonAttention()
 
 
 def _cpu_backend() -> AttentionBackend:
-    from kernels.attention.cpu_backend import CpuPagedAttention
+    from raylane.kernels.attention.cpu_backend import CpuPagedAttention
 
     return CpuPagedAttention()
 
@@ -49,7 +48,7 @@ def _cpu_backend() -> AttentionBackend:
 def _has_cpu_kernel(device: torch.device) -> bool:
     if device.type != "cpu":
         return False
-    from kernels.attention import cpu_kernel
+    from raylane.kernels.attention import cpu_kernel
 
     return cpu_kernel.is_available()  # built once per machine (about a second), then cached
 

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from kernels.attention.metadata import AttentionMetadata, SeqSlice
+from raylane.kernels.attention.metadata import AttentionMetadata, SeqSlice
 
 
 @dataclass
@@ -42,8 +41,9 @@ class TorchAttention:
             return None
         if meta.seqs is None:
             raise ValueError("attention metadata with prefills needs its host-side `seqs`")
-        return plan_prefill(meta.seqs[:meta.num_prefills], meta.block_size,
-                            meta.slot_mapping.device)
+        return plan_prefill(
+            meta.seqs[: meta.num_prefills], meta.block_size, meta.slot_mapping.device
+        )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -60,8 +60,15 @@ class TorchAttention:
                 out[rows] = attend_prefill(q[rows], k_cache, v_cache, prefill, scale)
         if meta.num_decodes:
             first = meta.num_prefills
-            out[split:] = attend_decode(q[split:], k_cache, v_cache, meta.block_tables[first:],
-                                        meta.seq_lens[first:], meta.block_size, scale)
+            out[split:] = attend_decode(
+                q[split:],
+                k_cache,
+                v_cache,
+                meta.block_tables[first:],
+                meta.seq_lens[first:],
+                meta.block_size,
+                scale,
+            )
         return out
 
 
@@ -88,8 +95,14 @@ def plan_prefill(seqs: list[SeqSlice], block_size: int, device) -> PrefillPlan:
     allowed = (k_pos <= q_pos.unsqueeze(-1)) & (k_pos < ctx.view(-1, 1, 1))
     flat_index = torch.cat([torch.arange(s.num_new) + i * max_q for i, s in enumerate(seqs)])
     fresh = all(s.num_new == s.context_len for s in seqs)
-    return PrefillPlan(int(num_new.sum()), max_q, flat_index.to(device),
-                       gather.contiguous().to(device), allowed.unsqueeze(1).to(device), fresh)
+    return PrefillPlan(
+        int(num_new.sum()),
+        max_q,
+        flat_index.to(device),
+        gather.contiguous().to(device),
+        allowed.unsqueeze(1).to(device),
+        fresh,
+    )
 
 
 def attend_prefill(q, k_cache, v_cache, plan: PrefillPlan, scale: float) -> torch.Tensor:
@@ -102,7 +115,11 @@ def attend_prefill(q, k_cache, v_cache, plan: PrefillPlan, scale: float) -> torc
     kp = k_cache.index_select(0, slots).view(ctx_shape).transpose(1, 2)
     vp = v_cache.index_select(0, slots).view(ctx_shape).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), kp, vp, attn_mask=plan.allowed, scale=scale,
+        qp.transpose(1, 2),
+        kp,
+        vp,
+        attn_mask=plan.allowed,
+        scale=scale,
         enable_gqa=kp.shape[1] != num_heads,
     )  # [batch, num_heads, max_q, head_dim]
     out = out.transpose(1, 2).reshape(plan.batch * plan.max_q, num_heads, head_dim)
@@ -118,14 +135,25 @@ def attend_fresh(q, k, v, plan: PrefillPlan, scale: float) -> torch.Tensor:
     qp = _pad(q, plan, q.new_empty)
     kp, vp = _pad(k, plan, k.new_zeros), _pad(v, plan, v.new_zeros)
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), is_causal=True, scale=scale,
+        qp.transpose(1, 2),
+        kp.transpose(1, 2),
+        vp.transpose(1, 2),
+        is_causal=True,
+        scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )  # [batch, num_heads, max_q, head_dim]
     return out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2]).index_select(0, plan.flat_index)
 
 
-def attend_decode(q, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  block_size: int, scale: float) -> torch.Tensor:
+def attend_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
     """One query per sequence over its whole context, from device tensors only (capturable):
     every block of the table is gathered, positions past `seq_lens` masked out."""
     batch, width = block_tables.shape
@@ -138,8 +166,12 @@ def attend_decode(q, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: tor
     positions = torch.arange(width * block_size, device=q.device)
     allowed = (positions.unsqueeze(0) < seq_lens.unsqueeze(1)).view(batch, 1, 1, -1)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(1).transpose(1, 2), kp.transpose(1, 2),
-        vp.transpose(1, 2), attn_mask=allowed, scale=scale, enable_gqa=kv_heads != num_heads,
+        q.unsqueeze(1).transpose(1, 2),
+        kp.transpose(1, 2),
+        vp.transpose(1, 2),
+        attn_mask=allowed,
+        scale=scale,
+        enable_gqa=kv_heads != num_heads,
     )  # [batch, num_heads, 1, head_dim]
     return out.view(batch, num_heads, head_dim)
 

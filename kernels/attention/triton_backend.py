@@ -8,9 +8,8 @@ graph's metadata fixes at the model's maximum).
 from __future__ import annotations
 
 import torch
-
-from kernels.attention import triton_kernels as tk
-from kernels.attention.metadata import AttentionMetadata
+from raylane.kernels.attention import triton_kernels as tk
+from raylane.kernels.attention.metadata import AttentionMetadata
 
 
 class TritonAttention:
@@ -22,12 +21,28 @@ class TritonAttention:
         split, first = meta.num_prefill_tokens, meta.num_prefills
         if meta.num_prefills:
             tk.prefill_attention(
-                q[:split], k_cache, v_cache, meta.block_tables[:first], meta.seq_lens[:first],
-                meta.query_start_loc[:first + 1], meta.max_query_len, scale, meta.block_size,
-                out[:split])
+                q[:split],
+                k_cache,
+                v_cache,
+                meta.block_tables[:first],
+                meta.seq_lens[:first],
+                meta.query_start_loc[: first + 1],
+                meta.max_query_len,
+                scale,
+                meta.block_size,
+                out[:split],
+            )
         if meta.num_decodes:
             splits = tk.pick_num_splits(meta.num_decodes, k_cache.shape[1], meta.max_seq_len)
             tk.decode_attention(
-                q[split:], k_cache, v_cache, meta.block_tables[first:], meta.seq_lens[first:],
-                scale, meta.block_size, out[split:], num_splits=splits)
+                q[split:],
+                k_cache,
+                v_cache,
+                meta.block_tables[first:],
+                meta.seq_lens[first:],
+                scale,
+                meta.block_size,
+                out[split:],
+                num_splits=splits,
+            )
         return out

@@ -44,13 +44,26 @@ def _slots(table_row, pos, pos_ok, BLOCK_SIZE: tl.constexpr):
 @triton.jit
 def _load_rows(cache, slots, stride_slot, head_offset, d, ok):
     # [N, D_PAD] rows of one KV head; masked rows and padded dims read as 0 (never garbage)
-    return tl.load(cache + slots[:, None] * stride_slot + head_offset + d[None, :], mask=ok,
-                   other=0.0)
+    return tl.load(
+        cache + slots[:, None] * stride_slot + head_offset + d[None, :], mask=ok, other=0.0
+    )
 
 
 @triton.jit
-def _load_kv_tile(k_cache, v_cache, table, pos, pos_ok, d, d_ok, stride_ks, stride_vs, kv_off_k,
-                  kv_off_v, BLOCK_SIZE: tl.constexpr):
+def _load_kv_tile(
+    k_cache,
+    v_cache,
+    table,
+    pos,
+    pos_ok,
+    d,
+    d_ok,
+    stride_ks,
+    stride_vs,
+    kv_off_k,
+    kv_off_v,
+    BLOCK_SIZE: tl.constexpr,
+):
     # the K and V rows [BLOCK_N, D_PAD] of context positions `pos`, through the block table
     slots = _slots(table, pos, pos_ok, BLOCK_SIZE)
     kv_ok = pos_ok[:, None] & d_ok[None, :]
@@ -60,8 +73,9 @@ def _load_kv_tile(k_cache, v_cache, table, pos, pos_ok, d, d_ok, stride_ks, stri
 
 
 @triton.jit
-def _softmax_step(q, k, v, visible, m, total, acc, qk_scale, PRECISION: tl.constexpr,
-                  UPCAST: tl.constexpr):
+def _softmax_step(
+    q, k, v, visible, m, total, acc, qk_scale, PRECISION: tl.constexpr, UPCAST: tl.constexpr
+):
     # online softmax over one key tile. q [M, D_PAD], k/v [N, D_PAD], visible [M, N] or [1, N];
     # m [M] running max of the base-2 scores, total [M] running sum of exp2(score - m),
     # acc [M, D_PAD] float32 running sum of weighted values.
@@ -76,10 +90,25 @@ def _softmax_step(q, k, v, visible, m, total, acc, qk_scale, PRECISION: tl.const
 
 
 @triton.jit
-def _store_kv_kernel(k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_kh, stride_vt,
-                     stride_vh, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr,
-                     D_PAD: tl.constexpr):
+def _store_kv_kernel(
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + t)
     if slot < 0:  # a padding token (e.g. in a captured CUDA graph) is not stored
@@ -87,20 +116,49 @@ def _store_kv_kernel(k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_kh,
     h, d = tl.arange(0, H_PAD)[:, None], tl.arange(0, D_PAD)[None, :]
     ok = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     key = tl.load(k + t * stride_kt + h * stride_kh + d, mask=ok)
-    tl.store(k_cache + slot * stride_kcs + h * stride_kch + d,
-             key.to(k_cache.dtype.element_ty), mask=ok)
+    tl.store(
+        k_cache + slot * stride_kcs + h * stride_kch + d, key.to(k_cache.dtype.element_ty), mask=ok
+    )
     value = tl.load(v + t * stride_vt + h * stride_vh + d, mask=ok)
-    tl.store(v_cache + slot * stride_vcs + h * stride_vch + d,
-             value.to(v_cache.dtype.element_ty), mask=ok)
+    tl.store(
+        v_cache + slot * stride_vcs + h * stride_vch + d,
+        value.to(v_cache.dtype.element_ty),
+        mask=ok,
+    )
 
 
 @triton.jit
-def _decode_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, part_ml, part_acc,
-                   qk_scale, num_splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs,
-                   stride_vh, stride_ob, stride_oh, stride_bt, NUM_HEADS: tl.constexpr,
-                   GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _decode_kernel(
+    q,
+    k_cache,
+    v_cache,
+    out,
+    block_tables,
+    seq_lens,
+    part_ml,
+    part_acc,
+    qk_scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_oh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     # one program: sequence b, the GROUP query heads of KV head kvh, one split of the context
     b, kvh, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
@@ -110,8 +168,9 @@ def _decode_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, part_ml, pa
     g, d = tl.arange(0, G_PAD), tl.arange(0, D_PAD)
     heads, g_ok, d_ok = kvh * GROUP + g, g < GROUP, d < HEAD_DIM
     q_ok = g_ok[:, None] & d_ok[None, :]
-    qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_ok,
-                 other=0.0)  # [G_PAD, D_PAD]; padded heads are 0 rows whose output is dropped
+    qv = tl.load(
+        q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_ok, other=0.0
+    )  # [G_PAD, D_PAD]; padded heads are 0 rows whose output is dropped
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -119,14 +178,30 @@ def _decode_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, part_ml, pa
     for n in range(start, end, BLOCK_N):  # every tile holds >= 1 visible key for all rows
         pos = n + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        k, v = _load_kv_tile(k_cache, v_cache, table, pos, pos_ok, d, d_ok, stride_ks,
-                             stride_vs, kvh * stride_kh, kvh * stride_vh, BLOCK_SIZE)
-        m, total, acc = _softmax_step(qv, k, v, pos_ok[None, :], m, total, acc, qk_scale,
-                                      PRECISION, UPCAST)
+        k, v = _load_kv_tile(
+            k_cache,
+            v_cache,
+            table,
+            pos,
+            pos_ok,
+            d,
+            d_ok,
+            stride_ks,
+            stride_vs,
+            kvh * stride_kh,
+            kvh * stride_vh,
+            BLOCK_SIZE,
+        )
+        m, total, acc = _softmax_step(
+            qv, k, v, pos_ok[None, :], m, total, acc, qk_scale, PRECISION, UPCAST
+        )
     if DIRECT:  # one split: normalise here; seq_len 0 (graph padding) gives zeros, not nan
         res = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 res.to(out.dtype.element_ty), mask=q_ok)
+        tl.store(
+            out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            res.to(out.dtype.element_ty),
+            mask=q_ok,
+        )
     else:  # partials [2, B, H, S] (m, total), [B, H, S, D] acc; an empty split: (-inf, 0, 0)
         row = (b * NUM_HEADS + heads) * num_splits + split  # [G_PAD]
         tl.store(part_ml + row, m, mask=g_ok)
@@ -135,33 +210,68 @@ def _decode_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, part_ml, pa
 
 
 @triton.jit
-def _reduce_splits_kernel(part_ml, part_acc, out, num_splits, stride_ob, stride_oh,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                          S_PAD: tl.constexpr):
+def _reduce_splits_kernel(
+    part_ml,
+    part_acc,
+    out,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s, d = tl.arange(0, S_PAD), tl.arange(0, D_PAD)
     s_ok, d_ok = s < num_splits, d < HEAD_DIM
     row = (b * NUM_HEADS + h) * num_splits + s  # [S_PAD]
     m = tl.load(part_ml + row, mask=s_ok, other=float("-inf"))
-    sums = tl.load(part_ml + tl.num_programs(0) * NUM_HEADS * num_splits + row, mask=s_ok,
-                   other=0.0)
+    sums = tl.load(
+        part_ml + tl.num_programs(0) * NUM_HEADS * num_splits + row, mask=s_ok, other=0.0
+    )
     top = tl.max(m, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # seq_len 0: every split is empty
     w = tl.exp2(m - top)  # [S_PAD]; 0 for empty splits
-    acc = tl.load(part_acc + row[:, None] * HEAD_DIM + d[None, :],
-                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [S_PAD, D_PAD]
+    acc = tl.load(
+        part_acc + row[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [S_PAD, D_PAD]
     total = tl.sum(w * sums, 0)
     res = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out + b * stride_ob + h * stride_oh + d, res.to(out.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
-def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale,
-                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot,
-                    stride_oh, stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):
+def _prefill_kernel(
+    q,
+    k_cache,
+    v_cache,
+    out,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     # one program: sequence i, BLOCK_Q query tokens times the GROUP heads of KV head kvh, packed
     # as BLOCK_M rows (token-major), so each key tile is loaded once for the whole group
     i, tile, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -176,8 +286,11 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_star
     row_ok = ((r < BLOCK_Q * GROUP) & (tok < q_len))[:, None] & d_ok[None, :]
     q_pos = context + tok  # [BLOCK_M]; padded rows sit past the chunk and still see key 0
     row_offsets = (q_start + tok).to(tl.int64)[:, None]
-    qv = tl.load(q + row_offsets * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                 mask=row_ok, other=0.0)  # [BLOCK_M, D_PAD]
+    qv = tl.load(
+        q + row_offsets * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=row_ok,
+        other=0.0,
+    )  # [BLOCK_M, D_PAD]
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -186,18 +299,37 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, seq_lens, query_star
     for n in range(0, kv_end, BLOCK_N):
         pos = n + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
-        k, v = _load_kv_tile(k_cache, v_cache, table, pos, pos_ok, d, d_ok, stride_ks,
-                             stride_vs, kvh * stride_kh, kvh * stride_vh, BLOCK_SIZE)
+        k, v = _load_kv_tile(
+            k_cache,
+            v_cache,
+            table,
+            pos,
+            pos_ok,
+            d,
+            d_ok,
+            stride_ks,
+            stride_vs,
+            kvh * stride_kh,
+            kvh * stride_vh,
+            BLOCK_SIZE,
+        )
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
-        m, total, acc = _softmax_step(qv, k, v, visible, m, total, acc, qk_scale, PRECISION,
-                                      UPCAST)
+        m, total, acc = _softmax_step(qv, k, v, visible, m, total, acc, qk_scale, PRECISION, UPCAST)
     res = acc / total[:, None]
-    tl.store(out + row_offsets * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             res.to(out.dtype.element_ty), mask=row_ok)
+    tl.store(
+        out + row_offsets * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        res.to(out.dtype.element_ty),
+        mask=row_ok,
+    )
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write row t of k and v to slot `slot_mapping[t]` of the caches; a negative slot is skipped.
 
     k, v: [T, KVH, D], any row and head strides (views of a fused qkv output); caches
@@ -205,15 +337,30 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """
     _require_unit_last_stride(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
     if not (k.shape == v.shape and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:]):
-        raise ValueError(f"shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, "
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(num_kv_heads),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        H_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
     )
 
@@ -226,9 +373,17 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: in
     return max(1, min(_MAX_SPLITS, by_length, by_occupancy))
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     block_size: int, out: torch.Tensor, num_splits: int | None = None) -> None:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_size: int,
+    out: torch.Tensor,
+    num_splits: int | None = None,
+) -> None:
     """One query per sequence over its paged context, split-K across `num_splits` programs.
 
     q, out: [B, H, D] (any row and head strides); caches [num_slots, KVH, D]; block_tables
@@ -250,25 +405,62 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_ml = q.new_empty(ml_shape, dtype=torch.float32)
     part_acc = q.new_empty(acc_shape, dtype=torch.float32)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, part_ml, part_acc, scale * LOG2E,
-        num_splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, DIRECT=direct,
-        **_tiles(d_pad, q), **_dot_mode(q),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        part_ml,
+        part_acc,
+        scale * LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        G_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        DIRECT=direct,
+        **_tiles(d_pad, q),
+        **_dot_mode(q),
     )
     if not direct:
         _reduce_splits_kernel[(batch, num_heads)](
-            part_ml, part_acc, out, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+            part_ml,
+            part_acc,
+            out,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
             S_PAD=triton.next_power_of_2(num_splits),
         )
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                      block_size: int, out: torch.Tensor) -> None:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    block_size: int,
+    out: torch.Tensor,
+) -> None:
     """Varlen causal attention of each sequence's new chunk over its paged context.
 
     q, out: [T, H, D] (any row and head strides), sequence i's rows are
@@ -284,11 +476,31 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(group))
     block_q = block_m // group  # query tokens per program; the last group * block_q rows idle
     _prefill_kernel[(batch, triton.cdiv(max_query_len, block_q), num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_Q=block_q, **_tiles(d_pad, q), **_dot_mode(q),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        **_tiles(d_pad, q),
+        **_dot_mode(q),
     )
 
 
@@ -307,8 +519,10 @@ def _tiles(d_pad: int, q: torch.Tensor) -> dict[str, int]:
 def _dot_mode(q: torch.Tensor) -> dict[str, object]:
     # float32 inputs get exact products (tf32 would cost ~1e-3); 16-bit inputs ignore PRECISION.
     # CPU tensors mean the interpreter, whose bf16 tl.dot is broken (see _dot).
-    return {"PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-            "UPCAST": q.dtype == torch.bfloat16 and q.device.type == "cpu"}
+    return {
+        "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "UPCAST": q.dtype == torch.bfloat16 and q.device.type == "cpu",
+    }
 
 
 def _check_paged(q, k_cache, v_cache, out, block_size: int) -> tuple[int, int, int]:
@@ -321,17 +535,21 @@ def _check_paged(q, k_cache, v_cache, out, block_size: int) -> tuple[int, int, i
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape or out.shape != q.shape:
-        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"v_cache {tuple(v_cache.shape)}, out {tuple(out.shape)}")
+        raise ValueError(
+            f"shapes disagree: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+            f"v_cache {tuple(v_cache.shape)}, out {tuple(out.shape)}"
+        )
     if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(f"q, k_cache and v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
+        raise ValueError(
+            f"q, k_cache and v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     return num_heads, num_kv_heads, head_dim
 
 
 def _require_unit_last_stride(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.dim() != 3 or (t.shape[2] > 1 and t.stride(2) != 1):
-            raise ValueError(f"{name} must be [rows, heads, head_dim] with head_dim contiguous, "
-                             f"got shape {tuple(t.shape)} strides {t.stride()}")
-
+            raise ValueError(
+                f"{name} must be [rows, heads, head_dim] with head_dim contiguous, "
+                f"got shape {tuple(t.shape)} strides {t.stride()}"
+            )

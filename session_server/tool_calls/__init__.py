@@ -21,7 +21,7 @@ broken call stays a call there, with the arguments generated so far).
 
 from __future__ import annotations
 
-from session_server.tool_calls.calls import (
+from raylane.session_server.tool_calls.calls import (
     ArgsPiece,
     CallStart,
     Content,
@@ -29,7 +29,7 @@ from session_server.tool_calls.calls import (
     ToolCall,
     openai_deltas,
 )
-from session_server.tool_calls.formats import (
+from raylane.session_server.tool_calls.formats import (
     PARSERS,
     HermesParser,
     JsonCallsParser,
@@ -38,8 +38,21 @@ from session_server.tool_calls.formats import (
     detect_parser,
     make_parser,
 )
-from session_server.tool_calls.parser import ToolParser
+from raylane.session_server.tool_calls.parser import ToolParser
 
-__all__ = ["PARSERS", "ArgsPiece", "CallStart", "Content", "Event", "HermesParser",
-           "JsonCallsParser", "Llama3Parser", "NamedParser", "ToolCall", "ToolParser",
-           "detect_parser", "make_parser", "openai_deltas"]
+__all__ = [
+    "PARSERS",
+    "ArgsPiece",
+    "CallStart",
+    "Content",
+    "Event",
+    "HermesParser",
+    "JsonCallsParser",
+    "Llama3Parser",
+    "NamedParser",
+    "ToolCall",
+    "ToolParser",
+    "detect_parser",
+    "make_parser",
+    "openai_deltas",
+]

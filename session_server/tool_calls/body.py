@@ -6,8 +6,10 @@ import json
 import re
 
 # the start of a call object up to its arguments value: '{"name": "f", "arguments": '
-_HEADER = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"'
-                     r'\s*:\s*(?=\S)')
+_HEADER = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"'
+    r"\s*:\s*(?=\S)"
+)
 
 
 class ValueScan:
@@ -80,7 +82,7 @@ class CallBody:
 
     def args_text(self) -> str:
         """The arguments read so far (all of them once the value ended)."""
-        return self.text[self.args_start:self.args.end] if self.args is not None else ""
+        return self.text[self.args_start : self.args.end] if self.args is not None else ""
 
     def call(self) -> tuple[str, str] | None:
         """(name, arguments JSON) of the complete object, or None when it is no call."""

@@ -17,8 +17,11 @@ class ToolCall:
     id: str = field(default_factory=new_call_id)
 
     def to_openai(self) -> dict:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,24 @@ def openai_deltas(events: list[Event]) -> list[dict]:
             else:
                 deltas.append({"content": e.text})
         elif isinstance(e, CallStart):
-            deltas.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
-                                           "function": {"name": e.name, "arguments": ""}}]})
+            deltas.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": e.index,
+                            "id": e.id,
+                            "type": "function",
+                            "function": {"name": e.name, "arguments": ""},
+                        }
+                    ]
+                }
+            )
         else:  # arguments join the previous piece of the same call, not its first entry
             entry = last.get("tool_calls", [{}])[0]
             if entry.get("index") == e.index and "id" not in entry:
                 entry["function"]["arguments"] += e.text
             else:
-                deltas.append({"tool_calls": [{"index": e.index,
-                                               "function": {"arguments": e.text}}]})
+                deltas.append(
+                    {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+                )
     return deltas

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-
-from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from session_server.errors import bad_request
-from session_server.schemas import ChatCompletionRequest
-from session_server.tool_calls import JsonCallsParser, NamedParser, ToolParser, make_parser
+from raylane.actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from raylane.session_server.errors import bad_request
+from raylane.session_server.schemas import ChatCompletionRequest
+from raylane.session_server.tool_calls import JsonCallsParser, NamedParser, ToolParser, make_parser
 
 _CHOICES = ("none", "auto", "required")
 
@@ -50,20 +49,25 @@ class ToolPlan:
         if self.mode == "auto":
             return params
         if params.structured_outputs is not None:
-            raise bad_request(f"tool_choice {self.mode!r} constrains the output itself and cannot "
-                              f"be combined with response_format or structured_outputs",
-                              "tool_choice")
+            raise bad_request(
+                f"tool_choice {self.mode!r} constrains the output itself and cannot "
+                f"be combined with response_format or structured_outputs",
+                "tool_choice",
+            )
         request.state.param_names = {"structured_outputs.json": "tools"}
         if self.mode == "named":
             schema = _arguments_schema(self.functions[self.named])
         else:
             calls = [_call_schema(name, fn) for name, fn in self.functions.items()]
-            schema = ({"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-                      if self.parallel else {"anyOf": calls})
+            schema = (
+                {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+                if self.parallel
+                else {"anyOf": calls}
+            )
         return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
-        """"tool_calls" when the model stopped after calling tools (a named choice says "stop",
+        """ "tool_calls" when the model stopped after calling tools (a named choice says "stop",
         as OpenAI and vLLM do)."""
         return "tool_calls" if called and reason == "stop" and self.mode != "named" else reason
 
@@ -77,12 +81,15 @@ def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
     if choice == "none":
         return None
     if isinstance(choice, str) and choice not in _CHOICES:
-        raise bad_request(f"tool_choice must be one of {list(_CHOICES)} or "
-                          f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}",
-                          "tool_choice")
+        raise bad_request(
+            f"tool_choice must be one of {list(_CHOICES)} or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}",
+            "tool_choice",
+        )
     if not functions:
-        raise bad_request(f"tool_choice {_show(choice)} needs tools; give tools or use 'none'",
-                          "tool_choice")
+        raise bad_request(
+            f"tool_choice {_show(choice)} needs tools; give tools or use 'none'", "tool_choice"
+        )
     parallel = body.parallel_tool_calls is not False
     if isinstance(choice, str):
         return ToolPlan(choice, functions, parser, parallel)
@@ -102,10 +109,14 @@ def _functions(tools: list[dict[str, Any]] | None) -> dict[str, dict]:
         if not isinstance(name, str) or not name:
             raise bad_request(f"{where}.function.name is required (a non-empty string)", "tools")
         params = fn.get("parameters")
-        if params is not None and (not isinstance(params, dict)
-                                   or params.get("type", "object") != "object"):
-            raise bad_request(f"{where}.function.parameters must be a JSON schema of type "
-                              f"'object' (function {name!r})", "tools")
+        if params is not None and (
+            not isinstance(params, dict) or params.get("type", "object") != "object"
+        ):
+            raise bad_request(
+                f"{where}.function.parameters must be a JSON schema of type "
+                f"'object' (function {name!r})",
+                "tools",
+            )
         functions[name] = fn
     return functions
 
@@ -114,11 +125,16 @@ def _named(choice: Any, functions: dict[str, dict]) -> str:
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if choice.get("type") != "function" or not isinstance(name, str):
-        raise bad_request("tool_choice must be {'type': 'function', 'function': {'name': ...}} "
-                          "or one of " + str(list(_CHOICES)), "tool_choice")
+        raise bad_request(
+            "tool_choice must be {'type': 'function', 'function': {'name': ...}} "
+            "or one of " + str(list(_CHOICES)),
+            "tool_choice",
+        )
     if name not in functions:
-        raise bad_request(f"tool_choice names function {name!r}, which is not in tools "
-                          f"({sorted(functions)})", "tool_choice")
+        raise bad_request(
+            f"tool_choice names function {name!r}, which is not in tools ({sorted(functions)})",
+            "tool_choice",
+        )
     return name
 
 
@@ -128,10 +144,15 @@ def _arguments_schema(fn: dict) -> dict:
 
 def _call_schema(name: str, fn: dict) -> dict:
     # "name" first: the parser streams the arguments once it has read the name
-    return {"type": "object",
-            "properties": {"name": {"type": "string", "enum": [name]},
-                           "arguments": _arguments_schema(fn)},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": [name]},
+            "arguments": _arguments_schema(fn),
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def _show(choice: Any) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from session_server.tool_calls.calls import Event
-from session_server.tool_calls.parser import ToolParser
+from raylane.session_server.tool_calls.calls import Event
+from raylane.session_server.tool_calls.parser import ToolParser
 
 PARSERS = ("hermes", "llama3")
 
@@ -26,8 +26,9 @@ def make_parser(name: str, limit: int | None = None) -> ToolParser:
 
 def _partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper start of `tag`."""
-    return next((k for k in range(min(len(text), len(tag) - 1), 0, -1)
-                 if text.endswith(tag[:k])), 0)
+    return next(
+        (k for k in range(min(len(text), len(tag) - 1), 0, -1) if text.endswith(tag[:k])), 0
+    )
 
 
 class HermesParser(ToolParser):
@@ -42,7 +43,7 @@ class HermesParser(ToolParser):
         if self.state == "open":  # after <tool_call>: a call object must follow
             if not stripped:
                 return False
-            self._open(self.buf[:len(self.buf) - len(stripped)])
+            self._open(self.buf[: len(self.buf) - len(stripped)])
             self.buf = stripped
             if stripped[0] != "{":
                 self._give_back()
@@ -52,7 +53,7 @@ class HermesParser(ToolParser):
         # "close": after a call object, its </tool_call> (or, without it, plain text)
         self.buf = stripped
         if stripped.startswith(self.CLOSE):
-            self.buf, self.state = stripped[len(self.CLOSE):], "text"
+            self.buf, self.state = stripped[len(self.CLOSE) :], "text"
             return True
         if self.CLOSE.startswith(stripped):
             return False
@@ -67,7 +68,7 @@ class HermesParser(ToolParser):
             self.buf = self.buf[keep:]
             return False
         self._text(self.buf[:at])
-        self.raw, self.buf, self.state = self.OPEN, self.buf[at + len(self.OPEN):], "open"
+        self.raw, self.buf, self.state = self.OPEN, self.buf[at + len(self.OPEN) :], "open"
         return True
 
 
@@ -89,12 +90,13 @@ class JsonCallsParser(ToolParser):
         if self.state == "body":
             return self._read_body("sep")
         stripped = self.buf.lstrip()
-        if not stripped or (self.state == "start" and stripped != self.tag
-                            and self.tag.startswith(stripped)):
+        if not stripped or (
+            self.state == "start" and stripped != self.tag and self.tag.startswith(stripped)
+        ):
             return False
-        skipped = self.buf[:len(self.buf) - len(stripped)]
+        skipped = self.buf[: len(self.buf) - len(stripped)]
         if self.state == "start" and stripped.startswith(self.tag):
-            self.raw, self.buf = self.raw + skipped + self.tag, stripped[len(self.tag):]
+            self.raw, self.buf = self.raw + skipped + self.tag, stripped[len(self.tag) :]
             self.state = "next"
             return True
         if self.state in ("start", "next"):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from session_server.tool_calls.body import CallBody
-from session_server.tool_calls.calls import ArgsPiece, CallStart, Content, Event, ToolCall
+from raylane.session_server.tool_calls.body import CallBody
+from raylane.session_server.tool_calls.calls import ArgsPiece, CallStart, Content, Event, ToolCall
 
 
 class _Content:
@@ -22,7 +22,7 @@ class _Content:
             self.strip_lead = False
         text = self.pending + text
         kept = text.rstrip()
-        self.pending = text[len(kept):]
+        self.pending = text[len(kept) :]
         return kept
 
 
@@ -45,7 +45,7 @@ class ToolParser:
 
     @property
     def called(self) -> bool:
-        return bool(self.calls[:self.limit])
+        return bool(self.calls[: self.limit])
 
     def feed(self, text: str) -> list[Event]:
         self.buf += text
@@ -72,7 +72,7 @@ class ToolParser:
         if self.broken or not self.called:
             return text, []
         content = "".join(e.text for e in events if isinstance(e, Content))
-        return content or None, self.calls[:self.limit]
+        return content or None, self.calls[: self.limit]
 
     def _step(self) -> bool:
         raise NotImplementedError
@@ -83,8 +83,9 @@ class ToolParser:
 
     def _emit(self, event: Event) -> None:
         index = getattr(event, "index", None)
-        if (getattr(event, "text", None) == "" or
-                (index is not None and self.limit is not None and index >= self.limit)):
+        if getattr(event, "text", None) == "" or (
+            index is not None and self.limit is not None and index >= self.limit
+        ):
             return
         self._out.append(event)
 
@@ -99,7 +100,7 @@ class ToolParser:
         """Feed the buffer into the call object; at its end, settle the call and go to `after`."""
         body = self.body
         rest = body.add(self.buf)
-        self.raw += self.buf[:len(self.buf) - len(rest)]
+        self.raw += self.buf[: len(self.buf) - len(rest)]
         self.buf = rest
         if body.args is not None and not self.started:
             self._start(body.name)
@@ -125,7 +126,7 @@ class ToolParser:
         self._emit(CallStart(len(self.calls) - 1, self.calls[-1].id, name))
 
     def _args(self, so_far: str) -> None:
-        self._emit(ArgsPiece(len(self.calls) - 1, so_far[self.sent:]))
+        self._emit(ArgsPiece(len(self.calls) - 1, so_far[self.sent :]))
         self.sent = len(so_far)
 
     def _end_call(self, name: str, arguments: str) -> None:

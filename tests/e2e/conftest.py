@@ -9,10 +9,10 @@ from contextlib import aclosing
 import httpx
 import openai
 import pytest
+from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
 
-from actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
-from session_server.app import build_app
-from session_server.backend import LocalBackend
 from tests.e2e.server import ServerThread
 
 API_KEY = "sk-raylane-test"
@@ -38,8 +38,7 @@ class ProbeBackend:
         self.fail_after_first = False
         self.is_ready = True
 
-    async def generate(self, prompt_ids, params, request_id, routing_key=None
-                       ) -> AsyncIterator:
+    async def generate(self, prompt_ids, params, request_id, routing_key=None) -> AsyncIterator:
         self.calls.append((request_id, routing_key))
         if self.fail is not None and not self.fail_after_first:
             raise self.fail
@@ -95,12 +94,12 @@ def server(_probe) -> Iterator[ServerThread]:
 
 @pytest.fixture
 def http(server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+    with httpx.Client(
+        base_url=server.url, timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as client:
         yield client
 
 
 @pytest.fixture
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
-                         timeout=30)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)

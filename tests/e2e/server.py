@@ -27,8 +27,12 @@ class ServerThread:
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name=f"uvicorn-{self.port}", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run,
+            kwargs={"sockets": [self.sock]},
+            name=f"uvicorn-{self.port}",
+            daemon=True,
+        )
 
     def start(self) -> Self:
         self.thread.start()

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
+from raylane.actors.engine import AsyncLLMEngine, LLMEngine
+from raylane.actors.models.weights import encode_bucket, iter_buckets, specs_of
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
 
-from actors.engine import AsyncLLMEngine, LLMEngine
-from actors.models.weights import encode_bucket, iter_buckets, specs_of
-from session_server.app import build_app
-from session_server.backend import LocalBackend
 from tests.e2e.conftest import MAX_BODY, MODEL, tiny_config
 from tests.e2e.server import ServerThread
 from tests.hf_reference import hf_greedy, hf_model, perturbed_model
@@ -37,8 +37,7 @@ def admin_engine(tiny_llama_dir) -> LLMEngine:
 @pytest.fixture(scope="module")
 def admin_server(admin_engine) -> Iterator[ServerThread]:
     backend = LocalBackend(AsyncLLMEngine(admin_engine), MODEL)
-    app = build_app(backend, api_keys=[USER_KEY], admin_api_key=ADMIN_KEY,
-                    max_body_bytes=MAX_BODY)
+    app = build_app(backend, api_keys=[USER_KEY], admin_api_key=ADMIN_KEY, max_body_bytes=MAX_BODY)
     with ServerThread(app) as srv:
         yield srv
 
@@ -74,13 +73,18 @@ def version_of(admin: httpx.Client) -> int:
 
 
 def begin(admin: httpx.Client, named: list, version: int) -> httpx.Response:
-    return admin.post("/admin/update_weights/begin", json={
-        "version": version, "tensors": [s.to_dict() for s in specs_of(named)]})
+    return admin.post(
+        "/admin/update_weights/begin",
+        json={"version": version, "tensors": [s.to_dict() for s in specs_of(named)]},
+    )
 
 
 def send_bucket(admin: httpx.Client, update_id: str, payload: bytes) -> httpx.Response:
-    return admin.post(f"/admin/update_weights/{update_id}/bucket", content=payload,
-                      headers={"Content-Type": "application/octet-stream"})
+    return admin.post(
+        f"/admin/update_weights/{update_id}/bucket",
+        content=payload,
+        headers={"Content-Type": "application/octet-stream"},
+    )
 
 
 def update(admin: httpx.Client, named: list, bucket_bytes: int = 20_000) -> int:
@@ -93,13 +97,24 @@ def update(admin: httpx.Client, named: list, bucket_bytes: int = 20_000) -> int:
         answer = send_bucket(admin, update_id, encode_bucket(bucket))
         assert answer.json() == {"tensors": len(bucket)}, answer.text
     assert admin.post(f"/admin/update_weights/{update_id}/commit").json() == {
-        "weight_version": version}
+        "weight_version": version
+    }
     return version
 
 
 def generate(user: httpx.Client, max_new: int = 8, **sampling) -> dict:
-    response = user.post("/generate", json={"input_ids": PROMPT, "sampling_params": {
-        "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, **sampling}})
+    response = user.post(
+        "/generate",
+        json={
+            "input_ids": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": max_new,
+                "temperature": 0,
+                "ignore_eos": True,
+                **sampling,
+            },
+        },
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -108,8 +123,17 @@ def stream_lines(user: httpx.Client, rid: str, **sampling):
     """A streamed /generate of LONG greedy tokens: (context manager, iterator of its items)."""
     import json
 
-    body = {"input_ids": PROMPT, "rid": rid, "stream": True, "sampling_params": {
-        "max_new_tokens": LONG, "temperature": 0, "ignore_eos": True, **sampling}}
+    body = {
+        "input_ids": PROMPT,
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": LONG,
+            "temperature": 0,
+            "ignore_eos": True,
+            **sampling,
+        },
+    }
     context = user.stream("POST", "/generate", json=body)
     response = context.__enter__()
     assert response.status_code == 200
@@ -117,7 +141,7 @@ def stream_lines(user: httpx.Client, rid: str, **sampling):
     def items():
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                yield json.loads(line[len("data: "):])
+                yield json.loads(line[len("data: ") :])
 
     return context, items()
 
@@ -156,9 +180,11 @@ def test_admin_routes_need_the_admin_key(admin_server, admin, user):
         response = anonymous.get("/admin/weight_version")
         assert response.status_code == 401 and "admin key" in response.json()["error"]["message"]
         assert anonymous.post("/admin/pause", json={"mode": "abort"}).status_code == 401
-    for call in (lambda c: c.get("/admin/weight_version"),
-                 lambda c: c.post("/admin/pause", json={"mode": "abort"}),
-                 lambda c: c.post("/admin/update_weights/x/bucket", content=b"1" * 100)):
+    for call in (
+        lambda c: c.get("/admin/weight_version"),
+        lambda c: c.post("/admin/pause", json={"mode": "abort"}),
+        lambda c: c.post("/admin/update_weights/x/bucket", content=b"1" * 100),
+    ):
         response = call(user)
         assert response.status_code == 403, response.text
         assert response.json()["error"]["code"] == "forbidden"
@@ -183,7 +209,10 @@ def test_pause_is_idempotent_and_requests_wait_for_resume(admin, user):
     version = version_of(admin)
     for _ in range(2):
         assert admin.post("/admin/pause", json={"mode": "keep"}).json() == {
-            "paused": True, "mode": "keep", "weight_version": version}
+            "paused": True,
+            "mode": "keep",
+            "weight_version": version,
+        }
     answers = []
     waiter = threading.Thread(target=lambda: answers.append(generate(user, 4)))
     waiter.start()
@@ -202,17 +231,20 @@ def test_bad_pause_mode_is_400(admin):
 
 def test_pause_wait_lets_the_running_request_finish(admin, user, admin_engine):
     paused = {}
-    last = run_midway(user, "wait-1", lambda: paused.update(
-        admin.post("/admin/pause", json={"mode": "wait"}).json()))
+    last = run_midway(
+        user,
+        "wait-1",
+        lambda: paused.update(admin.post("/admin/pause", json={"mode": "wait"}).json()),
+    )
     assert paused["mode"] == "wait" and not admin_engine.has_unfinished_requests()
     assert last["meta_info"]["finish_reason"]["type"] == "length"
     assert len(last["output_ids"]) == LONG
 
 
-def test_pause_abort_ends_the_running_request_with_its_partial_output(admin, user,
-                                                                      admin_engine):
-    last = run_midway(user, "abort-mode", lambda: admin.post("/admin/pause",
-                                                             json={"mode": "abort"}))
+def test_pause_abort_ends_the_running_request_with_its_partial_output(admin, user, admin_engine):
+    last = run_midway(
+        user, "abort-mode", lambda: admin.post("/admin/pause", json={"mode": "abort"})
+    )
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     assert 0 < len(last["output_ids"]) < LONG
     admin.post("/admin/resume")
@@ -223,8 +255,9 @@ def test_abort_returns_partial_outputs_and_frees_every_block(admin, user, admin_
     aborted = {}
 
     def abort():
-        aborted.update(admin.post("/admin/abort", json={"request_ids": ["to-abort",
-                                                                        "unknown"]}).json())
+        aborted.update(
+            admin.post("/admin/abort", json={"request_ids": ["to-abort", "unknown"]}).json()
+        )
 
     last = run_midway(user, "to-abort", abort)
     [item] = aborted["outputs"]
@@ -270,8 +303,8 @@ def test_retract_continues_exactly_as_fresh_new_weights(admin, user, weights):
     ids, versions = last["output_ids"], last["meta_info"]["weight_versions"]
     k = versions.index(new["version"])
     assert 0 < k and versions == [old] * k + [new["version"]] * (LONG - k)
-    assert ids[:min(k, 12)] == hf_greedy(v0_dir, PROMPT, min(k, 12))[0]
-    assert ids[k:k + 12] == hf_greedy(v1_dir, PROMPT + ids[:k], 12)[0]
+    assert ids[: min(k, 12)] == hf_greedy(v0_dir, PROMPT, min(k, 12))[0]
+    assert ids[k : k + 12] == hf_greedy(v1_dir, PROMPT + ids[:k], 12)[0]
 
 
 def test_max_weight_lag_ends_a_request_as_stale(admin, user, weights):
@@ -293,7 +326,7 @@ def test_bad_update_is_400_and_changes_nothing(admin, user, weights, admin_engin
     update(admin, v1)
     version, before = version_of(admin), generate(user)
     i, (name, tensor) = next((i, t) for i, t in enumerate(v1) if "q_proj" in t[0])
-    wrong = v1[:i] + [(name, torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:]))] + v1[i + 1:]
+    wrong = v1[:i] + [(name, torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:]))] + v1[i + 1 :]
     unknown = [("model.layers.99.mlp.up_proj.weight", tensor)]
     for named, says in ((wrong, "(65, 64)"), (unknown, "layers.99")):
         response = begin(admin, named, version + 1)
@@ -325,7 +358,8 @@ def test_a_bucket_may_exceed_the_body_limit(admin, user, weights):
     update_id = begin(admin, v0[:1], version).json()["update_id"]
     assert send_bucket(admin, update_id, padded).json() == {"tensors": 1}
     assert admin.post(f"/admin/update_weights/{update_id}/commit").json()["weight_version"] == (
-        version)
+        version
+    )
     too_big = {"mode": "keep", "pad": "x" * (MAX_BODY + 1000)}
     assert admin.post("/admin/pause", json=too_big).status_code == 413  # other routes: no
     assert user.post("/generate", json=too_big).status_code == 413
@@ -339,23 +373,29 @@ def test_weight_version_is_in_every_answer(admin, user, weights):
     assert generate(user)["meta_info"]["weight_version"] == version
     assert user.get("/v1/models").json()["data"][0]["weight_version"] == version
     assert user.get(f"/v1/models/{MODEL}").json()["weight_version"] == version
-    assert f'raylane:weight_version{{model_name="{MODEL}"}} {float(version)}' in user.get(
-        "/metrics").text
+    assert (
+        f'raylane:weight_version{{model_name="{MODEL}"}} {float(version)}'
+        in user.get("/metrics").text
+    )
     completion = user.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     assert completion.json()["weight_version"] == version
-    chat = user.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    chat = user.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert chat.json()["weight_version"] == version
-    with user.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2,
-                                                      "stream": True}) as response:
+    with user.stream(
+        "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True}
+    ) as response:
         chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
     assert chunks and all(f'"weight_version": {version}' in c for c in chunks)
 
 
 def test_kept_mass_over_generate(user):
     def kept(**sampling) -> list[float]:
-        meta = generate(user, 6, temperature=1.0, seed=3, return_kept_mass=True,
-                        **sampling)["meta_info"]
+        meta = generate(user, 6, temperature=1.0, seed=3, return_kept_mass=True, **sampling)[
+            "meta_info"
+        ]
         assert len(meta["kept_mass_logprobs"]) == meta["completion_tokens"] == 6
         return meta["kept_mass_logprobs"]
 

@@ -12,10 +12,10 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from raylane.actors.engine import AsyncLLMEngine, LLMEngine
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
 
-from actors.engine import AsyncLLMEngine, LLMEngine
-from session_server.app import build_app
-from session_server.backend import LocalBackend
 from tests.e2e.conftest import MAX_BODY, MODEL, tiny_config
 from tests.e2e.server import ServerThread
 
@@ -26,8 +26,7 @@ ADMIN_KEY = "paths-admin-key"
 @pytest.fixture(scope="module")
 def app(tiny_llama_dir):
     backend = LocalBackend(AsyncLLMEngine(LLMEngine(tiny_config(tiny_llama_dir))), MODEL)
-    return build_app(backend, api_keys=[USER_KEY], admin_api_key=ADMIN_KEY,
-                     max_body_bytes=MAX_BODY)
+    return build_app(backend, api_keys=[USER_KEY], admin_api_key=ADMIN_KEY, max_body_bytes=MAX_BODY)
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +35,22 @@ def server(app) -> Iterator[ServerThread]:
         yield srv
 
 
-def raw(server: ServerThread, method: str, path: str, headers: list[tuple[str, str]] = (),
-        body: bytes = b"") -> tuple[int, bytes]:
+def raw(
+    server: ServerThread,
+    method: str,
+    path: str,
+    headers: list[tuple[str, str]] = (),
+    body: bytes = b"",
+) -> tuple[int, bytes]:
     """(status, body) of one HTTP/1.1 request sent byte for byte as given."""
-    lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{server.port}", "Connection: close",
-             f"Content-Length: {len(body)}", "Content-Type: application/json",
-             *(f"{k}: {v}" for k, v in headers)]
+    lines = [
+        f"{method} {path} HTTP/1.1",
+        f"Host: 127.0.0.1:{server.port}",
+        "Connection: close",
+        f"Content-Length: {len(body)}",
+        "Content-Type: application/json",
+        *(f"{k}: {v}" for k, v in headers),
+    ]
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
         data = b""
@@ -56,8 +65,14 @@ def spellings(path: str) -> list[str]:
     an encoded slash."""
     i = path.index("/", 1) if path.count("/") > 1 else len(path)
     encoded = f"/%{ord(path[1]):02X}{path[2:]}"
-    return [path, "/" + path, path.replace("/", "//"), path + "/", encoded,
-            path[:i] + "%2F" + path[i + 1:] if i < len(path) else path + "%2F"]
+    return [
+        path,
+        "/" + path,
+        path.replace("/", "//"),
+        path + "/",
+        encoded,
+        path[:i] + "%2F" + path[i + 1 :] if i < len(path) else path + "%2F",
+    ]
 
 
 def routes(app) -> list[tuple[str, str]]:
@@ -71,8 +86,14 @@ def routes(app) -> list[tuple[str, str]]:
 
 def test_every_route_is_covered(app):
     paths = {p for _, p in routes(app)}
-    assert {"/v1/chat/completions", "/generate", "/admin/pause", "/metrics", "/health",
-            "/sessions"} <= paths
+    assert {
+        "/v1/chat/completions",
+        "/generate",
+        "/admin/pause",
+        "/metrics",
+        "/health",
+        "/sessions",
+    } <= paths
 
 
 def test_no_spelling_of_a_route_answers_without_a_key(app, server):

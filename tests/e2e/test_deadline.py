@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
 
-from actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
-from session_server.app import build_app
-from session_server.backend import LocalBackend
 from tests.e2e.conftest import MAX_BODY, MODEL
 from tests.e2e.server import ServerThread
 
@@ -32,16 +32,26 @@ def deadline_engine(tiny_llama_dir) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def url(deadline_engine) -> Iterator[str]:
-    app = build_app(LocalBackend(AsyncLLMEngine(deadline_engine), MODEL),
-                    max_body_bytes=MAX_BODY, request_timeout_s=0.4, max_n=3)
+    app = build_app(
+        LocalBackend(AsyncLLMEngine(deadline_engine), MODEL),
+        max_body_bytes=MAX_BODY,
+        request_timeout_s=0.4,
+        max_n=3,
+    )
     with ServerThread(app) as srv:
         yield srv.url
 
 
 def generate(url: str, max_new: int, **extra) -> httpx.Response:
-    return httpx.post(f"{url}/generate", timeout=60, json={
-        "input_ids": PROMPT, **extra, "sampling_params": {
-            "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}})
+    return httpx.post(
+        f"{url}/generate",
+        timeout=60,
+        json={
+            "input_ids": PROMPT,
+            **extra,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+        },
+    )
 
 
 def idle(engine: LLMEngine) -> bool:
@@ -60,15 +70,22 @@ def test_past_the_deadline_the_partial_output_ends_as_abort(url, deadline_engine
     assert time.monotonic() - start < 5
     ids = cut["output_ids"]
     assert cut["meta_info"]["finish_reason"]["type"] == "abort" and len(ids) < LONG
-    assert ids == full["output_ids"][:len(ids)] or full["output_ids"] == ids[:40]
+    assert ids == full["output_ids"][: len(ids)] or full["output_ids"] == ids[:40]
     assert idle(deadline_engine)  # aborted on the engine too: nothing runs on
 
 
 def test_the_server_default_applies_and_streams_end_with_abort(url, deadline_engine):
     cut = generate(url, LONG).json()  # no timeout in the body: the server's 0.4 s
     assert cut["meta_info"]["finish_reason"]["type"] == "abort"
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True,
-            "temperature": 0, "stream": True, "timeout": 0.2}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "timeout": 0.2,
+    }
     reasons = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
@@ -79,8 +96,14 @@ def test_the_server_default_applies_and_streams_end_with_abort(url, deadline_eng
 
 
 def test_chat_with_n_ends_every_sample(url, deadline_engine):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3,
-            "max_tokens": LONG, "ignore_eos": True, "timeout": 0.2}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 3,
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "timeout": 0.2,
+    }
     choices = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"]
     assert [c["finish_reason"] for c in choices] == ["abort"] * 3
     assert idle(deadline_engine)
@@ -95,9 +118,11 @@ def test_a_bad_timeout_is_400(url, bad):
 def test_the_servers_n_limit_is_a_400_naming_n(url):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert httpx.post(f"{url}/v1/chat/completions", json={**chat, "n": 3}).status_code == 200
-    for route, body in (("/v1/chat/completions", {**chat, "n": 4}),
-                        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 4}),
-                        ("/generate", {"text": "hi", "sampling_params": {"n": 4}})):
+    for route, body in (
+        ("/v1/chat/completions", {**chat, "n": 4}),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 4}),
+        ("/generate", {"text": "hi", "sampling_params": {"n": 4}}),
+    ):
         response = httpx.post(f"{url}{route}", json=body, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == "n", route
         assert "at most 3" in response.json()["error"]["message"]

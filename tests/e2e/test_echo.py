@@ -7,8 +7,8 @@ import functools
 
 import pytest
 import torch
+from raylane.actors.engine import SamplingParams
 
-from actors.engine import SamplingParams
 from tests.e2e.conftest import MODEL
 from tests.hf_reference import hf_model
 
@@ -69,15 +69,16 @@ def assert_offsets_fit(choice) -> None:
     for token, offset in zip(lp.tokens, lp.text_offset):
         if "\ufffd" in token:
             break
-        assert choice.text[offset:offset + len(token)] == token
+        assert choice.text[offset : offset + len(token)] == token
         checked += 1
     assert checked > 0
 
 
 def test_max_tokens_zero_scores_the_prompt_like_hf(client, tiny_llama_dir):
     ids = hf_tokenizer(tiny_llama_dir).encode(PROMPT)
-    got = client.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=3,
-                                    max_tokens=0, temperature=0)
+    got = client.completions.create(
+        model=MODEL, prompt=PROMPT, echo=True, logprobs=3, max_tokens=0, temperature=0
+    )
     choice = got.choices[0]
     assert choice.text == PROMPT
     assert choice.finish_reason == "length"
@@ -91,27 +92,37 @@ def test_max_tokens_zero_scores_the_prompt_like_hf(client, tiny_llama_dir):
 def test_echo_then_completion_for_token_prompts(client, ref_engine, tiny_llama_dir):
     tok = hf_tokenizer(tiny_llama_dir)
     prompts = [tok.encode(PROMPT), tok.encode(OTHER)]
-    got = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=2,
-                                    max_tokens=4, temperature=0, extra_body=LONG)
+    got = client.completions.create(
+        model=MODEL,
+        prompt=prompts,
+        echo=True,
+        logprobs=2,
+        max_tokens=4,
+        temperature=0,
+        extra_body=LONG,
+    )
     assert [c.index for c in got.choices] == [0, 1]
     for ids, choice in zip(prompts, got.choices):
-        ref = ref_engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2,
-                                                        **LONG), use_tqdm=False)[0].outputs[0]
+        ref = ref_engine.generate(
+            [ids], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, **LONG), use_tqdm=False
+        )[0].outputs[0]
         assert choice.text == tok.decode(ids) + ref.text
         lp = choice.logprobs
         assert_prompt_logprobs(lp, ids, tiny_llama_dir, 2)
-        assert lp.tokens[len(ids):] == token_strings(tiny_llama_dir, ref.token_ids)
-        assert lp.token_logprobs[len(ids):] == pytest.approx(ref.logprobs, abs=1e-4)
+        assert lp.tokens[len(ids) :] == token_strings(tiny_llama_dir, ref.token_ids)
+        assert lp.token_logprobs[len(ids) :] == pytest.approx(ref.logprobs, abs=1e-4)
         assert_offsets_fit(choice)
     assert got.usage.completion_tokens == 8
     assert got.usage.prompt_tokens == sum(len(p) for p in prompts)
 
 
 def test_echo_without_logprobs_batch_and_n(client):
-    plain = client.completions.create(model=MODEL, prompt=[PROMPT, OTHER], max_tokens=3, n=2,
-                                      seed=5, extra_body=LONG)
-    echoed = client.completions.create(model=MODEL, prompt=[PROMPT, OTHER], max_tokens=3, n=2,
-                                       seed=5, echo=True, extra_body=LONG)
+    plain = client.completions.create(
+        model=MODEL, prompt=[PROMPT, OTHER], max_tokens=3, n=2, seed=5, extra_body=LONG
+    )
+    echoed = client.completions.create(
+        model=MODEL, prompt=[PROMPT, OTHER], max_tokens=3, n=2, seed=5, echo=True, extra_body=LONG
+    )
     by_index = {c.index: c for c in plain.choices}
     assert sorted(by_index) == sorted(c.index for c in echoed.choices) == [0, 1, 2, 3]
     for c in echoed.choices:
@@ -123,8 +134,9 @@ def test_echo_without_logprobs_batch_and_n(client):
 
 def test_echo_n_repeats_the_prompt_logprobs(client, tiny_llama_dir):
     ids = hf_tokenizer(tiny_llama_dir).encode(OTHER)
-    got = client.completions.create(model=MODEL, prompt=OTHER, echo=True, logprobs=1,
-                                    max_tokens=2, n=3, seed=1, extra_body=LONG)
+    got = client.completions.create(
+        model=MODEL, prompt=OTHER, echo=True, logprobs=1, max_tokens=2, n=3, seed=1, extra_body=LONG
+    )
     assert sorted(c.index for c in got.choices) == [0, 1, 2]
     for c in got.choices:
         assert c.text.startswith(OTHER)
@@ -133,8 +145,10 @@ def test_echo_n_repeats_the_prompt_logprobs(client, tiny_llama_dir):
 
 
 def test_max_tokens_zero_without_echo_is_refused(http):
-    for body in ({"prompt": PROMPT, "max_tokens": 0},
-                 {"prompt": PROMPT, "max_tokens": 0, "echo": False, "logprobs": 1}):
+    for body in (
+        {"prompt": PROMPT, "max_tokens": 0},
+        {"prompt": PROMPT, "max_tokens": 0, "echo": False, "logprobs": 1},
+    ):
         response = http.post("/v1/completions", json=body)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "max_tokens"
@@ -142,11 +156,20 @@ def test_max_tokens_zero_without_echo_is_refused(http):
 
 @pytest.mark.parametrize("max_tokens,n", [(0, 1), (5, 1), (3, 2)])
 def test_stream_echo_equals_non_stream(client, max_tokens, n):
-    args = {"model": MODEL, "prompt": [PROMPT, OTHER], "echo": True, "logprobs": 2,
-            "max_tokens": max_tokens, "n": n, "temperature": 0, "extra_body": LONG}
+    args = {
+        "model": MODEL,
+        "prompt": [PROMPT, OTHER],
+        "echo": True,
+        "logprobs": 2,
+        "max_tokens": max_tokens,
+        "n": n,
+        "temperature": 0,
+        "extra_body": LONG,
+    }
     whole = client.completions.create(**args)
-    chunks = list(client.completions.create(**args, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
     texts: dict[int, str] = {}
     tokens: dict[int, list] = {}
     logprobs: dict[int, list] = {}

@@ -7,24 +7,30 @@ import json
 import httpx
 import openai
 import pytest
+from raylane.actors.engine.errors import RequestFailed
+from raylane.router.errors import ReplicaFailed, ReplicasBusy
 
-from actors.engine.errors import RequestFailed
-from router.errors import ReplicaFailed, ReplicasBusy
 from tests.e2e.conftest import MAX_BODY, MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
 
-def assert_error(response: httpx.Response, status: int, param: str | None = None,
-                 code: str | None = None) -> dict:
+def assert_error(
+    response: httpx.Response, status: int, param: str | None = None, code: str | None = None
+) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
     # OpenAI's error types by status: the client's fault, its rate, or the server's
-    want = ("invalid_request_error" if status < 429 else "rate_limit_error" if status == 429
-            else "server_error")
+    want = (
+        "invalid_request_error"
+        if status < 429
+        else "rate_limit_error"
+        if status == 429
+        else "server_error"
+    )
     assert error["type"] == want, error
     if param is not None:
         assert error["param"] == param, error
@@ -33,55 +39,72 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     return error
 
 
-@pytest.mark.parametrize("route,body,param", [
-    ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature"),
-    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages"),
-    ("/v1/chat/completions", {**CHAT, "n": 0}, "n"),
-    ("/v1/chat/completions", {**CHAT, "n": 129}, "n"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 10_000}, "max_tokens"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 10_000}, "max_completion_tokens"),
-    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
-    ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream"),
-    ("/v1/completions", {**COMPLETION, "max_tokens": "2"}, "max_tokens"),
-    ("/v1/completions", {**COMPLETION, "prompt": [1.5]}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "prompt": "x" * 2000}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "n": True}, "n"),
-    ("/v1/completions", {**COMPLETION, "echo": True, "max_tokens": 0, "min_tokens": 1},
-     "min_tokens"),
-    ("/v1/completions", {**COMPLETION, "stop": ["s"] * 65}, "stop"),  # caps against floods
-    ("/v1/chat/completions", {**CHAT, "stop_token_ids": [1] * 1025}, "stop_token_ids"),
-    ("/v1/chat/completions", {**CHAT, "logit_bias": {str(i): 1.0 for i in range(1025)}},
-     "logit_bias"),
-    ("/generate", {"text": "hi", "sampling_params": {"stop": ["s"] * 65}}, "sampling_params"),
-    # these pass the schema and are refused by the engine (its ValueError names the field)
-    ("/v1/completions", {**COMPLETION, "temperature": -1}, "temperature"),
-    ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
-    ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {**COMPLETION, "logprobs": 50}, "logprobs"),
-    ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**6]}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "stream": True, "prompt": [10**6]}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "return_routed_experts": True}, "return_routed_experts"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_tokens": 3}}, "sampling_params"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10_000}},
-     "max_new_tokens"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
-    ("/generate", {"input_ids": [10**6]}, "input_ids"),
-    ("/generate", {"input_ids": []}, "input_ids"),
-    ("/generate", {"text": "a", "input_ids": [1]}, "input_ids"),
-    ("/tokenize", {"prompt": 3}, "prompt"),
-    ("/detokenize", {"tokens": [10**6]}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "route,body,param",
+    [
+        ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature"),
+        ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "n": 0}, "n"),
+        ("/v1/chat/completions", {**CHAT, "n": 129}, "n"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 10_000}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "max_completion_tokens": 10_000},
+            "max_completion_tokens",
+        ),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": "2"}, "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "prompt": [1.5]}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": "x" * 2000}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "n": True}, "n"),
+        (
+            "/v1/completions",
+            {**COMPLETION, "echo": True, "max_tokens": 0, "min_tokens": 1},
+            "min_tokens",
+        ),
+        ("/v1/completions", {**COMPLETION, "stop": ["s"] * 65}, "stop"),  # caps against floods
+        ("/v1/chat/completions", {**CHAT, "stop_token_ids": [1] * 1025}, "stop_token_ids"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "logit_bias": {str(i): 1.0 for i in range(1025)}},
+            "logit_bias",
+        ),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": ["s"] * 65}}, "sampling_params"),
+        # these pass the schema and are refused by the engine (its ValueError names the field)
+        ("/v1/completions", {**COMPLETION, "temperature": -1}, "temperature"),
+        ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "logprobs": 50}, "logprobs"),
+        ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**6]}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "stream": True, "prompt": [10**6]}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "return_routed_experts": True}, "return_routed_experts"),
+        ("/generate", {"text": "hi", "sampling_params": {"max_tokens": 3}}, "sampling_params"),
+        (
+            "/generate",
+            {"text": "hi", "sampling_params": {"max_new_tokens": 10_000}},
+            "max_new_tokens",
+        ),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+        ("/generate", {"input_ids": [10**6]}, "input_ids"),
+        ("/generate", {"input_ids": []}, "input_ids"),
+        ("/generate", {"text": "a", "input_ids": [1]}, "input_ids"),
+        ("/tokenize", {"prompt": 3}, "prompt"),
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+    ],
+)
 def test_bad_input_is_400_naming_the_field(http, route, body, param):
     assert_error(http.post(route, json=body), 400, param)
 
 
 @pytest.mark.parametrize("raw", [b"{", b"", b"[1, 2]", b"null", b'{"model": "tiny",}'])
 def test_malformed_json_is_400(http, raw):
-    response = http.post("/v1/chat/completions", content=raw,
-                         headers={"content-type": "application/json"})
+    response = http.post(
+        "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+    )
     assert_error(response, 400)
 
 
@@ -89,8 +112,12 @@ def test_unknown_model_is_404(client, http):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-4", messages=CHAT["messages"])
     assert err.value.code == "model_not_found"
-    assert_error(http.post("/v1/completions", json={**COMPLETION, "model": "x"}), 404, "model",
-                 "model_not_found")
+    assert_error(
+        http.post("/v1/completions", json={**COMPLETION, "model": "x"}),
+        404,
+        "model",
+        "model_not_found",
+    )
 
 
 def test_unknown_route_and_method(http):
@@ -100,15 +127,17 @@ def test_unknown_route_and_method(http):
 
 def test_oversized_body_is_413(http):
     big = json.dumps({**COMPLETION, "prompt": "x" * MAX_BODY}).encode()
-    assert_error(http.post("/v1/completions", content=big,
-                           headers={"content-type": "application/json"}), 413)
+    assert_error(
+        http.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413
+    )
 
     def chunks():  # no Content-Length: the server must count what actually arrives
         for i in range(0, len(big), 64 << 10):
-            yield big[i:i + 64 << 10]
+            yield big[i : i + 64 << 10]
 
-    response = http.post("/v1/completions", content=chunks(),
-                         headers={"content-type": "application/json"})
+    response = http.post(
+        "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
     assert "content-length" not in response.request.headers
     assert_error(response, 413)
     assert http.get("/v1/models").status_code == 200  # the server is fine afterwards
@@ -117,8 +146,12 @@ def test_oversized_body_is_413(http):
 def test_api_keys(server, http):
     no_key = httpx.post(server.url + "/v1/completions", json=COMPLETION)
     assert_error(no_key, 401, code="invalid_api_key")
-    for header in ("Bearer wrong", "Basic sk-raylane-test", "Bearer sk-raylane-tes",
-                   "sk-raylane-test"):
+    for header in (
+        "Bearer wrong",
+        "Basic sk-raylane-test",
+        "Bearer sk-raylane-tes",
+        "sk-raylane-test",
+    ):
         response = httpx.get(server.url + "/v1/models", headers={"Authorization": header})
         error = assert_error(response, 401)
         assert "wrong" not in error["message"]
@@ -172,7 +205,7 @@ def test_replica_failure_mid_stream_ends_the_stream_cleanly(http, probe, engine)
     body = {**CHAT, "max_tokens": 50, "stream": True, "ignore_eos": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
-        events = [line[len("data: "):] for line in response.iter_lines() if line]
+        events = [line[len("data: ") :] for line in response.iter_lines() if line]
     assert events[-1] == "[DONE]"
     assert "error" in json.loads(events[-2])
     assert json.loads(events[-2])["error"]["code"] == "replica_failed"

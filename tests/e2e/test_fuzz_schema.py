@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
+from raylane.actors.engine import AsyncLLMEngine, LLMEngine
+from raylane.actors.models.weights import encode_bucket, specs_of
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
 from safetensors.torch import load_file
 
-from actors.engine import AsyncLLMEngine, LLMEngine
-from actors.models.weights import encode_bucket, specs_of
-from session_server.app import build_app
-from session_server.backend import LocalBackend
 from tests.e2e.conftest import MAX_BODY, MODEL, tiny_config
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -47,8 +47,12 @@ def api_schema(tiny_llama_dir):
     engine = LLMEngine(tiny_config(tiny_llama_dir))
     # max_n: generated bodies ask for up to 128 samples of a full context each, minutes of
     # decoding on 2 cores; past 4 they get the 400 instead, so the run stays short
-    app = build_app(LocalBackend(AsyncLLMEngine(engine), MODEL), admin_api_key=ADMIN_KEY,
-                    max_body_bytes=MAX_BODY, max_n=4)
+    app = build_app(
+        LocalBackend(AsyncLLMEngine(engine), MODEL),
+        admin_api_key=ADMIN_KEY,
+        max_body_bytes=MAX_BODY,
+        max_n=4,
+    )
     return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 
@@ -77,11 +81,18 @@ def test_no_5xx_openai_error_bodies_and_every_response_conforms(api_schema):
 
     calls, failures = [], []
 
-    for mode, operation in [(m, op) for m in ("positive", "negative")
-                            for op in operations(api_schema)]:
+    for mode, operation in [
+        (m, op) for m in ("positive", "negative") for op in operations(api_schema)
+    ]:
+
         @given(case=operation.as_strategy(GenerationMode(mode)))
-        @settings(max_examples=EXAMPLES, deadline=None, database=None,
-                  derandomize=DERANDOMIZE, suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            derandomize=DERANDOMIZE,
+            suppress_health_check=list(HealthCheck),
+        )
         def check(case):
             response = case.call(headers=AUTH, timeout=TIMEOUT_S)
             calls.append(response.status_code)
@@ -124,12 +135,15 @@ def test_session_lifecycle_conforms(api_schema):
     sid = script.call("POST", "/sessions", body={"metadata": {"task": 1}}).json()["session_id"]
     at = {"session_id": sid}
     turn = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True}
-    script.call("POST", "/sessions/{session_id}/v1/chat/completions", path_parameters=at,
-                body=turn)
+    script.call("POST", "/sessions/{session_id}/v1/chat/completions", path_parameters=at, body=turn)
     script.call("GET", "/sessions/{session_id}", path_parameters=at)
     script.call("POST", "/sessions/{session_id}/samples", path_parameters=at, body={})
-    script.call("POST", "/sessions/{session_id}/samples", path_parameters=at,
-                headers={"Accept": "application/safetensors"})
+    script.call(
+        "POST",
+        "/sessions/{session_id}/samples",
+        path_parameters=at,
+        headers={"Accept": "application/safetensors"},
+    )
     script.call("DELETE", "/sessions/{session_id}", path_parameters=at)
     assert not script.failures, script.failures
 
@@ -138,14 +152,25 @@ def test_admin_transactions_conform(api_schema, tiny_llama_dir):
     script = Script(api_schema)
     script.call("POST", "/admin/pause", body={"mode": "keep"})
     script.call("POST", "/admin/resume")
-    named = [(name, t) for name, t in load_file(str(Path(tiny_llama_dir) / "model.safetensors"))
-             .items() if name == "model.norm.weight"]  # the same values, a new version
+    named = [
+        (name, t)
+        for name, t in load_file(str(Path(tiny_llama_dir) / "model.safetensors")).items()
+        if name == "model.norm.weight"
+    ]  # the same values, a new version
     version = script.call("GET", "/admin/weight_version").json()["weight_version"] + 1
-    update_id = script.call("POST", "/admin/update_weights/begin", body={
-        "version": version, "tensors": [s.to_dict() for s in specs_of(named)]}).json()["update_id"]
+    update_id = script.call(
+        "POST",
+        "/admin/update_weights/begin",
+        body={"version": version, "tensors": [s.to_dict() for s in specs_of(named)]},
+    ).json()["update_id"]
     at = {"update_id": update_id}
-    script.call("POST", "/admin/update_weights/{update_id}/bucket", path_parameters=at,
-                body=encode_bucket(named), media_type="application/octet-stream")
+    script.call(
+        "POST",
+        "/admin/update_weights/{update_id}/bucket",
+        path_parameters=at,
+        body=encode_bucket(named),
+        media_type="application/octet-stream",
+    )
     script.call("POST", "/admin/update_weights/{update_id}/commit", path_parameters=at)
     script.call("POST", "/admin/abort", body={"request_ids": ["none-running"]})
     script.call("POST", "/admin/flush_cache")

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from session_server.metrics import render
+from raylane.session_server.metrics import render
 
 FAMILIES = {
-    "raylane:num_requests_running": "gauge", "raylane:num_requests_waiting": "gauge",
-    "raylane:kv_cache_usage_perc": "gauge", "raylane:weight_version": "gauge",
+    "raylane:num_requests_running": "gauge",
+    "raylane:num_requests_waiting": "gauge",
+    "raylane:kv_cache_usage_perc": "gauge",
+    "raylane:weight_version": "gauge",
     "raylane:prompt_tokens": "counter",
-    "raylane:generation_tokens": "counter", "raylane:num_preemptions": "counter",
-    "raylane:prefix_cache_queries": "counter", "raylane:prefix_cache_hits": "counter",
-    "raylane:steps_planned_ahead": "counter", "raylane:request_success": "counter",
+    "raylane:generation_tokens": "counter",
+    "raylane:num_preemptions": "counter",
+    "raylane:prefix_cache_queries": "counter",
+    "raylane:prefix_cache_hits": "counter",
+    "raylane:steps_planned_ahead": "counter",
+    "raylane:request_success": "counter",
     "raylane:graph_replays": "counter",
     "raylane:time_to_first_token_seconds": "histogram",
     "raylane:inter_token_latency_seconds": "histogram",
@@ -54,8 +58,11 @@ def test_counters_move_with_requests(http, engine):
     assert moved("raylane:generation_tokens_total") == usage["completion_tokens"] == 5
     assert moved("raylane:prompt_tokens_total") == usage["prompt_tokens"]
     assert moved("raylane:request_success_total", finished_reason="length") == 1
-    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds"):
+    for hist in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
         assert moved(f"raylane:{hist}_count") == 1
         assert moved(f"raylane:{hist}_bucket", le="+Inf") == 1
     assert moved("raylane:inter_token_latency_seconds_count") == 4
@@ -70,14 +77,28 @@ def _busier(snapshot: dict) -> dict:
     """Another replica's snapshot: every counter, histogram and finish count differs (and is
     non-zero), so a merge that dropped, doubled or mixed up a replica shows."""
     counters = {k: v + 10 + i for i, (k, v) in enumerate(snapshot["counters"].items())}
-    histograms = {name: {**h, "counts": [c + 1 + i for i, c in enumerate(h["counts"])],
-                         "sum": h["sum"] + 2.5} for name, h in snapshot["histograms"].items()}
-    finished = {**{r: c + 3 for r, c in snapshot["finished"].items()}, "length": 5 + snapshot[
-        "finished"].get("length", 0), "abort": 2 + snapshot["finished"].get("abort", 0)}
-    gauges = {**snapshot["gauges"], "kv_cache_usage_perc": 0.5, "num_requests_running": 3,
-              "weight_version": 7}
-    return {**snapshot, "gauges": gauges, "counters": counters, "histograms": histograms,
-            "finished": finished}
+    histograms = {
+        name: {**h, "counts": [c + 1 + i for i, c in enumerate(h["counts"])], "sum": h["sum"] + 2.5}
+        for name, h in snapshot["histograms"].items()
+    }
+    finished = {
+        **{r: c + 3 for r, c in snapshot["finished"].items()},
+        "length": 5 + snapshot["finished"].get("length", 0),
+        "abort": 2 + snapshot["finished"].get("abort", 0),
+    }
+    gauges = {
+        **snapshot["gauges"],
+        "kv_cache_usage_perc": 0.5,
+        "num_requests_running": 3,
+        "weight_version": 7,
+    }
+    return {
+        **snapshot,
+        "gauges": gauges,
+        "counters": counters,
+        "histograms": histograms,
+        "finished": finished,
+    }
 
 
 def test_replica_snapshots_are_aggregated(engine):
@@ -87,16 +108,20 @@ def test_replica_snapshots_are_aggregated(engine):
     for name in ("prompt_tokens", "prefix_cache_hits", "generation_tokens"):
         want = one["counters"][name] + busy["counters"][name]
         assert value(merged, f"raylane:{name}_total") == want, name
-    assert value(merged, "raylane:num_requests_running") == 3 + one["gauges"][
-        "num_requests_running"]
+    assert (
+        value(merged, "raylane:num_requests_running") == 3 + one["gauges"]["num_requests_running"]
+    )
     assert value(merged, "raylane:kv_cache_usage_perc") == pytest.approx(
-        (0.5 + one["gauges"]["kv_cache_usage_perc"]) / 2)
+        (0.5 + one["gauges"]["kv_cache_usage_perc"]) / 2
+    )
     assert value(merged, "raylane:weight_version") == 7  # the newest, not a sum
     ttft = [s["histograms"]["time_to_first_token_seconds"] for s in (one, busy)]
     assert value(merged, "raylane:time_to_first_token_seconds_count") == sum(
-        sum(h["counts"]) for h in ttft)
+        sum(h["counts"]) for h in ttft
+    )
     assert value(merged, "raylane:time_to_first_token_seconds_sum") == pytest.approx(
-        sum(h["sum"] for h in ttft))
+        sum(h["sum"] for h in ttft)
+    )
     for reason in set(one["finished"]) | set(busy["finished"]):
         want = one["finished"].get(reason, 0) + busy["finished"][reason]
         assert value(merged, "raylane:request_success_total", finished_reason=reason) == want

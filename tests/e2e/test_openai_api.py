@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import openai
 import pytest
+from raylane.actors.engine import SamplingParams
 
-from actors.engine import SamplingParams
 from tests.e2e.conftest import MODEL
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "What is the capital of France?"}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 PROMPT = "The quick brown fox"
 LONG = {"ignore_eos": True}  # random weights: make lengths predictable
 
@@ -45,8 +47,13 @@ def test_greedy_completion_equals_offline_engine(client, ref_engine):
 
 def test_greedy_chat_equals_offline_engine(client, ref_engine):
     ref = offline_chat(ref_engine, MESSAGES, temperature=0.0, max_tokens=12)
-    got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
-                                         temperature=0, extra_body={"return_token_ids": True})
+    got = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     assert got.id.startswith("chatcmpl-") and got.object == "chat.completion"
     msg = got.choices[0].message
     assert msg.role == "assistant" and msg.content == ref.outputs[0].text
@@ -57,8 +64,14 @@ def test_greedy_chat_equals_offline_engine(client, ref_engine):
 def test_chat_stream_equals_non_stream(client, ref_engine):
     ref = offline_chat(ref_engine, MESSAGES, temperature=0.0, max_tokens=10, **LONG)
     stream = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body=LONG)
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=LONG,
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -73,8 +86,9 @@ def test_chat_stream_equals_non_stream(client, ref_engine):
 
 def test_completion_stream_equals_offline(client, ref_engine):
     ref = offline(ref_engine, PROMPT, temperature=0.0, max_tokens=10, **LONG)
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
-                                       stream=True, extra_body=LONG)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stream=True, extra_body=LONG
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == ref.outputs[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -83,8 +97,14 @@ def test_completion_stream_equals_offline(client, ref_engine):
 def test_chat_logprobs_match_engine(client, ref_engine):
     ref = offline_chat(ref_engine, MESSAGES, temperature=0.0, max_tokens=6, logprobs=3, **LONG)
     got = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
-        top_logprobs=3, extra_body={**LONG, "return_token_ids": True})
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={**LONG, "return_token_ids": True},
+    )
     choice, want = got.choices[0], ref.outputs[0]
     assert choice.model_extra["token_ids"] == want.token_ids
     content = choice.logprobs.content
@@ -92,15 +112,22 @@ def test_chat_logprobs_match_engine(client, ref_engine):
     for entry, top in zip(content, want.top_logprobs):
         assert len(entry.top_logprobs) == 3
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
-            sorted(top.values(), reverse=True), abs=1e-4)
+            sorted(top.values(), reverse=True), abs=1e-4
+        )
         assert bytes(entry.bytes).decode("utf-8") == entry.token
 
 
 def test_completion_logprobs_and_token_prompts(client, ref_engine, engine):
     ids = engine.tokenizer.encode(PROMPT)
     ref = offline(ref_engine, ids, temperature=0.0, max_tokens=5, logprobs=2, **LONG)
-    got = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=5, temperature=0,
-                                    logprobs=2, extra_body={**LONG, "return_token_ids": True})
+    got = client.completions.create(
+        model=MODEL,
+        prompt=[ids, ids],
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={**LONG, "return_token_ids": True},
+    )
     assert [c.index for c in got.choices] == [0, 1]
     for choice in got.choices:
         assert choice.model_extra["prompt_token_ids"] == ids
@@ -114,8 +141,9 @@ def test_completion_logprobs_and_token_prompts(client, ref_engine, engine):
 
 def test_max_completion_tokens_and_cached_prompt(client, engine):
     def ask():
-        return client.chat.completions.create(model=MODEL, messages=MESSAGES * 3,
-                                              max_completion_tokens=3, extra_body=LONG)
+        return client.chat.completions.create(
+            model=MODEL, messages=MESSAGES * 3, max_completion_tokens=3, extra_body=LONG
+        )
 
     first, second = ask(), ask()
     assert first.usage.completion_tokens == second.usage.completion_tokens == 3
@@ -125,15 +153,23 @@ def test_max_completion_tokens_and_cached_prompt(client, engine):
 
 
 def test_n_choices(client):
-    got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, n=3,
-                                         temperature=1.0, seed=11, extra_body=LONG)
+    got = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, n=3, temperature=1.0, seed=11, extra_body=LONG
+    )
     assert sorted(c.index for c in got.choices) == [0, 1, 2]
     assert got.usage.completion_tokens == 15
 
 
 def test_n_choices_stream(client):
-    stream = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=4, n=2,
-                                       stream=True, seed=2, extra_body=LONG)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=[PROMPT, "Hello"],
+        max_tokens=4,
+        n=2,
+        stream=True,
+        seed=2,
+        extra_body=LONG,
+    )
     texts: dict[int, str] = {}
     finished = set()
     for chunk in stream:
@@ -146,21 +182,38 @@ def test_n_choices_stream(client):
 
 def test_stop_string_honoured(client, ref_engine):
     full = offline(ref_engine, PROMPT, temperature=0.0, max_tokens=24, **LONG).outputs[0].text
-    stop = next(full[i:i + 2] for i in range(4, len(full) - 2) if full[i:i + 2].isprintable())
-    want = full[:full.index(stop)]
-    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
-                                    stop=[stop], extra_body=LONG)
+    stop = next(full[i : i + 2] for i in range(4, len(full) - 2) if full[i : i + 2].isprintable())
+    want = full[: full.index(stop)]
+    got = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], extra_body=LONG
+    )
     assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
-                                       stop=stop, stream=True, extra_body=LONG)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body=LONG,
+    )
     assert "".join(c.choices[0].text for c in stream) == want  # nothing of the stop leaks
 
 
 def test_seed_reproduces(client):
     def sample(seed: int) -> str:
-        return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
-                                              temperature=1.0, seed=seed,
-                                              extra_body=LONG).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=12,
+                temperature=1.0,
+                seed=seed,
+                extra_body=LONG,
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sample(7) == sample(7)
     assert sample(7) != sample(8)
@@ -168,11 +221,26 @@ def test_seed_reproduces(client):
 
 def test_sampling_extensions_reach_the_engine(client, ref_engine):
     params = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.3, "min_tokens": 4}
-    ref = offline(ref_engine, PROMPT, temperature=0.8, seed=3, max_tokens=8,
-                  presence_penalty=0.5, frequency_penalty=0.2, **params)
-    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.8,
-                                    seed=3, presence_penalty=0.5, frequency_penalty=0.2,
-                                    extra_body=params)
+    ref = offline(
+        ref_engine,
+        PROMPT,
+        temperature=0.8,
+        seed=3,
+        max_tokens=8,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        **params,
+    )
+    got = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0.8,
+        seed=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        extra_body=params,
+    )
     assert got.choices[0].text == ref.outputs[0].text
 
 
@@ -180,8 +248,9 @@ def test_tools_reach_the_chat_template(http, engine):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     body = {"messages": MESSAGES, "tools": tools, "max_tokens": 1, "return_token_ids": True}
     got = http.post("/v1/chat/completions", json=body).json()
-    want = engine.tokenizer.apply_chat_template(MESSAGES, tools=tools, tokenize=False,
-                                                add_generation_prompt=True)
+    want = engine.tokenizer.apply_chat_template(
+        MESSAGES, tools=tools, tokenize=False, add_generation_prompt=True
+    )
     assert "get_weather" in want
     assert got["prompt_token_ids"] == engine.tokenizer.encode(want, add_special_tokens=False)
 
@@ -190,9 +259,12 @@ def test_routing_key_from_header_then_body(http, probe):
     body = {"prompt": PROMPT, "max_tokens": 1, "user": "user-1"}
     http.post("/v1/completions", json=body)
     http.post("/v1/completions", json=body, headers={"x-session-id": "sess-9"})
-    http.post("/v1/completions", json=body, headers={"x-routing-key": "key-3",
-                                                     "x-session-id": "sess-9"})
-    http.post("/generate", json={"text": PROMPT, "routing_key": "rk",
-                                 "sampling_params": {"max_new_tokens": 1}})
+    http.post(
+        "/v1/completions", json=body, headers={"x-routing-key": "key-3", "x-session-id": "sess-9"}
+    )
+    http.post(
+        "/generate",
+        json={"text": PROMPT, "routing_key": "rk", "sampling_params": {"max_new_tokens": 1}},
+    )
     assert [key for _, key in probe.calls] == ["user-1", "sess-9", "key-3", "rk"]
     assert probe.calls[0][0].startswith("cmpl-")

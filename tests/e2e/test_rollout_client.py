@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from raylane.actors.engine import AsyncLLMEngine, LLMEngine, SamplingParams
+from raylane.client import BadRequest, RolloutClient, Unauthorized
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
 
-from actors.engine import AsyncLLMEngine, LLMEngine, SamplingParams
-from cluster.client import BadRequest, RolloutClient, Unauthorized
-from session_server.app import build_app
-from session_server.backend import LocalBackend
 from tests.e2e.conftest import tiny_config
 from tests.e2e.server import ServerThread
 
@@ -64,9 +64,11 @@ def kv_idle(local: LocalBackend) -> bool:
 
 # --- generation -------------------------------------------------------------------------------
 
+
 async def test_generate_ids_equals_the_offline_engine(client, ref_engine):
-    want = offline(ref_engine, PROMPT, temperature=0.0, max_tokens=8, ignore_eos=True,
-                   logprobs=0).outputs[0]
+    want = offline(
+        ref_engine, PROMPT, temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0
+    ).outputs[0]
     (got,) = await client.generate(PROMPT, temperature=0.0, max_tokens=8, ignore_eos=True)
     assert got.token_ids == want.token_ids and got.text == want.text
     assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
@@ -95,6 +97,7 @@ async def test_bad_input_is_a_value_error(client):
 
 # --- admin ------------------------------------------------------------------------------------
 
+
 async def test_admin_calls_need_the_admin_key(url):
     async with RolloutClient(url, api_key=USER_KEY, admin_key=USER_KEY) as user:
         with pytest.raises(Unauthorized) as e:
@@ -117,12 +120,19 @@ async def test_update_weights_then_outputs_follow_the_new_weights(client, tiny_l
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     start = await client.weight_version()
     try:
-        assert await client.update_weights(model.named_parameters(), start + 1,
-                                           bucket_bytes=64 << 10) == start + 1
+        assert (
+            await client.update_weights(model.named_parameters(), start + 1, bucket_bytes=64 << 10)
+            == start + 1
+        )
         assert await client.weight_version() == start + 1
         (got,) = await client.generate(PROMPT, temperature=0.0, max_tokens=6, ignore_eos=True)
-        want = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=6,
-                              eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+        want = model.generate(
+            torch.tensor([PROMPT]),
+            do_sample=False,
+            max_new_tokens=6,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(PROMPT) :].tolist()
         assert got.token_ids == want and got.weight_versions == [start + 1] * 6
     finally:  # back to the checkpoint's weights, for the other tests
         await client.update_weights(original.items(), start + 2)
@@ -147,8 +157,9 @@ async def test_a_bad_update_changes_nothing(client, tiny_llama_dir, ref_engine):
 async def test_abort_returns_partial_outputs_and_frees_blocks(client, local):
     rid = "abort-me"
     before = counters(local)["generation_tokens"]
-    running = asyncio.ensure_future(client.generate(PROMPT, request_id=rid, max_tokens=200,
-                                                    ignore_eos=True, temperature=0.0))
+    running = asyncio.ensure_future(
+        client.generate(PROMPT, request_id=rid, max_tokens=200, ignore_eos=True, temperature=0.0)
+    )
     await until(lambda: counters(local)["generation_tokens"] >= before + 3)
     (partial,) = await client.abort([rid])
     assert partial.finish_reason == "abort" and 3 <= len(partial.token_ids) < 200
@@ -160,8 +171,9 @@ async def test_abort_returns_partial_outputs_and_frees_blocks(client, local):
 async def test_pause_keep_freezes_then_resume_finishes(client, local, ref_engine):
     want = offline(ref_engine, PROMPT, temperature=0.0, max_tokens=40, ignore_eos=True)
     before = counters(local)["generation_tokens"]
-    running = asyncio.ensure_future(client.generate(PROMPT, max_tokens=40, ignore_eos=True,
-                                                    temperature=0.0))
+    running = asyncio.ensure_future(
+        client.generate(PROMPT, max_tokens=40, ignore_eos=True, temperature=0.0)
+    )
     await until(lambda: counters(local)["generation_tokens"] >= before + 2)
     await client.pause("keep")
     frozen = counters(local)["generation_tokens"]
@@ -173,6 +185,7 @@ async def test_pause_keep_freezes_then_resume_finishes(client, local, ref_engine
 
 
 # --- sessions ---------------------------------------------------------------------------------
+
 
 async def test_session_turns_merge_into_a_training_sample(client):
     async with await client.session({"task": "t1"}) as session:
@@ -210,11 +223,15 @@ async def test_fork_equals_sequential_in_fewer_steps(client, local):
     assert [r.token_ids for r in fanned] == [r.token_ids for r in sequential]
     fan = {k: mid[k] - start[k] for k in start}
     seq = {k: end[k] - after_flush[k] for k in end}
-    computed = {name: c["prompt_tokens"] - c["prefix_cache_hits"] for name, c in
-                (("fan", fan), ("seq", seq))}
-    print(f"\nfan-out: {fan['steps']} steps, {computed['fan']} prompt tokens computed, "
-          f"{fan['generation_tokens']} generated; sequential: {seq['steps']} steps, "
-          f"{computed['seq']} computed, {seq['generation_tokens']} generated")
+    computed = {
+        name: c["prompt_tokens"] - c["prefix_cache_hits"]
+        for name, c in (("fan", fan), ("seq", seq))
+    }
+    print(
+        f"\nfan-out: {fan['steps']} steps, {computed['fan']} prompt tokens computed, "
+        f"{fan['generation_tokens']} generated; sequential: {seq['steps']} steps, "
+        f"{computed['seq']} computed, {seq['generation_tokens']} generated"
+    )
     assert fan["steps"] * 2 <= seq["steps"]  # batched: ~1 + 8 steps against 4 * 8
     assert computed["fan"] <= computed["seq"]  # the prefix was computed once in both
     assert fan["generation_tokens"] == seq["generation_tokens"] + 1  # + the warm-up token
@@ -222,8 +239,9 @@ async def test_fork_equals_sequential_in_fewer_steps(client, local):
 
 
 async def test_release_frees_a_branch_and_gather_takes_the_rest(client, local):
-    branches = await client.fork(PREFIX, 3, suffixes=SUFFIXES[:3], temperature=0.0,
-                                 max_tokens=150, ignore_eos=True)
+    branches = await client.fork(
+        PREFIX, 3, suffixes=SUFFIXES[:3], temperature=0.0, max_tokens=150, ignore_eos=True
+    )
     await until(lambda: len(local.engine.engine.requests) == 3)
     await client.release(branches[2])
     assert branches[2].request_id not in local.engine.engine.requests
@@ -234,8 +252,15 @@ async def test_release_frees_a_branch_and_gather_takes_the_rest(client, local):
 
 async def test_gather_fail_fast_aborts_the_siblings(client, local):
     too_long = [3] * 300  # past the 256-token context: this branch fails at the server
-    branches = await client.fork(PREFIX, 3, suffixes=[[5], [6], too_long], warm=False,
-                                 temperature=0.0, max_tokens=200, ignore_eos=True)
+    branches = await client.fork(
+        PREFIX,
+        3,
+        suffixes=[[5], [6], too_long],
+        warm=False,
+        temperature=0.0,
+        max_tokens=200,
+        ignore_eos=True,
+    )
     with pytest.raises(BadRequest):
         await client.gather(branches)
     assert all(b.done() for b in branches)
@@ -245,7 +270,7 @@ async def test_gather_fail_fast_aborts_the_siblings(client, local):
 async def test_graph_of_thought_example_equals_its_sequential_version(client, local):
     """The example's propose -> score -> aggregate, against the same prompts and seeds run one
     after another: the same proposals and answer, in fewer engine steps."""
-    from cluster.examples import graph_of_thought as got
+    from raylane.examples import graph_of_thought as got
 
     question, k, max_tokens = "How many legs do 3 spiders have?", 3, 12
     await client.flush_cache()
@@ -257,21 +282,36 @@ async def test_graph_of_thought_example_equals_its_sequential_version(client, lo
 
     await client.flush_cache()
     after_flush = counters(local)
-    prefix = await client.tokenize(messages=[
-        {"role": "system", "content": "You solve problems carefully and state the answer."},
-        {"role": "user", "content": question}])
+    prefix = await client.tokenize(
+        messages=[
+            {"role": "system", "content": "You solve problems carefully and state the answer."},
+            {"role": "user", "content": question},
+        ]
+    )
     one_by_one = []
     for i, approach in enumerate(got.APPROACHES[:k]):
         suffix = await got._ids(client, " " + approach)
-        (r,) = await client.generate(prefix + suffix, temperature=0.7, seed=5 + i,
-                                     max_tokens=max_tokens)
+        (r,) = await client.generate(
+            prefix + suffix, temperature=0.7, seed=5 + i, max_tokens=max_tokens
+        )
         one_by_one.append(r)
     ranked = sorted(one_by_one, key=got.confidence, reverse=True)[:2]
     drafts = "\n\n".join(f"Draft {i + 1}:\n{r.text.strip()}" for i, r in enumerate(ranked))
-    (answer,) = await client.generate(await client.tokenize(messages=[{"role": "user", "content": (
-        f"{question}\n\nHere are draft solutions:\n\n{drafts}\n\n"
-        "Combine the drafts into one short, correct final answer.")}]), temperature=0.0,
-        max_tokens=max_tokens)
+    (answer,) = await client.generate(
+        await client.tokenize(
+            messages=[
+                {
+                    "role": "user",
+                    "content": (
+                        f"{question}\n\nHere are draft solutions:\n\n{drafts}\n\n"
+                        "Combine the drafts into one short, correct final answer."
+                    ),
+                }
+            ]
+        ),
+        temperature=0.0,
+        max_tokens=max_tokens,
+    )
     end = counters(local)
 
     assert [r.token_ids for r in proposals] == [r.token_ids for r in one_by_one]

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
+from raylane.actors.engine import AsyncLLMEngine, LLMEngine, SamplingParams
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
 
-from actors.engine import AsyncLLMEngine, LLMEngine, SamplingParams
-from session_server.app import build_app
-from session_server.backend import LocalBackend
 from tests.e2e.conftest import tiny_config
 from tests.e2e.server import ServerThread
 
@@ -38,16 +38,22 @@ def decode(routed: dict) -> np.ndarray:
 
 
 def reference(moe_ref: LLMEngine, prompt, max_tokens: int):
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            return_routed_experts=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, return_routed_experts=True
+    )
     return moe_ref.generate([prompt], params, use_tqdm=False)[0].outputs[0]
 
 
 def test_generate_returns_routed_experts(moe_http, moe_ref):
     want = reference(moe_ref, PROMPT_IDS, 6)
-    got = moe_http.post("/generate", json={
-        "input_ids": PROMPT_IDS, "return_routed_experts": True,
-        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()
+    got = moe_http.post(
+        "/generate",
+        json={
+            "input_ids": PROMPT_IDS,
+            "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        },
+    ).json()
     assert got["output_ids"] == want.token_ids
     routed = decode(got["meta_info"]["routed_experts"])
     assert routed.shape == (len(PROMPT_IDS) + 6 - 1, 2, 2)  # 2 MoE layers, top-2
@@ -57,17 +63,29 @@ def test_generate_returns_routed_experts(moe_http, moe_ref):
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_returns_routed_experts(moe_http, moe_ref, stream):
     messages = [{"role": "user", "content": "Which expert answers?"}]
-    want = moe_ref.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
-                                                 return_routed_experts=True),
-                        use_tqdm=False)[0].outputs[0]
-    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-            "return_routed_experts": True, "stream": stream}
+    want = moe_ref.chat(
+        messages,
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, return_routed_experts=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    body = {
+        "messages": messages,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_routed_experts": True,
+        "stream": stream,
+    }
     response = moe_http.post("/v1/chat/completions", json=body)
     if stream:
-        events = [json.loads(line[6:]) for line in response.text.splitlines()
-                  if line.startswith("data: {")]
-        routed = [c["routed_experts"] for e in events for c in e["choices"]
-                  if "routed_experts" in c]
+        events = [
+            json.loads(line[6:])
+            for line in response.text.splitlines()
+            if line.startswith("data: {")
+        ]
+        routed = [
+            c["routed_experts"] for e in events for c in e["choices"] if "routed_experts" in c
+        ]
         assert len(routed) == 1  # on the last chunk of the choice
         routed = routed[0]
     else:

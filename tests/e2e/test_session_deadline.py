@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
 
-from actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from session_server.app import build_app
-from session_server.backend import LocalBackend
 from tests.e2e.server import ServerThread
 from tests.e2e.test_deadline import LONG, idle
 
@@ -53,12 +53,20 @@ def describe(url: str, session_id: str) -> dict:
     return httpx.get(f"{url}/sessions/{session_id}", timeout=30).json()
 
 
-def test_past_the_deadline_the_turn_is_aborted_recorded_and_the_next_one_works(url, engine,
-                                                                                  tiny_llama_dir):
+def test_past_the_deadline_the_turn_is_aborted_recorded_and_the_next_one_works(
+    url, engine, tiny_llama_dir
+):
     session_id = new_session(url)
     messages = [{"role": "user", "content": "Tell me a long story."}]
-    cut = turn(url, session_id, messages, max_tokens=LONG, ignore_eos=True, timeout=0.15,
-               return_token_ids=True).json()
+    cut = turn(
+        url,
+        session_id,
+        messages,
+        max_tokens=LONG,
+        ignore_eos=True,
+        timeout=0.15,
+        return_token_ids=True,
+    ).json()
     choice = cut["choices"][0]
     ids = choice["token_ids"]
     assert choice["finish_reason"] == "abort" and len(ids) < LONG
@@ -69,8 +77,11 @@ def test_past_the_deadline_the_turn_is_aborted_recorded_and_the_next_one_works(u
     assert first["finish_reason"] == "abort" and first["output_ids"] == ids
     if ids:  # the partial output is the start of the greedy one
         ref = LLMEngine(config(tiny_llama_dir))
-        want = ref.generate([first["prompt_ids"]], SamplingParams(
-            temperature=0, max_tokens=len(ids), ignore_eos=True), use_tqdm=False)[0]
+        want = ref.generate(
+            [first["prompt_ids"]],
+            SamplingParams(temperature=0, max_tokens=len(ids), ignore_eos=True),
+            use_tqdm=False,
+        )[0]
         assert want.outputs[0].token_ids == ids
 
     messages += [choice["message"], {"role": "user", "content": "Go on."}]
@@ -87,11 +98,17 @@ def test_past_the_deadline_the_turn_is_aborted_recorded_and_the_next_one_works(u
 
 def test_the_servers_default_deadline_ends_a_streamed_turn_as_abort(url, engine):
     session_id = new_session(url)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": LONG, "ignore_eos": True, "stream": True}  # no timeout: the 0.4 s
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "stream": True,
+    }  # no timeout: the 0.4 s
     reasons, text = [], ""
-    with httpx.stream("POST", f"{url}/sessions/{session_id}/v1/chat/completions", json=body,
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", f"{url}/sessions/{session_id}/v1/chat/completions", json=body, timeout=60
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 for c in json.loads(line[6:])["choices"]:
@@ -106,6 +123,7 @@ def test_the_servers_default_deadline_ends_a_streamed_turn_as_abort(url, engine)
 
 @pytest.mark.parametrize("bad", [0, -1, "soon"])
 def test_a_bad_timeout_is_400(url, bad):
-    response = turn(url, new_session(url), [{"role": "user", "content": "hi"}], max_tokens=2,
-                    timeout=bad)
+    response = turn(
+        url, new_session(url), [{"role": "user", "content": "hi"}], max_tokens=2, timeout=bad
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "timeout"

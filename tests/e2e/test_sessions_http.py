@@ -14,11 +14,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from raylane.router.samples import TrainingSample
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
 
-from actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from router.samples import TrainingSample
-from session_server.app import build_app
-from session_server.backend import LocalBackend
 from tests.e2e.server import ServerThread
 from tests.unit.sessions_helpers import rendered, user
 from tests.unit.test_sessions_engine import TOOLS, TURNS  # the same 5-turn tool conversation
@@ -29,8 +29,9 @@ MAX_TOKENS = 8
 
 
 def moe_config(model_dir: str) -> EngineConfig:
-    return EngineConfig(model=model_dir, num_kv_blocks=256, max_model_len=1024,
-                        enable_return_routed_experts=True)
+    return EngineConfig(
+        model=model_dir, num_kv_blocks=256, max_model_len=1024, enable_return_routed_experts=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,9 @@ def ref(tiny_moe_dir) -> LLMEngine:
 
 @pytest.fixture
 def http(server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30,
-                      headers={"Authorization": f"Bearer {KEY}"}) as client:
+    with httpx.Client(
+        base_url=server.url, timeout=30, headers={"Authorization": f"Bearer {KEY}"}
+    ) as client:
         yield client
 
 
@@ -61,8 +63,9 @@ class Agent:
         assert resp.status_code == 200, resp.text
         self.id = resp.json()["session_id"]
         self.http = http
-        self.client = openai.OpenAI(base_url=f"{server.url}/sessions/{self.id}/v1",
-                                    api_key=KEY, max_retries=0, timeout=30)
+        self.client = openai.OpenAI(
+            base_url=f"{server.url}/sessions/{self.id}/v1", api_key=KEY, max_retries=0, timeout=30
+        )
         self.messages: list[dict] = []
 
     def chat(self, messages: list[dict], **kwargs):
@@ -82,8 +85,9 @@ class Agent:
 
 
 def reference(engine: LLMEngine, prompt_ids: list[int]):
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
-                            return_routed_experts=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, logprobs=0, return_routed_experts=True
+    )
     return engine.generate([prompt_ids], params, use_tqdm=False)[0].outputs[0]
 
 
@@ -93,9 +97,15 @@ def decode(routed: dict) -> np.ndarray:
 
 def test_five_turns_with_tools_merge_to_what_the_engine_generates(server, http, ref):
     agent = Agent(server, http, task="weather")
-    replies = [agent.say(*new, tools=TOOLS, logprobs=True,
-                         extra_body={"return_token_ids": True, "return_routed_experts": True})
-               for new in TURNS]
+    replies = [
+        agent.say(
+            *new,
+            tools=TOOLS,
+            logprobs=True,
+            extra_body={"return_token_ids": True, "return_routed_experts": True},
+        )
+        for new in TURNS
+    ]
     session = agent.describe()
     assert session["metadata"] == {"task": "weather"} and session["num_turns"] == 5
     records = session["records"]
@@ -107,8 +117,9 @@ def test_five_turns_with_tools_merge_to_what_the_engine_generates(server, http, 
         choice = resp.choices[0]
         assert choice.model_extra["token_ids"] == want.token_ids
         assert choice.message.content == want.text
-        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(want.logprobs,
-                                                                              abs=1e-4)
+        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(
+            want.logprobs, abs=1e-4
+        )
         assert "routed_experts" not in choice.model_extra  # the reply omits replay blobs
         assert resp.usage.prompt_tokens == len(prompt)
         tokens = prompt + want.token_ids
@@ -128,8 +139,7 @@ def test_five_turns_with_tools_merge_to_what_the_engine_generates(server, http, 
 def test_streamed_turn_is_the_engines_and_continues_the_session(server, http, ref):
     agent = Agent(server, http)
     agent.messages = [user("Tell me a story.")]
-    chunks = list(agent.chat(agent.messages, stream=True,
-                             stream_options={"include_usage": True}))
+    chunks = list(agent.chat(agent.messages, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     record = agent.describe()["records"][0]
     assert record["prompt_ids"] == rendered(ref.tokenizer, agent.messages)
@@ -177,8 +187,7 @@ def test_unknown_session_is_404(http, method, path):
 def test_chat_after_delete_is_404(server, http):
     agent = Agent(server, http)
     agent.say(user("hello"))
-    assert http.delete(f"/sessions/{agent.id}").json() == {"session_id": agent.id,
-                                                          "deleted": True}
+    assert http.delete(f"/sessions/{agent.id}").json() == {"session_id": agent.id, "deleted": True}
     with pytest.raises(openai.NotFoundError):
         agent.say(user("still there?"))
     assert http.get(f"/sessions/{agent.id}").status_code == 404

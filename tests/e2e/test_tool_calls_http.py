@@ -15,21 +15,31 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
 
-from actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
-from session_server.app import build_app
-from session_server.backend import LocalBackend
 from tests.e2e.server import ServerThread
 
 MODEL = "tiny"
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "enum": ["Berlin", "Paris"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["CET", "UTC"]}},
-        "required": ["zone"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Berlin", "Paris"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["CET", "UTC"]}},
+    "required": ["zone"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "Weather in Berlin?"}]
 CALL_1 = '{"name": "get_weather", "arguments": {"city": "Berlin", "days": 2}}'
@@ -73,8 +83,14 @@ def http(server) -> Iterator[httpx.Client]:
 
 
 def chat(client: openai.OpenAI, **kwargs):
-    kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 300,
-              "temperature": 0, **kwargs}
+    kwargs = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 300,
+        "temperature": 0,
+        **kwargs,
+    }
     return client.chat.completions.create(**kwargs)
 
 
@@ -124,12 +140,13 @@ def test_auto_streams_content_then_the_call_as_openai_does(client):
 def test_parallel_calls_and_parallel_tool_calls_false(client, stream):
     want = [("get_weather", {"city": "Berlin", "days": 2}), ("get_time", {"zone": "CET"})]
     for parallel, n in ((True, 2), (False, 1)):
-        got = chat(client, extra_body=forced(HERMES_2), parallel_tool_calls=parallel,
-                   stream=stream)
+        got = chat(client, extra_body=forced(HERMES_2), parallel_tool_calls=parallel, stream=stream)
         if stream:
             content, calls, finishes = collect(got)
-            found = [(calls[i]["entries"][0].function.name, json.loads(calls[i]["arguments"]))
-                     for i in sorted(calls)]
+            found = [
+                (calls[i]["entries"][0].function.name, json.loads(calls[i]["arguments"]))
+                for i in sorted(calls)
+            ]
             assert (content, finishes[-1]) == ("", "tool_calls")
         else:
             message = got.choices[0].message
@@ -139,14 +156,21 @@ def test_parallel_calls_and_parallel_tool_calls_false(client, stream):
 
 
 def test_tool_choice_none_leaves_the_text_and_still_shows_the_tools(http, backend):
-    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 300,
-            "return_token_ids": True, **forced(HERMES)}
+    body = {
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": "none",
+        "max_tokens": 300,
+        "return_token_ids": True,
+        **forced(HERMES),
+    }
     got = http.post("/v1/chat/completions", json=body).json()
     choice = got["choices"][0]
     assert choice["message"]["content"] == HERMES and "tool_calls" not in choice["message"]
     assert choice["finish_reason"] == "stop"
-    want = backend.tokenizer.apply_chat_template(ASK, tools=TOOLS, tokenize=False,
-                                                 add_generation_prompt=True)
+    want = backend.tokenizer.apply_chat_template(
+        ASK, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
     assert got["prompt_token_ids"] == backend.tokenizer.encode(want, add_special_tokens=False)
 
 
@@ -173,15 +197,15 @@ def test_required_calls_tools_with_valid_arguments(client, parallel):
     assert len(calls) >= 1 if parallel else len(calls) == 1
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-    content, streamed, _ = collect(chat(client, tool_choice="required",
-                                        parallel_tool_calls=parallel, stream=True))
+    content, streamed, _ = collect(
+        chat(client, tool_choice="required", parallel_tool_calls=parallel, stream=True)
+    )
     assert [s["arguments"] for s in streamed.values()] == [c.function.arguments for c in calls]
 
 
 def test_llama3_parser_from_the_setting(tiny_llama_dir):
     text = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
-    with ServerThread(build_app(engine_backend(tiny_llama_dir),
-                                tool_call_parser="llama3")) as srv:
+    with ServerThread(build_app(engine_backend(tiny_llama_dir), tool_call_parser="llama3")) as srv:
         llama = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
         choice = chat(llama, extra_body=forced(text)).choices[0]
         assert calls_of(choice.message) == [("get_weather", {"city": "Paris", "days": 3})]
@@ -199,20 +223,37 @@ def test_hermes_server_leaves_llama3_json_as_text(client):
 
 
 HISTORY = ASK + [
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Berlin", "days": 2}'}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Berlin", "days": 2}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+]
 
 
 def test_tool_results_round_trip_through_the_template(client, backend):
     got = chat(client, messages=HISTORY, max_tokens=4, extra_body={"return_token_ids": True})
     # the template gets the arguments as an object, as the model wrote them
     rendered = [dict(m) for m in HISTORY]
-    rendered[1] = {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0], "function": {
-        "name": "get_weather", "arguments": {"city": "Berlin", "days": 2}}}]}
-    text = backend.tokenizer.apply_chat_template(rendered, tools=TOOLS, tokenize=False,
-                                                 add_generation_prompt=True)
+    rendered[1] = {
+        **HISTORY[1],
+        "tool_calls": [
+            {
+                **HISTORY[1]["tool_calls"][0],
+                "function": {"name": "get_weather", "arguments": {"city": "Berlin", "days": 2}},
+            }
+        ],
+    }
+    text = backend.tokenizer.apply_chat_template(
+        rendered, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
     assert f"<tool_call>\n{CALL_1}\n</tool_call>" in text and '{"temp": 21}' in text
     ids = backend.tokenizer.encode(text, add_special_tokens=False)
     assert got.model_extra["prompt_token_ids"] == ids
@@ -223,30 +264,46 @@ def test_a_session_turn_takes_tool_calls_and_results(http):
     body = {"messages": HISTORY, "tools": TOOLS, "max_tokens": 4}
     reply = http.post(f"/sessions/{session}/v1/chat/completions", json=body)
     assert reply.status_code == 200, reply.text
-    turn = {"messages": HISTORY + [reply.json()["choices"][0]["message"],
-                                   {"role": "user", "content": "And Paris?"}],
-            "tools": TOOLS, "max_tokens": 4}
+    turn = {
+        "messages": HISTORY
+        + [reply.json()["choices"][0]["message"], {"role": "user", "content": "And Paris?"}],
+        "tools": TOOLS,
+        "max_tokens": 4,
+    }
     again = http.post(f"/sessions/{session}/v1/chat/completions", json=turn)
     assert again.status_code == 200, again.text
     assert http.get(f"/sessions/{session}").json()["num_turns"] == 2
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"tool_choice": NAMED | {"function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": None, "tool_choice": "auto"}, "tool_choice"),
-    ({"tools": None, "tool_choice": NAMED}, "tool_choice"),
-    ({"tool_choice": "always"}, "tool_choice"),
-    ({"tool_choice": 3}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"parameters": WEATHER}}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "string"}}}]}, "tools"),
-    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": NAMED | {"function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": None, "tool_choice": "auto"}, "tool_choice"),
+        ({"tools": None, "tool_choice": NAMED}, "tool_choice"),
+        ({"tool_choice": "always"}, "tool_choice"),
+        ({"tool_choice": 3}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"parameters": WEATHER}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "tools",
+        ),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ],
+)
 def test_bad_tools_and_tool_choice_are_400s_naming_the_field(http, body, param):
-    got = http.post("/v1/chat/completions",
-                    json={"messages": ASK, "tools": TOOLS, "max_tokens": 4, **body})
+    got = http.post(
+        "/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "max_tokens": 4, **body}
+    )
     assert got.status_code == 400, got.text
     error = got.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"

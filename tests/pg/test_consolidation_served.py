@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from raylane.actors.consolidation import ConsolidationConfig, Consolidator
+from raylane.actors.consolidation.llm import OpenAICompatibleLLM
+from raylane.actors.consolidation.prompt import parse_answer
 
-from actors.consolidation import ConsolidationConfig, Consolidator
-from actors.consolidation.llm import OpenAICompatibleLLM
-from actors.consolidation.prompt import parse_answer
 from tests.e2e.server import ServerThread
 from tests.pg.checks import assert_each_memory_once
 
@@ -36,9 +36,9 @@ class RecordingLLM(OpenAICompatibleLLM):
 
 @pytest.fixture(scope="module")
 def served_url(smollm2_dir):
-    from actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
-    from session_server.app import build_app
-    from session_server.backend import LocalBackend
+    from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
+    from raylane.session_server.app import build_app
+    from raylane.session_server.backend import LocalBackend
 
     engine = LLMEngine(EngineConfig(model=smollm2_dir, dtype="float32", num_kv_blocks=512))
     with ServerThread(build_app(LocalBackend(AsyncLLMEngine(engine), "smollm2"))) as server:
@@ -46,13 +46,16 @@ def served_url(smollm2_dir):
     engine.shutdown()
 
 
-async def test_consolidation_over_the_served_model_fails_no_memory(served_url, store, bank,
-                                                                   metrics) -> None:
-    items = [("The user prefers tea over coffee.", ["prefs"]),
-             ("The user drinks green tea every morning.", ["prefs"]),
-             ("skip: hello there", ["chat"]),
-             ("The user's dog is called Rex.", ["pets"]),
-             ("Rex is a beagle.", ["pets"])]
+async def test_consolidation_over_the_served_model_fails_no_memory(
+    served_url, store, bank, metrics
+) -> None:
+    items = [
+        ("The user prefers tea over coffee.", ["prefs"]),
+        ("The user drinks green tea every morning.", ["prefs"]),
+        ("skip: hello there", ["chat"]),
+        ("The user's dog is called Rex.", ["pets"]),
+        ("Rex is a beagle.", ["pets"]),
+    ]
     await store.retain_many(bank, items)
     llm = RecordingLLM(served_url + "/v1", "smollm2", max_tokens=512)
     config = ConsolidationConfig(batch_size=4, llm_batch_size=2)
@@ -61,8 +64,12 @@ async def test_consolidation_over_the_served_model_fails_no_memory(served_url, s
     assert result.status == "completed"
     assert result.total.failed == 0 and result.total.consolidated == len(items)
     assert llm.answers and len(llm.answers) == result.total.llm_calls  # nothing was split
-    skipped = {int(i) for _, _, text in llm.answers
-               for i, action in json.loads(text).items() if action["action"] == "skip"}
+    skipped = {
+        int(i)
+        for _, _, text in llm.answers
+        for i, action in json.loads(text).items()
+        if action["action"] == "skip"
+    }
     await assert_each_memory_once(store, bank, skipped=skipped)
     for _, response_format, text in llm.answers:
         schema = response_format["json_schema"]["schema"]
@@ -70,6 +77,10 @@ async def test_consolidation_over_the_served_model_fails_no_memory(served_url, s
         assert sorted(answer) == sorted(schema["required"])
         ids = [int(i) for i in schema["required"]]
         observations = schema["properties"][str(ids[0])]["anyOf"]
-        scope = [int(i) for branch in observations if "observation_id" in branch["properties"]
-                 for i in branch["properties"]["observation_id"]["enum"]]
+        scope = [
+            int(i)
+            for branch in observations
+            if "observation_id" in branch["properties"]
+            for i in branch["properties"]["observation_id"]["enum"]
+        ]
         parse_answer(text, ids, scope)  # the consolidator's own validation accepts it

@@ -7,20 +7,21 @@ import json
 import uuid
 
 import pytest
-
-from actors.consolidation import (
+from raylane.actors.consolidation import (
     BankBusy,
     ConsolidationConfig,
     ConsolidationMetrics,
     Consolidator,
     MemoryStore,
 )
-from actors.consolidation.fake_llm import FakeLLM
+from raylane.actors.consolidation.fake_llm import FakeLLM
+
 from tests.pg.checks import assert_each_memory_once, assert_one_observation_per_scope
 
 
-def consolidator(store: MemoryStore, llm: FakeLLM, metrics: ConsolidationMetrics,
-                 **config: int) -> Consolidator:
+def consolidator(
+    store: MemoryStore, llm: FakeLLM, metrics: ConsolidationMetrics, **config: int
+) -> Consolidator:
     return Consolidator(store, llm, ConsolidationConfig(**config), metrics=metrics)
 
 
@@ -67,11 +68,13 @@ async def test_nothing_pending_means_no_llm_call(store, bank, metrics) -> None:
 
 async def test_parallelism_is_bounded_and_groups_are_serial(store, bank, metrics) -> None:
     groups, per_group, parallel = 7, 4, 3
-    await store.retain_many(bank, [(f"g{g} m{i}", [f"g{g}"])
-                                   for i in range(per_group) for g in range(groups)])
+    await store.retain_many(
+        bank, [(f"g{g} m{i}", [f"g{g}"]) for i in range(per_group) for g in range(groups)]
+    )
     llm = FakeLLM(latency=0.04)
-    await consolidator(store, llm, metrics, batch_size=100, llm_batch_size=2,
-                       max_parallel_groups=parallel).run(bank)
+    await consolidator(
+        store, llm, metrics, batch_size=100, llm_batch_size=2, max_parallel_groups=parallel
+    ).run(bank)
 
     assert llm.max_in_flight == parallel
     by_group: dict[tuple, list] = {}
@@ -117,8 +120,9 @@ async def test_error_in_one_group_stops_run_and_rerun_finishes(store, bank, metr
 
     llm = FakeLLM(latency=0.02, behaviour=behaviour)
     op_id = await store.operations.create(bank)
-    runner = consolidator(store, llm, metrics, batch_size=100, llm_batch_size=2,
-                          max_parallel_groups=2)
+    runner = consolidator(
+        store, llm, metrics, batch_size=100, llm_batch_size=2, max_parallel_groups=2
+    )
     with pytest.raises(RuntimeError, match="model crashed"):
         await runner.run(bank, op_id)
 
@@ -137,8 +141,9 @@ async def test_error_in_one_group_stops_run_and_rerun_finishes(store, bank, metr
     await assert_one_observation_per_scope(store, bank)
 
 
-async def _start_and_wait_for_calls(runner: Consolidator, llm: FakeLLM, store: MemoryStore,
-                                    bank: str, calls: int) -> tuple[str, asyncio.Task]:
+async def _start_and_wait_for_calls(
+    runner: Consolidator, llm: FakeLLM, store: MemoryStore, bank: str, calls: int
+) -> tuple[str, asyncio.Task]:
     op_id = await store.operations.create(bank)
     task = asyncio.create_task(runner.run(bank, op_id))
     while len(llm.calls) < calls:
@@ -147,15 +152,17 @@ async def _start_and_wait_for_calls(runner: Consolidator, llm: FakeLLM, store: M
 
 
 async def _retain_groups(store: MemoryStore, bank: str, groups: int, per_group: int) -> None:
-    await store.retain_many(bank, [(f"g{g} m{i}", [f"g{g}"])
-                                   for i in range(per_group) for g in range(groups)])
+    await store.retain_many(
+        bank, [(f"g{g} m{i}", [f"g{g}"]) for i in range(per_group) for g in range(groups)]
+    )
 
 
 async def test_cancel_mid_run_stops_before_the_next_call(store, bank, metrics) -> None:
     await _retain_groups(store, bank, groups=8, per_group=4)
     llm = FakeLLM(latency=0.03)
-    runner = consolidator(store, llm, metrics, batch_size=100, llm_batch_size=2,
-                          max_parallel_groups=2)
+    runner = consolidator(
+        store, llm, metrics, batch_size=100, llm_batch_size=2, max_parallel_groups=2
+    )
     op_id, task = await _start_and_wait_for_calls(runner, llm, store, bank, calls=3)
     assert await runner.cancel(op_id)
     cancelled_at = asyncio.get_running_loop().time()
@@ -188,8 +195,9 @@ async def test_cancel_is_checked_before_split_retries(store, bank, metrics) -> N
 async def test_cancel_from_another_process_is_seen(store, pg_dsn, bank, metrics) -> None:
     await _retain_groups(store, bank, groups=8, per_group=4)
     llm = FakeLLM(latency=0.03)
-    runner = consolidator(store, llm, metrics, batch_size=100, llm_batch_size=2,
-                          max_parallel_groups=2)
+    runner = consolidator(
+        store, llm, metrics, batch_size=100, llm_batch_size=2, max_parallel_groups=2
+    )
     op_id, task = await _start_and_wait_for_calls(runner, llm, store, bank, calls=3)
     other = await MemoryStore.connect(pg_dsn)  # another process's view of the database
     try:
@@ -210,8 +218,9 @@ async def test_round_trips_per_batch_do_not_grow_with_batch_size(store, metrics)
         bank = f"rt-{llm_batch_size}-{uuid.uuid4().hex}"
         await _retain_groups(store, bank, groups=3, per_group=8)
         before = store.statements
-        result = await consolidator(store, FakeLLM(), metrics,
-                                    llm_batch_size=llm_batch_size).run(bank)
+        result = await consolidator(store, FakeLLM(), metrics, llm_batch_size=llm_batch_size).run(
+            bank
+        )
         assert len(result.batches) == 3 * 8 // llm_batch_size
         assert [b.db_round_trips for b in result.batches] == [1] * len(result.batches)
         # The rest is per run and per round (fetch, scope read), not per batch or memory.

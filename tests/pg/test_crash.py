@@ -6,8 +6,9 @@ import asyncio
 import sys
 from pathlib import Path
 
-from actors.consolidation import ConsolidationConfig, Consolidator, MemoryStore
-from actors.consolidation.fake_llm import FakeLLM
+from raylane.actors.consolidation import ConsolidationConfig, Consolidator, MemoryStore
+from raylane.actors.consolidation.fake_llm import FakeLLM
+
 from tests.pg.checks import assert_each_memory_once, assert_one_observation_per_scope
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,8 +22,14 @@ async def _run_and_kill(store: MemoryStore, dsn: str, bank: str) -> int:
     """Start a worker, SIGKILL it once it has committed a new batch; returns the count then."""
     before = await _consolidated(store, bank)
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.pg.crash_worker", dsn, bank, cwd=ROOT,
-        stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "tests.pg.crash_worker",
+        dsn,
+        bank,
+        cwd=ROOT,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         for _ in range(1500):
             if child.returncode is not None:
@@ -46,8 +53,7 @@ async def _until_backend_gone(dsn: str, timeout_s: float = 10.0) -> None:
     conn = await asyncpg.connect(dsn)
     try:
         for _ in range(int(timeout_s / 0.02)):
-            if not await conn.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = "
-                                       "'advisory'"):
+            if not await conn.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"):
                 return
             await asyncio.sleep(0.02)
         raise AssertionError("the killed worker's advisory lock was never released")

@@ -11,12 +11,12 @@ import uuid
 import asyncpg
 import numpy as np
 import pytest
+from raylane.actors.consolidation.pgtemp import free_port
+from raylane.router.errors import SessionModelMismatch, SessionNotFound, SessionStoreUnavailable
+from raylane.router.session import Session
+from raylane.router.session_store import open_session_store
+from raylane.router.session_store_pg import PgSessionStore, migrate
 
-from actors.consolidation.pgtemp import free_port
-from router.errors import SessionModelMismatch, SessionNotFound, SessionStoreUnavailable
-from router.session import Session
-from router.session_store import open_session_store
-from router.session_store_pg import PgSessionStore, migrate
 from tests.tiny_models import make_tokenizer
 from tests.unit.session_store_helpers import TURNS, agent_over, registry_over, same_sample
 from tests.unit.sessions_helpers import user
@@ -47,9 +47,13 @@ async def test_migrations_apply_once(fresh_dsn: str):
     try:
         assert await migrate(conn) == [1]
         assert await migrate(conn) == []
-        columns = {r["column_name"]: r["data_type"] for r in await conn.fetch(
-            "SELECT column_name, data_type FROM information_schema.columns "
-            "WHERE table_name = 'raylane_sessions'")}
+        columns = {
+            r["column_name"]: r["data_type"]
+            for r in await conn.fetch(
+                "SELECT column_name, data_type FROM information_schema.columns "
+                "WHERE table_name = 'raylane_sessions'"
+            )
+        }
     finally:
         await conn.close()
     assert columns["record"] == "json" and columns["last_used"] == "double precision"
@@ -67,8 +71,9 @@ async def test_a_restarted_router_carries_the_conversation_on(tok, pg_dsn, pg_st
         await reference.say({"role": "system", "content": "nul \x00 kept"}, user(TURNS[0]))
         for text in TURNS[1:]:
             await reference.user(text)
-        same_sample(await agent.registry.sample(agent.id),
-                    await reference.registry.sample(reference.id))
+        same_sample(
+            await agent.registry.sample(agent.id), await reference.registry.sample(reference.id)
+        )
     finally:
         await restarted.close()
 
@@ -85,8 +90,9 @@ async def test_one_row_per_session_without_superseded_blobs(tok, pg_dsn, pg_stor
     live = await agent.registry.get(agent.id)
     assert stored["last_used"] == live.last_used and stored["format"] == 1
     loaded = await pg_store.load(agent.id)
-    np.testing.assert_array_equal(loaded.trajectory.records[-1].routed_experts,
-                                  live.trajectory.records[-1].routed_experts)
+    np.testing.assert_array_equal(
+        loaded.trajectory.records[-1].routed_experts, live.trajectory.records[-1].routed_experts
+    )
 
 
 async def test_delete_and_purge(tok, fresh_dsn):
@@ -126,8 +132,9 @@ async def test_an_unreadable_row_is_an_error_not_a_crash(pg_dsn, pg_store):
     await pg_store.save(session)
     conn = await asyncpg.connect(pg_dsn)
     try:
-        await conn.execute("UPDATE raylane_sessions SET record = '{\"format\": 99}' "
-                           "WHERE id = $1", session.id)
+        await conn.execute(
+            "UPDATE raylane_sessions SET record = '{\"format\": 99}' WHERE id = $1", session.id
+        )
     finally:
         await conn.close()
     with pytest.raises(SessionStoreUnavailable, match="cannot be read"):
@@ -158,8 +165,10 @@ async def test_a_row_written_before_models_were_recorded_loads(tok, pg_dsn, pg_s
     await agent.user(TURNS[0])
     conn = await asyncpg.connect(pg_dsn)
     try:  # the row as a Router before this change wrote it: no "model" key at all
-        await conn.execute("UPDATE raylane_sessions SET record = (record::jsonb - 'model')::json "
-                           "WHERE id = $1", agent.id)
+        await conn.execute(
+            "UPDATE raylane_sessions SET record = (record::jsonb - 'model')::json WHERE id = $1",
+            agent.id,
+        )
     finally:
         await conn.close()
     assert "model" not in json.loads((await row(pg_dsn, agent.id))["record"])

@@ -8,24 +8,35 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
+from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
-from router.actor import NAMESPACE, ROUTER_NAME
 from tests.ray.conftest import free_port, wait_for
 
 MODEL = "tiny-moe"
-ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 8, "max_model_len": 1024,
-          "enable_return_routed_experts": True}
+ENGINE = {
+    "num_kv_blocks": 128,
+    "max_num_seqs": 8,
+    "max_model_len": 1024,
+    "enable_return_routed_experts": True,
+}
 TURNS = ["Weather in Berlin?", "And tomorrow?", "Thanks. Anything else?"]
 
 
 @pytest.fixture(scope="module")
 def served(pg_dsn, tiny_moe_dir):
-    from cluster import launch
-    from cluster.config import ClusterConfig
+    from raylane import launch
+    from raylane.config import ClusterConfig
 
     launch.start_ray(num_cpus=2)
-    config = ClusterConfig(model=tiny_moe_dir, served_model_name=MODEL, replicas=1,
-                           port=free_port(), torch_threads=1, engine=ENGINE, sessions_dsn=pg_dsn)
+    config = ClusterConfig(
+        model=tiny_moe_dir,
+        served_model_name=MODEL,
+        replicas=1,
+        port=free_port(),
+        torch_threads=1,
+        engine=ENGINE,
+        sessions_dsn=pg_dsn,
+    )
     try:
         yield launch.deploy(config)
     finally:
@@ -42,9 +53,11 @@ class Conversation:
 
     def turn(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
-        resp = httpx.post(f"{self.url}/sessions/{self.id}/v1/chat/completions", timeout=60,
-                          json={"model": MODEL, "messages": self.messages, "temperature": 0,
-                                "max_tokens": 6})
+        resp = httpx.post(
+            f"{self.url}/sessions/{self.id}/v1/chat/completions",
+            timeout=60,
+            json={"model": MODEL, "messages": self.messages, "temperature": 0, "max_tokens": 6},
+        )
         assert resp.status_code == 200, resp.text
         self.messages.append(resp.json()["choices"][0]["message"])
 
@@ -57,8 +70,9 @@ class Conversation:
 def router_pid(ray) -> int:
     from ray._private.state import actors
 
-    (pid,) = [a["Pid"] for a in actors().values()
-              if a["Name"] == ROUTER_NAME and a["State"] == "ALIVE"]
+    (pid,) = [
+        a["Pid"] for a in actors().values() if a["Name"] == ROUTER_NAME and a["State"] == "ALIVE"
+    ]
     return pid
 
 

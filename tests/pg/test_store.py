@@ -6,10 +6,9 @@ import asyncio
 
 import asyncpg
 import pytest
-
-from actors.consolidation import BankBusy, CommitConflict, MemoryStore
-from actors.consolidation.migrations import MIGRATIONS
-from actors.consolidation.records import Action, ObservationView
+from raylane.actors.consolidation import BankBusy, CommitConflict, MemoryStore
+from raylane.actors.consolidation.migrations import MIGRATIONS
+from raylane.actors.consolidation.records import Action, ObservationView
 
 
 async def test_migrations_apply_once_even_when_started_together(fresh_dsn: str) -> None:
@@ -19,8 +18,10 @@ async def test_migrations_apply_once_even_when_started_together(fresh_dsn: str) 
     await again.close()
     conn = await asyncpg.connect(fresh_dsn)
     try:
-        versions = [r["version"] for r in await conn.fetch(
-            "SELECT version FROM schema_migrations ORDER BY version")]
+        versions = [
+            r["version"]
+            for r in await conn.fetch("SELECT version FROM schema_migrations ORDER BY version")
+        ]
     finally:
         await conn.close()
     assert versions == [m.version for m in MIGRATIONS]
@@ -86,8 +87,9 @@ async def test_update_outside_scope_rolls_back(store: MemoryStore, bank: str) ->
     assert [m.id for m in await store.pending(bank, 10)] == [b]
 
 
-async def test_commit_is_one_statement_whatever_the_batch_size(store: MemoryStore,
-                                                                bank: str) -> None:
+async def test_commit_is_one_statement_whatever_the_batch_size(
+    store: MemoryStore, bank: str
+) -> None:
     for size in (1, 4, 32):
         ids = await store.retain_many(bank, [(f"m{i}", [f"s{size}"]) for i in range(size)])
         scope = store.scope(bank, (f"s{size}",))
@@ -110,13 +112,18 @@ async def test_snapshots_keep_each_scope_to_its_own(store: MemoryStore, bank: st
     snapshots = await store.snapshots(bank, scopes, op)
     assert store.statements - before == 1
     assert {t: [o.text for o in s.observations] for t, s in snapshots.items()} == {
-        (): ["()"], ("a",): ["('a',)"], ("a", "b"): ["('a', 'b')"], ("b",): []}
+        (): ["()"],
+        ("a",): ["('a',)"],
+        ("a", "b"): ["('a', 'b')"],
+        ("b",): [],
+    }
     assert all(s.cancelled for s in snapshots.values())
     assert not any(s.cancelled for s in (await store.snapshots(bank, scopes)).values())
 
 
-async def test_bank_lock_is_exclusive_and_released(store: MemoryStore, pg_dsn: str,
-                                                   bank: str) -> None:
+async def test_bank_lock_is_exclusive_and_released(
+    store: MemoryStore, pg_dsn: str, bank: str
+) -> None:
     other = await MemoryStore.connect(pg_dsn)
     try:
         async with store.bank_lock(bank):
@@ -143,8 +150,11 @@ async def test_operation_lifecycle(store: MemoryStore, bank: str) -> None:
     assert (await ops.get(op))["cancel_requested"] is True
     await ops.finish(op, "cancelled", {"created": 1}, [{"memories": 2}])
     row = await ops.get(op)
-    assert (row["status"], row["stats"], row["perf"]) == ("cancelled", {"created": 1},
-                                                          [{"memories": 2}])
+    assert (row["status"], row["stats"], row["perf"]) == (
+        "cancelled",
+        {"created": 1},
+        [{"memories": 2}],
+    )
     assert not await ops.request_cancel(op)
     assert await ops.get("not-a-uuid") is None
     with pytest.raises(ValueError, match="status"):

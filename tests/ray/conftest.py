@@ -5,19 +5,20 @@ from __future__ import annotations
 import os
 
 import pytest
+from raylane.launch import free_port  # noqa: F401 - the tests import it from here
 
-from cluster.launch import free_port  # noqa: F401 - the tests import it from here
-
-for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
-                   ("RAY_USAGE_STATS_ENABLED", "0")):
+for key, value in (
+    ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+    ("RAY_AUTH_MODE", "disabled"),
+    ("RAY_USAGE_STATS_ENABLED", "0"),
+):
     os.environ.setdefault(key, value)
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
     import ray
-
-    from cluster import launch
+    from raylane import launch
 
     launch.start_ray(num_cpus=2)
     yield ray
@@ -27,12 +28,17 @@ def ray_cluster():
 @pytest.fixture(scope="module")
 def served(ray_cluster, tiny_llama_dir):
     """Two engine replicas of the tiny Llama behind the HTTP ingress; yields (url, config)."""
-    from cluster import launch
-    from cluster.config import ClusterConfig
+    from raylane import launch
+    from raylane.config import ClusterConfig
 
-    config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", replicas=2,
-                           port=free_port(), torch_threads=1,
-                           engine={"num_kv_blocks": 256, "max_num_seqs": 32})
+    config = ClusterConfig(
+        model=tiny_llama_dir,
+        served_model_name="tiny",
+        replicas=2,
+        port=free_port(),
+        torch_threads=1,
+        engine={"num_kv_blocks": 256, "max_num_seqs": 32},
+    )
     url = launch.deploy(config)
     yield url, config
 
@@ -54,7 +60,7 @@ def wait_healthy(ray, count: int, timeout_s: float = 120.0) -> list[str]:
     to skip it for a moment."""
     import time
 
-    from router.actor import NAMESPACE, ROUTER_NAME
+    from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     deadline = time.monotonic() + timeout_s
@@ -69,7 +75,7 @@ def wait_healthy(ray, count: int, timeout_s: float = 120.0) -> list[str]:
 def keys_owned(replica_ids: list[str], per_replica: int) -> list[str]:
     """Routing keys, `per_replica` owned by each replica in turn, by the Router's own hash ring
     (so a test spreads requests over replicas on purpose, not by luck)."""
-    from router.policy import HashRing
+    from raylane.router.policy import HashRing
 
     ring = HashRing()
     ring.rebuild(sorted(replica_ids))
@@ -86,8 +92,10 @@ def streamed_and_whole_chat(client, content: str, max_tokens: int):
     """The same greedy chat through an `openai` client, streamed and not: (streamed text, the
     whole response)."""
     messages = [{"role": "user", "content": content}]
-    whole = client.chat.completions.create(model="tiny", messages=messages,
-                                           max_tokens=max_tokens, temperature=0)
-    stream = client.chat.completions.create(model="tiny", messages=messages,
-                                            max_tokens=max_tokens, temperature=0, stream=True)
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=max_tokens, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+    )
     return "".join(c.choices[0].delta.content or "" for c in stream if c.choices), whole

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from raylane.actors.engine import SamplingParams
 
-from actors.engine import SamplingParams
 from tests.ray.tp_helpers import build, prompts_for
 from tests.unit.async_helpers import assert_idle, assert_same, drive, greedy, seeded
 
@@ -50,12 +50,19 @@ def test_seeded_request_in_a_tp2_async_batch_matches_tp1_alone(engines):
     tp1, tp2 = engines
     ps = prompts_for(tp1.validator.vocab_size, (21, 37, 18, 52, 29, 44, 33, 26), seed=32)
     target = seeded(2024, 14, n=2, top_p=0.9)
-    others = [seeded(40 + i, 4 + 2 * i) if i % 2 else
-              SamplingParams(max_tokens=5 + i, ignore_eos=True) for i in range(7)]
+    others = [
+        seeded(40 + i, 4 + 2 * i) if i % 2 else SamplingParams(max_tokens=5 + i, ignore_eos=True)
+        for i in range(7)
+    ]
     alone = drive(tp1, {0: [("alone", ps[0], target)]})["alone"]
-    batch = drive(tp2, {0: [(f"o{i}", ps[1 + i], others[i]) for i in range(4)],
-                        1: [("in-batch", ps[0], target)],
-                        3: [(f"o{i}", ps[1 + i], others[i]) for i in range(4, 7)]})["in-batch"]
+    batch = drive(
+        tp2,
+        {
+            0: [(f"o{i}", ps[1 + i], others[i]) for i in range(4)],
+            1: [("in-batch", ps[0], target)],
+            3: [(f"o{i}", ps[1 + i], others[i]) for i in range(4, 7)],
+        },
+    )["in-batch"]
     for got, want in zip(batch.outputs, alone.outputs, strict=True):
         assert got.token_ids == want.token_ids
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=ATOL)

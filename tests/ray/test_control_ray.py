@@ -10,9 +10,9 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from raylane.actors.models.weights import encode_bucket, iter_buckets, specs_of
+from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
-from actors.models.weights import encode_bucket, iter_buckets, specs_of
-from router.actor import NAMESPACE, ROUTER_NAME
 from tests.hf_reference import hf_greedy, perturbed_model
 from tests.ray.conftest import free_port, keys_owned, wait_healthy
 
@@ -23,12 +23,18 @@ PROMPTS = [[5, 17, 42, 99, 7, 150, 33], [9, 8, 7, 6, 5, 4], [100, 200, 300, 12]]
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, tiny_llama_dir):
     """(base URL, Router handle) of two tiny-Llama replicas with the admin routes on."""
-    from cluster import launch
-    from cluster.config import ClusterConfig
+    from raylane import launch
+    from raylane.config import ClusterConfig
 
-    config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", replicas=2,
-                           port=free_port(), torch_threads=1, admin_api_key=ADMIN_KEY,
-                           engine={"num_kv_blocks": 128, "max_model_len": 256})
+    config = ClusterConfig(
+        model=tiny_llama_dir,
+        served_model_name="tiny",
+        replicas=2,
+        port=free_port(),
+        torch_threads=1,
+        admin_api_key=ADMIN_KEY,
+        engine={"num_kv_blocks": 128, "max_model_len": 256},
+    )
     url = launch.deploy(config)
     yield url, ray_cluster.get_actor(ROUTER_NAME, namespace=NAMESPACE)
 
@@ -41,8 +47,9 @@ def perturbed(tiny_llama_dir, tmp_path_factory) -> tuple[str, list]:
 @pytest.fixture
 def admin(cluster):
     url, _ = cluster
-    with httpx.Client(base_url=url, timeout=120,
-                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as client:
+    with httpx.Client(
+        base_url=url, timeout=120, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    ) as client:
         yield client
 
 
@@ -53,42 +60,51 @@ def call(router, method: str, *args):
 
 
 def replica_versions(router) -> dict[str, int]:
-    return {r["replica_id"]: r["weight_version"] for r in call(router, "replicas")
-            if r["healthy"]}
+    return {r["replica_id"]: r["weight_version"] for r in call(router, "replicas") if r["healthy"]}
 
 
 def greedy(url: str, prompt: list[int], key: str) -> dict:
-    response = httpx.post(f"{url}/generate", timeout=120, headers={"x-routing-key": key},
-                          json={"input_ids": prompt, "sampling_params": {
-                              "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    response = httpx.post(
+        f"{url}/generate",
+        timeout=120,
+        headers={"x-routing-key": key},
+        json={
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
 
 def begin(admin: httpx.Client, named: list, version: int) -> httpx.Response:
-    return admin.post("/admin/update_weights/begin", json={
-        "version": version, "tensors": [s.to_dict() for s in specs_of(named)]})
+    return admin.post(
+        "/admin/update_weights/begin",
+        json={"version": version, "tensors": [s.to_dict() for s in specs_of(named)]},
+    )
 
 
-def test_an_update_reaches_both_replicas_at_one_version(cluster, admin, perturbed,
-                                                        tiny_llama_dir, ray_cluster):
+def test_an_update_reaches_both_replicas_at_one_version(
+    cluster, admin, perturbed, tiny_llama_dir, ray_cluster
+):
     url, router = cluster
     v1_dir, v1 = perturbed
     assert set(replica_versions(router).values()) == {0} and len(replica_versions(router)) == 2
     update_id = begin(admin, v1, 1).json()["update_id"]
     for bucket in iter_buckets(v1, 50_000):
-        response = admin.post(f"/admin/update_weights/{update_id}/bucket",
-                              content=encode_bucket(bucket))
+        response = admin.post(
+            f"/admin/update_weights/{update_id}/bucket", content=encode_bucket(bucket)
+        )
         assert response.json() == {"tensors": len(bucket)}, response.text
-    assert admin.post(f"/admin/update_weights/{update_id}/commit").json() == {
-        "weight_version": 1}
+    assert admin.post(f"/admin/update_weights/{update_id}/commit").json() == {"weight_version": 1}
     assert set(replica_versions(router).values()) == {1}
     ids = wait_healthy(ray_cluster, 2)
     keys = keys_owned(ids, 4)  # spread over both replicas by key
     before = {r["replica_id"]: r["routed"] for r in call(router, "replicas")}
     outs = [greedy(url, PROMPTS[i % len(PROMPTS)], key) for i, key in enumerate(keys)]
-    routed = {r["replica_id"]: r["routed"] - before[r["replica_id"]]
-              for r in call(router, "replicas")}
+    routed = {
+        r["replica_id"]: r["routed"] - before[r["replica_id"]] for r in call(router, "replicas")
+    }
     assert routed == dict.fromkeys(ids, 4), routed
     for i, out in enumerate(outs):  # the references after: they starve the replicas meanwhile
         assert out["output_ids"] == hf_greedy(v1_dir, PROMPTS[i % len(PROMPTS)], 8)[0]
@@ -114,8 +130,12 @@ def test_a_failed_update_leaves_every_replica_as_it_was(cluster, admin, perturbe
 
 def test_pause_abort_and_resume_across_replicas(cluster, admin):
     url, _ = cluster
-    body = {"input_ids": PROMPTS[0], "rid": "long-one", "stream": True,
-            "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0}}
+    body = {
+        "input_ids": PROMPTS[0],
+        "rid": "long-one",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0},
+    }
     aborted = {}
     with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as response:
         lines = response.iter_lines()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import psutil
 import pytest
 from openai import OpenAI
+from raylane.config import ClusterConfig
 
-from cluster.config import ClusterConfig
 from tests.hf_reference import hf_greedy
 from tests.ray.conftest import free_port, streamed_and_whole_chat
 from tests.ray.test_serve_tp import alive_actors
@@ -22,11 +22,16 @@ INGRESS_CLASS = "ServeReplica:raylane:Ingress"
 @pytest.fixture(scope="module", params=[None, False], ids=["direct-by-default", "serve-proxy"])
 def served(request, tiny_llama_dir):
     """(url, whether the ingress replica should answer itself)"""
-    from cluster import launch
+    from raylane import launch
 
-    config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", port=free_port(),
-                           torch_threads=1, direct_ingress=request.param,
-                           engine={"num_kv_blocks": 128, "max_model_len": 256})
+    config = ClusterConfig(
+        model=tiny_llama_dir,
+        served_model_name="tiny",
+        port=free_port(),
+        torch_threads=1,
+        direct_ingress=request.param,
+        engine={"num_kv_blocks": 128, "max_model_len": 256},
+    )
     launch.start_ray(num_cpus=2)
     try:
         yield launch.deploy(config), request.param is None
@@ -40,8 +45,11 @@ def url(served) -> str:
 
 
 def listener(port: int) -> psutil.Process:
-    (conn,) = [c for c in psutil.net_connections(kind="tcp")
-               if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    (conn,) = [
+        c
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
     return psutil.Process(conn.pid)
 
 
@@ -60,13 +68,17 @@ def test_who_listens_on_the_port(served):
 def test_generate_and_streamed_chat_through_it(url, tiny_llama_dir):
     import httpx
 
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
-                                                      "ignore_eos": True}, "return_logprob": True}
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+    }
     got = httpx.post(f"{url}/generate", json=body, timeout=60).json()
     want, want_logprobs = hf_greedy(tiny_llama_dir, PROMPT, 8)
     assert got["output_ids"] == want
     assert [lp for lp, *_ in got["meta_info"]["output_token_logprobs"]] == pytest.approx(
-        want_logprobs, abs=1e-4)
+        want_logprobs, abs=1e-4
+    )
 
     client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     streamed, whole = streamed_and_whole_chat(client, "hi", 12)
@@ -77,8 +89,7 @@ def test_a_port_in_use_fails_before_deploying(served, tiny_llama_dir):
     import socket
 
     import httpx
-
-    from cluster import launch
+    from raylane import launch
 
     url, _ = served
     with socket.socket() as other:
@@ -100,7 +111,7 @@ def test_direct_ingress_is_decided_by_where_the_cluster_runs():
 
 
 def test_a_serve_app_refuses_direct_ingress():
-    from cluster.serve import app_builder
+    from raylane.serve import app_builder
 
     with pytest.raises(ValueError, match="direct_ingress"):
         app_builder({"direct_ingress": True})

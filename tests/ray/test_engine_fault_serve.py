@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from raylane.launch import APP_NAME
+from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
-from cluster.launch import APP_NAME
-from router.actor import NAMESPACE, ROUTER_NAME
 from tests.ray.conftest import keys_owned, wait_for, wait_healthy
 
 ENGINE_DEPLOYMENT = "EngineDeployment"
@@ -35,8 +35,9 @@ class Load:
     stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> Load:
-        self.threads = [threading.Thread(target=self._client, args=(i,))
-                        for i in range(self.clients)]
+        self.threads = [
+            threading.Thread(target=self._client, args=(i,)) for i in range(self.clients)
+        ]
         for t in self.threads:
             t.start()
         return self
@@ -50,8 +51,12 @@ class Load:
         with httpx.Client(timeout=60) as client:
             n = 0
             while not self.stop.is_set():
-                body = {"model": "tiny", "prompt": f"client {i} request {n}", "max_tokens": 4,
-                        "temperature": 0}
+                body = {
+                    "model": "tiny",
+                    "prompt": f"client {i} request {n}",
+                    "max_tokens": 4,
+                    "temperature": 0,
+                }
                 n += 1
                 try:
                     resp = client.post(f"{self.url}/v1/completions", json=body)

@@ -15,8 +15,8 @@ import threading
 
 import httpx
 import pytest
+from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
-from router.actor import NAMESPACE, ROUTER_NAME
 from tests.ray.conftest import free_port, wait_for
 
 INGRESS_CLASS = "ServeReplica:raylane:Ingress"
@@ -24,18 +24,27 @@ INGRESS_CLASS = "ServeReplica:raylane:Ingress"
 
 @pytest.fixture(scope="module")
 def url(ray_cluster, tiny_llama_dir) -> str:
-    from cluster import launch
-    from cluster.config import ClusterConfig
+    from raylane import launch
+    from raylane.config import ClusterConfig
 
-    config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", replicas=1,
-                           port=free_port(), torch_threads=1, max_queue_per_replica=2,
-                           engine={"num_kv_blocks": 128, "max_model_len": 256})
+    config = ClusterConfig(
+        model=tiny_llama_dir,
+        served_model_name="tiny",
+        replicas=1,
+        port=free_port(),
+        torch_threads=1,
+        max_queue_per_replica=2,
+        engine={"num_kv_blocks": 128, "max_model_len": 256},
+    )
     return launch.deploy(config)
 
 
 def body(max_new: int) -> dict:
-    return {"input_ids": [5, 6, 7, 8], "stream": max_new > 8,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    return {
+        "input_ids": [5, 6, 7, 8],
+        "stream": max_new > 8,
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+    }
 
 
 def in_flight(ray) -> int:
@@ -46,8 +55,11 @@ def in_flight(ray) -> int:
 def ingress_pids() -> list[int]:
     import ray
 
-    return [a["Pid"] for a in ray._private.state.actors().values()
-            if a["ActorClassName"] == INGRESS_CLASS and a["State"] == "ALIVE" and a.get("Pid")]
+    return [
+        a["Pid"]
+        for a in ray._private.state.actors().values()
+        if a["ActorClassName"] == INGRESS_CLASS and a["State"] == "ALIVE" and a.get("Pid")
+    ]
 
 
 def stream_until_broken(url: str) -> None:

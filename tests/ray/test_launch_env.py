@@ -7,8 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from cluster import launch
+from raylane import launch
 
 USER_KEY = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
 

@@ -18,13 +18,18 @@ SMALL_STORE = 100 * 2**20
 def two_nodes():
     import ray
     from ray.cluster_utils import Cluster
-
-    from cluster import launch
+    from raylane import launch
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "object_store_memory": SMALL_STORE})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "object_store_memory": SMALL_STORE,
+        },
+    )
     workers = [cluster.add_node(num_cpus=2, object_store_memory=SMALL_STORE) for _ in range(2)]
     ray.init(address=cluster.address, namespace="raylane", log_to_driver=False)
     cluster.wait_for_nodes()
@@ -34,15 +39,21 @@ def two_nodes():
 
 
 def config(model_dir: str, **engine):
-    from cluster.config import ClusterConfig
+    from raylane.config import ClusterConfig
 
-    return ClusterConfig(model=model_dir, served_model_name="tiny", replicas=2, torch_threads=1,
-                         port=free_port(), engine={"num_kv_blocks": 64, **engine})
+    return ClusterConfig(
+        model=model_dir,
+        served_model_name="tiny",
+        replicas=2,
+        torch_threads=1,
+        port=free_port(),
+        engine={"num_kv_blocks": 64, **engine},
+    )
 
 
 def test_a_replica_bigger_than_any_node_fails_before_deploying(two_nodes, tiny_llama_dir):
-    from actors.engine import EngineConfig, LLMEngine
-    from cluster import launch
+    from raylane import launch
+    from raylane.actors.engine import EngineConfig, LLMEngine
 
     big = {"tensor_parallel_size": 2, "shard_resources": {"CPU": 1.5}}
     with pytest.raises(ValueError, match=r"CPU: needs 3\.01, the largest node has 2"):
@@ -55,9 +66,8 @@ def test_a_replica_bigger_than_any_node_fails_before_deploying(two_nodes, tiny_l
 
 def test_groups_stay_on_one_node_and_replicas_spread(two_nodes, tiny_llama_dir):
     from ray import serve
-
-    from cluster.launch import APP_NAME
-    from cluster.serve import build_application
+    from raylane.launch import APP_NAME
+    from raylane.serve import build_application
 
     app = build_application(config(tiny_llama_dir, tensor_parallel_size=2))
     # one proxy: the virtual nodes share this machine's ports

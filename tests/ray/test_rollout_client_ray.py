@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from raylane.client import RolloutClient
+from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
-from cluster.client import RolloutClient
-from router.actor import NAMESPACE, ROUTER_NAME
 from tests.hf_reference import hf_greedy, perturbed_model
 from tests.ray.conftest import free_port
 
@@ -21,12 +21,18 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def url(ray_cluster, tiny_llama_dir):
-    from cluster import launch
-    from cluster.config import ClusterConfig
+    from raylane import launch
+    from raylane.config import ClusterConfig
 
-    config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", replicas=2,
-                           port=free_port(), torch_threads=1, admin_api_key=ADMIN_KEY,
-                           engine={"num_kv_blocks": 128, "max_model_len": 256})
+    config = ClusterConfig(
+        model=tiny_llama_dir,
+        served_model_name="tiny",
+        replicas=2,
+        port=free_port(),
+        torch_threads=1,
+        admin_api_key=ADMIN_KEY,
+        engine={"num_kv_blocks": 128, "max_model_len": 256},
+    )
     return launch.deploy(config)
 
 
@@ -37,8 +43,7 @@ def client(url, tiny_llama_dir) -> RolloutClient:
 
 def versions(ray_cluster) -> list[int]:
     router = ray_cluster.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    return [r["weight_version"] for r in ray_cluster.get(router.replicas.remote())
-            if r["healthy"]]
+    return [r["weight_version"] for r in ray_cluster.get(router.replicas.remote()) if r["healthy"]]
 
 
 async def test_generate_in_cluster_equals_http_and_hf(client, url, tiny_llama_dir):
@@ -55,8 +60,9 @@ async def test_generate_in_cluster_equals_http_and_hf(client, url, tiny_llama_di
     assert text.prompt_token_ids == await client.tokenize("Hello, world!")
 
 
-async def test_update_reaches_both_replicas_through_the_object_store(client, ray_cluster,
-                                                                    tiny_llama_dir, tmp_path):
+async def test_update_reaches_both_replicas_through_the_object_store(
+    client, ray_cluster, tiny_llama_dir, tmp_path
+):
     v1_dir, named = perturbed_model(tiny_llama_dir, str(tmp_path), 3)
     assert await client.update_weights(named, 1, bucket_bytes=64 << 10) == 1
     assert await client.weight_version() == 1 and versions(ray_cluster) == [1, 1]
@@ -68,8 +74,9 @@ async def test_update_reaches_both_replicas_through_the_object_store(client, ray
 
 async def test_abort_and_pause_in_cluster(client):
     rid = "ray-abort"
-    running = asyncio.ensure_future(client.generate(PROMPT, request_id=rid, routing_key="k",
-                                                    max_tokens=200, ignore_eos=True))
+    running = asyncio.ensure_future(
+        client.generate(PROMPT, request_id=rid, routing_key="k", max_tokens=200, ignore_eos=True)
+    )
     partial = []
     for _ in range(200):  # until it is running on its replica
         await asyncio.sleep(0.05)
@@ -91,8 +98,9 @@ async def test_abort_and_pause_in_cluster(client):
 
 async def test_session_and_fork_in_cluster(client):
     session = await client.session()
-    turn = await session.chat([{"role": "user", "content": "Hello, world!"}], max_tokens=4,
-                              temperature=0.0)
+    turn = await session.chat(
+        [{"role": "user", "content": "Hello, world!"}], max_tokens=4, temperature=0.0
+    )
     sample = await session.sample()
     await session.delete()
     assert [t for t, m in zip(sample.tokens, sample.loss_mask) if m] == turn.token_ids

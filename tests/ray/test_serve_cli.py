@@ -20,9 +20,21 @@ from tests.ray.conftest import free_port, streamed_and_whole_chat
 def server(tiny_llama_dir):
     port = free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "raylane")
-    proc = subprocess.Popen([exe, "serve", "--model", tiny_llama_dir, "--port", str(port),
-                             "--served-model-name", "tiny"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "serve",
+            "--model",
+            tiny_llama_dir,
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = _wait_for(proc, "raylane is serving", timeout_s=240)
     url = f"http://127.0.0.1:{port}"
     assert url in "".join(lines)
@@ -76,24 +88,39 @@ def test_chat_streamed_equals_not_streamed(client):
 
 
 def test_completion_logprobs_n_and_seed(client):
-    out = client.completions.create(model="tiny", prompt="the quick brown", max_tokens=6, n=2,
-                                    temperature=1.0, seed=7, logprobs=2)
+    out = client.completions.create(
+        model="tiny",
+        prompt="the quick brown",
+        max_tokens=6,
+        n=2,
+        temperature=1.0,
+        seed=7,
+        logprobs=2,
+    )
     assert len(out.choices) == 2
     assert all(len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) for c in out.choices)
-    again = client.completions.create(model="tiny", prompt="the quick brown", max_tokens=6, n=2,
-                                      temperature=1.0, seed=7, logprobs=2)
+    again = client.completions.create(
+        model="tiny",
+        prompt="the quick brown",
+        max_tokens=6,
+        n=2,
+        temperature=1.0,
+        seed=7,
+        logprobs=2,
+    )
     assert [c.text for c in again.choices] == [c.text for c in out.choices]
 
 
 def test_stop_is_honoured(client):
     base = client.completions.create(model="tiny", prompt="hello", max_tokens=16, temperature=0)
     text = base.choices[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     if not stop.strip():
         pytest.skip("the tiny model produced no visible text to stop on")
-    out = client.completions.create(model="tiny", prompt="hello", max_tokens=16, temperature=0,
-                                    stop=[stop])
-    assert out.choices[0].text == text[:text.find(stop)]
+    out = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert out.choices[0].text == text[: text.find(stop)]
     assert out.choices[0].finish_reason == "stop"
 
 

@@ -7,8 +7,7 @@ import time
 
 import httpx
 import pytest
-
-from router.actor import NAMESPACE, ROUTER_NAME
+from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
 
 def router(ray):
@@ -48,12 +47,15 @@ def test_session_key_sticks_and_unkeyed_requests_spread(served, ray_cluster):
 
 
 def test_greedy_http_text_equals_offline_engine(served, tiny_llama_dir):
-    from actors.engine import EngineConfig, LLMEngine, SamplingParams
+    from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
     url, _ = served
     prompt = "hello world, the quick brown fox"
-    resp = httpx.post(f"{url}/v1/completions", json={
-        "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}, timeout=60)
+    resp = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0},
+        timeout=60,
+    )
     resp.raise_for_status()
     engine = LLMEngine(EngineConfig(model=tiny_llama_dir))
     ref = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
@@ -68,8 +70,11 @@ def test_metrics_counters_move(served):
     def generation_tokens() -> float:
         text = httpx.get(f"{url}/metrics", timeout=30).text
         families = {f.name: f for f in text_string_to_metric_families(text)}
-        return sum(s.value for s in families["raylane:generation_tokens"].samples
-                   if s.name.endswith("_total"))
+        return sum(
+            s.value
+            for s in families["raylane:generation_tokens"].samples
+            if s.name.endswith("_total")
+        )
 
     before = generation_tokens()
     generate(url, [3, 4, 5], max_new=5)
@@ -81,12 +86,15 @@ def test_killing_a_replica_keeps_the_endpoint_serving(served, ray_cluster):
     ray = ray_cluster
     victim_id = next(iter(routed_counts(ray)))
     victim = _replica_actor(ray, victim_id)
-    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 200,
-                                                         "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+    }
 
     def one(i: int) -> int:
-        resp = httpx.post(f"{url}/generate", json=body, timeout=120,
-                          headers={"x-routing-key": f"load-{i}"})
+        resp = httpx.post(
+            f"{url}/generate", json=body, timeout=120, headers={"x-routing-key": f"load-{i}"}
+        )
         return resp.status_code
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -122,8 +130,13 @@ def test_load_64_streaming_clients_no_5xx_all_done(served):
     url, _ = served
 
     async def one(client, i: int) -> tuple[int, bool]:
-        body = {"model": "tiny", "stream": True, "max_tokens": 8 + i % 9, "temperature": 0,
-                "messages": [{"role": "user", "content": f"client {i} says hello"}]}
+        body = {
+            "model": "tiny",
+            "stream": True,
+            "max_tokens": 8 + i % 9,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"client {i} says hello"}],
+        }
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
             lines = [line async for line in resp.aiter_lines() if line]
         return resp.status_code, lines[-1:] == ["data: [DONE]"]
@@ -145,12 +158,19 @@ def test_client_disconnect_mid_stream_aborts_the_request(served):
 
     def metric(name: str, **labels) -> float:
         text = httpx.get(f"{url}/metrics", timeout=30).text
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     aborted = metric("raylane:request_success_total", finished_reason="abort")
-    body = {"input_ids": [5, 6, 7, 8], "stream": True,
-            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}}
+    body = {
+        "input_ids": [5, 6, 7, 8],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0},
+    }
     with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as resp:
         for i, _ in enumerate(resp.iter_lines()):
             if i >= 3:

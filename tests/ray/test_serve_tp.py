@@ -14,8 +14,8 @@ import time
 import httpx
 import openai
 import pytest
+from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
-from router.actor import NAMESPACE, ROUTER_NAME
 from tests.ray.conftest import free_port, wait_for
 from tests.ray.test_serve_cli import _wait_for
 
@@ -23,6 +23,7 @@ REPLICA_CLASS = "ServeReplica:raylane:EngineDeployment"
 
 
 # --- the cluster's actors, read from the GCS (the state API needs the dashboard) --------------
+
 
 def alive_actors(class_name: str) -> list:
     """ActorTableData rows of the ALIVE actors of `class_name`."""
@@ -57,28 +58,44 @@ def healthy_replicas(ray) -> set[str]:
     return {r["replica_id"] for r in ray.get(router.replicas.remote()) if r["healthy"]}
 
 
-
 # --- `raylane serve --tensor-parallel-size 3` on the embedded SmolLM2 ------------------------
+
 
 @pytest.mark.slow
 def test_cli_tp3_smollm2_equals_offline_tp1(ray_cluster, smollm2_dir):
-    from actors.engine import EngineConfig, LLMEngine, SamplingParams
+    from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
     port = free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "raylane")
     address = ray_cluster.get_runtime_context().gcs_address  # join this module's cluster
-    proc = subprocess.Popen([exe, "serve", "--tensor-parallel-size", "3", "--port", str(port),
-                             "--served-model-name", "smol", "--ray-address", address],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "serve",
+            "--tensor-parallel-size",
+            "3",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "smol",
+            "--ray-address",
+            address,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_for(proc, "raylane is serving", timeout_s=300)
         groups = shard_groups()
         assert [len(shards) for shards in groups.values()] == [3]
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                               max_retries=0)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         prompt = "The capital of France is"
-        served = client.completions.create(model="smol", prompt=prompt, max_tokens=16,
-                                           temperature=0).choices[0].text
+        served = (
+            client.completions.create(model="smol", prompt=prompt, max_tokens=16, temperature=0)
+            .choices[0]
+            .text
+        )
         # how Kubernetes stops a pod (test_serve_cli stops its server with Ctrl-C)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
@@ -96,28 +113,35 @@ def test_cli_tp3_smollm2_equals_offline_tp1(ray_cluster, smollm2_dir):
 
 # --- two replicas of a tiny model at TP=2 on the 2-CPU cluster -------------------------------
 
+
 @pytest.fixture(scope="module")
 def served_tp(ray_cluster, tiny_llama_dir):
-    from cluster import launch
-    from cluster.config import ClusterConfig
+    from raylane import launch
+    from raylane.config import ClusterConfig
 
-    config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", replicas=2,
-                           port=free_port(), torch_threads=1,
-                           engine={"num_kv_blocks": 512, "max_num_seqs": 32,
-                                   "tensor_parallel_size": 2})
+    config = ClusterConfig(
+        model=tiny_llama_dir,
+        served_model_name="tiny",
+        replicas=2,
+        port=free_port(),
+        torch_threads=1,
+        engine={"num_kv_blocks": 512, "max_num_seqs": 32, "tensor_parallel_size": 2},
+    )
     url = launch.deploy(config)
     wait_for(lambda: len(healthy_replicas(ray_cluster)) == 2, 120, "both replicas")
     return url
 
 
 def generate(url: str, ids: list[int], key: str, max_new: int = 8) -> httpx.Response:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
-                                                  "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+    }
     return httpx.post(f"{url}/generate", json=body, headers={"x-routing-key": key}, timeout=180)
 
 
 def test_two_tp2_replicas_each_own_a_shard_group(served_tp, tiny_llama_dir):
-    from actors.engine import EngineConfig, LLMEngine, SamplingParams
+    from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
     groups = shard_groups()
     assert sorted(len(shards) for shards in groups.values()) == [2, 2]
@@ -125,12 +149,12 @@ def test_two_tp2_replicas_each_own_a_shard_group(served_tp, tiny_llama_dir):
     assert [row.placement_group_id for row in alive_actors("Router")] == [b""]
     replicas = {row.name: row for row in alive_actors(REPLICA_CLASS)}
     for name, shards in groups.items():  # owned by their replica, placed with it
-        assert {s.owner_address.worker_id for s in shards} == \
-            {replicas[name].address.worker_id}
+        assert {s.owner_address.worker_id for s in shards} == {replicas[name].address.worker_id}
         assert {s.address.node_id for s in shards} == {replicas[name].address.node_id}
     engine = LLMEngine(EngineConfig(model=tiny_llama_dir))
-    ref = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8,
-                                                      ignore_eos=True), use_tqdm=False)
+    ref = engine.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     for key in ("a", "b", "c", "d"):  # keys spread over both replicas
         resp = generate(served_tp, [5, 6, 7], key)
         assert resp.status_code == 200
@@ -140,11 +164,15 @@ def test_two_tp2_replicas_each_own_a_shard_group(served_tp, tiny_llama_dir):
 def _replace_and_wait(ray, victim_name: str, old_ids: set[str]) -> None:
     """Wait until Serve replaced the victim's replica: two healthy replicas, none of them the
     victim, each with a full shard group."""
+
     def recovered() -> bool:
         groups = shard_groups()
-        return (victim_name not in groups and sorted(map(len, groups.values())) == [2, 2]
-                and len(healthy_replicas(ray)) == 2
-                and not any(rid in victim_name for rid in healthy_replicas(ray)))
+        return (
+            victim_name not in groups
+            and sorted(map(len, groups.values())) == [2, 2]
+            and len(healthy_replicas(ray)) == 2
+            and not any(rid in victim_name for rid in healthy_replicas(ray))
+        )
 
     wait_for(recovered, 150, "Serve to replace the replica whose shard died")
     assert healthy_replicas(ray) != old_ids
@@ -165,19 +193,22 @@ def test_shard_killed_under_load_gives_503s_then_recovers(served_tp, ray_cluster
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
 
     def busiest() -> str | None:
-        loads = {r["replica_id"]: r["in_flight"] for r in ray.get(router.replicas.remote())
-                 if r["healthy"]}
+        loads = {
+            r["replica_id"]: r["in_flight"]
+            for r in ray.get(router.replicas.remote())
+            if r["healthy"]
+        }
         rid = max(loads, key=loads.get)
         return rid if loads[rid] > 0 else None
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(generate, served_tp, [5, 6, 7], f"load-{i}", 900)
-                   for i in range(8)]
+        futures = [pool.submit(generate, served_tp, [5, 6, 7], f"load-{i}", 900) for i in range(8)]
         wait_for(lambda: busiest() is not None, 60, "requests in flight")
         time.sleep(0.5)  # mid-generation
         busy = busiest()
-        victim_name, shards = next((name, shards) for name, shards in shard_groups().items()
-                                   if busy in name)
+        victim_name, shards = next(
+            (name, shards) for name, shards in shard_groups().items() if busy in name
+        )
         kill_shard(shards[0])
         codes = [f.result(timeout=240).status_code for f in futures]
     assert set(codes) <= {200, 503}, codes  # a clean error for the victim's requests, no hang

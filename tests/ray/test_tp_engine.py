@@ -15,10 +15,10 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
+from raylane.actors.engine import LLMEngine, SamplingParams
+from raylane.actors.executor import ExecutorError
+from raylane.actors.models.weights import TensorSpec
 
-from actors.engine import LLMEngine, SamplingParams
-from actors.executor import ExecutorError
-from actors.models.weights import TensorSpec
 from tests.ray.tp_helpers import (
     alive_shard_ids,
     assert_group_freed,
@@ -90,8 +90,10 @@ def _checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
 def _perturb(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every tensor times (1 + 10% seeded noise): a different model, still well-behaved."""
     gen = torch.Generator().manual_seed(1234)
-    return {name: t * (1 + 0.1 * torch.randn(t.shape, generator=gen)) for name, t in
-            sorted(weights.items())}
+    return {
+        name: t * (1 + 0.1 * torch.randn(t.shape, generator=gen))
+        for name, t in sorted(weights.items())
+    }
 
 
 def _load(engine: LLMEngine, weights: dict[str, torch.Tensor]) -> None:
@@ -117,10 +119,13 @@ class TestLlama:
         # prompts no earlier test sent: the first run is cold on both engines
         prompts = prompts_for(llama.tp1.validator.vocab_size, (20, 37, 52), seed=11)
         params = greedy(8, logprobs=1)
-        runs = {name: [engine.generate(prompts, params, use_tqdm=False) for _ in range(2)]
-                for name, engine in (("tp1", llama.tp1), ("tp2", llama.tp2))}
-        cached = {name: [[o.num_cached_tokens for o in run] for run in r]
-                  for name, r in runs.items()}
+        runs = {
+            name: [engine.generate(prompts, params, use_tqdm=False) for _ in range(2)]
+            for name, engine in (("tp1", llama.tp1), ("tp2", llama.tp2))
+        }
+        cached = {
+            name: [[o.num_cached_tokens for o in run] for run in r] for name, r in runs.items()
+        }
         assert cached["tp2"] == cached["tp1"]
         assert all(n > 0 for n in cached["tp2"][1]), cached
         for ref, got in zip(runs["tp1"], runs["tp2"]):
@@ -129,8 +134,9 @@ class TestLlama:
 
     def test_seeded_sampling_matches_tp1(self, llama):
         prompts = prompts_for(llama.tp1.validator.vocab_size, (19, 40), seed=3)
-        params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=12,
-                                ignore_eos=True, logprobs=1)
+        params = SamplingParams(
+            temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=12, ignore_eos=True, logprobs=1
+        )
         ref = llama.tp1.generate(prompts, params, use_tqdm=False)
         got = llama.tp2.generate(prompts, params, use_tqdm=False)
         assert_same_outputs(got, ref, ATOL)
@@ -195,24 +201,30 @@ class TestLlama:
         assert_same_outputs(llama.tp2.generate(prompts, params, use_tqdm=False), before, ATOL)
         try:
             for engine in llama:
-                engine.update_weights(perturbed.items(), engine.weight_version + 1,
-                                      bucket_bytes=64 << 10)
+                engine.update_weights(
+                    perturbed.items(), engine.weight_version + 1, bucket_bytes=64 << 10
+                )
             ref, got = (engine.generate(prompts, params, use_tqdm=False) for engine in llama)
             assert_same_outputs(got, ref, ATOL)
             assert token_ids(got) != token_ids(before)
             assert {v for o in got for v in o.outputs[0].weight_versions} == {
-                llama.tp2.weight_version}
+                llama.tp2.weight_version
+            }
         finally:
             for engine in llama:
                 engine.update_weights(original.items(), engine.weight_version + 1)
         assert_same_outputs(llama.tp2.generate(prompts, params, use_tqdm=False), before, ATOL)
 
-    @pytest.mark.parametrize(("name", "shape"), [
-        ("model.layers.0.self_attn.o_proj.weight", (65, 64)),  # the dim no rank splits
-        ("model.layers.0.self_attn.o_proj.weight", (64, 80)),  # the split dim, too wide
-        ("model.layers.0.self_attn.o_proj.weight", (64, 48)),  # the split dim, too narrow
-        ("model.layers.1.self_attn.q_proj.weight", (80, 64)),  # column split, too tall
-    ], ids=["unsplit-dim", "split-dim-wide", "split-dim-narrow", "qkv-tall"])
+    @pytest.mark.parametrize(
+        ("name", "shape"),
+        [
+            ("model.layers.0.self_attn.o_proj.weight", (65, 64)),  # the dim no rank splits
+            ("model.layers.0.self_attn.o_proj.weight", (64, 80)),  # the split dim, too wide
+            ("model.layers.0.self_attn.o_proj.weight", (64, 48)),  # the split dim, too narrow
+            ("model.layers.1.self_attn.q_proj.weight", (80, 64)),  # column split, too tall
+        ],
+        ids=["unsplit-dim", "split-dim-wide", "split-dim-narrow", "qkv-tall"],
+    )
     def test_wrong_shape_weight_is_a_value_error(self, llama, tiny_llama_dir, name, shape):
         original = _checkpoint(tiny_llama_dir)
         assert original[name].shape != shape
@@ -263,7 +275,8 @@ class TestQwen3:
 
 @pytest.mark.timeout(120)  # a hang in a collective fails here instead of blocking
 def test_an_exception_in_one_ranks_forward_fails_the_step_and_frees_the_group(
-        ray_cluster, tiny_llama_dir):
+    ray_cluster, tiny_llama_dir
+):
     import ray
 
     engine = build(tiny_llama_dir, tensor_parallel_size=2)
@@ -311,8 +324,11 @@ class TestQwen3Moe:
             for g, r, prompt in zip(got, ref, prompts):
                 experts, expected = g.outputs[0].routed_experts, r.outputs[0].routed_experts
                 assert experts.dtype == np.int32
-                assert experts.shape == (len(prompt) + 8 - 1, moe.tp1.runner_info.num_moe_layers,
-                                         moe.tp1.runner_info.moe_top_k)
+                assert experts.shape == (
+                    len(prompt) + 8 - 1,
+                    moe.tp1.runner_info.num_moe_layers,
+                    moe.tp1.runner_info.moe_top_k,
+                )
                 np.testing.assert_array_equal(experts, expected)
 
 
@@ -322,8 +338,9 @@ class TestQwen3Moe:
 @pytest.fixture(scope="class")
 def tight(ray_cluster, tiny_llama_dir):
     # every prompt longer than the token budget (chunked); room for ~2 sequences (preempted)
-    yield from _pair(tiny_llama_dir, max_num_batched_tokens=16, num_kv_blocks=14,
-                     enable_prefix_caching=False)
+    yield from _pair(
+        tiny_llama_dir, max_num_batched_tokens=16, num_kv_blocks=14, enable_prefix_caching=False
+    )
 
 
 class TestPreemption:
@@ -355,8 +372,9 @@ class TestPreemption:
 
 def test_bad_tp_shape_is_a_value_error_before_any_actor(ray_cluster, tmp_path):
     # 9 query heads / 3 KV heads (SmolLM2's shape, tiny): TP=2 splits neither
-    model_dir = make_llama(tmp_path / "nine_heads", hidden_size=72, num_attention_heads=9,
-                           num_key_value_heads=3)
+    model_dir = make_llama(
+        tmp_path / "nine_heads", hidden_size=72, num_attention_heads=9, num_key_value_heads=3
+    )
     shards, groups = alive_shard_ids(), placement_group_ids()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2") as err:
         build(model_dir, tensor_parallel_size=2)
@@ -365,8 +383,7 @@ def test_bad_tp_shape_is_a_value_error_before_any_actor(ray_cluster, tmp_path):
     assert placement_group_ids() == groups
 
 
-def test_shards_that_fit_no_node_are_a_value_error_before_any_actor(ray_cluster,
-                                                                   tiny_llama_dir):
+def test_shards_that_fit_no_node_are_a_value_error_before_any_actor(ray_cluster, tiny_llama_dir):
     shards, groups = alive_shard_ids(), placement_group_ids()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 4 CPU on one node"):
         build(tiny_llama_dir, tensor_parallel_size=2, shard_resources={"CPU": 2})
@@ -404,8 +421,9 @@ def smollm2(ray_cluster, smollm2_dir):
 class TestSmolLM2:
     def test_tp3_matches_tp1_on_chat(self, smollm2):
         questions = ["What is 2+2?", "Name a color."]
-        prompts = [smollm2.tp1.validator.render_chat([{"role": "user", "content": q}])
-                   for q in questions]
+        prompts = [
+            smollm2.tp1.validator.render_chat([{"role": "user", "content": q}]) for q in questions
+        ]
         params = greedy(8, logprobs=2)
         ref = smollm2.tp1.generate(prompts, params, use_tqdm=False)
         got = smollm2.tp2.generate(prompts, params, use_tqdm=False)

@@ -16,9 +16,9 @@ import json
 
 import httpx
 import pytest
+from raylane.client import RolloutClient
+from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
-from cluster.client import RolloutClient
-from router.actor import NAMESPACE, ROUTER_NAME
 from tests.hf_reference import hf_greedy, hf_model, perturbed_model
 from tests.ray.conftest import free_port, keys_owned, wait_healthy
 
@@ -30,12 +30,18 @@ CHECKED = 12  # tokens compared with HF on each side of the switch (HF runs are 
 
 @pytest.fixture(scope="module")
 def url(ray_cluster, tiny_llama_dir) -> str:
-    from cluster import launch
-    from cluster.config import ClusterConfig
+    from raylane import launch
+    from raylane.config import ClusterConfig
 
-    config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", replicas=2,
-                           port=free_port(), torch_threads=1, admin_api_key=ADMIN_KEY,
-                           engine={"num_kv_blocks": 128, "max_model_len": 256})
+    config = ClusterConfig(
+        model=tiny_llama_dir,
+        served_model_name="tiny",
+        replicas=2,
+        port=free_port(),
+        torch_threads=1,
+        admin_api_key=ADMIN_KEY,
+        engine={"num_kv_blocks": 128, "max_model_len": 256},
+    )
     return launch.deploy(config)
 
 
@@ -47,19 +53,28 @@ def weight_sets(tiny_llama_dir, tmp_path_factory) -> list[tuple[str, list]]:
     return [(tiny_llama_dir, v0), odd]
 
 
-async def stream_rollout(http: httpx.AsyncClient, i: int, key: str, started: asyncio.Event,
-                         ) -> dict:
+async def stream_rollout(
+    http: httpx.AsyncClient,
+    i: int,
+    key: str,
+    started: asyncio.Event,
+) -> dict:
     """One streamed greedy /generate on its own routing key; its last item. `started` is
     set once three tokens are out."""
-    body = {"input_ids": PROMPTS[i], "rid": f"loop-{i}-{id(started)}", "stream": True,
-            "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPTS[i],
+        "rid": f"loop-{i}-{id(started)}",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True},
+    }
     last, seen = None, 0
-    async with http.stream("POST", "/generate", json=body,
-                           headers={"x-routing-key": key}) as response:
+    async with http.stream(
+        "POST", "/generate", json=body, headers={"x-routing-key": key}
+    ) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
-                last, seen = json.loads(line[len("data: "):]), seen + 1
+                last, seen = json.loads(line[len("data: ") :]), seen + 1
                 if seen == 3:
                     started.set()
     started.set()
@@ -74,8 +89,7 @@ def keys(url, ray_cluster) -> list[str]:
 
 def replica_versions(ray_cluster) -> list[int]:
     router = ray_cluster.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    return [r["weight_version"] for r in ray_cluster.get(router.replicas.remote())
-            if r["healthy"]]
+    return [r["weight_version"] for r in ray_cluster.get(router.replicas.remote()) if r["healthy"]]
 
 
 def routed_counts(ray_cluster) -> list[int]:
@@ -83,14 +97,17 @@ def routed_counts(ray_cluster) -> list[int]:
     return [r["routed"] for r in ray_cluster.get(router.replicas.remote())]
 
 
-async def run_round(url: str, client: RolloutClient, mode: str, named: list, version: int,
-                    keys: list[str]) -> list[dict]:
+async def run_round(
+    url: str, client: RolloutClient, mode: str, named: list, version: int, keys: list[str]
+) -> list[dict]:
     """Start the group, pause in `mode` once every rollout has tokens out, update to
     `version`, resume; the group's last items."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         started = [asyncio.Event() for _ in PROMPTS]
-        group = [asyncio.ensure_future(stream_rollout(http, i, keys[i], e))
-                 for i, e in enumerate(started)]
+        group = [
+            asyncio.ensure_future(stream_rollout(http, i, keys[i], e))
+            for i, e in enumerate(started)
+        ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
         await client.pause(mode)
         assert await client.update_weights(named, version, bucket_bytes=32 << 10) == version
@@ -121,13 +138,14 @@ async def test_pause_update_resume_round(mode, url, keys, weight_sets, ray_clust
             else:  # frozen mid-rollout, finished under the new weights
                 assert reason == "length" and len(ids) == LONG and 0 < done < LONG
             if mode == "retract":
-                tail = ids[done:done + CHECKED]
+                tail = ids[done : done + CHECKED]
                 assert tail == hf_greedy(new_dir, prompt + ids[:done], len(tail))[0]
         # after the update: greedy equals HF on the new weights on both replicas, also for
         # the group's prompts, whose prefixes were cached under the old version
         for i, prompt in enumerate(PROMPTS):
-            (got,) = await client.generate(prompt, routing_key=keys[i], max_tokens=8,
-                                           temperature=0.0, ignore_eos=True)
+            (got,) = await client.generate(
+                prompt, routing_key=keys[i], max_tokens=8, temperature=0.0, ignore_eos=True
+            )
             assert got.token_ids == hf_greedy(new_dir, prompt, 8)[0]
             assert got.weight_versions == [new] * 8
     assert all(n > 0 for n in routed_counts(ray_cluster))  # the group used both replicas

@@ -8,9 +8,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-
-from actors.engine import EngineConfig, LLMEngine, SamplingParams
-from actors.engine.outputs import RequestOutput
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
+from raylane.actors.engine.outputs import RequestOutput
 
 SHARD_CLASS = "ModelShard"
 
@@ -38,8 +37,7 @@ def token_ids(outs: list[RequestOutput]) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
-def assert_same_outputs(got: list[RequestOutput], ref: list[RequestOutput],
-                        atol: float) -> None:
+def assert_same_outputs(got: list[RequestOutput], ref: list[RequestOutput], atol: float) -> None:
     """Every sample: identical token ids, logprobs within `atol`, the same top-logprob ids
     (their values within `atol`)."""
     assert len(got) == len(ref)
@@ -55,8 +53,9 @@ def assert_same_outputs(got: list[RequestOutput], ref: list[RequestOutput],
                     assert abs(g_top[token] - value) <= atol, (token, g_top[token], value)
 
 
-def assert_same_prompt_logprobs(got: list[RequestOutput], ref: list[RequestOutput],
-                                atol: float) -> None:
+def assert_same_prompt_logprobs(
+    got: list[RequestOutput], ref: list[RequestOutput], atol: float
+) -> None:
     for g_req, r_req in zip(got, ref):
         assert g_req.prompt_logprobs is not None and r_req.prompt_logprobs is not None
         assert len(g_req.prompt_logprobs) == len(r_req.prompt_logprobs)
@@ -79,8 +78,11 @@ def alive_shard_ids() -> set[str]:
     """Actor ids of every ALIVE `ModelShard` in the cluster (any engine)."""
     import ray
 
-    return {a["ActorID"] for a in ray._private.state.actors().values()
-            if a["ActorClassName"] == SHARD_CLASS and a["State"] == "ALIVE"}
+    return {
+        a["ActorID"]
+        for a in ray._private.state.actors().values()
+        if a["ActorClassName"] == SHARD_CLASS and a["State"] == "ALIVE"
+    }
 
 
 def shard_ids(engine: LLMEngine) -> list[str]:
@@ -116,5 +118,7 @@ def wait_until(check: Callable[[], bool], timeout_s: float = 30.0, what: str = "
 def assert_group_freed(shards: list[str], group_id: str) -> None:
     """No shard of the group is ALIVE and its placement group is REMOVED."""
     wait_until(lambda: not set(shards) & alive_shard_ids(), what=f"shards {shards} dead")
-    wait_until(lambda: placement_group_state(group_id) == "REMOVED",
-               what=f"placement group {group_id} removed")
+    wait_until(
+        lambda: placement_group_state(group_id) == "REMOVED",
+        what=f"placement group {group_id} removed",
+    )

@@ -8,9 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
-from actors.engine import EngineConfig, LLMEngine, SamplingParams
-from actors.engine.outputs import RequestOutput
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
+from raylane.actors.engine.outputs import RequestOutput
 
 ATOL = 1e-5  # batch composition differs between the modes: fp32 rounding may, the math not
 MAX_STEPS = 400  # every workload here ends in far fewer steps; more is a hang
@@ -32,17 +31,29 @@ def prompts_for(vocab: int, lengths: tuple[int, ...], seed: int = 0) -> list[lis
 
 
 def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
-    return SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, "logprobs": 1,
-                             "ignore_eos": True, **kw})
+    return SamplingParams(
+        **{"temperature": 0.0, "max_tokens": max_tokens, "logprobs": 1, "ignore_eos": True, **kw}
+    )
 
 
 def seeded(seed: int, max_tokens: int = 12, **kw) -> SamplingParams:
-    return SamplingParams(**{"temperature": 0.8, "seed": seed, "max_tokens": max_tokens,
-                             "logprobs": 1, "ignore_eos": True, **kw})
+    return SamplingParams(
+        **{
+            "temperature": 0.8,
+            "seed": seed,
+            "max_tokens": max_tokens,
+            "logprobs": 1,
+            "ignore_eos": True,
+            **kw,
+        }
+    )
 
 
-def drive(engine: LLMEngine, arrivals: Arrivals, aborts: dict[int, list[str]] | None = None,
-          ) -> dict[str, RequestOutput]:
+def drive(
+    engine: LLMEngine,
+    arrivals: Arrivals,
+    aborts: dict[int, list[str]] | None = None,
+) -> dict[str, RequestOutput]:
     """Step the engine, adding and aborting requests before the given steps, until every
     request ended; returns each one's final output. Checks the stream on the way: outputs
     only grow, and nothing follows a request's final output (an abort's included)."""
@@ -64,13 +75,14 @@ def drive(engine: LLMEngine, arrivals: Arrivals, aborts: dict[int, list[str]] | 
     raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
 
 
-def check_stream(out: RequestOutput, finals: dict[str, RequestOutput],
-                 seen: dict[str, list[list[int]]]) -> None:
+def check_stream(
+    out: RequestOutput, finals: dict[str, RequestOutput], seen: dict[str, list[list[int]]]
+) -> None:
     rid = out.request_id
     assert rid not in finals, f"{rid}: an output after its final one"
     ids = [c.token_ids for c in out.outputs]
     for before, now in zip(seen.get(rid, []), ids):
-        assert now[:len(before)] == before, f"{rid}: tokens changed after they were reported"
+        assert now[: len(before)] == before, f"{rid}: tokens changed after they were reported"
     seen[rid] = ids
     if out.finished:
         finals[rid] = out
@@ -100,8 +112,9 @@ def assert_idle(engine: LLMEngine) -> None:
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def assert_same(got: dict[str, RequestOutput], ref: dict[str, RequestOutput],
-                atol: float = ATOL) -> None:
+def assert_same(
+    got: dict[str, RequestOutput], ref: dict[str, RequestOutput], atol: float = ATOL
+) -> None:
     """Per request and sample: the same tokens, text, finish and stop reasons and routed
     experts; logprobs and top logprobs within `atol`."""
     assert got.keys() == ref.keys()
@@ -116,8 +129,7 @@ def assert_same(got: dict[str, RequestOutput], ref: dict[str, RequestOutput],
             assert g.text == r.text, where
             assert (g.logprobs is None) == (r.logprobs is None), where
             if r.logprobs is not None:
-                np.testing.assert_allclose(g.logprobs, r.logprobs, rtol=0, atol=atol,
-                                           err_msg=where)
+                np.testing.assert_allclose(g.logprobs, r.logprobs, rtol=0, atol=atol, err_msg=where)
                 for g_top, r_top in zip(g.top_logprobs, r.top_logprobs):
                     assert g_top.keys() == r_top.keys(), where
                     assert all(abs(g_top[t] - v) <= atol for t, v in r_top.items()), where
@@ -126,8 +138,9 @@ def assert_same(got: dict[str, RequestOutput], ref: dict[str, RequestOutput],
                 np.testing.assert_array_equal(g.routed_experts, r.routed_experts, err_msg=where)
 
 
-def all_at_once(prompts: list[list[int]], params: list[SamplingParams],
-                prefix: str = "r") -> Arrivals:
+def all_at_once(
+    prompts: list[list[int]], params: list[SamplingParams], prefix: str = "r"
+) -> Arrivals:
     return {0: [(f"{prefix}{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]}
 
 

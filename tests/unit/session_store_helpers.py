@@ -7,13 +7,13 @@ import asyncio
 import json
 
 import numpy as np
+from raylane.actors.engine.outputs import CompletionOutput
+from raylane.router.errors import SessionStoreUnavailable
+from raylane.router.fake_generator import FakeTurnGenerator
+from raylane.router.session_codec import decode_session, encode_session
+from raylane.router.sessions import SessionConfig, SessionRegistry
+from raylane.router.tito import TemplateSplicer
 
-from actors.engine.outputs import CompletionOutput
-from router.errors import SessionStoreUnavailable
-from router.fake_generator import FakeTurnGenerator
-from router.session_codec import decode_session, encode_session
-from router.sessions import SessionConfig, SessionRegistry
-from router.tito import TemplateSplicer
 from tests.unit.sessions_helpers import Agent, logprobs_for
 
 
@@ -69,8 +69,7 @@ class Clock:
         return self.now
 
 
-def registry_over(tok, store, clock=None, model: str | None = None,
-                  **config) -> SessionRegistry:
+def registry_over(tok, store, clock=None, model: str | None = None, **config) -> SessionRegistry:
     """Replies are a function of the prompt alone, so two registries generate alike; `model`:
     the served model the registry's sessions record."""
 
@@ -79,9 +78,14 @@ def registry_over(tok, store, clock=None, model: str | None = None,
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
         return CompletionOutput(0, text, ids, logprobs_for(ids))
 
-    return SessionRegistry(TemplateSplicer(tok), FakeTurnGenerator(reply, weight_version=3),
-                           SessionConfig(**config), clock=clock or Clock(), store=store,
-                           model=model)
+    return SessionRegistry(
+        TemplateSplicer(tok),
+        FakeTurnGenerator(reply, weight_version=3),
+        SessionConfig(**config),
+        clock=clock or Clock(),
+        store=store,
+        model=model,
+    )
 
 
 async def agent_over(registry: SessionRegistry) -> Agent:

@@ -7,19 +7,23 @@ import asyncio
 import itertools
 from typing import Any
 
-from actors.engine.outputs import CompletionOutput
-from router.fake_generator import FakeTurnGenerator
-from router.sessions import SessionConfig, SessionRegistry
-from router.tito import TemplateSplicer
+from raylane.actors.engine.outputs import CompletionOutput
+from raylane.router.fake_generator import FakeTurnGenerator
+from raylane.router.sessions import SessionConfig, SessionRegistry
+from raylane.router.tito import TemplateSplicer
 
 
 def logprobs_for(ids: list[int]) -> list[float]:
     return [-(t % 7 + 1) / 8 for t in ids]
 
 
-def make_registry(tok: Any, config: SessionConfig | None = None,
-                  gate: asyncio.Event | None = None, finish_reason: str | None = None,
-                  canonical: bool = True) -> tuple[SessionRegistry, FakeTurnGenerator]:
+def make_registry(
+    tok: Any,
+    config: SessionConfig | None = None,
+    gate: asyncio.Event | None = None,
+    finish_reason: str | None = None,
+    canonical: bool = True,
+) -> tuple[SessionRegistry, FakeTurnGenerator]:
     """Replies are "reply N" (N counts calls), as canonical ids + eos, or one id per character
     (a valid but non-canonical tokenization, as a sampled model may produce)."""
     counter = itertools.count()
@@ -47,8 +51,9 @@ class Agent:
         self.messages: list[dict] = []
 
     @classmethod
-    async def start(cls, registry: SessionRegistry,
-                    metadata: dict[str, Any] | None = None) -> Agent:
+    async def start(
+        cls, registry: SessionRegistry, metadata: dict[str, Any] | None = None
+    ) -> Agent:
         """An agent on a new session of `registry`."""
         return cls(registry, await registry.create(metadata))
 
@@ -66,9 +71,11 @@ def user(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
-def rendered(tok: Any, messages: list[dict], generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> list[int]:
+def rendered(
+    tok: Any, messages: list[dict], generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
     """The independent reference: the template renders the whole conversation at once."""
-    ids = tok.apply_chat_template(messages, tools=tools, tokenize=True,
-                                  add_generation_prompt=generation_prompt)
+    ids = tok.apply_chat_template(
+        messages, tools=tools, tokenize=True, add_generation_prompt=generation_prompt
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

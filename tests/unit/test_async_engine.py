@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +34,7 @@ async def test_concurrent_requests_equal_serial_run(engine):
         assert final.outputs[0].token_ids == ref.outputs[0].token_ids
         # outputs are cumulative: each is a prefix of the next
         ids = [o.outputs[0].token_ids for o in outs]
-        assert all(b[:len(a)] == a and len(b) >= len(a) for a, b in zip(ids, ids[1:]))
+        assert all(b[: len(a)] == a and len(b) >= len(a) for a, b in zip(ids, ids[1:]))
     await aeng.shutdown()
 
 
@@ -80,8 +79,9 @@ async def test_external_abort_ends_the_consumer_with_abort(engine):
     seen = []
 
     async def consume():
-        async for out in aeng.generate(ps[3], SamplingParams(max_tokens=300, ignore_eos=True),
-                                       "external-abort"):
+        async for out in aeng.generate(
+            ps[3], SamplingParams(max_tokens=300, ignore_eos=True), "external-abort"
+        ):
             seen.append(out)
             if len(seen) == 2:
                 await aeng.abort("external-abort")

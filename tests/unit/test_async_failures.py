@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from raylane.actors.engine import SamplingParams
+from raylane.actors.engine.outputs import RequestOutput
 
-from actors.engine import SamplingParams
-from actors.engine.outputs import RequestOutput
 from tests.tiny_models import VOCAB_SIZE
 from tests.unit.async_helpers import (
     MAX_STEPS,
@@ -56,8 +56,9 @@ def step_until(engine, done, finals: dict, seen: dict) -> None:
 @pytest.mark.timeout(120)  # a step that never returns fails here instead of blocking the suite
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_failed_step_ends_only_its_requests(tiny_llama_dir, prompts, fresh, stage,
-                                              async_scheduling):
+def test_a_failed_step_ends_only_its_requests(
+    tiny_llama_dir, prompts, fresh, stage, async_scheduling
+):
     engine = engine_for(tiny_llama_dir, async_scheduling, max_num_seqs=4)
     try:
         with pytest.raises(ValueError, match="stage"):
@@ -80,7 +81,7 @@ def test_a_failed_step_ends_only_its_requests(tiny_llama_dir, prompts, fresh, st
                 assert c.finish_reason == "error", (rid, c.finish_reason)
                 assert len(c.token_ids) < MAX_TOKENS
                 # no made-up token: what it did get is what a fresh engine gives
-                assert c.token_ids == fresh[i].outputs[0].token_ids[:len(c.token_ids)], rid
+                assert c.token_ids == fresh[i].outputs[0].token_ids[: len(c.token_ids)], rid
         # the engine serves on: the queued request and new ones as on a fresh engine
         for i in (4, 5):
             engine.add_request(f"r{i}", prompts[i], greedy(MAX_TOKENS))
@@ -95,8 +96,7 @@ def test_a_failed_step_ends_only_its_requests(tiny_llama_dir, prompts, fresh, st
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
-def test_repeated_failures_leave_the_engine_whole(tiny_llama_dir, prompts, fresh,
-                                                  async_scheduling):
+def test_repeated_failures_leave_the_engine_whole(tiny_llama_dir, prompts, fresh, async_scheduling):
     engine = engine_for(tiny_llama_dir, async_scheduling)
     try:
         finals: dict[str, RequestOutput] = {}
@@ -118,13 +118,19 @@ def test_repeated_failures_leave_the_engine_whole(tiny_llama_dir, prompts, fresh
 
 def test_seeded_request_is_the_same_alone_in_a_batch_and_ahead(tiny_llama_dir, prompts):
     target = seeded(2024, 16, n=2, top_p=0.9)
-    others = [seeded(7 + i, 5 + 3 * i) if i % 3 == 0 else
-              greedy(4 + 2 * i) if i % 3 == 1 else
-              SamplingParams(max_tokens=3 + i, ignore_eos=True)  # unseeded: the shared stream
-              for i in range(7)]
-    batch = {0: [(f"o{i}", prompts[i % 6], others[i]) for i in range(4)],
-             1: [("in-batch", prompts[1], target)],
-             2: [(f"o{i}", prompts[i % 6], others[i]) for i in range(4, 7)]}
+    others = [
+        seeded(7 + i, 5 + 3 * i)
+        if i % 3 == 0
+        else greedy(4 + 2 * i)
+        if i % 3 == 1
+        else SamplingParams(max_tokens=3 + i, ignore_eos=True)  # unseeded: the shared stream
+        for i in range(7)
+    ]
+    batch = {
+        0: [(f"o{i}", prompts[i % 6], others[i]) for i in range(4)],
+        1: [("in-batch", prompts[1], target)],
+        2: [(f"o{i}", prompts[i % 6], others[i]) for i in range(4, 7)],
+    }
 
     def run(engine):
         alone = drive(engine, {0: [("alone", prompts[1], target)]})["alone"]

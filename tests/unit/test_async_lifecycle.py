@@ -30,8 +30,7 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("abort_at", [1, 2, 5])
-def test_abort_while_a_step_is_in_flight_yields_no_extra_token(tiny_llama_dir, prompts,
-                                                               abort_at):
+def test_abort_while_a_step_is_in_flight_yields_no_extra_token(tiny_llama_dir, prompts, abort_at):
     # with async scheduling on, the step after `abort_at` is already planned (and holds a
     # token for the aborted requests) when they are aborted
     params = [greedy(30) if i % 2 else seeded(i, 30) for i in range(6)]
@@ -43,12 +42,13 @@ def test_abort_while_a_step_is_in_flight_yields_no_extra_token(tiny_llama_dir, p
         ref, got = serial[rid].outputs[0], ahead[rid].outputs[0]
         assert got.finish_reason == ref.finish_reason == "abort"
         assert len(got.token_ids) <= len(ref.token_ids), (rid, got.token_ids, ref.token_ids)
-        assert got.token_ids == ref.token_ids[:len(got.token_ids)], rid
-        assert got.logprobs == pytest.approx(ref.logprobs[:len(got.logprobs)], abs=1e-5)
+        assert got.token_ids == ref.token_ids[: len(got.token_ids)], rid
+        assert got.logprobs == pytest.approx(ref.logprobs[: len(got.logprobs)], abs=1e-5)
     # running since step 0: each step() collected one step in both modes, so no token less
     # either ("late" arrived while a step was in flight: async schedules it a step later)
-    assert token_ids({rid: ahead[rid] for rid in ("r0", "r1")}) == \
-        token_ids({rid: serial[rid] for rid in ("r0", "r1")})
+    assert token_ids({rid: ahead[rid] for rid in ("r0", "r1")}) == token_ids(
+        {rid: serial[rid] for rid in ("r0", "r1")}
+    )
     keep = [rid for rid in serial if rid not in aborts[abort_at]]
     assert_same({rid: ahead[rid] for rid in keep}, {rid: serial[rid] for rid in keep})
 
@@ -64,14 +64,19 @@ def test_preemption_under_a_tight_cache_matches_serial(tiny_llama_dir, prompts):
         assert engine.scheduler.num_preemptions > 0
         return outs
 
-    serial, ahead = run_both(tiny_llama_dir, run, max_num_batched_tokens=16, num_kv_blocks=14,
-                             enable_prefix_caching=False)
+    serial, ahead = run_both(
+        tiny_llama_dir,
+        run,
+        max_num_batched_tokens=16,
+        num_kv_blocks=14,
+        enable_prefix_caching=False,
+    )
     assert_same(ahead, serial)
 
 
 def test_preemption_with_the_prefix_cache_matches_serial(tiny_llama_dir, prompts):
     shared = prompts[3][:32]
-    ps = [shared + p[:10 + 3 * i] for i, p in enumerate(prompts[:6])]
+    ps = [shared + p[: 10 + 3 * i] for i, p in enumerate(prompts[:6])]
     params = [greedy(18) if i % 2 else seeded(i, 18) for i in range(len(ps))]
 
     def run(engine):
@@ -84,8 +89,9 @@ def test_preemption_with_the_prefix_cache_matches_serial(tiny_llama_dir, prompts
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_drain_collects_the_step_in_flight_and_plans_nothing(tiny_llama_dir, prompts,
-                                                             async_scheduling):
+def test_drain_collects_the_step_in_flight_and_plans_nothing(
+    tiny_llama_dir, prompts, async_scheduling
+):
     ps = prompts[:4]
     params = [greedy(10) if i % 2 else seeded(i, 10) for i in range(len(ps))]
     serial = engine_for(tiny_llama_dir, False)
@@ -128,10 +134,17 @@ def test_context_limit_ends_requests_like_serial(tiny_llama_dir, prompts):
     """Requests that reach max_model_len (some exactly at their max_tokens, some with no
     max_tokens at all) get every token the serial engine gives them, and no more."""
     limit = 100
-    params = [greedy(limit - len(p)) if i % 3 == 0 else greedy(None) if i % 3 == 1
-              else seeded(i, limit - len(p) + 5) for i, p in enumerate(prompts)]
-    serial, ahead = run_both(tiny_llama_dir, lambda e: drive(e, all_at_once(prompts, params)),
-                             max_model_len=limit)
+    params = [
+        greedy(limit - len(p))
+        if i % 3 == 0
+        else greedy(None)
+        if i % 3 == 1
+        else seeded(i, limit - len(p) + 5)
+        for i, p in enumerate(prompts)
+    ]
+    serial, ahead = run_both(
+        tiny_llama_dir, lambda e: drive(e, all_at_once(prompts, params)), max_model_len=limit
+    )
     assert_same(ahead, serial)
     for rid, out in serial.items():
         assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == limit, rid

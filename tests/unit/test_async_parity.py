@@ -10,8 +10,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from raylane.actors.engine import LLMEngine
 
-from actors.engine import LLMEngine
 from tests.hf_reference import hf_greedy
 from tests.unit.async_helpers import (
     Arrivals,
@@ -81,20 +81,26 @@ def test_staggered_arrivals_match_serial_and_hf(tiny_llama_dir, prompts):
 
 def test_eos_matches_serial(eos_llama, prompts):
     model_dir, eos = eos_llama
-    params = [greedy(16, ignore_eos=False) if i % 2 else seeded(i, 16, ignore_eos=False)
-              for i in range(len(prompts))]
+    params = [
+        greedy(16, ignore_eos=False) if i % 2 else seeded(i, 16, ignore_eos=False)
+        for i in range(len(prompts))
+    ]
     serial, ahead = run_both(model_dir, lambda e: drive(e, all_at_once(prompts, params)))
     assert_same(ahead, serial)
     ended = [o.outputs[0] for o in serial.values()]
-    assert any(c.finish_reason == "stop" and c.token_ids[-1] == eos and len(c.token_ids) < 16
-               for c in ended), "no request reached the EOS"
+    assert any(
+        c.finish_reason == "stop" and c.token_ids[-1] == eos and len(c.token_ids) < 16
+        for c in ended
+    ), "no request reached the EOS"
     assert any(c.finish_reason == "length" for c in ended)
 
 
 def test_stop_token_ids_match_serial(tiny_llama_dir, reference, prompts):
     stop = frequent_tokens(reference, prompts)[:2]
-    params = [greedy(16, stop_token_ids=stop) if i % 2 else seeded(i, 16, stop_token_ids=stop)
-              for i in range(len(prompts))]
+    params = [
+        greedy(16, stop_token_ids=stop) if i % 2 else seeded(i, 16, stop_token_ids=stop)
+        for i in range(len(prompts))
+    ]
     serial, ahead = run_both(tiny_llama_dir, lambda e: drive(e, all_at_once(prompts, params)))
     assert_same(ahead, serial)
     assert any(o.outputs[0].stop_reason in stop for o in serial.values())
@@ -107,7 +113,7 @@ def two_token_stop(tokenizer, ids: list[int], text: str) -> tuple[str, int] | No
         a, b = tokenizer.decode([ids[j]]), tokenizer.decode([ids[j + 1]])
         if not all(s.isascii() and s.isprintable() and s.strip() for s in (a, b)):
             continue
-        head = tokenizer.decode(ids[:j + 1])
+        head = tokenizer.decode(ids[: j + 1])
         stop = a[-2:] + b[:2]
         if text.startswith(head + b) and text.find(stop) == len(head) - len(a[-2:]):
             return stop, j + 2
@@ -116,19 +122,23 @@ def two_token_stop(tokenizer, ids: list[int], text: str) -> tuple[str, int] | No
 
 def test_stop_string_spanning_two_tokens_matches_serial(tiny_llama_dir, reference, prompts):
     base = [o.outputs[0] for o in reference.generate(prompts, greedy(20), use_tqdm=False)]
-    found = [(i, hit) for i, c in enumerate(base)
-             if (hit := two_token_stop(reference.tokenizer, c.token_ids, c.text))]
+    found = [
+        (i, hit)
+        for i, c in enumerate(base)
+        if (hit := two_token_stop(reference.tokenizer, c.token_ids, c.text))
+    ]
     assert found, "no greedy output has a stop string across two tokens"
     i, (stop, kept) = found[0]
-    params = [greedy(20, stop=[stop]) if k % 2 else seeded(k, 20, stop=stop)
-              for k in range(len(prompts))]
+    params = [
+        greedy(20, stop=[stop]) if k % 2 else seeded(k, 20, stop=stop) for k in range(len(prompts))
+    ]
     params[i] = greedy(20, stop=[stop])
     serial, ahead = run_both(tiny_llama_dir, lambda e: drive(e, all_at_once(prompts, params)))
     assert_same(ahead, serial)
     got = serial[f"r{i}"].outputs[0]
     assert (got.finish_reason, got.stop_reason) == ("stop", stop)
     assert got.token_ids == base[i].token_ids[:kept]
-    assert got.text == base[i].text[:base[i].text.find(stop)]
+    assert got.text == base[i].text[: base[i].text.find(stop)]
 
 
 def test_max_tokens_match_serial(tiny_llama_dir, prompts):
@@ -144,15 +154,23 @@ def test_max_tokens_match_serial(tiny_llama_dir, prompts):
 def test_min_tokens_hold_off_eos_and_stop_tokens(eos_llama, reference, prompts):
     model_dir, eos = eos_llama
     stop = [t for t in frequent_tokens(reference, prompts) if t != eos][:1]
-    kinds = {"free": greedy(16, ignore_eos=False, stop_token_ids=stop),
-             "held": greedy(16, ignore_eos=False, stop_token_ids=stop, min_tokens=6),
-             "seed": seeded(5, 16, ignore_eos=False, stop_token_ids=stop, min_tokens=5)}
-    arrivals = {0: [(f"{kind}{i}", p, params) for kind, params in kinds.items()
-                    for i, p in enumerate(prompts)]}
+    kinds = {
+        "free": greedy(16, ignore_eos=False, stop_token_ids=stop),
+        "held": greedy(16, ignore_eos=False, stop_token_ids=stop, min_tokens=6),
+        "seed": seeded(5, 16, ignore_eos=False, stop_token_ids=stop, min_tokens=5),
+    }
+    arrivals = {
+        0: [
+            (f"{kind}{i}", p, params)
+            for kind, params in kinds.items()
+            for i, p in enumerate(prompts)
+        ]
+    }
     serial, ahead = run_both(model_dir, lambda e: drive(e, arrivals))
     assert_same(ahead, serial)
-    assert any(len(out.outputs[0].token_ids) < 6 for rid, out in serial.items()
-               if rid.startswith("free")), "no request would end before min_tokens"
+    assert any(
+        len(out.outputs[0].token_ids) < 6 for rid, out in serial.items() if rid.startswith("free")
+    ), "no request would end before min_tokens"
     for rid, out in serial.items():
         min_tokens = kinds[rid[:4]].min_tokens
         ids = out.outputs[0].token_ids
@@ -160,17 +178,29 @@ def test_min_tokens_hold_off_eos_and_stop_tokens(eos_llama, reference, prompts):
 
 
 def test_seeded_sampling_matches_serial(tiny_llama_dir, prompts):
-    variants = [{}, {"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.05}, {"temperature": 1.3},
-                {"repetition_penalty": 1.2}, {"top_p": 0.8, "top_k": 50}, {}]
-    arrivals = {2 * i: [(f"s{i}", p, seeded(100 + i, 14, **kw))]
-                for i, (p, kw) in enumerate(zip(prompts, variants))}
+    variants = [
+        {},
+        {"top_p": 0.9},
+        {"top_k": 20},
+        {"min_p": 0.05},
+        {"temperature": 1.3},
+        {"repetition_penalty": 1.2},
+        {"top_p": 0.8, "top_k": 50},
+        {},
+    ]
+    arrivals = {
+        2 * i: [(f"s{i}", p, seeded(100 + i, 14, **kw))]
+        for i, (p, kw) in enumerate(zip(prompts, variants))
+    }
     serial, ahead = run_both(tiny_llama_dir, lambda e: drive(e, arrivals))
     assert_same(ahead, serial)
 
 
 def test_n_samples_match_serial(tiny_llama_dir, prompts):
-    arrivals = {0: [("n3", prompts[3], seeded(9, 10, n=3)), ("g2", prompts[1], greedy(8, n=2))],
-                2: [("n2", prompts[6], seeded(4, 12, n=2))]}
+    arrivals = {
+        0: [("n3", prompts[3], seeded(9, 10, n=3)), ("g2", prompts[1], greedy(8, n=2))],
+        2: [("n2", prompts[6], seeded(4, 12, n=2))],
+    }
     serial, ahead = run_both(tiny_llama_dir, lambda e: drive(e, arrivals))
     assert_same(ahead, serial)
     assert len({tuple(c.token_ids) for c in ahead["n3"].outputs}) > 1
@@ -182,9 +212,11 @@ def shared_prefix_arrivals(vocab: int, params_for) -> Arrivals:
     shared = prompts_for(vocab, (40,), seed=7)[0]
     tails = prompts_for(vocab, (3, 9, 14, 5, 21, 11), seed=8)
     ps = [shared + t for t in tails]
-    return {0: [(f"a{i}", ps[i], params_for(i)) for i in range(2)],
-            3: [(f"a{i}", ps[i], params_for(i)) for i in range(2, 6)],
-            60: [(f"b{i}", ps[i], params_for(i)) for i in range(2)]}
+    return {
+        0: [(f"a{i}", ps[i], params_for(i)) for i in range(2)],
+        3: [(f"a{i}", ps[i], params_for(i)) for i in range(2, 6)],
+        60: [(f"b{i}", ps[i], params_for(i)) for i in range(2)],
+    }
 
 
 def test_prefix_cache_hits_match_serial(tiny_llama_dir, reference):
@@ -199,12 +231,16 @@ def test_prefix_cache_hits_match_serial(tiny_llama_dir, reference):
 
 def test_routed_experts_match_serial(tiny_moe_dir, reference):
     def params_for(i):
-        return (greedy(8, return_routed_experts=True) if i % 2
-                else seeded(i, 8, return_routed_experts=True))
+        return (
+            greedy(8, return_routed_experts=True)
+            if i % 2
+            else seeded(i, 8, return_routed_experts=True)
+        )
 
     arrivals = shared_prefix_arrivals(reference.validator.vocab_size, params_for)
-    serial, ahead = run_both(tiny_moe_dir, lambda e: drive(e, arrivals),
-                             enable_return_routed_experts=True)
+    serial, ahead = run_both(
+        tiny_moe_dir, lambda e: drive(e, arrivals), enable_return_routed_experts=True
+    )
     assert_same(ahead, serial)  # the routed experts exactly
     assert any(o.num_cached_tokens > 0 for o in ahead.values())
     for out in ahead.values():

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from kernels.attention import get_backend
-from kernels.attention.builder import SeqSlice, build_metadata
-from kernels.attention.torch_ref import TorchAttention
+from raylane.kernels.attention import get_backend
+from raylane.kernels.attention.builder import SeqSlice, build_metadata
+from raylane.kernels.attention.torch_ref import TorchAttention
 
 torch.set_num_threads(1)
 
@@ -39,9 +38,15 @@ def make_seqs(shapes: list[tuple[int, int]], block_size: int, gen: torch.Generat
     seqs = []
     for (num_new, ctx), n in zip(shapes, need):
         table, pool = pool[:n], pool[n:]
-        seqs.append(SeqData(num_new, ctx, table, *(torch.randn(ctx, KV_HEADS, HEAD_DIM,
-                    generator=gen) for _ in range(2)),
-                    torch.randn(num_new, HEADS, HEAD_DIM, generator=gen)))
+        seqs.append(
+            SeqData(
+                num_new,
+                ctx,
+                table,
+                *(torch.randn(ctx, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2)),
+                torch.randn(num_new, HEADS, HEAD_DIM, generator=gen),
+            )
+        )
     return seqs, num_blocks
 
 
@@ -62,8 +67,14 @@ def naive_attention(s: SeqData) -> torch.Tensor:
     return out
 
 
-def run_backend(prefills, decodes, block_size: int, seed: int = 0,
-                dtype: torch.dtype = torch.float32, backend=None):
+def run_backend(
+    prefills,
+    decodes,
+    block_size: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    backend=None,
+):
     gen = torch.Generator().manual_seed(seed)
     seqs, num_blocks = make_seqs(prefills + decodes, block_size, gen)
     for s in seqs:  # round the data to `dtype`; the naive reference then runs on the same values
@@ -77,10 +88,10 @@ def run_backend(prefills, decodes, block_size: int, seed: int = 0,
             k_cache[s.slot(pos, block_size)] = s.k[pos]
             v_cache[s.slot(pos, block_size)] = s.v[pos]
     q = torch.cat([s.q for s in seqs])
-    k = torch.cat([s.k[s.context_len - s.num_new:] for s in seqs])
-    v = torch.cat([s.v[s.context_len - s.num_new:] for s in seqs])
+    k = torch.cat([s.k[s.context_len - s.num_new :] for s in seqs])
+    v = torch.cat([s.v[s.context_len - s.num_new :] for s in seqs])
     slices = [SeqSlice(s.num_new, s.context_len, s.block_table) for s in seqs]
-    meta = build_metadata(slices[:len(prefills)], slices[len(prefills):], block_size)
+    meta = build_metadata(slices[: len(prefills)], slices[len(prefills) :], block_size)
     out = (backend or TorchAttention()).forward(q, k, v, k_cache, v_cache, meta, SCALE)
     return seqs, out, k_cache, v_cache
 
@@ -92,8 +103,10 @@ CASES = {
     "decodes": ([], [(1, 1), (1, 9), (1, 16), (1, 33)]),
     "mixed": ([(7, 7), (5, 21), (2, 4)], [(1, 3), (1, 20), (1, 17)]),
     # short and long contexts in one decode batch: the short ones are masked past their end
-    "split_decodes": ([(3, 9)], [(1, 2 + i) for i in range(10)]
-                      + [(1, 60 + 3 * i) for i in range(10)]),
+    "split_decodes": (
+        [(3, 9)],
+        [(1, 2 + i) for i in range(10)] + [(1, 60 + 3 * i) for i in range(10)],
+    ),
 }
 
 
@@ -105,8 +118,9 @@ def test_matches_naive_causal_attention(case, block_size):
     assert out.shape == (sum(s.num_new for s in seqs), HEADS, HEAD_DIM)
     start = 0
     for s in seqs:  # flat rows: prefill chunks first, then decodes, in the order given
-        torch.testing.assert_close(out[start:start + s.num_new].double(), naive_attention(s),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[start : start + s.num_new].double(), naive_attention(s), atol=1e-5, rtol=1e-5
+        )
         start += s.num_new
 
 
@@ -139,7 +153,7 @@ def test_slot_mapping_follows_the_block_table():
 
 
 def test_registry_prefers_the_c_kernel_on_cpu_and_knows_the_torch_reference():
-    from kernels.attention import cpu_kernel
+    from raylane.kernels.attention import cpu_kernel
 
     want = "cpu" if cpu_kernel.is_available() else "torch"
     assert get_backend("auto", "cpu").name == want
@@ -153,14 +167,15 @@ def test_registry_prefers_the_c_kernel_on_cpu_and_knows_the_torch_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_equals_the_torch_reference_on_a_step(dtype):
     """The C kernel behind the backend API, fed the same metadata and cache as the reference."""
-    from kernels.attention import cpu_kernel
+    from raylane.kernels.attention import cpu_kernel
 
     if not cpu_kernel.is_available():
         pytest.skip("no C compiler: the CPU kernel is not built")
     prefills, decodes = CASES["mixed"]
     ref_seqs, ref, ref_k, _ = run_backend(prefills, decodes, 4, seed=9, dtype=dtype)
-    got_seqs, got, got_k, _ = run_backend(prefills, decodes, 4, seed=9, dtype=dtype,
-                                          backend=get_backend("cpu", "cpu"))
+    got_seqs, got, got_k, _ = run_backend(
+        prefills, decodes, 4, seed=9, dtype=dtype, backend=get_backend("cpu", "cpu")
+    )
     torch.testing.assert_close(got_k, ref_k, atol=0, rtol=0)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: output rounding, one ulp apart
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)

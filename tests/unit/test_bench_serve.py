@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.bench.serve import Rows, RunResult, add_arguments, print_table, round_work
+from raylane.bench.serve import Rows, RunResult, add_arguments, print_table, round_work
 
 
 def args(*argv: str) -> argparse.Namespace:

@@ -20,8 +20,7 @@ import random
 import numpy as np
 import pytest
 import torch
-
-from actors.engine import EngineConfig, LLMEngine, SamplingParams
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 @functools.lru_cache(maxsize=4)
@@ -42,23 +41,24 @@ def hf_scores(model_dir: str, dtype: torch.dtype, ids: list[int]) -> np.ndarray:
 def check_against_truth(model_dir: str, prompts: list[list[int]], max_new: int) -> None:
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=64))
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True,
-                                logprobs=0, prompt_logprobs=0)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=0, prompt_logprobs=0
+        )
         outs = engine.generate(prompts, params, use_tqdm=False)
     finally:
         engine.shutdown()
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
-        ours = np.array([entry[t] for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])]
-                        + list(c.logprobs))
+        ours = np.array(
+            [entry[t] for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])] + list(c.logprobs)
+        )
         ids = prompt + c.token_ids
-        truth = hf_scores(model_dir, torch.float32, ids)[:len(ours)]
-        theirs = hf_scores(model_dir, torch.bfloat16, ids)[:len(ours)]
+        truth = hf_scores(model_dir, torch.float32, ids)[: len(ours)]
+        theirs = hf_scores(model_dir, torch.bfloat16, ids)[: len(ours)]
         ours_err, their_err = np.abs(ours - truth), np.abs(theirs - truth)
         ours_p90, their_p90 = np.quantile(ours_err, 0.9), np.quantile(their_err, 0.9)
         assert ours_p90 <= 1.5 * their_p90 + 0.01, (ours_p90, their_p90)
-        assert ours_err.mean() <= 1.5 * their_err.mean() + 0.01, (ours_err.mean(),
-                                                                   their_err.mean())
+        assert ours_err.mean() <= 1.5 * their_err.mean() + 0.01, (ours_err.mean(), their_err.mean())
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_moe_dir"])
@@ -72,11 +72,14 @@ def test_bf16_is_as_close_to_float32_as_hf_bf16(fixture, request):
 
 @pytest.mark.slow
 def test_smollm2_bf16_is_as_close_to_float32_as_hf_bf16(smollm2_dir):
-    from actors.models import load_tokenizer
+    from raylane.actors.models import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_dir)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                           add_generation_prompt=True, tokenize=False)
-             for q in ("What is 2+2?", "Why is the sky blue? Answer briefly.")]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in ("What is 2+2?", "Why is the sky blue? Answer briefly.")
+    ]
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     check_against_truth(smollm2_dir, prompts, max_new=16)

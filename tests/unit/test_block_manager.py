@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from actors.engine.block_manager import BlockManager
-from actors.engine.sampling_params import SamplingParams
-from actors.engine.sequence import Sequence
+from raylane.actors.engine.block_manager import BlockManager
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.sequence import Sequence
 
 BS = 4
 
@@ -95,7 +94,7 @@ def test_divergent_block_breaks_chain_even_if_later_blocks_match():
     assert bm.allocate_cached_prefix(b) == 0
     assert b.block_table == []
     # identical block 0, different block 1, identical block 2: only block 0 hits
-    c = make_seq(a.token_ids[:BS] + block_run(800, 1) + a.token_ids[2 * BS:])
+    c = make_seq(a.token_ids[:BS] + block_run(800, 1) + a.token_ids[2 * BS :])
     assert bm.allocate_cached_prefix(c) == BS
     assert c.block_table == a.block_table[:1]
 

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import pytest
-
-from cluster.cli import build_parser
-from cluster.config import ClusterConfig
-from cluster.serve_cli import config_from_args
+from raylane.cli import build_parser
+from raylane.config import ClusterConfig
+from raylane.serve_cli import config_from_args
 
 
 def test_yaml_then_env_then_flags(tmp_path, monkeypatch):
     path = tmp_path / "cluster.yaml"
-    path.write_text("model: /models/a\nreplicas: 2\nport: 9000\n"
-                    "engine:\n  max_num_seqs: 8\n  enable_prefix_caching: false\n")
+    path.write_text(
+        "model: /models/a\nreplicas: 2\nport: 9000\n"
+        "engine:\n  max_num_seqs: 8\n  enable_prefix_caching: false\n"
+    )
     config = ClusterConfig.from_yaml(str(path))
     assert (config.model, config.replicas, config.port) == ("/models/a", 2, 9000)
     assert config.engine == {"max_num_seqs": 8, "enable_prefix_caching": False}
@@ -23,8 +24,17 @@ def test_yaml_then_env_then_flags(tmp_path, monkeypatch):
     env = ClusterConfig.from_env()
     assert (env.replicas, env.api_keys, env.port) == (3, ("k1", "k2"), 9000)
 
-    argv = ["serve", "--config", str(path), "--port", "9100", "--max-num-seqs", "4",
-            "--api-key", "only"]
+    argv = [
+        "serve",
+        "--config",
+        str(path),
+        "--port",
+        "9100",
+        "--max-num-seqs",
+        "4",
+        "--api-key",
+        "only",
+    ]
     flags = config_from_args(build_parser(argv).parse_args(argv))
     assert (flags.port, flags.replicas, flags.api_keys) == (9100, 3, ("only",))
     assert flags.engine["max_num_seqs"] == 4
@@ -34,29 +44,42 @@ def test_raylane_config_reaches_the_cli_and_the_serve_app(tmp_path, monkeypatch)
     """The paths `raylane serve` and a RayService really take: no --config flag, and Serve
     args on top of the YAML."""
     path = tmp_path / "cluster.yaml"
-    path.write_text("model: /models/a\nreplicas: 2\nmax_queue_per_replica: 7\n"
-                    "engine:\n  max_num_seqs: 8\n  dtype: float32\n")
+    path.write_text(
+        "model: /models/a\nreplicas: 2\nmax_queue_per_replica: 7\n"
+        "engine:\n  max_num_seqs: 8\n  dtype: float32\n"
+    )
     monkeypatch.setenv("RAYLANE_CONFIG", str(path))
     monkeypatch.setenv("RAYLANE_PORT", "9300")
     argv = ["serve", "--max-model-len", "128", "--max-n", "8", "--request-timeout", "2.5"]
     cli = config_from_args(build_parser(argv).parse_args(argv))
     assert (cli.max_n, cli.request_timeout_s) == (8, 2.5)
     assert (cli.model, cli.replicas, cli.max_queue_per_replica, cli.port) == (
-        "/models/a", 2, 7, 9300)
+        "/models/a",
+        2,
+        7,
+        9300,
+    )
     assert cli.engine == {"max_num_seqs": 8, "dtype": "float32", "max_model_len": 128}
     app = ClusterConfig.for_serve_app({"replicas": 3, "engine": {"max_num_seqs": 16}})
     assert (app.model, app.replicas, app.max_queue_per_replica, app.port) == (
-        "/models/a", 3, 7, 9300)
+        "/models/a",
+        3,
+        7,
+        9300,
+    )
     assert app.engine == {"max_num_seqs": 16, "dtype": "float32"}
     monkeypatch.delenv("RAYLANE_CONFIG")
     assert ClusterConfig.for_serve_app({"replicas": 3}).model is None
 
 
-@pytest.mark.parametrize("data, field", [
-    ({"replicas": 0}, "replicas"),
-    ({"engine": {"max_num_seqz": 4}}, "max_num_seqz"),
-    ({"prot": 80}, "prot"),
-])
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"replicas": 0}, "replicas"),
+        ({"engine": {"max_num_seqz": 4}}, "max_num_seqz"),
+        ({"prot": 80}, "prot"),
+    ],
+)
 def test_bad_config_names_the_field(data, field):
     with pytest.raises(ValueError, match=field):
         ClusterConfig.from_dict(data)
@@ -72,8 +95,10 @@ def test_admin_api_key_from_yaml_env_and_flag(tmp_path, monkeypatch):
     argv = ["serve", "--config", str(path), "--admin-api-key", "from-flag"]
     assert config_from_args(build_parser(argv).parse_args(argv)).admin_api_key == "from-flag"
     assert ClusterConfig().admin_api_key is None  # no admin routes unless asked
-    for bad, message in (({"admin_api_key": ""}, "empty"),
-                         ({"admin_api_key": "k", "api_keys": ("k",)}, "differ")):
+    for bad, message in (
+        ({"admin_api_key": ""}, "empty"),
+        ({"admin_api_key": "k", "api_keys": ("k",)}, "differ"),
+    ):
         with pytest.raises(ValueError, match=message):
             ClusterConfig(**bad)
 
@@ -104,20 +129,23 @@ def test_serve_help_explains_tensor_parallel_size(capsys):
     assert "--tensor-parallel-size N" in help_text and "placement group" in help_text
 
 
-@pytest.mark.parametrize("engine, field", [
-    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-    ({"tensor_parallel_size": "2"}, "tensor_parallel_size"),
-    ({"distributed_executor_backend": "mpi"}, "distributed_executor_backend"),
-    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "'ray'"),
-    ({"shard_resources": {"CPU": -1}}, "shard_resources"),
-])
+@pytest.mark.parametrize(
+    "engine, field",
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": "2"}, "tensor_parallel_size"),
+        ({"distributed_executor_backend": "mpi"}, "distributed_executor_backend"),
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "'ray'"),
+        ({"shard_resources": {"CPU": -1}}, "shard_resources"),
+    ],
+)
 def test_bad_engine_values_fail_when_the_config_loads(engine, field):
     with pytest.raises(ValueError, match=field):
         ClusterConfig(engine=engine)
 
 
 def test_serve_with_a_bad_tp_size_exits_2_before_starting_ray(capsys):
-    from cluster.serve_cli import run
+    from raylane.serve_cli import run
 
     argv = ["serve", "--tensor-parallel-size", "0"]
     assert run(build_parser(argv).parse_args(argv)) == 2
@@ -125,19 +153,21 @@ def test_serve_with_a_bad_tp_size_exits_2_before_starting_ray(capsys):
 
 
 def test_replica_bundles_and_the_fit_check():
-    from actors.executor.placement import check_fits_one_node, replica_bundles
+    from raylane.actors.executor.placement import check_fits_one_node, replica_bundles
 
     bundles = replica_bundles({"CPU": 1.5}, 2)
     assert bundles == [{"CPU": 0.01}, {"CPU": 1.5}, {"CPU": 1.5}]
-    nodes = [{"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": False,
-                                                          "Resources": {"CPU": 8.0}}]
+    nodes = [
+        {"Alive": True, "Resources": {"CPU": 2.0}},
+        {"Alive": False, "Resources": {"CPU": 8.0}},
+    ]
     with pytest.raises(ValueError, match=r"CPU: needs 3\.01, the largest node has 2"):
         check_fits_one_node(bundles, nodes, "one engine replica")
     check_fits_one_node(replica_bundles({"CPU": 0.5}, 2), nodes, "one engine replica")
 
 
 def test_a_replica_group_too_small_for_its_shards_is_named():
-    from actors.executor.placement import _check_replica_group, replica_bundles
+    from raylane.actors.executor.placement import _check_replica_group, replica_bundles
 
     _check_replica_group(replica_bundles({"GPU": 1.0}, 2), {"GPU": 1.0}, 2)
     with pytest.raises(ValueError, match="needs 3"):
@@ -147,7 +177,7 @@ def test_a_replica_group_too_small_for_its_shards_is_named():
 
 
 def test_tp1_deploys_without_a_placement_group():
-    from cluster.serve import engine_deployment_options
+    from raylane.serve import engine_deployment_options
 
     config = ClusterConfig(replicas=2)
     assert engine_deployment_options(config, config.engine_config("m")) == {"num_replicas": 2}
@@ -169,8 +199,10 @@ def test_dtype_and_graph_options_from_flags_and_yaml(tmp_path):
     assert engine.enforce_eager is True
     assert engine.cudagraph_capture_sizes == (1, 4, 8)  # sorted, as a tuple
     argv = ["serve", "--config", str(path)]
-    assert config_from_args(build_parser(argv).parse_args(argv)).engine_config(
-        "/m").enforce_eager is None  # graphs where they capture
+    assert (
+        config_from_args(build_parser(argv).parse_args(argv)).engine_config("/m").enforce_eager
+        is None
+    )  # graphs where they capture
     with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
         ClusterConfig.from_dict({"engine": {"cudagraph_capture_sizes": [0, 8]}})
     with pytest.raises(SystemExit):
@@ -217,22 +249,25 @@ def test_consolidation_banks_all_and_the_dsn_from_the_environment(tmp_path, monk
     assert cli.consolidation_config().banks == ("agent-7", "agent-8")
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"dsn": "pg://x", "interval": 5}, "interval"),
-    ({"dsn": "pg://x", "bank": ["a"]}, "bank"),
-    ({"interval_s": 5}, "RAYLANE_CONSOLIDATION_DSN"),
-    ({"dsn": ""}, "dsn"),
-    ({"dsn": "pg://x", "interval_s": 0}, "interval_s"),
-    ({"dsn": "pg://x", "interval_s": "60"}, "interval_s"),
-    ({"dsn": "pg://x", "banks": []}, "banks"),
-    ({"dsn": "pg://x", "banks": "agent-7"}, "banks"),
-    ({"dsn": "pg://x", "banks": ["a", ""]}, "banks"),
-    ({"dsn": "pg://x", "batch_size": 0}, "batch_size"),
-    ({"dsn": "pg://x", "max_parallel_groups": True}, "max_parallel_groups"),
-    ({"dsn": "pg://x", "max_tokens": 0}, "max_tokens"),
-    ({"dsn": "pg://x", "model": ""}, "model"),
-    (["dsn"], "mapping"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"dsn": "pg://x", "interval": 5}, "interval"),
+        ({"dsn": "pg://x", "bank": ["a"]}, "bank"),
+        ({"interval_s": 5}, "RAYLANE_CONSOLIDATION_DSN"),
+        ({"dsn": ""}, "dsn"),
+        ({"dsn": "pg://x", "interval_s": 0}, "interval_s"),
+        ({"dsn": "pg://x", "interval_s": "60"}, "interval_s"),
+        ({"dsn": "pg://x", "banks": []}, "banks"),
+        ({"dsn": "pg://x", "banks": "agent-7"}, "banks"),
+        ({"dsn": "pg://x", "banks": ["a", ""]}, "banks"),
+        ({"dsn": "pg://x", "batch_size": 0}, "batch_size"),
+        ({"dsn": "pg://x", "max_parallel_groups": True}, "max_parallel_groups"),
+        ({"dsn": "pg://x", "max_tokens": 0}, "max_tokens"),
+        ({"dsn": "pg://x", "model": ""}, "model"),
+        (["dsn"], "mapping"),
+    ],
+)
 def test_bad_consolidation_section_names_the_key(section, message, monkeypatch):
     monkeypatch.delenv("RAYLANE_CONSOLIDATION_DSN", raising=False)
     with pytest.raises(ValueError, match=message):
@@ -255,7 +290,7 @@ def test_serve_help_shows_how_to_turn_consolidation_on(capsys):
 
 
 def test_consolidation_metrics_are_merged_only_when_configured():
-    from cluster.consolidation import ActorMetrics, metrics_sources
+    from raylane.consolidation import ActorMetrics, metrics_sources
 
     assert metrics_sources(ClusterConfig()) == []
     (source,) = metrics_sources(ClusterConfig(consolidation={"dsn": "pg://x"}))
@@ -268,7 +303,7 @@ def test_the_app_logs_an_unusable_database_and_tries_again(monkeypatch, caplog):
     import logging
     import threading
 
-    from cluster import consolidation, launch
+    from raylane import consolidation, launch
 
     calls: list[str] = []
     done = threading.Event()
@@ -276,8 +311,10 @@ def test_the_app_logs_an_unusable_database_and_tries_again(monkeypatch, caplog):
     def start(config, url, model_name):
         calls.append(f"{url} {model_name}")
         if len(calls) == 2:  # the first try
-            raise ValueError("consolidation: cannot use the database at consolidation.dsn: "
-                             "ConnectionRefusedError: refused")
+            raise ValueError(
+                "consolidation: cannot use the database at consolidation.dsn: "
+                "ConnectionRefusedError: refused"
+            )
         done.set()
 
     monkeypatch.setattr(consolidation, "serve_url", lambda: "http://10.0.0.7:8000")
@@ -298,17 +335,21 @@ def test_the_app_logs_an_unusable_database_and_tries_again(monkeypatch, caplog):
     assert consolidation.start_with_app(ClusterConfig(), "m") is None  # no section: no thread
 
 
-@pytest.mark.parametrize(("host", "url"), [("0.0.0.0", "http://10.1.2.3:8123"),
-                                           ("127.0.0.1", "http://127.0.0.1:8123"),
-                                           ("::", "http://10.1.2.3:8123"),
-                                           ("fd00::5", "http://[fd00::5]:8123")])
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("0.0.0.0", "http://10.1.2.3:8123"),
+        ("127.0.0.1", "http://127.0.0.1:8123"),
+        ("::", "http://10.1.2.3:8123"),
+        ("fd00::5", "http://[fd00::5]:8123"),
+    ],
+)
 def test_the_actor_asks_the_serve_address_any_node_can_reach(host, url, monkeypatch):
     from types import SimpleNamespace
 
     import ray
     import ray.serve.context
-
-    from cluster.consolidation import serve_url
+    from raylane.consolidation import serve_url
 
     client = SimpleNamespace(http_config=SimpleNamespace(host=host, port=8123))
     monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda: client)

@@ -7,9 +7,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-
-from actors.consolidation import CallFailed, EngineLLM, OpenAICompatibleLLM
-from actors.consolidation.prompt import JSON_RESPONSE_FORMAT
+from raylane.actors.consolidation import CallFailed, EngineLLM, OpenAICompatibleLLM
+from raylane.actors.consolidation.prompt import JSON_RESPONSE_FORMAT
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -21,13 +20,29 @@ def endpoint(status: int, seen: list[dict]) -> OpenAICompatibleLLM:
         seen.append(json.loads(request.content))
         if status != 200:
             return httpx.Response(status, json={"error": {"message": "nope", "type": "x"}})
-        return httpx.Response(200, json={
-            "id": "c1", "object": "chat.completion", "created": 0, "model": "m",
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": '{"actions": []}'}}]})
+        return httpx.Response(
+            200,
+            json={
+                "id": "c1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": '{"actions": []}'},
+                    }
+                ],
+            },
+        )
 
-    client = AsyncOpenAI(base_url="http://llm.test/v1", api_key="k", max_retries=0,
-                         http_client=httpx.AsyncClient(transport=httpx.MockTransport(handle)))
+    client = AsyncOpenAI(
+        base_url="http://llm.test/v1",
+        api_key="k",
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=httpx.MockTransport(handle)),
+    )
     return OpenAICompatibleLLM("http://llm.test/v1", "m", max_tokens=64, client=client)
 
 
@@ -77,31 +92,34 @@ async def test_engine_llm_returns_the_final_cumulative_text() -> None:
     engine = FakeEngine(['{"act', 'ions": ', "[]}"])
     llm = EngineLLM(engine, FakeTokenizer(), max_tokens=32, sampling_params=params)
     assert await llm.complete(MESSAGES) == '{"actions": []}'
-    (prompt, sent, request_id), = engine.requests
+    ((prompt, sent, request_id),) = engine.requests
     assert prompt == "hi|assistant:" and sent == params(32)
     assert request_id.startswith("consolidation-")
 
 
 async def test_engine_llm_constrains_the_output_to_the_response_format() -> None:
-    from actors.consolidation.prompt import answer_format
-    from actors.engine import SamplingParams, StructuredOutputsParams
+    from raylane.actors.consolidation.prompt import answer_format
+    from raylane.actors.engine import SamplingParams, StructuredOutputsParams
 
     schema_format = answer_format([1, 2], [9])
     for response_format, spec in (
-            (JSON_RESPONSE_FORMAT, StructuredOutputsParams(json_object=True)),
-            (schema_format,
-             StructuredOutputsParams(json=schema_format["json_schema"]["schema"])),
-            (None, None), ({"type": "text"}, None)):
+        (JSON_RESPONSE_FORMAT, StructuredOutputsParams(json_object=True)),
+        (schema_format, StructuredOutputsParams(json=schema_format["json_schema"]["schema"])),
+        (None, None),
+        ({"type": "text"}, None),
+    ):
         engine = FakeEngine(["{}"])
         await EngineLLM(engine, FakeTokenizer(), max_tokens=32).complete(
-            MESSAGES, response_format=response_format)
-        (_, sent, _), = engine.requests
+            MESSAGES, response_format=response_format
+        )
+        ((_, sent, _),) = engine.requests
         assert isinstance(sent, SamplingParams) and sent.max_tokens == 32
         assert sent.structured_outputs == spec
 
 
 async def test_engine_rejecting_the_prompt_is_a_failed_call() -> None:
-    llm = EngineLLM(FakeEngine(error=ValueError("prompt too long")), FakeTokenizer(),
-                    sampling_params=params)
+    llm = EngineLLM(
+        FakeEngine(error=ValueError("prompt too long")), FakeTokenizer(), sampling_params=params
+    )
     with pytest.raises(CallFailed, match="too long"):
         await llm.complete(MESSAGES)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from raylane.router.control import ControlPlane
+from raylane.router.errors import ControlConflict, ReplicasFailed, UpdateNotFound
+from raylane.router.policy import RoutingPolicy
 
-from router.control import ControlPlane
-from router.errors import ControlConflict, ReplicasFailed, UpdateNotFound
-from router.policy import RoutingPolicy
-
-SPECS = [{"name": "a.weight", "shape": [2, 2], "dtype": "float32"},
-         {"name": "b.weight", "shape": [2], "dtype": "float32"}]
+SPECS = [
+    {"name": "a.weight", "shape": [2, 2], "dtype": "float32"},
+    {"name": "b.weight", "shape": [2], "dtype": "float32"},
+]
 
 
 class Table:
@@ -59,8 +60,11 @@ class Recorder:
         error = self.fail.get((replica_id, method))
         if error is not None:
             raise error
-        return {"load_weight_bucket": 2, "finish_weight_update": args[0] if args else None,
-                "abort": [f"out-{replica_id}"]}.get(method)
+        return {
+            "load_weight_bucket": 2,
+            "finish_weight_update": args[0] if args else None,
+            "abort": [f"out-{replica_id}"],
+        }.get(method)
 
     def methods(self) -> list[str]:
         return [m for _, m, phase in self.log if phase == "start"]
@@ -80,8 +84,14 @@ def test_update_pauses_applies_everywhere_and_resumes():
     table, calls = Table("r1", "r2"), Recorder()
     plane = ControlPlane(table)
     assert run(full_update(plane, calls, 3)) == 3
-    assert calls.methods() == ["pause"] * 2 + ["begin_weight_update"] * 2 + [
-        "load_weight_bucket"] * 2 + ["finish_weight_update"] * 2 + ["resume"] * 2
+    assert (
+        calls.methods()
+        == ["pause"] * 2
+        + ["begin_weight_update"] * 2
+        + ["load_weight_bucket"] * 2
+        + ["finish_weight_update"] * 2
+        + ["resume"] * 2
+    )
     assert plane.weight_version() == 3 and plane.paused_mode is None
     assert {r.weight_version for r in table.policy.replicas.values()} == {3}
 
@@ -131,12 +141,15 @@ def test_bad_manifest_anywhere_fails_the_update_and_undoes_its_pause():
         run(plane.load_bucket(calls, "upd-anything", b""))
 
 
-@pytest.mark.parametrize("specs, message", [
-    ([], "non-empty"),
-    ([{"name": "a", "shape": [2]}], "name"),
-    ([SPECS[0], SPECS[0]], "more than once"),
-    ([{"name": "a", "shape": [2], "dtype": "int8"}], "dtype"),
-])
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        ([], "non-empty"),
+        ([{"name": "a", "shape": [2]}], "name"),
+        ([SPECS[0], SPECS[0]], "more than once"),
+        ([{"name": "a", "shape": [2], "dtype": "int8"}], "dtype"),
+    ],
+)
 def test_malformed_manifest_is_refused_before_any_call(specs, message):
     calls = Recorder()
     with pytest.raises(ValueError, match=message):
@@ -180,8 +193,9 @@ def test_commit_needs_every_tensor_and_is_idempotent():
     calls, plane = Recorder(), ControlPlane(Table("r1"))
 
     async def go():
-        update_id = await plane.begin_update(calls, 1, SPECS + [
-            {"name": "c.weight", "shape": [1], "dtype": "float32"}])
+        update_id = await plane.begin_update(
+            calls, 1, SPECS + [{"name": "c.weight", "shape": [1], "dtype": "float32"}]
+        )
         await plane.load_bucket(calls, update_id, b"two tensors")
         with pytest.raises(ValueError, match="only 2 of the update's 3 tensors"):
             await plane.commit_update(calls, update_id)

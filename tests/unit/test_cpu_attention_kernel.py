@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from kernels.attention import cpu_kernel
+from raylane.kernels.attention import cpu_kernel
 
 if not cpu_kernel.is_available():
-    pytest.skip("the CPU paged-attention kernel could not be built (no C compiler?)",
-                allow_module_level=True)
+    pytest.skip(
+        "the CPU paged-attention kernel could not be built (no C compiler?)",
+        allow_module_level=True,
+    )
 
 SCALE = 0.37
 TABLE_PAD = 1 << 30  # block table entries past a sequence's blocks: never read, or it crashes
@@ -48,13 +49,29 @@ class Batch:
     def run(self, num_threads: int | None = None) -> torch.Tensor:
         out = torch.full_like(self.q, float("nan"))
         return cpu_kernel.paged_attention(
-            self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
-            self.query_start_loc, SCALE, out, block_size=self.block_size, num_threads=num_threads)
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            SCALE,
+            out,
+            block_size=self.block_size,
+            num_threads=num_threads,
+        )
 
 
-def make_batch(shapes: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
-               block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0,
-               key_growth: float = 0.0) -> Batch:
+def make_batch(
+    shapes: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    key_growth: float = 0.0,
+) -> Batch:
     """Random data for (q_len, ctx) pairs, rounded to `dtype` before anything else sees it.
 
     `key_growth` scales the key at position p by 1 + key_growth * p, so later scores dwarf
@@ -83,13 +100,20 @@ def make_batch(shapes: list[tuple[int, int]], heads: int, kv_heads: int, head_di
     # q as a slice of a fused [T, (H + 2 KVH) * D] projection: rows are not H * D apart
     flat = torch.cat([s.q for s in seqs]).view(-1, heads * head_dim)
     fused = torch.cat([flat, torch.zeros(flat.shape[0], 2 * kv_heads * head_dim, dtype=dtype)], 1)
-    q = fused[:, :heads * head_dim].view(-1, heads, head_dim)
+    q = fused[:, : heads * head_dim].view(-1, heads, head_dim)
     starts = [0]
     for s in seqs:
         starts.append(starts[-1] + s.q_len)
-    return Batch(seqs, q, k_cache, v_cache, tables,
-                 torch.tensor([ctx for _, ctx in shapes], dtype=torch.int32),
-                 torch.tensor(starts, dtype=torch.int32), block_size)
+    return Batch(
+        seqs,
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor([ctx for _, ctx in shapes], dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32),
+        block_size,
+    )
 
 
 def naive_attention(s: Seq) -> torch.Tensor:
@@ -101,16 +125,17 @@ def naive_attention(s: Seq) -> torch.Tensor:
         pos = s.ctx - s.q_len + i
         for h in range(heads):
             kv = h // (heads // kv_heads)  # GQA: consecutive query heads share a KV head
-            weights = torch.softmax(k[:pos + 1, kv] @ q[i, h] * SCALE, dim=0)
-            out[i, h] = weights @ v[:pos + 1, kv]
+            weights = torch.softmax(k[: pos + 1, kv] @ q[i, h] * SCALE, dim=0)
+            out[i, h] = weights @ v[: pos + 1, kv]
     return out
 
 
 def assert_matches_naive(batch: Batch, out: torch.Tensor, atol: float, rtol: float) -> None:
     start = 0
     for s in batch.seqs:
-        torch.testing.assert_close(out[start:start + s.q_len].double(), naive_attention(s),
-                                   atol=atol, rtol=rtol)
+        torch.testing.assert_close(
+            out[start : start + s.q_len].double(), naive_attention(s), atol=atol, rtol=rtol
+        )
         start += s.q_len
 
 
@@ -168,8 +193,7 @@ def test_threads_do_not_change_the_result():
     # decodes take both kv heads per work item; with 16 there are too few items for that and
     # each kv head is an item of its own: the same arithmetic either way, bit for bit
     batch = make_batch(CASES["mixed"] + CASES["chunks_over_context"], 8, 2, 64, 16, seed=3)
-    torch.testing.assert_close(batch.run(num_threads=1), batch.run(num_threads=16), atol=0,
-                               rtol=0)
+    torch.testing.assert_close(batch.run(num_threads=1), batch.run(num_threads=16), atol=0, rtol=0)
 
 
 def test_rows_past_the_last_sequence_are_left_alone():
@@ -178,8 +202,17 @@ def test_rows_past_the_last_sequence_are_left_alone():
     batch = make_batch([(0, 5), (2, 6), (0, 1)], 4, 2, 64, 16)
     q = torch.cat([batch.q, torch.randn(3, 4, 64)])
     out = torch.full_like(q, 7.0)
-    cpu_kernel.paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables,
-                               batch.seq_lens, batch.query_start_loc, SCALE, out, block_size=16)
+    cpu_kernel.paged_attention(
+        q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        SCALE,
+        out,
+        block_size=16,
+    )
     assert_matches_naive(batch, out[:2], atol=1e-5, rtol=1e-5)
     assert (out[2:] == 7.0).all()
     nobody = make_batch([(0, 3), (0, 20)], 4, 2, 64, 16)
@@ -190,27 +223,46 @@ def test_writes_into_a_strided_out():
     batch = make_batch(CASES["mixed"], 9, 3, 64, 16)
     wide = torch.zeros(batch.q.shape[0], 9, 2 * 64)
     out = wide[:, :, 64:]  # head stride 128, row stride 9 * 128
-    cpu_kernel.paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
-                               batch.seq_lens, batch.query_start_loc, SCALE, out, block_size=16)
+    cpu_kernel.paged_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        SCALE,
+        out,
+        block_size=16,
+    )
     assert_matches_naive(batch, out, atol=1e-5, rtol=1e-5)
     assert not wide[:, :, :64].any()
 
 
-@pytest.mark.parametrize(("name", "bad", "match"), [
-    ("block_tables", lambda b: b.block_tables.clone().fill_(10**6), "block_tables"),
-    ("block_tables", lambda b: b.block_tables[:, :1], "block_tables"),  # too narrow
-    ("seq_lens", lambda b: b.seq_lens.clone().fill_(1), "seq_lens"),  # fewer keys than queries
-    ("query_start_loc", lambda b: b.query_start_loc.flip(0), "query_start_loc"),
-    ("seq_lens", lambda b: b.seq_lens.long(), "int32"),
-    ("out", lambda b: torch.empty_like(b.q, dtype=torch.float64), "dtype"),
-    ("q", lambda b: b.q.transpose(1, 2), "contiguous D"),
-    ("k_cache", lambda b: b.k_cache[::2], "contiguous"),
-])
+@pytest.mark.parametrize(
+    ("name", "bad", "match"),
+    [
+        ("block_tables", lambda b: b.block_tables.clone().fill_(10**6), "block_tables"),
+        ("block_tables", lambda b: b.block_tables[:, :1], "block_tables"),  # too narrow
+        ("seq_lens", lambda b: b.seq_lens.clone().fill_(1), "seq_lens"),  # fewer keys than queries
+        ("query_start_loc", lambda b: b.query_start_loc.flip(0), "query_start_loc"),
+        ("seq_lens", lambda b: b.seq_lens.long(), "int32"),
+        ("out", lambda b: torch.empty_like(b.q, dtype=torch.float64), "dtype"),
+        ("q", lambda b: b.q.transpose(1, 2), "contiguous D"),
+        ("k_cache", lambda b: b.k_cache[::2], "contiguous"),
+    ],
+)
 def test_bad_arguments_raise_value_error(name, bad, match):
     b = make_batch([(2, 20), (1, 40)], 4, 2, 64, 16)
-    args = {"q": b.q, "k_cache": b.k_cache, "v_cache": b.v_cache,
-            "block_tables": b.block_tables, "seq_lens": b.seq_lens,
-            "query_start_loc": b.query_start_loc, "scale": SCALE, "out": torch.empty_like(b.q)}
+    args = {
+        "q": b.q,
+        "k_cache": b.k_cache,
+        "v_cache": b.v_cache,
+        "block_tables": b.block_tables,
+        "seq_lens": b.seq_lens,
+        "query_start_loc": b.query_start_loc,
+        "scale": SCALE,
+        "out": torch.empty_like(b.q),
+    }
     with pytest.raises(ValueError, match=match):
         cpu_kernel.paged_attention(**(args | {name: bad(b)}), block_size=16)
 

@@ -6,15 +6,35 @@ import functools
 import random
 
 import pytest
+from raylane.actors.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.sequence import Sequence
 
-from actors.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from actors.engine.sampling_params import SamplingParams
-from actors.engine.sequence import Sequence
 from tests.tiny_models import make_tokenizer
 
 REPLACEMENT = "\ufffd"
-PIECES = ["a", "b", " ", "the", " fox", ",", ".", "\n", "é", "ß", "中", "文字", "😀", "👍🏽",
-          "🇫🇷", "€", " Paris", "ok!", "→", "ǅ"]
+PIECES = [
+    "a",
+    "b",
+    " ",
+    "the",
+    " fox",
+    ",",
+    ".",
+    "\n",
+    "é",
+    "ß",
+    "中",
+    "文字",
+    "😀",
+    "👍🏽",
+    "🇫🇷",
+    "€",
+    " Paris",
+    "ok!",
+    "→",
+    "ǅ",
+]
 
 
 @functools.cache
@@ -99,8 +119,9 @@ def test_special_tokens_follow_skip_special_tokens():
 MAX_MODEL_LEN = 64
 
 
-def generate(text_or_ids: str | list[int], max_model_len: int = MAX_MODEL_LEN,
-             **params) -> Sequence:
+def generate(
+    text_or_ids: str | list[int], max_model_len: int = MAX_MODEL_LEN, **params
+) -> Sequence:
     """Feed the tokens one by one like the engine does until the checker finishes the sequence."""
     ids = encode(text_or_ids) if isinstance(text_or_ids, str) else text_or_ids
     seq = Sequence("r", 0, [0], SamplingParams(**params), block_size=4)
@@ -124,8 +145,9 @@ def test_stop_string_spanning_tokens():
 
 
 def test_include_stop_str_in_output():
-    seq = generate("Hello, world! How are you today?", stop="world!",
-                   include_stop_str_in_output=True)
+    seq = generate(
+        "Hello, world! How are you today?", stop="world!", include_stop_str_in_output=True
+    )
     assert (seq.finish_reason, seq.text) == ("stop", "Hello, world!")
 
 
@@ -149,7 +171,7 @@ def naive_stop(text_steps: list[str], stops: list[str]) -> str | None:
     for text in text_steps:
         hits = [text.find(s) for s in stops if s in text]
         if hits:
-            return text[:min(hits)]
+            return text[: min(hits)]
     return None
 
 

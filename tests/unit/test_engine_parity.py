@@ -6,8 +6,8 @@ import random
 
 import numpy as np
 import pytest
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
-from actors.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.hf_reference import hf_greedy, hf_router_topk
 
 MAX_NEW = 12
@@ -49,9 +49,16 @@ def test_greedy_batch_matches_hf(fixture, request):
 @pytest.mark.slow
 def test_smollm2_chat_batch_matches_hf(smollm2_dir):
     engine = engine_for(smollm2_dir, max_num_batched_tokens=512)
-    questions = ["What is 2+2?", "Name a color.", "Say hello in French.", "What is rain?",
-                 "Write a short greeting for a friend who just moved to a new city far away.",
-                 "List the planets.", "What is Python?", "Why is the sky blue? Answer briefly."]
+    questions = [
+        "What is 2+2?",
+        "Name a color.",
+        "Say hello in French.",
+        "What is rain?",
+        "Write a short greeting for a friend who just moved to a new city far away.",
+        "List the planets.",
+        "What is Python?",
+        "Why is the sky blue? Answer briefly.",
+    ]
     prompts = [engine.validator.render_chat([{"role": "user", "content": q}]) for q in questions]
     outs = engine.generate(prompts, greedy(16), use_tqdm=False)
     assert_matches_hf(smollm2_dir, prompts, outs, max_new=16, atol=1e-3)
@@ -59,8 +66,9 @@ def test_smollm2_chat_batch_matches_hf(smollm2_dir):
 
 def test_chunked_prefill_and_preemption_match_hf(tiny_llama_dir):
     # chunked: every prompt longer than the budget; preempted: room for ~2 sequences at a time
-    engine = engine_for(tiny_llama_dir, max_num_batched_tokens=16, num_kv_blocks=14,
-                        enable_prefix_caching=False)
+    engine = engine_for(
+        tiny_llama_dir, max_num_batched_tokens=16, num_kv_blocks=14, enable_prefix_caching=False
+    )
     prompts = prompts_for(engine.validator.vocab_size, seed=1)
     outs = engine.generate(prompts, greedy(20), use_tqdm=False)
     assert engine.scheduler.num_preemptions > 0
@@ -75,8 +83,9 @@ def test_prefix_cache_reuse_is_identical_to_cold(tiny_moe_dir):
     params = greedy(return_routed_experts=True)
     first = warm.generate(prompts, params, use_tqdm=False)
     second = warm.generate(prompts, params, use_tqdm=False)
-    cold = engine_for(tiny_moe_dir, enable_return_routed_experts=True,
-                      enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    cold = engine_for(
+        tiny_moe_dir, enable_return_routed_experts=True, enable_prefix_caching=False
+    ).generate(prompts, params, use_tqdm=False)
     assert all(o.num_cached_tokens > 0 for o in second)
     assert all(o.num_cached_tokens == 0 for o in cold)
     for a, b in zip(second, cold):
@@ -96,6 +105,9 @@ def test_routed_experts_equal_hf_router_picks(tiny_moe_dir):
         fed = prompt + got.token_ids[:-1]  # the last sampled token is never fed to the model
         ref = hf_router_topk(tiny_moe_dir, fed).numpy()
         assert got.routed_experts.dtype == np.int32
-        assert got.routed_experts.shape == (len(fed), engine.runner_info.num_moe_layers,
-                                            engine.runner_info.moe_top_k)
+        assert got.routed_experts.shape == (
+            len(fed),
+            engine.runner_info.num_moe_layers,
+            engine.runner_info.moe_top_k,
+        )
         assert np.array_equal(np.sort(got.routed_experts, -1), np.sort(ref, -1))

@@ -6,24 +6,34 @@ from __future__ import annotations
 
 import pytest
 import torch
+from raylane.actors.engine import EngineConfig, LLMEngine
+from raylane.actors.runner.graph_runner import GraphRunner
 
-from actors.engine import EngineConfig, LLMEngine
-from actors.runner.graph_runner import GraphRunner
 from tests.unit.async_helpers import assert_same, engine_for, greedy, prompts_for, seeded
 
 SIZES = (1, 2, 4, 8)
 
 
-def run(model_dir: str, batch: int, enforce_eager: bool, async_scheduling: bool = False,
-        **kw) -> tuple[dict, LLMEngine]:
+def run(
+    model_dir: str, batch: int, enforce_eager: bool, async_scheduling: bool = False, **kw
+) -> tuple[dict, LLMEngine]:
     """`batch` requests at once (decode batches shrink from `batch` as they finish)."""
-    engine = engine_for(model_dir, async_scheduling, enforce_eager=enforce_eager,
-                        max_num_seqs=8, cudagraph_capture_sizes=SIZES, **kw)
-    prompts = prompts_for(engine.validator.vocab_size, tuple(5 + 4 * i for i in range(batch)),
-                          seed=batch)
+    engine = engine_for(
+        model_dir,
+        async_scheduling,
+        enforce_eager=enforce_eager,
+        max_num_seqs=8,
+        cudagraph_capture_sizes=SIZES,
+        **kw,
+    )
+    prompts = prompts_for(
+        engine.validator.vocab_size, tuple(5 + 4 * i for i in range(batch)), seed=batch
+    )
     routed = {"return_routed_experts": True} if kw.get("enable_return_routed_experts") else {}
-    params = [seeded(i, 4 + i, logprobs=3, **routed) if i % 2
-              else greedy(4 + i, logprobs=3, **routed) for i in range(batch)]
+    params = [
+        seeded(i, 4 + i, logprobs=3, **routed) if i % 2 else greedy(4 + i, logprobs=3, **routed)
+        for i in range(batch)
+    ]
     try:
         outs = engine.generate(prompts, params, use_tqdm=False)
         return {o.request_id: o for o in outs}, engine
@@ -44,8 +54,9 @@ def test_replay_equals_eager_for_every_size(tiny_llama_dir, batch):
 def test_replay_with_routed_experts_and_async(tiny_moe_dir, async_scheduling):
     kw = {"enable_return_routed_experts": True}
     eager, _ = run(tiny_moe_dir, 5, enforce_eager=True, **kw)
-    graphs, engine = run(tiny_moe_dir, 5, enforce_eager=False,
-                         async_scheduling=async_scheduling, **kw)
+    graphs, engine = run(
+        tiny_moe_dir, 5, enforce_eager=False, async_scheduling=async_scheduling, **kw
+    )
     assert_same(graphs, eager)  # routed experts exactly
     assert engine.stats.graph_replays > 0
     for out in graphs.values():
@@ -71,8 +82,9 @@ class _KV:
 
 
 def test_padding_goes_to_the_next_size_and_the_scratch_block():
-    graphs = GraphRunner(model=None, kv=_KV(), sizes=(8, 1, 4, 2), max_model_len=30,
-                         device=torch.device("cpu"))
+    graphs = GraphRunner(
+        model=None, kv=_KV(), sizes=(8, 1, 4, 2), max_model_len=30, device=torch.device("cpu")
+    )
     assert [graphs.padded_size(n) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert graphs.block_tables.shape == (8, 8)  # ceil(30 / 4) blocks per row
     graphs.seq_lens[:] = 7
@@ -85,8 +97,9 @@ def test_padding_goes_to_the_next_size_and_the_scratch_block():
 def test_capture_sizes_default_ladder_and_validation():
     config = EngineConfig(model="m", max_num_seqs=20)
     assert config.capture_sizes == (1, 2, 4, 8, 16, 20)  # max_num_seqs itself always fits
-    assert EngineConfig(model="m", max_num_seqs=4,
-                        cudagraph_capture_sizes=(8, 2)).capture_sizes == (2, 4)
+    assert EngineConfig(
+        model="m", max_num_seqs=4, cudagraph_capture_sizes=(8, 2)
+    ).capture_sizes == (2, 4)
     with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
         EngineConfig(model="m", cudagraph_capture_sizes=())
     with pytest.raises(ValueError, match="enforce_eager"):

@@ -69,15 +69,25 @@ CONFIGS = {
     "defaults": {},
     "cpu-dev": example("cpu-dev"),
     "gpu-tp4": example("gpu-tp4"),
-    "metrics-with-literal-key": {"metrics": {"serviceMonitor": {"enabled": True}},
-                                 "auth": {"apiKey": {"value": "k"}}},
+    "metrics-with-literal-key": {
+        "metrics": {"serviceMonitor": {"enabled": True}},
+        "auth": {"apiKey": {"value": "k"}},
+    },
     "llama3-tools-serial": {"serving": {"toolCallParser": "llama3", "asyncScheduling": False}},
     "sessions-and-consolidation": {
         "postgres": {"dsn": {"value": "", "secretKeyRef": {"name": "db", "key": "dsn"}}},
         "sessions": {"persist": True},
-        "consolidation": {"enabled": True, "banks": ["bank-a", "bank-b"], "intervalSeconds": 0.5,
-                          "batchSize": 10, "llmBatchSize": 2, "maxParallelGroups": 3,
-                          "maxTokens": 256, "model": "judge"}},
+        "consolidation": {
+            "enabled": True,
+            "banks": ["bank-a", "bank-b"],
+            "intervalSeconds": 0.5,
+            "batchSize": 10,
+            "llmBatchSize": 2,
+            "maxParallelGroups": 3,
+            "maxTokens": 256,
+            "model": "judge",
+        },
+    },
 }
 
 
@@ -85,8 +95,9 @@ def container_env(docs: list[dict]) -> list[dict[str, dict]]:
     """Each Ray container's env (head, then workers), by variable name."""
     cluster = only(docs, "RayService")["spec"]["rayClusterConfig"]
     pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
-    return [{e["name"]: e for e in c["env"]} for p in pods for c in p["template"]["spec"][
-        "containers"]]
+    return [
+        {e["name"]: e for e in c["env"]} for p in pods for c in p["template"]["spec"]["containers"]
+    ]
 
 
 def test_lint_is_clean():
@@ -125,7 +136,7 @@ def test_rayservice_matches_the_kuberay_crd(name):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_serve_config_imports_and_its_args_load(name, monkeypatch):
-    from cluster.config import ClusterConfig
+    from raylane.config import ClusterConfig
 
     for key in ("RAYLANE_CONFIG", "RAYLANE_MODEL", "RAYLANE_REPLICAS", "RAYLANE_PORT"):
         monkeypatch.delenv(key, raising=False)
@@ -153,41 +164,66 @@ def test_serve_config_imports_and_its_args_load(name, monkeypatch):
     assert "dsn" not in app["args"]["consolidation"]
     service = config.consolidation_config()
     assert (service.banks, service.interval_s, service.model, service.max_tokens) == (
-        tuple(section["banks"]) or None, section["intervalSeconds"], section["model"] or None,
-        section["maxTokens"])
-    assert (service.limits.batch_size, service.limits.llm_batch_size,
-            service.limits.max_parallel_groups) == (
-        section["batchSize"], section["llmBatchSize"], section["maxParallelGroups"])
+        tuple(section["banks"]) or None,
+        section["intervalSeconds"],
+        section["model"] or None,
+        section["maxTokens"],
+    )
+    assert (
+        service.limits.batch_size,
+        service.limits.llm_batch_size,
+        service.limits.max_parallel_groups,
+    ) == (section["batchSize"], section["llmBatchSize"], section["maxParallelGroups"])
 
 
 def test_consolidation_defaults_consolidate_every_bank_with_the_served_model():
     values = {"postgres": {"inChart": {"enabled": True}}, "consolidation": {"enabled": True}}
     serve = yaml.safe_load(only(render(values), "RayService")["spec"]["serveConfigV2"])
     (app,) = serve["applications"]
-    assert app["args"]["consolidation"] == {"interval_s": 60, "batch_size": 50,
-                                            "llm_batch_size": 8, "max_parallel_groups": 4,
-                                            "max_tokens": 1024}
+    assert app["args"]["consolidation"] == {
+        "interval_s": 60,
+        "batch_size": 50,
+        "llm_batch_size": 8,
+        "max_parallel_groups": 4,
+        "max_tokens": 1024,
+    }
 
 
-@pytest.mark.parametrize(("values", "ref"), [
-    ({"postgres": {"dsn": {"value": "", "secretKeyRef": {"name": "db", "key": "dsn"}}}},
-     {"name": "db", "key": "dsn"}),
-    ({"postgres": {"inChart": {"enabled": True}}}, {"name": "rl-raylane-secrets",
-                                                    "key": "postgres-dsn"}),
-    ({"postgres": {"inChart": {"enabled": True}},  # its own database wins
-      "sessions": {"dsn": {"value": "", "secretKeyRef": {"name": "s", "key": "k1"}}},
-      "consolidation": {"dsn": {"value": "", "secretKeyRef": {"name": "c", "key": "k2"}}}},
-     None),
-])
+@pytest.mark.parametrize(
+    ("values", "ref"),
+    [
+        (
+            {"postgres": {"dsn": {"value": "", "secretKeyRef": {"name": "db", "key": "dsn"}}}},
+            {"name": "db", "key": "dsn"},
+        ),
+        (
+            {"postgres": {"inChart": {"enabled": True}}},
+            {"name": "rl-raylane-secrets", "key": "postgres-dsn"},
+        ),
+        (
+            {
+                "postgres": {"inChart": {"enabled": True}},  # its own database wins
+                "sessions": {"dsn": {"value": "", "secretKeyRef": {"name": "s", "key": "k1"}}},
+                "consolidation": {"dsn": {"value": "", "secretKeyRef": {"name": "c", "key": "k2"}}},
+            },
+            None,
+        ),
+    ],
+)
 def test_each_dsn_reaches_every_ray_pod_from_a_secret(values, ref):
-    values = {**values, "sessions": {"persist": True, **values.get("sessions", {})},
-              "consolidation": {"enabled": True, **values.get("consolidation", {})}}
+    values = {
+        **values,
+        "sessions": {"persist": True, **values.get("sessions", {})},
+        "consolidation": {"enabled": True, **values.get("consolidation", {})},
+    }
     for env in container_env(render(values)):
         sessions = env["RAYLANE_SESSIONS_DSN"]["valueFrom"]["secretKeyRef"]
         consolidation = env["RAYLANE_CONSOLIDATION_DSN"]["valueFrom"]["secretKeyRef"]
         if ref is None:
-            assert (sessions, consolidation) == ({"name": "s", "key": "k1"},
-                                                 {"name": "c", "key": "k2"})
+            assert (sessions, consolidation) == (
+                {"name": "s", "key": "k1"},
+                {"name": "c", "key": "k2"},
+            )
         else:
             assert sessions == consolidation == ref
         assert not [e for e in env.values() if e["name"].endswith("_DSN") and "value" in e]
@@ -212,14 +248,20 @@ def test_gpu_tp4_workers_shm_and_head():
     assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     env = {e["name"]: e for e in container["env"]}
-    assert env["RAYLANE_SESSIONS_DSN"]["valueFrom"]["secretKeyRef"] == {"name": "raylane-db",
-                                                                       "key": "dsn"}
+    assert env["RAYLANE_SESSIONS_DSN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "raylane-db",
+        "key": "dsn",
+    }
     assert env["RAYLANE_CONSOLIDATION_DSN"]["valueFrom"]["secretKeyRef"] == {
-        "name": "raylane-memories", "key": "dsn"}
+        "name": "raylane-memories",
+        "key": "dsn",
+    }
     assert env["RAYLANE_ADMIN_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "raylane-keys"
     monitor = only(docs, "ServiceMonitor")
-    assert monitor["spec"]["endpoints"][0]["bearerTokenSecret"] == {"name": "raylane-keys",
-                                                                   "key": "api-key"}
+    assert monitor["spec"]["endpoints"][0]["bearerTokenSecret"] == {
+        "name": "raylane-keys",
+        "key": "api-key",
+    }
     assert not by_kind(docs, "Secret")  # nothing literal: the chart makes no Secret
 
 
@@ -239,20 +281,25 @@ def test_cpu_dev_runs_postgres_in_the_chart_and_points_the_dsn_at_it():
     assert stateful["metadata"]["name"] == "rl-raylane-postgres"
     secret = only(docs, "Secret")
     assert "@rl-raylane-postgres:5432/raylane" in secret["stringData"]["postgres-dsn"]
-    (head,) = only(docs, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"][
-        "template"]["spec"]["containers"]
+    (head,) = only(docs, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]["template"][
+        "spec"
+    ]["containers"]
     env = {e["name"]: e for e in head["env"]}
     for name in ("RAYLANE_SESSIONS_DSN", "RAYLANE_CONSOLIDATION_DSN"):
-        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "rl-raylane-secrets",
-                                                          "key": "postgres-dsn"}
+        assert env[name]["valueFrom"]["secretKeyRef"] == {
+            "name": "rl-raylane-secrets",
+            "key": "postgres-dsn",
+        }
 
 
 def test_pods_run_hardened():
     docs = render(CONFIGS["cpu-dev"])
     cluster = only(docs, "RayService")["spec"]["rayClusterConfig"]
-    pods = [cluster["headGroupSpec"]["template"]["spec"],
-            cluster["workerGroupSpecs"][0]["template"]["spec"],
-            only(docs, "StatefulSet")["spec"]["template"]["spec"]]
+    pods = [
+        cluster["headGroupSpec"]["template"]["spec"],
+        cluster["workerGroupSpecs"][0]["template"]["spec"],
+        only(docs, "StatefulSet")["spec"]["template"]["spec"],
+    ]
     for pod in pods:
         assert pod["securityContext"]["runAsNonRoot"] is True
         for container in pod["containers"]:
@@ -269,23 +316,30 @@ def test_the_service_reaches_only_the_ray_pods():
     cluster = only(docs, "RayService")["spec"]["rayClusterConfig"]
     ray_pods = [cluster["headGroupSpec"]["template"], cluster["workerGroupSpecs"][0]["template"]]
     postgres = only(docs, "StatefulSet")["spec"]["template"]
-    matches = [all(t["metadata"]["labels"].get(k) == v for k, v in selector.items())
-               for t in [*ray_pods, postgres]]
+    matches = [
+        all(t["metadata"]["labels"].get(k) == v for k, v in selector.items())
+        for t in [*ray_pods, postgres]
+    ]
     assert matches == [True, True, False]
 
 
-SENTINELS = {("auth", "apiKey"): "sentinel-api-4a1b", ("auth", "adminKey"): "sentinel-adm-9c2d",
-             ("postgres", "dsn"): "postgresql://u:sentinel-pw-77@db/x",
-             ("sessions", "dsn"): "postgresql://u:sentinel-pw-81@sessions/x",
-             ("consolidation", "dsn"): "postgresql://u:sentinel-pw-93@memories/x",
-             ("hub", "token"): "sentinel-hub-5e6f"}
+SENTINELS = {
+    ("auth", "apiKey"): "sentinel-api-4a1b",
+    ("auth", "adminKey"): "sentinel-adm-9c2d",
+    ("postgres", "dsn"): "postgresql://u:sentinel-pw-77@db/x",
+    ("sessions", "dsn"): "postgresql://u:sentinel-pw-81@sessions/x",
+    ("consolidation", "dsn"): "postgresql://u:sentinel-pw-93@memories/x",
+    ("hub", "token"): "sentinel-hub-5e6f",
+}
 
 
 def test_no_secret_value_outside_a_secret():
-    values: dict = {"postgres": {"inChart": {"enabled": True,
-                                             "password": {"value": "sentinel-pg-3b8a"}}},
-                    "metrics": {"serviceMonitor": {"enabled": True}},
-                    "sessions": {"persist": True}, "consolidation": {"enabled": True}}
+    values: dict = {
+        "postgres": {"inChart": {"enabled": True, "password": {"value": "sentinel-pg-3b8a"}}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+        "sessions": {"persist": True},
+        "consolidation": {"enabled": True},
+    }
     for (group, name), secret in SENTINELS.items():
         values.setdefault(group, {})[name] = {"value": secret}
     docs = render(values)
@@ -300,30 +354,44 @@ def test_no_secret_value_outside_a_secret():
     assert not [s for s in secrets if s in notes]
 
 
-@pytest.mark.parametrize(("values", "says"), [
-    ({"serving": {"replica": 2}}, "replica"),  # misspelled
-    ({"servng": {}}, "servng"),
-    ({"serving": {"tensorParallelSize": 0}}, "tensorParallelSize"),
-    ({"serving": {"toolCallParser": "mistral"}}, "toolCallParser"),
-    ({"model": {"dtype": "fp8"}}, "dtype"),
-    ({"service": {"port": 70000}}, "port"),
-    ({"serving": {"tensorParallelSize": 4}, "workers": {"gpusPerWorker": 2}},
-     "gpusPerWorker (2) is less than serving.tensorParallelSize (4)"),
-    ({"serving": {"replicas": 3, "tensorParallelSize": 2},
-      "workers": {"gpusPerWorker": 2, "replicas": 2, "maxReplicas": 2}}, "at most 4"),
-    ({"serving": {"tensorParallelSize": 2}, "workers": {"gpusPerWorker": 3}}, "multiple"),
-    ({"auth": {"apiKey": {"value": "same"}, "adminKey": {"value": "same"}}}, "differ"),
-    ({"auth": {"apiKey": {"value": "a", "secretKeyRef": {"name": "s", "key": "k"}}}},
-     "not both"),
-    ({"consolidation": {"dsn": {"value": "a", "secretKeyRef": {"name": "s", "key": "k"}}}},
-     "consolidation.dsn: set either value or secretKeyRef, not both"),
-    ({"sessions": {"persist": True}}, "sessions.persist needs a PostgreSQL"),
-    ({"consolidation": {"enabled": True}}, "consolidation.enabled needs a PostgreSQL"),
-    ({"consolidation": {"intervalSeconds": 0}}, "intervalSeconds"),
-    ({"consolidation": {"llmBatchSize": 0}}, "llmBatchSize"),
-    ({"consolidation": {"banks": "all"}}, "banks"),
-    ({"sessions": {"dsn": "postgresql://u:pw@db/x"}}, "dsn"),  # only as a secret
-])
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({"serving": {"replica": 2}}, "replica"),  # misspelled
+        ({"servng": {}}, "servng"),
+        ({"serving": {"tensorParallelSize": 0}}, "tensorParallelSize"),
+        ({"serving": {"toolCallParser": "mistral"}}, "toolCallParser"),
+        ({"model": {"dtype": "fp8"}}, "dtype"),
+        ({"service": {"port": 70000}}, "port"),
+        (
+            {"serving": {"tensorParallelSize": 4}, "workers": {"gpusPerWorker": 2}},
+            "gpusPerWorker (2) is less than serving.tensorParallelSize (4)",
+        ),
+        (
+            {
+                "serving": {"replicas": 3, "tensorParallelSize": 2},
+                "workers": {"gpusPerWorker": 2, "replicas": 2, "maxReplicas": 2},
+            },
+            "at most 4",
+        ),
+        ({"serving": {"tensorParallelSize": 2}, "workers": {"gpusPerWorker": 3}}, "multiple"),
+        ({"auth": {"apiKey": {"value": "same"}, "adminKey": {"value": "same"}}}, "differ"),
+        (
+            {"auth": {"apiKey": {"value": "a", "secretKeyRef": {"name": "s", "key": "k"}}}},
+            "not both",
+        ),
+        (
+            {"consolidation": {"dsn": {"value": "a", "secretKeyRef": {"name": "s", "key": "k"}}}},
+            "consolidation.dsn: set either value or secretKeyRef, not both",
+        ),
+        ({"sessions": {"persist": True}}, "sessions.persist needs a PostgreSQL"),
+        ({"consolidation": {"enabled": True}}, "consolidation.enabled needs a PostgreSQL"),
+        ({"consolidation": {"intervalSeconds": 0}}, "intervalSeconds"),
+        ({"consolidation": {"llmBatchSize": 0}}, "llmBatchSize"),
+        ({"consolidation": {"banks": "all"}}, "banks"),
+        ({"sessions": {"dsn": "postgresql://u:pw@db/x"}}, "dsn"),  # only as a secret
+    ],
+)
 def test_bad_values_are_refused_with_a_readable_message(values, says):
     with pytest.raises(helm.HelmError) as caught:
         render(values)

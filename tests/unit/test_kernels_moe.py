@@ -8,17 +8,18 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.moe import expert_forward, fused_moe, select_experts
+from raylane.kernels.moe import expert_forward, fused_moe, select_experts
 
 E, H, INTER, K = 6, 16, 8, 2
 
 
 def _weights(seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(E, 2 * INTER, H, generator=gen) * 0.3,
-            torch.randn(E, H, INTER, generator=gen) * 0.3,
-            torch.randn(E, H, generator=gen))
+    return (
+        torch.randn(E, 2 * INTER, H, generator=gen) * 0.3,
+        torch.randn(E, H, INTER, generator=gen) * 0.3,
+        torch.randn(E, H, generator=gen),
+    )
 
 
 def _direct(x, w13, w2, weights, ids):
@@ -37,8 +38,13 @@ def test_routing_and_output_equal_hf_sparse_moe_block(renormalize, dtype):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=INTER, num_experts=E,
-                            num_experts_per_tok=K, norm_topk_prob=renormalize)
+    config = Qwen3MoeConfig(
+        hidden_size=H,
+        moe_intermediate_size=INTER,
+        num_experts=E,
+        num_experts_per_tok=K,
+        norm_topk_prob=renormalize,
+    )
     block = Qwen3MoeSparseMoeBlock(config).eval().to(dtype)  # HF's per-expert loop
     w13, w2, router = (w.to(dtype) for w in _weights())
     with torch.no_grad():
@@ -63,8 +69,12 @@ def test_expert_forward_equals_direct_per_token_computation():
     x = torch.randn(9, H)
     weights, ids = select_experts(F.linear(x, router), K, renormalize=True)
     torch.testing.assert_close(weights.sum(-1), torch.ones(9))
-    torch.testing.assert_close(expert_forward(x, w13, w2, weights, ids),
-                               _direct(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        expert_forward(x, w13, w2, weights, ids),
+        _direct(x, w13, w2, weights, ids),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_unused_experts_and_single_token():
@@ -72,8 +82,12 @@ def test_unused_experts_and_single_token():
     x = torch.randn(1, H)
     ids = torch.tensor([[4, 1]])  # experts 0, 2, 3, 5 get no tokens
     weights = torch.tensor([[0.75, 0.25]])
-    torch.testing.assert_close(expert_forward(x, w13, w2, weights, ids),
-                               _direct(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        expert_forward(x, w13, w2, weights, ids),
+        _direct(x, w13, w2, weights, ids),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_selection_is_softmax_top_k():
@@ -142,14 +156,24 @@ def test_expert_forward_equals_naive_float64(dtype, hidden, inter, case, monkeyp
 def _no_host_sync(monkeypatch: pytest.MonkeyPatch):
     """Any read of a tensor's value on the host (what would stall a CUDA stream and break graph
     capture) raises. Covers Python-level reads only, not syncs inside C++ ops."""
+
     def refuse(name: str):
         def read(*args, **kwargs):
             raise AssertionError(f"host sync: Tensor.{name}")
+
         return read
 
     with monkeypatch.context() as patch:
-        for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__",
-                     "__index__"):
+        for name in (
+            "tolist",
+            "item",
+            "cpu",
+            "numpy",
+            "__bool__",
+            "__int__",
+            "__float__",
+            "__index__",
+        ):
             patch.setattr(torch.Tensor, name, refuse(name))
         yield
 
@@ -157,8 +181,14 @@ def _no_host_sync(monkeypatch: pytest.MonkeyPatch):
 def test_no_host_sync_guard_catches_reads(monkeypatch):
     counts = torch.bincount(torch.tensor([0, 2, 2]))
     with _no_host_sync(monkeypatch):
-        for read in (counts.tolist, counts[0].item, counts.cpu, lambda: bool(counts[0]),
-                     lambda: int(counts[0]), lambda: range(counts[0])):
+        for read in (
+            counts.tolist,
+            counts[0].item,
+            counts.cpu,
+            lambda: bool(counts[0]),
+            lambda: int(counts[0]),
+            lambda: range(counts[0]),
+        ):
             with pytest.raises(AssertionError, match="host sync"):
                 read()
     assert counts.tolist() == [1, 0, 2]  # restored
@@ -166,7 +196,7 @@ def test_no_host_sync_guard_catches_reads(monkeypatch):
 
 @pytest.mark.parametrize("hidden, inter", [(16, 8), (10, 5)], ids=["aligned", "unaligned"])
 def test_moe_forward_does_not_sync_with_the_host(hidden, inter, monkeypatch):
-    from actors.models.qwen3_moe import SparseMoeBlock
+    from raylane.actors.models.qwen3_moe import SparseMoeBlock
 
     block = SparseMoeBlock(hidden, inter, E, K, renormalize=True, hidden_act="silu")
     gen = torch.Generator().manual_seed(4)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.activation import SiluAndMul, act_and_mul
-from kernels.norm import RMSNorm, rms_norm
+from raylane.kernels.activation import SiluAndMul, act_and_mul
+from raylane.kernels.norm import RMSNorm, rms_norm
 
 
 def test_rms_norm_equals_hf_llama_rms_norm():

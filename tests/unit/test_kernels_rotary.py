@@ -4,25 +4,45 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq, rope_parameters_of
+from raylane.kernels.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    compute_inv_freq,
+    rope_parameters_of,
+)
 
 ROPE_SCALINGS = {
     "default": None,
     "linear": {"rope_type": "linear", "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
-    "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128,
-                    "mscale": 0.7, "mscale_all_dim": 1.0, "beta_fast": 16},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 128,
+        "mscale": 0.7,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 16,
+    },
 }
 
 
 def _hf_config(scaling):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=1024,
-                       rope_theta=50000.0, rope_scaling=scaling)
+    return LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=50000.0,
+        rope_scaling=scaling,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ROPE_SCALINGS))
@@ -62,8 +82,9 @@ def test_apply_rotary_equals_hf_apply_rotary_pos_emb():
     q, k = torch.randn(5, 4, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
     cos, sin = RotaryEmbedding(16, {"rope_theta": 10000.0}, 64)(torch.tensor([3, 0, 9, 9, 63]))
     # HF layout: [batch, heads, T, D] with cos/sin [batch, T, D]
-    ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                        cos[None], sin[None])
+    ref_q, ref_k = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
+    )
     torch.testing.assert_close(apply_rotary(q, cos, sin), ref_q[0].transpose(0, 1))
     torch.testing.assert_close(apply_rotary(k, cos, sin), ref_k[0].transpose(0, 1))
 

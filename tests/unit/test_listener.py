@@ -10,9 +10,8 @@ import socket
 import httpx
 import pytest
 from fastapi import FastAPI
-
-from cluster.launch import free_port
-from cluster.listener import HTTPListener
+from raylane.launch import free_port
+from raylane.listener import HTTPListener
 
 
 def app(name: str) -> FastAPI:

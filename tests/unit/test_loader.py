@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from raylane.actors.models import get_model_class, load_model, load_tokenizer, load_weights
+from raylane.actors.models.loader import iter_checkpoint, resolve_dtype
 
-from actors.models import get_model_class, load_model, load_tokenizer, load_weights
-from actors.models.loader import iter_checkpoint, resolve_dtype
 from tests.tiny_models import attach_kv_cache, run_prefill
 
 
@@ -53,7 +53,8 @@ def test_fused_3d_expert_layout_loads_like_per_expert(tiny_moe_dir):
         up = torch.stack([weights.pop(f"{prefix}.{e}.up_proj.weight") for e in experts])
         fused[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
         fused[f"{prefix}.down_proj"] = torch.stack(
-            [weights.pop(f"{prefix}.{e}.down_proj.weight") for e in experts])
+            [weights.pop(f"{prefix}.{e}.down_proj.weight") for e in experts]
+        )
     model = get_model_class(config)(config)
     load_weights(model, list(weights.items()) + list(fused.items()))
     sa, sb = _state(per_expert), _state(model)
@@ -113,22 +114,27 @@ def test_registry_and_bad_paths(tmp_path, tiny_llama_dir):
 
 def test_load_tokenizer_has_chat_template_and_eos(tiny_llama_dir):
     tokenizer = load_tokenizer(tiny_llama_dir)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.eos_token == "<|im_end|>"
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize(("name", "shape"), [
-    ("model.layers.0.self_attn.o_proj.weight", (64, 80)),  # too wide along the row split
-    ("model.layers.0.self_attn.q_proj.weight", (80, 64)),  # too tall along the column split
-    ("model.layers.0.self_attn.k_proj.weight", (16, 64)),  # too short: a rank would run off
-    ("model.layers.0.mlp.gate_proj.weight", (136, 64)),
-])
-def test_wrong_size_along_the_split_dim_is_a_value_error_on_every_rank(tiny_llama_dir, name,
-                                                                       shape, world):
-    from actors.models import TPGroup
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [
+        ("model.layers.0.self_attn.o_proj.weight", (64, 80)),  # too wide along the row split
+        ("model.layers.0.self_attn.q_proj.weight", (80, 64)),  # too tall along the column split
+        ("model.layers.0.self_attn.k_proj.weight", (16, 64)),  # too short: a rank would run off
+        ("model.layers.0.mlp.gate_proj.weight", (136, 64)),
+    ],
+)
+def test_wrong_size_along_the_split_dim_is_a_value_error_on_every_rank(
+    tiny_llama_dir, name, shape, world
+):
+    from raylane.actors.models import TPGroup
 
     _, config, _ = load_model(tiny_llama_dir, "float32")
     weights = {k: v.materialize() for k, v in iter_checkpoint(tiny_llama_dir)}

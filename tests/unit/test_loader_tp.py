@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from raylane.actors.models import LazyTensor, ReadStats, TPGroup, load_model
+from raylane.actors.models.layers import copy_checked
+from raylane.actors.models.loader import iter_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from actors.models import LazyTensor, ReadStats, TPGroup, load_model
-from actors.models.layers import copy_checked
-from actors.models.loader import iter_checkpoint
 from tests.tiny_models import make_llama
 
 VOCAB = 389  # not divisible by 2, 3, 4 or 6: the last rank's vocab rows are zero padding
@@ -31,9 +31,17 @@ def gqa_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def biased_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """6 heads / 3 KV heads with q/k/v/o and MLP biases, tied embeddings: tp 3 and 6."""
-    return make_llama(tmp_path_factory.mktemp("tp_llama_b"), vocab_size=VOCAB, hidden_size=96,
-                      num_attention_heads=6, num_key_value_heads=3, intermediate_size=96,
-                      attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+    return make_llama(
+        tmp_path_factory.mktemp("tp_llama_b"),
+        vocab_size=VOCAB,
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        intermediate_size=96,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+    )
 
 
 def _raw(model_dir: str) -> dict[str, torch.Tensor]:
@@ -51,37 +59,50 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _part(t: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:
     n = t.shape[dim] // parts
-    return t[index * n:(index + 1) * n] if dim == 0 else t[:, index * n:(index + 1) * n]
+    return t[index * n : (index + 1) * n] if dim == 0 else t[:, index * n : (index + 1) * n]
 
 
 def _vocab_rows(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     per = -(-t.shape[0] // tp)
-    rows = t[rank * per:(rank + 1) * per]
+    rows = t[rank * per : (rank + 1) * per]
     return torch.cat([rows, rows.new_zeros(per - rows.shape[0], t.shape[1])])
 
 
-def _qkv(raw: dict[str, torch.Tensor], stem: str, kind: str, config, rank: int,
-         tp: int) -> torch.Tensor:
+def _qkv(
+    raw: dict[str, torch.Tensor], stem: str, kind: str, config, rank: int, tp: int
+) -> torch.Tensor:
     kv = config.num_key_value_heads
     # KV heads split over ranks, or (tp > kv) each head shared by tp // kv consecutive ranks
     kv_index, kv_parts = (rank, tp) if kv >= tp else (rank * kv // tp, kv)
-    return torch.cat([_part(raw[f"{stem}.q_proj.{kind}"], 0, rank, tp),
-                      _part(raw[f"{stem}.k_proj.{kind}"], 0, kv_index, kv_parts),
-                      _part(raw[f"{stem}.v_proj.{kind}"], 0, kv_index, kv_parts)])
+    return torch.cat(
+        [
+            _part(raw[f"{stem}.q_proj.{kind}"], 0, rank, tp),
+            _part(raw[f"{stem}.k_proj.{kind}"], 0, kv_index, kv_parts),
+            _part(raw[f"{stem}.v_proj.{kind}"], 0, kv_index, kv_parts),
+        ]
+    )
 
 
-def _experts(raw: dict[str, torch.Tensor], stem: str, which: str, config, rank: int,
-             tp: int) -> torch.Tensor:
+def _experts(
+    raw: dict[str, torch.Tensor], stem: str, which: str, config, rank: int, tp: int
+) -> torch.Tensor:
     e = range(config.num_experts)
     if which == "w2_weight":  # down [H, I]: columns of this rank
         return torch.stack([_part(raw[f"{stem}.{i}.down_proj.weight"], 1, rank, tp) for i in e])
-    return torch.stack([torch.cat([_part(raw[f"{stem}.{i}.gate_proj.weight"], 0, rank, tp),
-                                   _part(raw[f"{stem}.{i}.up_proj.weight"], 0, rank, tp)])
-                        for i in e])
+    return torch.stack(
+        [
+            torch.cat(
+                [
+                    _part(raw[f"{stem}.{i}.gate_proj.weight"], 0, rank, tp),
+                    _part(raw[f"{stem}.{i}.up_proj.weight"], 0, rank, tp),
+                ]
+            )
+            for i in e
+        ]
+    )
 
 
-def _expected(name: str, raw: dict[str, torch.Tensor], config, rank: int,
-              tp: int) -> torch.Tensor:
+def _expected(name: str, raw: dict[str, torch.Tensor], config, rank: int, tp: int) -> torch.Tensor:
     """Rank `rank`'s value of our parameter `name`, from the raw checkpoint tensors."""
     stem, kind = name.rsplit(".", 1)
     module = stem.rsplit(".", 1)[-1]
@@ -127,8 +148,14 @@ def _check_all_ranks(model_dir: str, tp: int) -> list[int]:
     read = []
     for rank in range(tp):
         stats = ReadStats()
-        model, config, _ = load_model(model_dir, "float32", "cpu", tp=TPGroup(rank, tp, None),
-                                      pack_weights=False, read_stats=stats)
+        model, config, _ = load_model(
+            model_dir,
+            "float32",
+            "cpu",
+            tp=TPGroup(rank, tp, None),
+            pack_weights=False,
+            read_stats=stats,
+        )
         params = dict(model.named_parameters())
         expected = {n: _expected(n, raw, config, rank, tp) for n in params}
         for name, param in params.items():
@@ -150,8 +177,9 @@ def test_gqa_llama_ranks_hold_their_slices(gqa_llama_dir, tp):
 @pytest.mark.parametrize("tp", [3, 6])
 def test_biased_tied_llama_ranks_hold_their_slices(biased_llama_dir, tp):
     _check_all_ranks(biased_llama_dir, tp)
-    model, _, _ = load_model(biased_llama_dir, "float32", tp=TPGroup(tp - 1, tp),
-                             pack_weights=False)
+    model, _, _ = load_model(
+        biased_llama_dir, "float32", tp=TPGroup(tp - 1, tp), pack_weights=False
+    )
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
@@ -196,8 +224,9 @@ def test_bin_fallback_loads_slices_but_reads_whole_tensors(gqa_llama_dir, tmp_pa
     bin_dir = _copy_dir(gqa_llama_dir, tmp_path / "bin", raw, bin_file=True)
     assert all(isinstance(t, torch.Tensor) for _, t in iter_checkpoint(bin_dir))
     stats = ReadStats()
-    model, config, _ = load_model(bin_dir, "float32", tp=TPGroup(1, 2), pack_weights=False,
-                                  read_stats=stats)
+    model, config, _ = load_model(
+        bin_dir, "float32", tp=TPGroup(1, 2), pack_weights=False, read_stats=stats
+    )
     for name, param in model.named_parameters():
         assert torch.equal(param.data, _expected(name, raw, config, 1, 2)), name
     assert stats.bytes_read == sum(map(_nbytes, raw.values()))
@@ -219,10 +248,18 @@ def _view(path: str, stats: ReadStats, name: str = "t") -> LazyTensor:
         return LazyTensor(f.get_slice(name), stats)
 
 
-@pytest.mark.parametrize("index", [
-    (slice(None), slice(None, 4)), 2, (Ellipsis, 1), (-1, slice(2, None)), (slice(1, 3), 5, 0),
-    (slice(4, 4),), Ellipsis,
-])
+@pytest.mark.parametrize(
+    "index",
+    [
+        (slice(None), slice(None, 4)),
+        2,
+        (Ellipsis, 1),
+        (-1, slice(2, None)),
+        (slice(1, 3), 5, 0),
+        (slice(4, 4),),
+        Ellipsis,
+    ],
+)
 def test_lazy_indexing_matches_torch_and_reads_only_the_view(lazy_file, index):
     path, full = lazy_file
     stats = ReadStats()
@@ -273,8 +310,9 @@ def test_checkpoint_views_stay_readable_after_iteration(gqa_llama_dir):
 
 
 def test_bad_tp_fails_before_building(gqa_llama_dir):
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide "
-                                         "num_attention_heads=4"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"
+    ):
         load_model(gqa_llama_dir, "float32", tp=TPGroup(0, 3))
 
 
@@ -289,14 +327,17 @@ def test_fused_3d_expert_layout_reads_the_same_slices(tiny_moe_dir, tmp_path):
         up = torch.stack([fused.pop(f"{stem}.{e}.up_proj.weight") for e in experts])
         fused[f"{stem}.gate_up_proj"] = torch.cat([gate, up], dim=1)
         fused[f"{stem}.down_proj"] = torch.stack(
-            [fused.pop(f"{stem}.{e}.down_proj.weight") for e in experts])
+            [fused.pop(f"{stem}.{e}.down_proj.weight") for e in experts]
+        )
     fused_dir = _copy_dir(tiny_moe_dir, tmp_path / "fused", fused, bin_file=False)
     for rank in range(2):
         stats_a, stats_b = ReadStats(), ReadStats()
-        a, _, _ = load_model(tiny_moe_dir, "float32", tp=TPGroup(rank, 2), pack_weights=False,
-                             read_stats=stats_a)
-        b, _, _ = load_model(fused_dir, "float32", tp=TPGroup(rank, 2), pack_weights=False,
-                             read_stats=stats_b)
+        a, _, _ = load_model(
+            tiny_moe_dir, "float32", tp=TPGroup(rank, 2), pack_weights=False, read_stats=stats_a
+        )
+        b, _, _ = load_model(
+            fused_dir, "float32", tp=TPGroup(rank, 2), pack_weights=False, read_stats=stats_b
+        )
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
         assert stats_a.bytes_read == stats_b.bytes_read

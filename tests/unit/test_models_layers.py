@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from actors.models.layers import (
+from raylane.actors.models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -14,7 +13,7 @@ from actors.models.layers import (
     TPGroup,
     VocabParallelEmbedding,
 )
-from actors.models.qwen3_moe import FusedMoE
+from raylane.actors.models.qwen3_moe import FusedMoE
 
 WORLD = 2
 
@@ -27,14 +26,19 @@ def _load(layer, name: str, full: torch.Tensor, shard=None) -> torch.Tensor:
 
 def test_column_and_row_slices_reassemble():
     w = torch.randn(8, 6)
-    cols = [_load(ColumnParallelLinear(6, 8, tp=TPGroup(r, WORLD)), "weight", w)
-            for r in range(WORLD)]
+    cols = [
+        _load(ColumnParallelLinear(6, 8, tp=TPGroup(r, WORLD)), "weight", w) for r in range(WORLD)
+    ]
     assert torch.equal(torch.cat(cols, 0), w)
-    rows = [_load(RowParallelLinear(8, 6, tp=TPGroup(r, WORLD)), "weight", w.T.contiguous())
-            for r in range(WORLD)]
+    rows = [
+        _load(RowParallelLinear(8, 6, tp=TPGroup(r, WORLD)), "weight", w.T.contiguous())
+        for r in range(WORLD)
+    ]
     assert torch.equal(torch.cat(rows, 1), w.T)
     x = torch.randn(3, 8)  # the row-parallel partial products sum to the full matmul
-    torch.testing.assert_close(sum(x[:, 4 * r:4 * r + 4] @ rows[r].T for r in range(WORLD)), x @ w)
+    torch.testing.assert_close(
+        sum(x[:, 4 * r : 4 * r + 4] @ rows[r].T for r in range(WORLD)), x @ w
+    )
 
 
 def test_merged_gate_up_slices():
@@ -43,7 +47,9 @@ def test_merged_gate_up_slices():
         layer = MergedColumnParallelLinear(4, [8, 8], tp=TPGroup(r, WORLD))
         _load(layer, "weight", gate, 0)
         _load(layer, "weight", up, 1)
-        assert torch.equal(layer.weight, torch.cat([gate[4 * r:4 * r + 4], up[4 * r:4 * r + 4]]))
+        assert torch.equal(
+            layer.weight, torch.cat([gate[4 * r : 4 * r + 4], up[4 * r : 4 * r + 4]])
+        )
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
@@ -55,8 +61,9 @@ def test_qkv_slices_split_or_replicate_kv_heads(kv_heads):
         for shard, w in (("q", q), ("k", k), ("v", v)):
             _load(layer, "weight", w, shard)
         kv = r if kv_heads == WORLD else 0  # one KV head replicated on both ranks
-        expect = torch.cat([q[2 * d * r:2 * d * (r + 1)], k[kv * d:(kv + 1) * d],
-                            v[kv * d:(kv + 1) * d]])
+        expect = torch.cat(
+            [q[2 * d * r : 2 * d * (r + 1)], k[kv * d : (kv + 1) * d], v[kv * d : (kv + 1) * d]]
+        )
         assert torch.equal(layer.weight, expect)
     with pytest.raises(ValueError, match="num_attention_heads"):
         QKVParallelLinear(5, d, 3, 1, tp=TPGroup(0, WORLD))
@@ -64,8 +71,9 @@ def test_qkv_slices_split_or_replicate_kv_heads(kv_heads):
 
 def test_vocab_parallel_embedding_pads_the_last_rank():
     w = torch.randn(7, 3)
-    parts = [_load(VocabParallelEmbedding(7, 3, TPGroup(r, WORLD)), "weight", w)
-             for r in range(WORLD)]
+    parts = [
+        _load(VocabParallelEmbedding(7, 3, TPGroup(r, WORLD)), "weight", w) for r in range(WORLD)
+    ]
     assert torch.equal(torch.cat(parts)[:7], w) and torch.all(parts[1][3] == 0)
     head = ParallelLMHead(7, 3)
     _load(head, "weight", w)

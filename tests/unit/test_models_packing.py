@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from raylane.actors.models import load_model, load_weights
+from raylane.actors.models.loader import iter_checkpoint
+from raylane.actors.models.packing import pack_linear_weights, reorder_supported
 
-from actors.models import load_model, load_weights
-from actors.models.loader import iter_checkpoint
-from actors.models.packing import pack_linear_weights, reorder_supported
 from tests.tiny_models import attach_kv_cache, make_llama, run_prefill
 
 IDS = list(range(3, 45))

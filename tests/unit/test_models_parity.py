@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from raylane.actors.models import load_model
+from raylane.kernels.attention.builder import SeqSlice, build_metadata
 
-from actors.models import load_model
-from kernels.attention.builder import SeqSlice, build_metadata
 from tests.tiny_models import (
     attach_kv_cache,
     make_llama,
@@ -17,21 +17,32 @@ from tests.tiny_models import (
     run_prefill,
 )
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 VARIANTS = {
     "llama": (make_llama, {}),
-    "llama_tied_llama3_hd32": (make_llama, {"tie_word_embeddings": True, "head_dim": 32,
-                                            "rope_scaling": LLAMA3_ROPE}),
-    "llama_bias_mha": (make_llama, {"attention_bias": True, "mlp_bias": True,
-                                    "num_key_value_heads": 4, "rope_theta": 500.0}),
+    "llama_tied_llama3_hd32": (
+        make_llama,
+        {"tie_word_embeddings": True, "head_dim": 32, "rope_scaling": LLAMA3_ROPE},
+    ),
+    "llama_bias_mha": (
+        make_llama,
+        {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 4, "rope_theta": 500.0},
+    ),
     "qwen2": (make_qwen2, {}),
     "qwen3": (make_qwen3, {}),
     "qwen3_moe": (make_qwen3_moe, {}),
     "mixtral": (make_mixtral, {}),
-    "qwen3_moe_sparse_step": (make_qwen3_moe, {"decoder_sparse_step": 2, "mlp_only_layers": [],
-                                               "norm_topk_prob": False}),
+    "qwen3_moe_sparse_step": (
+        make_qwen3_moe,
+        {"decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": False},
+    ),
 }
 
 

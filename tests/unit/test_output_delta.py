@@ -9,9 +9,8 @@ import pickle
 
 import numpy as np
 import pytest
-
-from actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from actors.engine.output_delta import DeltaDecoder, DeltaEncoder
+from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from raylane.actors.engine.output_delta import DeltaDecoder, DeltaEncoder
 
 
 async def _cumulative(engine, prompt, params) -> list:
@@ -24,8 +23,17 @@ def _same(a, b) -> None:
     assert a.prompt_logprobs == b.prompt_logprobs
     assert len(a.outputs) == len(b.outputs)
     for x, y in zip(a.outputs, b.outputs):
-        for name in ("index", "text", "token_ids", "logprobs", "top_logprobs", "finish_reason",
-                     "stop_reason", "weight_versions", "kept_mass_logprobs"):
+        for name in (
+            "index",
+            "text",
+            "token_ids",
+            "logprobs",
+            "top_logprobs",
+            "finish_reason",
+            "stop_reason",
+            "weight_versions",
+            "kept_mass_logprobs",
+        ):
             assert getattr(x, name) == getattr(y, name), name
         if x.routed_experts is None:
             assert y.routed_experts is None
@@ -33,16 +41,33 @@ def _same(a, b) -> None:
             np.testing.assert_array_equal(x.routed_experts, y.routed_experts)
 
 
-@pytest.mark.parametrize("model, params", [
-    ("tiny_llama_dir", SamplingParams(max_tokens=24, temperature=0.8, seed=3, n=2, logprobs=2,
-                                      prompt_logprobs=1, return_kept_mass=True, top_k=20)),
-    ("tiny_moe_dir", SamplingParams(max_tokens=16, temperature=0.0, logprobs=0,
-                                    return_routed_experts=True)),
-])
+@pytest.mark.parametrize(
+    "model, params",
+    [
+        (
+            "tiny_llama_dir",
+            SamplingParams(
+                max_tokens=24,
+                temperature=0.8,
+                seed=3,
+                n=2,
+                logprobs=2,
+                prompt_logprobs=1,
+                return_kept_mass=True,
+                top_k=20,
+            ),
+        ),
+        (
+            "tiny_moe_dir",
+            SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, return_routed_experts=True),
+        ),
+    ],
+)
 def test_decoded_deltas_equal_the_cumulative_outputs(request, model, params):
     model_dir = request.getfixturevalue(model)
-    engine = LLMEngine(EngineConfig(model=model_dir, enable_return_routed_experts=True,
-                                    max_num_batched_tokens=8))  # chunked prefill: several steps
+    engine = LLMEngine(
+        EngineConfig(model=model_dir, enable_return_routed_experts=True, max_num_batched_tokens=8)
+    )  # chunked prefill: several steps
     prompt = [(7 * i) % 200 + 3 for i in range(21)]
     outs = asyncio.run(_cumulative(engine, prompt, params))
     assert len(outs) > 3

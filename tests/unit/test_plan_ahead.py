@@ -4,8 +4,8 @@ runs joins the step planned after it, one step sooner, with the serial run's tok
 from __future__ import annotations
 
 import pytest
+from raylane.actors.engine.plan_ahead import PlanAheadClock
 
-from actors.engine.plan_ahead import PlanAheadClock
 from tests.unit.async_helpers import engine_for, greedy, prompts_for
 
 

@@ -10,10 +10,9 @@ import asyncio
 from contextlib import aclosing
 
 import pytest
-
-from actors.engine import SamplingParams
-from actors.replica import EngineReplica
-from router.replica_channels import ReplicaChannels
+from raylane.actors.engine import SamplingParams
+from raylane.actors.replica import EngineReplica
+from raylane.router.replica_channels import ReplicaChannels
 
 MAX_TOKENS = 10
 
@@ -79,8 +78,9 @@ class LocalHandle:
 
 @pytest.fixture
 def replica(tiny_llama_dir) -> EngineReplica:
-    return EngineReplica({"model": tiny_llama_dir, "num_kv_blocks": 128, "max_model_len": 256},
-                         replica_id="r1")
+    return EngineReplica(
+        {"model": tiny_llama_dir, "num_kv_blocks": 128, "max_model_len": 256}, replica_id="r1"
+    )
 
 
 def prompts(vocab: int, n: int = 5) -> list[list[int]]:
@@ -110,8 +110,9 @@ async def test_concurrent_requests_equal_the_serial_run_in_one_batch_per_step(re
     serial = [engine.generate([p], greedy(), use_tqdm=False)[0] for p in ps]
     handle = LocalHandle({"r1": replica})
     channels = ReplicaChannels(handle)
-    results = await asyncio.gather(*(collect(channels, p, greedy(), f"q{i}")
-                                      for i, p in enumerate(ps)))
+    results = await asyncio.gather(
+        *(collect(channels, p, greedy(), f"q{i}") for i, p in enumerate(ps))
+    )
     for outs, ref in zip(results, serial):
         final, want = outs[-1].outputs[0], ref.outputs[0]
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
@@ -119,7 +120,7 @@ async def test_concurrent_requests_equal_the_serial_run_in_one_batch_per_step(re
         assert final.logprobs == pytest.approx(want.logprobs, abs=1e-5)
         # cumulative, as the engine's own stream: each output extends the one before
         ids = [o.outputs[0].token_ids for o in outs]
-        assert all(b[:len(a)] == a and len(b) > len(a) for a, b in zip(ids, ids[1:]))
+        assert all(b[: len(a)] == a and len(b) > len(a) for a, b in zip(ids, ids[1:]))
     deltas = sum(len(outs) for outs in results)
     # per request that would be one message per output; the channel sends one per step
     assert handle.batches <= MAX_TOKENS + len(ps), (handle.batches, deltas)
@@ -184,7 +185,7 @@ async def test_a_lost_channel_fails_its_requests_and_the_next_one_reopens(replic
 
 
 async def test_an_idle_channel_closes_and_the_next_request_reopens(replica, monkeypatch):
-    import router.replica_channels as channels_module
+    import raylane.router.replica_channels as channels_module
 
     monkeypatch.setattr(channels_module, "IDLE_CLOSE_S", 0.05)
     channels = ReplicaChannels(LocalHandle({"r1": replica}))
@@ -200,16 +201,16 @@ async def test_an_idle_channel_closes_and_the_next_request_reopens(replica, monk
     assert outs[-1].finished and len(replica._channels) == 1
 
 
-async def test_a_channel_that_landed_elsewhere_is_not_kept_for_its_target(replica,
-                                                                          tiny_llama_dir):
+async def test_a_channel_that_landed_elsewhere_is_not_kept_for_its_target(replica, tiny_llama_dir):
     handle = LocalHandle({"r1": replica})  # "r2" is not known to the handle yet
     channels = ReplicaChannels(handle)
     ps = prompts(replica.engine.engine.validator.vocab_size, 2)
     async with aclosing(channels.stream("r2", ps[0], greedy(), "early")) as stream:
         outs = [out async for out in stream]  # served by r1 instead
     assert outs[-1].finished and len(replica._channels) == 1
-    other = EngineReplica({"model": tiny_llama_dir, "num_kv_blocks": 128, "max_model_len": 256},
-                          replica_id="r2")
+    other = EngineReplica(
+        {"model": tiny_llama_dir, "num_kv_blocks": 128, "max_model_len": 256}, replica_id="r2"
+    )
     handle.replicas["r2"] = other  # the handle learns of it
     async with aclosing(channels.stream("r2", ps[1], greedy(), "late")) as stream:
         outs = [out async for out in stream]

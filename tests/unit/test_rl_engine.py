@@ -12,11 +12,11 @@ import math
 
 import pytest
 import torch
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
+from raylane.actors.engine.async_engine import AsyncLLMEngine
+from raylane.actors.engine.errors import EnginePaused
+from raylane.actors.models.weights import TensorSpec, encode_bucket, specs_of
 
-from actors.engine import EngineConfig, LLMEngine, SamplingParams
-from actors.engine.async_engine import AsyncLLMEngine
-from actors.engine.errors import EnginePaused
-from actors.models.weights import TensorSpec, encode_bucket, specs_of
 from tests.hf_reference import hf_greedy, hf_model, perturbed_model
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -30,32 +30,35 @@ def perturbed(tiny_llama_dir, tmp_path_factory) -> tuple[str, list[tuple[str, to
 
 @pytest.fixture
 def engine(tiny_llama_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=tiny_llama_dir, max_num_batched_tokens=256,
-                                  num_kv_blocks=64))
+    return LLMEngine(
+        EngineConfig(model=tiny_llama_dir, max_num_batched_tokens=256, num_kv_blocks=64)
+    )
 
 
 def prompts_for(engine, count=3, length=20) -> list[list[int]]:
     vocab = engine.validator.vocab_size
-    return [[(5 * i + 3 * j) % (vocab - 5) + 5 for j in range(length + 4 * i)]
-            for i in range(count)]
+    return [
+        [(5 * i + 3 * j) % (vocab - 5) + 5 for j in range(length + 4 * i)] for i in range(count)
+    ]
 
 
 def greedy_ids(engine, prompts, max_tokens=8):
-    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, **GREEDY),
-                           use_tqdm=False)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, **GREEDY), use_tqdm=False)
     return outs
 
 
 # --- offline updates -----------------------------------------------------------------------
 
 
-def test_update_equals_hf_on_new_weights_even_for_a_cached_prefix(engine, tiny_llama_dir,
-                                                                  perturbed):
+def test_update_equals_hf_on_new_weights_even_for_a_cached_prefix(
+    engine, tiny_llama_dir, perturbed
+):
     v1_dir, v1 = perturbed
     prompts = prompts_for(engine)
     before = greedy_ids(engine, prompts)
     assert [o.outputs[0].token_ids for o in before] == [
-        hf_greedy(tiny_llama_dir, p, 8)[0] for p in prompts]
+        hf_greedy(tiny_llama_dir, p, 8)[0] for p in prompts
+    ]
     engine.update_weights(v1, version=1, bucket_bytes=20_000)  # many buckets
     after = greedy_ids(engine, prompts)
     for out, prompt in zip(after, prompts):
@@ -119,8 +122,9 @@ async def _start(aeng, prompts, params, prefix="r"):
 
 
 async def _until(latest, rids, tokens):
-    while not all(rid in latest and len(latest[rid].outputs[0].token_ids) >= tokens
-                  for rid in rids):
+    while not all(
+        rid in latest and len(latest[rid].outputs[0].token_ids) >= tokens for rid in rids
+    ):
         await asyncio.sleep(0.002)
 
 
@@ -128,8 +132,9 @@ def _progress(aeng, rid):
     return aeng.engine.requests[rid].seqs[0].num_output_tokens
 
 
-def test_keep_and_retract_switch_versions_where_the_update_happened(engine, tiny_llama_dir,
-                                                                    perturbed):
+def test_keep_and_retract_switch_versions_where_the_update_happened(
+    engine, tiny_llama_dir, perturbed
+):
     v1_dir, v1 = perturbed
     prompts = prompts_for(engine, 2)
     params = SamplingParams(max_tokens=12, **GREEDY)
@@ -191,8 +196,9 @@ def test_keep_continues_with_its_kv_and_abort_frees_everything(engine, tiny_llam
     assert bm.num_free_blocks == bm.num_blocks and not engine.requests
 
 
-def test_wait_lets_in_flight_finish_and_queues_new_requests_bounded(engine, tiny_llama_dir,
-                                                                    perturbed):
+def test_wait_lets_in_flight_finish_and_queues_new_requests_bounded(
+    engine, tiny_llama_dir, perturbed
+):
     v1_dir, v1 = perturbed
     prompts = prompts_for(engine, 3)
     params = SamplingParams(max_tokens=6, **GREEDY)
@@ -263,8 +269,10 @@ def test_max_weight_lag_ends_a_request_as_stale(engine, tiny_llama_dir, perturbe
                 latest[rid] = out
             return latest[rid]
 
-        tasks = [asyncio.create_task(consume("s", prompts[0], strict)),
-                 asyncio.create_task(consume("l", prompts[1], loose))]
+        tasks = [
+            asyncio.create_task(consume("s", prompts[0], strict)),
+            asyncio.create_task(consume("l", prompts[1], loose)),
+        ]
         await _until(latest, ["s", "l"], 2)
         await aeng.pause("keep")
         done = _progress(aeng, "s")
@@ -284,8 +292,9 @@ def test_max_weight_lag_ends_a_request_as_stale(engine, tiny_llama_dir, perturbe
 # --- kept mass ------------------------------------------------------------------------------
 
 
-def _naive_kept(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                min_p: float) -> float:
+def _naive_kept(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
+) -> float:
     """log of the mass top-k / top-p / min-p keep, one row, with plain Python loops."""
     if temperature == 0:
         probs = torch.softmax(logits.double(), -1).tolist()
@@ -304,16 +313,17 @@ def _naive_kept(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return math.log(sum(probs[t] for t in final))
 
 
-KNOBS = [{"temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.0},
-         {"temperature": 1.2, "top_k": 0, "top_p": 0.7, "min_p": 0.05},
-         {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}]
+KNOBS = [
+    {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.0},
+    {"temperature": 1.2, "top_k": 0, "top_p": 0.7, "min_p": 0.05},
+    {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0},
+]
 
 
 @pytest.mark.parametrize("knobs", KNOBS, ids=["topk-topp", "topp-minp", "greedy"])
 def test_kept_mass_equals_a_naive_computation(engine, tiny_llama_dir, knobs):
     prompt = prompts_for(engine, 1)[0]
-    params = SamplingParams(max_tokens=6, seed=3, return_kept_mass=True, ignore_eos=True,
-                            **knobs)
+    params = SamplingParams(max_tokens=6, seed=3, return_kept_mass=True, ignore_eos=True, **knobs)
     other = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)  # a row not asking
     out, plain = engine.generate([prompt, prompt[:-1]], [params, other], use_tqdm=False)
     got = out.outputs[0].kept_mass_logprobs
@@ -321,7 +331,7 @@ def test_kept_mass_equals_a_naive_computation(engine, tiny_llama_dir, knobs):
     ids = out.outputs[0].token_ids
     model = hf_model(tiny_llama_dir)
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
     want = [_naive_kept(row, **knobs) for row in logits]
     assert got == pytest.approx(want, abs=1e-4)
     if knobs["temperature"] > 0:

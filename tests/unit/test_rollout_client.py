@@ -10,12 +10,11 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from actors.engine.outputs import CompletionOutput, RequestOutput
-from actors.models.weights import TensorSpec, bucket_specs, decode_bucket
-from cluster.client import Busy, RolloutClient, aggregate
-from cluster.client.rollout import Rollout, from_generate_item, from_request_output
-from cluster.client.wire import generate_body, sampling_params
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.models.weights import TensorSpec, bucket_specs, decode_bucket
+from raylane.client import Busy, RolloutClient, aggregate
+from raylane.client.rollout import Rollout, from_generate_item, from_request_output
+from raylane.client.wire import generate_body, sampling_params
 
 
 class FakeTransport:
@@ -82,6 +81,7 @@ def _named(sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
 
 # --- weight updates ---------------------------------------------------------------------------
 
+
 async def test_update_weights_sends_manifest_then_bounded_buckets_then_commit():
     fake = FakeTransport()
     named = _named([100, 100, 300, 50, 50, 50])  # float32: 400, 400, 1200, 200, 200, 200 bytes
@@ -91,10 +91,11 @@ async def test_update_weights_sends_manifest_then_bounded_buckets_then_commit():
     assert kinds[0] == "begin" and kinds[-1] == "commit" and set(kinds[1:-1]) == {"bucket"}
     assert fake.calls[0][2] == [TensorSpec.of(n, t).to_dict() for n, t in named]
     buckets = [decode_bucket(c[2]) for c in fake.calls[1:-1]]
-    assert [sorted(b) for b in buckets] == [["layers.0.weight", "layers.1.weight"],
-                                          ["layers.2.weight"],  # too big: alone
-                                          ["layers.3.weight", "layers.4.weight",
-                                           "layers.5.weight"]]
+    assert [sorted(b) for b in buckets] == [
+        ["layers.0.weight", "layers.1.weight"],
+        ["layers.2.weight"],  # too big: alone
+        ["layers.3.weight", "layers.4.weight", "layers.5.weight"],
+    ]
     sent = {name: t for b in buckets for name, t in b.items()}
     assert all(torch.equal(sent[n], t) for n, t in named)
     assert fake.max_staged_live <= 2  # one travelling, one encoded ahead
@@ -116,12 +117,20 @@ async def test_update_weights_needs_tensors():
 
 # --- Rollout conversion -----------------------------------------------------------------------
 
+
 def _engine_output() -> RequestOutput:
     experts = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2)
-    c = CompletionOutput(0, "hi", [7, 8], logprobs=[-0.5, -math.inf],
-                         top_logprobs=[{7: -0.5}, {8: -math.inf}], finish_reason="length",
-                         routed_experts=experts, weight_versions=[0, 1],
-                         kept_mass_logprobs=[-0.1, 0.0])
+    c = CompletionOutput(
+        0,
+        "hi",
+        [7, 8],
+        logprobs=[-0.5, -math.inf],
+        top_logprobs=[{7: -0.5}, {8: -math.inf}],
+        finish_reason="length",
+        routed_experts=experts,
+        weight_versions=[0, 1],
+        kept_mass_logprobs=[-0.1, 0.0],
+    )
     return RequestOutput("r1", None, [1, 2, 3], [c], True, num_cached_tokens=2, weight_version=1)
 
 
@@ -130,13 +139,23 @@ def _generate_item(out: RequestOutput) -> dict:
     c = out.outputs[0]
     data = base64.b64encode(c.routed_experts.astype("<i4").tobytes()).decode()
     floor = [max(lp, -9999.0) for lp in c.logprobs]
-    return {"text": c.text, "output_ids": c.token_ids, "meta_info": {
-        "id": out.request_id, "finish_reason": {"type": "length", "length": 2},
-        "prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 2, "weight_version": 1,
-        "weight_versions": c.weight_versions, "kept_mass_logprobs": c.kept_mass_logprobs,
-        "routed_experts": {"data": data, "shape": list(c.routed_experts.shape)},
-        "output_token_logprobs": [[lp, t, None] for lp, t in zip(floor, c.token_ids)],
-        "output_top_logprobs": [[[lp, t, None]] for lp, t in zip(floor, c.token_ids)]}}
+    return {
+        "text": c.text,
+        "output_ids": c.token_ids,
+        "meta_info": {
+            "id": out.request_id,
+            "finish_reason": {"type": "length", "length": 2},
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "cached_tokens": 2,
+            "weight_version": 1,
+            "weight_versions": c.weight_versions,
+            "kept_mass_logprobs": c.kept_mass_logprobs,
+            "routed_experts": {"data": data, "shape": list(c.routed_experts.shape)},
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(floor, c.token_ids)],
+            "output_top_logprobs": [[[lp, t, None]] for lp, t in zip(floor, c.token_ids)],
+        },
+    }
 
 
 def test_rollout_from_engine_output_and_from_http_agree():
@@ -156,9 +175,17 @@ def test_rollout_from_engine_output_and_from_http_agree():
 
 
 def test_rollout_without_optional_fields():
-    item = {"text": "", "output_ids": [5], "meta_info": {
-        "id": "x", "finish_reason": {"type": "abort", "message": "m"}, "weight_version": 3,
-        "weight_versions": [3], "routed_experts": None}}
+    item = {
+        "text": "",
+        "output_ids": [5],
+        "meta_info": {
+            "id": "x",
+            "finish_reason": {"type": "abort", "message": "m"},
+            "weight_version": 3,
+            "weight_versions": [3],
+            "routed_experts": None,
+        },
+    }
     r = from_generate_item(item)
     assert r.finish_reason == "abort" and r.logprobs is None and r.routed_experts is None
     assert r.kept_mass_logprobs is None and r.weight_versions == [3] and r.prompt_token_ids == []
@@ -166,10 +193,20 @@ def test_rollout_without_optional_fields():
 
 # --- the /generate body -----------------------------------------------------------------------
 
+
 def test_generate_body_renames_sampling_fields():
-    params = sampling_params({"max_tokens": 5, "min_tokens": 1, "temperature": 0.5, "seed": 3,
-                              "include_stop_str_in_output": True, "logprobs": 2, "n": 2,
-                              "return_routed_experts": True})
+    params = sampling_params(
+        {
+            "max_tokens": 5,
+            "min_tokens": 1,
+            "temperature": 0.5,
+            "seed": 3,
+            "include_stop_str_in_output": True,
+            "logprobs": 2,
+            "n": 2,
+            "return_routed_experts": True,
+        }
+    )
     body = generate_body([1, 2], params, "rid", "key")
     sp = body["sampling_params"]
     assert sp["max_new_tokens"] == 5 and sp["min_new_tokens"] == 1 and sp["no_stop_trim"]
@@ -178,8 +215,9 @@ def test_generate_body_renames_sampling_fields():
     assert body["return_logprob"] and body["top_logprobs_num"] == 2
     assert body["return_routed_experts"] and body["rid"] == "rid" and body["routing_key"] == "key"
     assert body["input_ids"] == [1, 2]
-    rl = generate_body([1], sampling_params({"max_weight_lag": 1, "return_kept_mass": True}),
-                       "r", None)["sampling_params"]
+    rl = generate_body(
+        [1], sampling_params({"max_weight_lag": 1, "return_kept_mass": True}), "r", None
+    )["sampling_params"]
     assert rl["max_weight_lag"] == 1 and rl["return_kept_mass"] is True
 
 
@@ -203,6 +241,7 @@ async def test_generate_rejects_bad_fields_without_calling():
 
 # --- retries and timeouts ---------------------------------------------------------------------
 
+
 async def test_busy_is_retried_then_raised():
     fake = FakeTransport(busy=2)
     outs = await RolloutClient(transport=fake).generate([1, 2])
@@ -219,6 +258,7 @@ async def test_timeout_cancels_the_request():
 
 
 # --- fan-out ----------------------------------------------------------------------------------
+
 
 async def test_fork_warms_the_prefix_then_starts_branches_together():
     fake = FakeTransport()
@@ -246,8 +286,9 @@ async def test_fork_checks_its_arguments():
 
 
 async def test_gather_fail_fast_releases_the_siblings():
-    fake = FakeTransport(delay={(1, 5): 10.0, (1, 6): 10.0},
-                         fail={(1, 7): RuntimeError("replica died")})
+    fake = FakeTransport(
+        delay={(1, 5): 10.0, (1, 6): 10.0}, fail={(1, 7): RuntimeError("replica died")}
+    )
     client = RolloutClient(transport=fake)
     branches = await client.fork([1], 3, suffixes=[[5], [6], [7]], warm=False)
     with pytest.raises(RuntimeError, match="replica died"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from router.policy import RoutingPolicy
+from raylane.router.policy import RoutingPolicy
 
 
 def policy_with(*ids: str, capacity: int = 8) -> RoutingPolicy:
@@ -92,7 +92,7 @@ def test_a_lost_done_heals_at_the_next_heartbeat():
 
 
 def test_the_router_takes_the_count_from_heartbeats():
-    from router.actor import Router
+    from raylane.router.actor import Router
 
     router = Router(capacity=1)  # the plain class: Ray wraps it only when it is started
     router.register("r1")

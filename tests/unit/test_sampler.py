@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
-
-from actors.engine.planner import sampling_options
-from actors.engine.sampling_params import SamplingParams
-from actors.runner.requests import RequestState
-from actors.runner.sampler import Sampler, row_words
+from raylane.actors.engine.planner import sampling_options
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.runner.requests import RequestState
+from raylane.actors.runner.sampler import Sampler, row_words
 
 torch.set_num_threads(1)
 
@@ -21,8 +20,13 @@ def make_sampler(seed: int = 0) -> Sampler:
     return Sampler(VOCAB, [EOS], torch.device("cpu"), seed)
 
 
-def make_seq(prompt: list[int] | None = None, outputs: list[int] = (), index: int = 0,
-             seq_id: int = 0, **params) -> RequestState:
+def make_seq(
+    prompt: list[int] | None = None,
+    outputs: list[int] = (),
+    index: int = 0,
+    seq_id: int = 0,
+    **params,
+) -> RequestState:
     options = sampling_options(SamplingParams(**params))  # validated as the engine does
     seq = RequestState(seq_id, index, prompt or [1, 2, 3], [], 0, options)
     seq.token_ids.extend(outputs)
@@ -48,7 +52,7 @@ def log_softmax(row: list[float]) -> list[float]:
 
 def naive_penalised(row, seq: RequestState) -> list[float]:
     p = seq.options
-    prompt, outputs = seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids
+    prompt, outputs = seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
     result = []
     for tok, x in enumerate(row):
         count = outputs.count(tok)
@@ -78,8 +82,13 @@ def test_raw_logprobs_ignore_temperature_truncation_and_penalties():
     seqs = [
         make_seq(temperature=0.5, top_k=3, logprobs=0, seed=1),
         make_seq(temperature=1.3, top_p=0.6, min_p=0.1, logprobs=2),
-        make_seq(outputs=[4, 4, 5], repetition_penalty=1.8, presence_penalty=1.0, logprobs=1,
-                 temperature=0),
+        make_seq(
+            outputs=[4, 4, 5],
+            repetition_penalty=1.8,
+            presence_penalty=1.0,
+            logprobs=1,
+            temperature=0,
+        ),
         make_seq(min_tokens=3, logprobs=3, temperature=0.7),
     ]
     result = make_sampler()(logits.clone(), seqs)
@@ -110,8 +119,9 @@ def test_rows_get_their_own_number_of_top_logprobs():
 def test_logprobs_zero_gives_the_same_output_alone_or_batched():
     logits = random_logits(2, seed=5)
     alone = make_sampler()(logits[:1].clone(), [make_seq(logprobs=0, temperature=0)])
-    batched = make_sampler()(logits.clone(), [make_seq(logprobs=0, temperature=0),
-                                              make_seq(logprobs=2, temperature=0)])
+    batched = make_sampler()(
+        logits.clone(), [make_seq(logprobs=0, temperature=0), make_seq(logprobs=2, temperature=0)]
+    )
     assert alone.top_logprobs[0] == batched.top_logprobs[0] == {}
     assert alone.logprobs[0] == pytest.approx(batched.logprobs[0])
 
@@ -152,9 +162,12 @@ def test_penalties_change_the_choice_as_the_naive_computation_says():
         gen = torch.Generator().manual_seed(100 + case)
         prompt = torch.randint(0, VOCAB, (4,), generator=gen).tolist()
         outputs = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
-        params = {"repetition_penalty": [1.0, 1.3, 2.5][case % 3],
-                      "presence_penalty": [0.0, 1.5, -1.0][case % 3 - 1],
-                      "frequency_penalty": [0.7, 0.0, 1.9][case % 3 - 2], "temperature": 0}
+        params = {
+            "repetition_penalty": [1.0, 1.3, 2.5][case % 3],
+            "presence_penalty": [0.0, 1.5, -1.0][case % 3 - 1],
+            "frequency_penalty": [0.7, 0.0, 1.9][case % 3 - 2],
+            "temperature": 0,
+        }
         seq = make_seq(prompt, outputs, **params)
         logits = random_logits(1, seed=200 + case) / 3
         (token,) = make_sampler()(logits.clone(), [seq]).token_ids
@@ -167,8 +180,9 @@ def test_penalties_change_the_choice_as_the_naive_computation_says():
 # --- the random stream: a function of (seed, stream, output position) -------------------------
 
 
-def run_steps(sampler: Sampler, seqs: list[RequestState], watch: RequestState,
-              steps: int) -> list[int]:
+def run_steps(
+    sampler: Sampler, seqs: list[RequestState], watch: RequestState, steps: int
+) -> list[int]:
     """Sample `steps` times, appending to every sequence; return `watch`'s tokens."""
     for step in range(steps):
         logits = random_logits(len(seqs), seed=1000 + step)
@@ -181,18 +195,25 @@ def run_steps(sampler: Sampler, seqs: list[RequestState], watch: RequestState,
 
 def other_rows(variant: int) -> list[RequestState]:
     """Six neighbours, a different mix for each variant."""
-    rows = [make_seq(temperature=1.0, seq_id=11), make_seq(seed=99, top_k=4, seq_id=12),
-            make_seq(temperature=0, seq_id=13), make_seq(seed=5, min_p=0.2, index=3, seq_id=14),
-            make_seq(temperature=0.5, logprobs=2, seq_id=15),
-            make_seq(presence_penalty=1.0, top_p=0.7, seq_id=16)]
+    rows = [
+        make_seq(temperature=1.0, seq_id=11),
+        make_seq(seed=99, top_k=4, seq_id=12),
+        make_seq(temperature=0, seq_id=13),
+        make_seq(seed=5, min_p=0.2, index=3, seq_id=14),
+        make_seq(temperature=0.5, logprobs=2, seq_id=15),
+        make_seq(presence_penalty=1.0, top_p=0.7, seq_id=16),
+    ]
     return rows[variant:] + [make_seq(seed=variant, seq_id=20 + i) for i in range(variant)]
 
 
-@pytest.mark.parametrize("params", [
-    {"seed": 42},
-    {"seed": 7, "temperature": 0.8, "top_p": 0.9, "top_k": 8},
-    {"seed": 3, "min_p": 0.05, "repetition_penalty": 1.2, "index": 1},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"seed": 42},
+        {"seed": 7, "temperature": 0.8, "top_p": 0.9, "top_k": 8},
+        {"seed": 3, "min_p": 0.05, "repetition_penalty": 1.2, "index": 1},
+    ],
+)
 def test_seeded_rows_are_batch_independent(params):
     params = dict(params)
     index = params.pop("index", 0)
@@ -212,17 +233,20 @@ def tokens_of(steps: int = 12, engine_seed: int = 0, **params) -> list[int]:
     return run_steps(make_sampler(engine_seed), [seq], seq, steps)
 
 
-@pytest.mark.parametrize("a, b, same", [
-    ({"seed": 5}, {"seed": 5}, True),  # two runs
-    ({"seed": 5, "seq_id": 1}, {"seed": 5, "seq_id": 9, "engine_seed": 3}, True),
-    ({"seed": 5, "index": 0}, {"seed": 5, "index": 1}, False),  # the n samples of one request
-    ({"seed": 5}, {"seed": 6}, False),
-    ({"seed": -1}, {"seed": 2**64 - 1}, False),
-    ({"seq_id": 1}, {"seq_id": 1, "index": 3}, True),  # unseeded: the seq_id is the stream
-    ({"seq_id": 1}, {"seq_id": 2}, False),
-    ({"seq_id": 1}, {"seq_id": 1, "engine_seed": 1}, False),
-    ({"seed": 0, "seq_id": 0}, {"seq_id": 0}, False),  # seed 0 is not the engine's seed 0
-])
+@pytest.mark.parametrize(
+    "a, b, same",
+    [
+        ({"seed": 5}, {"seed": 5}, True),  # two runs
+        ({"seed": 5, "seq_id": 1}, {"seed": 5, "seq_id": 9, "engine_seed": 3}, True),
+        ({"seed": 5, "index": 0}, {"seed": 5, "index": 1}, False),  # the n samples of one request
+        ({"seed": 5}, {"seed": 6}, False),
+        ({"seed": -1}, {"seed": 2**64 - 1}, False),
+        ({"seq_id": 1}, {"seq_id": 1, "index": 3}, True),  # unseeded: the seq_id is the stream
+        ({"seq_id": 1}, {"seq_id": 2}, False),
+        ({"seq_id": 1}, {"seq_id": 1, "engine_seed": 1}, False),
+        ({"seed": 0, "seq_id": 0}, {"seq_id": 0}, False),  # seed 0 is not the engine's seed 0
+    ],
+)
 def test_what_the_tokens_depend_on(a, b, same):
     assert (tokens_of(**a) == tokens_of(**b)) is same
 
@@ -238,7 +262,19 @@ def test_a_rebuilt_state_draws_what_the_running_one_did():
 
 
 def test_any_int_seed_gets_its_own_words():
-    seeds = [-2**100, -2**64 + 5, -2**63, -1, 0, 5, 2**63 - 1, 2**63, 2**64 - 1, 2**64 + 5, 2**100]
+    seeds = [
+        -(2**100),
+        -(2**64) + 5,
+        -(2**63),
+        -1,
+        0,
+        5,
+        2**63 - 1,
+        2**63,
+        2**64 - 1,
+        2**64 + 5,
+        2**100,
+    ]
     seqs = [make_seq(seed=s) for s in seeds]
     assert len({row_words(seq, 0)[:2] for seq in seqs}) == len(seeds)
     assert len(make_sampler()(random_logits(len(seeds), seed=1), seqs).token_ids) == len(seeds)
@@ -246,8 +282,10 @@ def test_any_int_seed_gets_its_own_words():
 
 def test_top_k_one_equals_greedy():
     logits = random_logits(8, seed=9)
-    seqs = [make_seq(temperature=t, top_k=1, seed=s) for t, s in
-            [(0.5, None), (1.0, 1), (2.0, None), (5.0, 2)] * 2]
+    seqs = [
+        make_seq(temperature=t, top_k=1, seed=s)
+        for t, s in [(0.5, None), (1.0, 1), (2.0, None), (5.0, 2)] * 2
+    ]
     result = make_sampler()(logits.clone(), seqs)
     assert result.token_ids == [argmax(r) for r in vocab_rows(logits)]
 
@@ -257,8 +295,10 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token():
     logits = random_logits(4, seed=11)
     huge = [make_seq(top_k=k, seed=5, index=i) for i, k in enumerate([2**63, 10**30, 7, 2**31])]
     off = [make_seq(top_k=k, seed=5, index=i) for i, k in enumerate([0, 0, 7, 0])]
-    assert make_sampler()(logits.clone(), huge).token_ids == \
-        make_sampler()(logits.clone(), off).token_ids
+    assert (
+        make_sampler()(logits.clone(), huge).token_ids
+        == make_sampler()(logits.clone(), off).token_ids
+    )
 
 
 ROWS_BY = {  # rows that differ only in what picks their random stream

@@ -1,4 +1,4 @@
-"""kernels.sampling against direct, naive Python computations on small known distributions."""
+"""raylane.kernels.sampling against direct, naive computations on small known distributions."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from kernels import sampling
+from raylane.kernels import sampling
 
 torch.set_num_threads(1)
 
@@ -55,8 +54,14 @@ def test_apply_penalties_matches_naive():
         prompt_mask[i, prompts[i]] = True
         for t in outputs[i]:
             counts[i, t] += 1
-    got = sampling.apply_penalties(torch.tensor(logits), prompt_mask, counts,
-                                   torch.tensor(reps), torch.tensor(presences), torch.tensor(freqs))
+    got = sampling.apply_penalties(
+        torch.tensor(logits),
+        prompt_mask,
+        counts,
+        torch.tensor(reps),
+        torch.tensor(presences),
+        torch.tensor(freqs),
+    )
     for i in range(2):
         want = naive_penalties(logits[i], prompts[i], outputs[i], reps[i], presences[i], freqs[i])
         assert rows(got)[i] == pytest.approx(want, abs=1e-6)
@@ -66,8 +71,9 @@ def test_neutral_penalties_leave_logits_unchanged():
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
     mask = torch.ones(3, 10, dtype=torch.bool)
     counts = torch.full((3, 10), 2.0)
-    got = sampling.apply_penalties(logits, mask, counts, torch.ones(3), torch.zeros(3),
-                                   torch.zeros(3))
+    got = sampling.apply_penalties(
+        logits, mask, counts, torch.ones(3), torch.zeros(3), torch.zeros(3)
+    )
     torch.testing.assert_close(got, logits)
 
 
@@ -105,8 +111,10 @@ LOGITS = [[math.log(p) for p in row] for row in DIST]
 @pytest.mark.parametrize("top_p", [None, [0.5, 0.5, 0.5], [0.69, 0.78, 0.955], [1.0, 0.1, 0.995]])
 def test_top_k_top_p_matches_naive(top_k, top_p):
     got = sampling.apply_top_k_top_p(
-        torch.tensor(LOGITS), torch.tensor(top_k) if top_k else None,
-        torch.tensor(top_p) if top_p else None)
+        torch.tensor(LOGITS),
+        torch.tensor(top_k) if top_k else None,
+        torch.tensor(top_p) if top_p else None,
+    )
     for i, row in enumerate(LOGITS):
         want = naive_keep(row, top_k[i] if top_k else None, top_p[i] if top_p else None)
         assert kept_ids(got)[i] == want
@@ -117,7 +125,11 @@ def test_top_p_boundaries_by_hand():
     top_p = torch.tensor([0.5, 0.50001, 0.7, 0.96])
     # mass strictly above each token: 0, .5, .7, .85, .95
     assert kept_ids(sampling.apply_top_k_top_p(logits, None, top_p)) == [
-        {0}, {0, 1}, {0, 1}, {0, 1, 2, 3, 4}]
+        {0},
+        {0, 1},
+        {0, 1},
+        {0, 1, 2, 3, 4},
+    ]
 
 
 def test_top_p_tiny_keeps_the_argmax():
@@ -175,8 +187,11 @@ def philox_rows(triples: list[tuple[int, int, int]]) -> tuple[list[int], list[in
 def test_philox_matches_the_random123_known_answers():
     # Random123's kat_vectors (the authors' library), here as (key, ctr0, ctr1) -> (out0, out1)
     got = philox_rows([(0, 0, 0), (0xFFFF_FFFF,) * 3, (0x13198A2E, 0x243F6A88, 0x85A308D3)])
-    assert list(zip(*got)) == [(0xFF1DAE59, 0x6CD10DF2), (0x2C3F628B, 0xAB4FD7AD),
-                               (0xDD7CE038, 0xF62A4C12)]
+    assert list(zip(*got)) == [
+        (0xFF1DAE59, 0x6CD10DF2),
+        (0x2C3F628B, 0xAB4FD7AD),
+        (0xDD7CE038, 0xF62A4C12),
+    ]
 
 
 EDGES = [0, 1, 0xFFFF, 0x1_0000, 0x7FFF_FFFF, 0x8000_0000, 0xD256_D193, 0xFFFF_FFFE, 0xFFFF_FFFF]
@@ -220,16 +235,20 @@ def race(probs: torch.Tensor, key: int = 5, ctr0: int = 17, ctr1=None) -> list[i
     n = probs.shape[0]
     if not isinstance(ctr1, torch.Tensor):
         ctr1 = torch.arange(n) if ctr1 is None else torch.full((n,), ctr1)
-    return sampling.sample_race(probs, torch.full((n,), key), torch.full((n,), ctr0),
-                                ctr1).tolist()
+    return sampling.sample_race(probs, torch.full((n,), key), torch.full((n,), ctr0), ctr1).tolist()
 
 
-@pytest.mark.parametrize("row", [
-    DIST[0], DIST[1], [0.1, 0.0, 0.6, 0.3, 0.0],  # zeros between and last
-    [3.0, 0.0, 1.0, 4.0],  # need not sum to 1
-    # more than one block, most of the mass in the second block's tail
-    [0.001] * 300 + [0.0] * 100 + [0.2, 0.3] + [0.0] * 111,
-])
+@pytest.mark.parametrize(
+    "row",
+    [
+        DIST[0],
+        DIST[1],
+        [0.1, 0.0, 0.6, 0.3, 0.0],  # zeros between and last
+        [3.0, 0.0, 1.0, 4.0],  # need not sum to 1
+        # more than one block, most of the mass in the second block's tail
+        [0.001] * 300 + [0.0] * 100 + [0.2, 0.3] + [0.0] * 111,
+    ],
+)
 def test_draws_over_many_counters_follow_the_probs(row):
     draws = 20000
     tokens = race(torch.tensor([row]).repeat(draws, 1))

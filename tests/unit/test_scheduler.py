@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from actors.engine.block_manager import BlockManager
-from actors.engine.sampling_params import SamplingParams
-from actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from actors.engine.sequence import Sequence, SequenceStatus
+from raylane.actors.engine.block_manager import BlockManager
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from raylane.actors.engine.sequence import Sequence, SequenceStatus
 
 
 def next_token(seq: Sequence) -> int:
@@ -24,8 +23,15 @@ def next_token(seq: Sequence) -> int:
 
 
 class FakeEngine:
-    def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 8,
-                 budget: int = 64, caching: bool = True, async_: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 4,
+        max_num_seqs: int = 8,
+        budget: int = 64,
+        caching: bool = True,
+        async_: bool = False,
+    ):
         self.async_ = async_
         self.in_flight: list[ScheduledSeq] | None = None
         self.folded = 0  # items the last step folded in
@@ -91,12 +97,13 @@ class FakeEngine:
     def _compute(self, seq: Sequence, start: int, num_new: int) -> None:
         """Check the cached context is this sequence's own prefix, then write the new K/V."""
         for pos in range(start):
-            assert self.kv.get(self._slot(seq, pos)) == tuple(seq.token_ids[:pos + 1]), (
-                f"seq {seq.seq_id}: KV at position {pos} is not its own")
+            assert self.kv.get(self._slot(seq, pos)) == tuple(seq.token_ids[: pos + 1]), (
+                f"seq {seq.seq_id}: KV at position {pos} is not its own"
+            )
         for pos in range(start, start + num_new):
             block = self.bm.blocks[seq.block_table[pos // self.block_size]]
             assert block.ref_count == 1, "writing into a block another sequence shares"
-            self.kv[self._slot(seq, pos)] = tuple(seq.token_ids[:pos + 1])
+            self.kv[self._slot(seq, pos)] = tuple(seq.token_ids[: pos + 1])
 
 
 def assert_progress(out: SchedulerOutput) -> None:
@@ -340,8 +347,9 @@ request_st = st.tuples(
 )
 
 
-@settings(max_examples=300, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     block_size=st.sampled_from([2, 4]),
     num_blocks=st.integers(6, 14),
@@ -351,8 +359,9 @@ request_st = st.tuples(
     requests=st.lists(request_st, min_size=1, max_size=6),
     async_=st.booleans(),
 )
-def test_random_workloads_finish_with_invariants(block_size, num_blocks, budget, max_num_seqs,
-                                                 caching, requests, async_):
+def test_random_workloads_finish_with_invariants(
+    block_size, num_blocks, budget, max_num_seqs, caching, requests, async_
+):
     eng = FakeEngine(num_blocks, block_size, max_num_seqs, budget, caching, async_)
     pools = [[p] * 2 + prompt_of(10, base=p) for p in range(3)]
     pending = sorted(requests, key=lambda r: r[4])

@@ -6,11 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
-
-from cluster.serve_backend import ServeBackend
-from router.errors import ReplicaFailed
-from session_server.app import build_app
-from session_server.backend import ModelInfo
+from raylane.router.errors import ReplicaFailed
+from raylane.serve_backend import ServeBackend
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import ModelInfo
 
 
 class DeadMethod:

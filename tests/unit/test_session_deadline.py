@@ -12,15 +12,15 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import pytest
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.router import session_host
+from raylane.router.actor import Router
+from raylane.router.errors import BadSessionRequest
+from raylane.router.session_host import SessionSetup
+from raylane.router.sessions import SessionRegistry
+from raylane.router.tito import TemplateSplicer
+from raylane.serve_backend import RouterSessions
 
-from actors.engine.outputs import CompletionOutput, RequestOutput
-from cluster.serve_backend import RouterSessions
-from router import session_host
-from router.actor import Router
-from router.errors import BadSessionRequest
-from router.session_host import SessionSetup
-from router.sessions import SessionRegistry
-from router.tito import TemplateSplicer
 from tests.tiny_models import make_tokenizer
 from tests.unit.sessions_helpers import Agent, make_registry, user
 
@@ -47,10 +47,10 @@ class EndlessGenerator:
             while True:
                 await asyncio.sleep(self.step_s)
                 ids.append(self.ids[len(ids) % len(self.ids)])
-                choice = CompletionOutput(0, "ab" * (len(ids) // 2), list(ids),
-                                          [-0.25] * len(ids))
-                yield RequestOutput(routing_key, None, prompt_ids, [choice], False,
-                                    weight_version=4)
+                choice = CompletionOutput(0, "ab" * (len(ids) // 2), list(ids), [-0.25] * len(ids))
+                yield RequestOutput(
+                    routing_key, None, prompt_ids, [choice], False, weight_version=4
+                )
         finally:
             self.running -= 1
             self.closed += 1
@@ -71,7 +71,7 @@ async def test_past_the_deadline_the_partial_turn_is_recorded_as_aborted(tok):
     assert result.message == {"role": "assistant", "content": out.text}
     sample = await registry.sample(agent.id)
     assert sample.status == "aborted"
-    assert sample.tokens[-len(out.token_ids):] == out.token_ids
+    assert sample.tokens[-len(out.token_ids) :] == out.token_ids
     assert sample.loss_mask == [0] * len(record.prompt_ids) + [1] * len(out.token_ids)
 
 
@@ -126,8 +126,9 @@ async def test_the_router_aborts_the_turn_where_it_runs(tok, monkeypatch):
     router.sessions.load_tokenizer = lambda _: tok
     setup = SessionSetup("tiny", Handle())
     session_id = await router.session_call(setup, "create")
-    results = [r async for r in router.session_turn(setup, session_id, [user("hi")], None, None,
-                                                    None, 0.1)]
+    results = [
+        r async for r in router.session_turn(setup, session_id, [user("hi")], None, None, None, 0.1)
+    ]
     final = results[-1]
     assert final.message is not None and final.output.finish_reason == "abort"
     assert final.output.token_ids and gen.running == 0 and gen.closed == 1
@@ -157,15 +158,15 @@ class StreamingCall:
 
 
 async def test_the_ingress_sends_the_deadline_to_the_router(tok, monkeypatch):
-    monkeypatch.setattr(session_host, "ReplicaTurnGenerator",
-                        lambda *args, **kwargs: EndlessGenerator(tok))
+    monkeypatch.setattr(
+        session_host, "ReplicaTurnGenerator", lambda *args, **kwargs: EndlessGenerator(tok)
+    )
     router = Router(capacity=2)
     router.sessions.load_tokenizer = lambda _: tok
     call = StreamingCall(router)
     sessions = RouterSessions(SimpleNamespace(session_turn=call), SessionSetup("tiny", Handle()))
     session_id = await router.session_call(sessions.setup, "create")
-    results = [r async for r in sessions.chat_stream(session_id, [user("hi")], None,
-                                                     timeout_s=0.1)]
+    results = [r async for r in sessions.chat_stream(session_id, [user("hi")], None, timeout_s=0.1)]
     assert call.args[0] is sessions.setup and call.args[-1] == 0.1
     assert results[-1].message is not None and results[-1].output.finish_reason == "abort"
 

@@ -8,19 +8,19 @@ import asyncio
 import pickle
 
 import pytest
-
-from actors.engine.output_delta import DeltaEncoder
-from actors.engine.outputs import CompletionOutput, RequestOutput
-from router.actor import Router
-from router.errors import (
+from raylane.actors.engine.output_delta import DeltaEncoder
+from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.router.actor import Router
+from raylane.router.errors import (
     MalformedTrajectory,
     ReplicaFailed,
     ReplicasBusy,
     RollbackTooDeep,
     SessionNotFound,
 )
-from router.fake_generator import token_routing
-from router.session_host import SessionSetup
+from raylane.router.fake_generator import token_routing
+from raylane.router.session_host import SessionSetup
+
 from tests.tiny_models import make_tokenizer
 
 HELLO = [{"role": "user", "content": "hello"}]
@@ -100,8 +100,14 @@ class FakeHandle:
     @staticmethod
     def _out(prompt, ids, params, last) -> RequestOutput:
         experts = token_routing(prompt + ids) if last and params.return_routed_experts else None
-        c = CompletionOutput(0, "ab"[:len(ids)], ids, [-0.5] * len(ids),
-                             finish_reason="length" if last else None, routed_experts=experts)
+        c = CompletionOutput(
+            0,
+            "ab"[: len(ids)],
+            ids,
+            [-0.5] * len(ids),
+            finish_reason="length" if last else None,
+            routed_experts=experts,
+        )
         return RequestOutput("r", None, prompt, [c], last)
 
 
@@ -147,8 +153,10 @@ async def test_turns_stick_to_the_policy_replica_and_give_it_back(router):
     assert described["metadata"] == {"run": 1}
     assert record["routed_experts_shape"] is not None  # the record keeps it
     sample = await router.session_call(setup(handle), "sample", session_id, None)
-    assert sample.routed_experts.shape[0] == record["prefix_len"] \
-        + len(record["prompt_ids"]) + len(record["output_ids"]) - 1
+    assert (
+        sample.routed_experts.shape[0]
+        == record["prefix_len"] + len(record["prompt_ids"]) + len(record["output_ids"]) - 1
+    )
 
 
 async def test_unknown_ids_are_404_before_and_after_creating(router):
@@ -223,8 +231,14 @@ async def test_leaving_a_turn_early_cancels_the_replica_call(router):
     assert (await describe(router, handle, session_id))["num_turns"] == 0
 
 
-@pytest.mark.parametrize("error", [SessionNotFound("sess-x"), RollbackTooDeep(2, 1),
-                                   MalformedTrajectory("no turns", param="messages")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        SessionNotFound("sess-x"),
+        RollbackTooDeep(2, 1),
+        MalformedTrajectory("no turns", param="messages"),
+    ],
+)
 def test_session_errors_survive_pickling(error):
     copy = pickle.loads(pickle.dumps(error))  # Ray ships them from the Router to the ingress
     assert type(copy) is type(error) and str(copy) == str(error)

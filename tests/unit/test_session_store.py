@@ -10,12 +10,12 @@ import math
 
 import numpy as np
 import pytest
+from raylane.actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from raylane.router.errors import SessionNotFound, SessionStoreUnavailable
+from raylane.router.session_codec import decode_session, encode_session
+from raylane.router.session_store import MemorySessionStore, open_session_store
+from raylane.router.write_through import PURGE_EVERY_S
 
-from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from router.errors import SessionNotFound, SessionStoreUnavailable
-from router.session_codec import decode_session, encode_session
-from router.session_store import MemorySessionStore, open_session_store
-from router.write_through import PURGE_EVERY_S
 from tests.tiny_models import make_tokenizer
 from tests.unit.session_store_helpers import (
     TURNS,
@@ -44,8 +44,9 @@ async def test_a_new_registry_carries_the_conversation_on(tok):
     reference = await agent_over(registry_over(tok, JsonStore()))
     for text in TURNS:
         await reference.user(text)
-    same_sample(await agent.registry.sample(agent.id),
-                await reference.registry.sample(reference.id))
+    same_sample(
+        await agent.registry.sample(agent.id), await reference.registry.sample(reference.id)
+    )
     described = await agent.registry.describe(agent.id)
     assert described["metadata"] == {"run": 7} and described["num_turns"] == 3
 
@@ -89,17 +90,29 @@ async def test_a_rollback_after_a_restart_uses_the_stored_checkpoints(tok):
 
 
 def test_the_codec_round_trips_what_json_cannot_hold_plainly():
-    from router.session import Session
-    from router.trajectory import TurnRecord
+    from raylane.router.session import Session
+    from raylane.router.trajectory import TurnRecord
 
-    params = SamplingParams(temperature=0.5, stop=["\n"], logprobs=0, structured_outputs=(
-        StructuredOutputsParams(json={"type": "object"})))
+    params = SamplingParams(
+        temperature=0.5,
+        stop=["\n"],
+        logprobs=0,
+        structured_outputs=(StructuredOutputsParams(json={"type": "object"})),
+    )
     blob = np.arange(2 * 6 * 2 * 2, dtype=np.int32).reshape(2 * 6, 2, 2)
-    record = TurnRecord(new_messages=[user("nul \x00 and ünïcode")], reply={
-        "role": "assistant", "content": "ok"}, params=params, prefix_len=0,
-        prompt_ids=[1, 2, 3, 4, 5, 6, 7], output_ids=[8, 9, 10, 11, 12, 13],
-        logprobs=[-math.inf, -0.1, -1e-30, 0.0, -2.5, -7.0], finish_reason="stop",
-        weight_version=4, routed_experts=blob, tools=[{"type": "function"}])
+    record = TurnRecord(
+        new_messages=[user("nul \x00 and ünïcode")],
+        reply={"role": "assistant", "content": "ok"},
+        params=params,
+        prefix_len=0,
+        prompt_ids=[1, 2, 3, 4, 5, 6, 7],
+        output_ids=[8, 9, 10, 11, 12, 13],
+        logprobs=[-math.inf, -0.1, -1e-30, 0.0, -2.5, -7.0],
+        finish_reason="stop",
+        weight_version=4,
+        routed_experts=blob,
+        tools=[{"type": "function"}],
+    )
     session = Session("sess-x", {"run": 1}, last_used=12.5)
     session.trajectory.records.append(record)
     text = json.dumps(encode_session(session), allow_nan=False)
@@ -178,7 +191,7 @@ async def test_concurrent_calls_share_one_loaded_session(tok):
 
 
 def test_the_sessions_dsn_comes_from_the_environment_and_stays_out_of_repr(monkeypatch):
-    from cluster.config import ClusterConfig
+    from raylane.config import ClusterConfig
 
     monkeypatch.setenv("RAYLANE_SESSIONS_DSN", "postgresql://u:secret@db/sessions")
     config = ClusterConfig.from_env(ClusterConfig())

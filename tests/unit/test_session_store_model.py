@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from raylane.router.errors import SessionModelMismatch
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import ModelInfo
 
-from router.errors import SessionModelMismatch
-from session_server.app import build_app
-from session_server.backend import ModelInfo
 from tests.tiny_models import make_tokenizer
 from tests.unit.session_store_helpers import TURNS, JsonStore, agent_over, registry_over
 
@@ -32,8 +32,12 @@ async def test_a_session_records_its_model_and_another_model_is_refused(tok):
     assert (await agent.registry.describe(agent.id))["model"] == "/models/a"
 
     other = registry_over(tok, store, model="/models/b")  # redeployed with another model
-    calls = [other.describe(agent.id), other.sample(agent.id), other.delete(agent.id),
-             other.chat(agent.id, agent.messages + [{"role": "user", "content": TURNS[1]}])]
+    calls = [
+        other.describe(agent.id),
+        other.sample(agent.id),
+        other.delete(agent.id),
+        other.chat(agent.id, agent.messages + [{"role": "user", "content": TURNS[1]}]),
+    ]
     for call in calls:
         with pytest.raises(SessionModelMismatch) as err:
             await call
@@ -81,13 +85,21 @@ async def test_http_answers_409_with_the_openai_error_body(tok):
     store = JsonStore()
     agent = await agent_over(registry_over(tok, store, model="/models/a"))
     await agent.user(TURNS[0])
-    backend = SimpleNamespace(info=ModelInfo("tiny", 512, len(tok)), tokenizer=tok, control=None,
-                              sessions=registry_over(tok, store, model="/models/b"))
+    backend = SimpleNamespace(
+        info=ModelInfo("tiny", 512, len(tok)),
+        tokenizer=tok,
+        control=None,
+        sessions=registry_over(tok, store, model="/models/b"),
+    )
     transport = httpx.ASGITransport(app=build_app(backend))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-        responses = [await http.get(f"/sessions/{agent.id}"),
-                     await http.post(f"/sessions/{agent.id}/v1/chat/completions",
-                                     json={"messages": agent.messages, "max_tokens": 4})]
+        responses = [
+            await http.get(f"/sessions/{agent.id}"),
+            await http.post(
+                f"/sessions/{agent.id}/v1/chat/completions",
+                json={"messages": agent.messages, "max_tokens": 4},
+            ),
+        ]
     for response in responses:
         assert response.status_code == 409, response.text
         error = response.json()["error"]

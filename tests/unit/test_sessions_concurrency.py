@@ -8,8 +8,8 @@ import weakref
 from contextlib import aclosing
 
 import pytest
+from raylane.router.errors import SessionNotFound
 
-from router.errors import SessionNotFound
 from tests.tiny_models import make_tokenizer
 from tests.unit.sessions_helpers import Agent, make_registry, user
 

@@ -4,15 +4,22 @@ outputs for every turn."""
 from __future__ import annotations
 
 import pytest
+from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from raylane.router.generator import EngineTurnGenerator
+from raylane.router.sessions import SessionRegistry
+from raylane.router.tito import TemplateSplicer
 
-from actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from router.generator import EngineTurnGenerator
-from router.sessions import SessionRegistry
-from router.tito import TemplateSplicer
 from tests.unit.sessions_helpers import Agent, rendered, user
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 TURNS = [
     [{"role": "system", "content": "You call tools."}, user("Weather in Berlin?")],
     [{"role": "tool", "content": '{"city": "Berlin", "temp": 21}'}],
@@ -43,8 +50,9 @@ def engine(tiny_moe_dir) -> LLMEngine:
 
 async def test_five_turns_with_tools_merge_to_the_engines_outputs(engine):
     spy = SpyEngine(AsyncLLMEngine(engine))
-    registry = SessionRegistry(TemplateSplicer(engine.tokenizer),
-                               EngineTurnGenerator(spy, return_routed_experts=True))
+    registry = SessionRegistry(
+        TemplateSplicer(engine.tokenizer), EngineTurnGenerator(spy, return_routed_experts=True)
+    )
     agent = await Agent.start(registry)
     for i, new in enumerate(TURNS):
         params = SamplingParams(temperature=0.8, seed=i, max_tokens=8)
@@ -59,10 +67,10 @@ async def test_five_turns_with_tools_merge_to_the_engines_outputs(engine):
     logprobs = [0.0] * len(s.tokens)
     for out in finals:  # each turn's prompt + output is a prefix of the trajectory
         ids = out.prompt_token_ids + out.outputs[0].token_ids
-        assert s.tokens[:len(ids)] == ids
+        assert s.tokens[: len(ids)] == ids
         start = len(out.prompt_token_ids)
-        mask[start:len(ids)] = [1] * (len(ids) - start)
-        logprobs[start:len(ids)] = out.outputs[0].logprobs
+        mask[start : len(ids)] = [1] * (len(ids) - start)
+        logprobs[start : len(ids)] = out.outputs[0].logprobs
     assert s.loss_mask == mask and s.rollout_logprobs == logprobs
     assert s.routed_experts.shape[0] == len(s.tokens) - 1
     assert (s.routed_experts == last.outputs[0].routed_experts).all()

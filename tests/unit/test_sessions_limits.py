@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from raylane.router.errors import SessionNotFound, TooManySessions
+from raylane.router.sessions import SessionConfig
 
-from router.errors import SessionNotFound, TooManySessions
-from router.sessions import SessionConfig
 from tests.tiny_models import make_tokenizer
 from tests.unit.sessions_helpers import make_registry, user
 

@@ -6,23 +6,36 @@ import base64
 
 import numpy as np
 import pytest
+from raylane.actors.engine import SamplingParams
+from raylane.router.errors import MalformedTrajectory
+from raylane.router.fake_generator import token_routing
+from raylane.router.samples import TrainingSample, merge_trajectory
+from raylane.router.trajectory import TurnRecord
 
-from actors.engine import SamplingParams
-from router.errors import MalformedTrajectory
-from router.fake_generator import token_routing
-from router.samples import TrainingSample, merge_trajectory
-from router.trajectory import TurnRecord
 
-
-def record(prefix_len: int, prompt: list[int], output: list[int], finish: str = "stop",
-           version: int = 0, blob: bool = True) -> TurnRecord:
+def record(
+    prefix_len: int,
+    prompt: list[int],
+    output: list[int],
+    finish: str = "stop",
+    version: int = 0,
+    blob: bool = True,
+) -> TurnRecord:
     end = prefix_len + len(prompt) + len(output)
     # the engine's blob covers the whole prefix; here a function of position, any shape [end-1,..]
     experts = token_routing(list(range(end))) if blob else None
-    return TurnRecord(new_messages=[], reply={"role": "assistant", "content": ""},
-                      params=SamplingParams(), prefix_len=prefix_len, prompt_ids=prompt,
-                      output_ids=output, logprobs=[-0.5 - i for i in range(len(output))],
-                      finish_reason=finish, weight_version=version, routed_experts=experts)
+    return TurnRecord(
+        new_messages=[],
+        reply={"role": "assistant", "content": ""},
+        params=SamplingParams(),
+        prefix_len=prefix_len,
+        prompt_ids=prompt,
+        output_ids=output,
+        logprobs=[-0.5 - i for i in range(len(output))],
+        finish_reason=finish,
+        weight_version=version,
+        routed_experts=experts,
+    )
 
 
 def three_turns(last_finish: str = "stop") -> list[TurnRecord]:
@@ -38,7 +51,9 @@ def test_merge_lays_turns_end_to_end():
     assert s.tokens == [1, 2, 3, 10, 11, 4, 5, 12, 13, 14, 6, 15]
     assert s.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1]
     assert s.rollout_logprobs == [0.0] * 3 + [-0.5, -1.5] + [0.0] * 2 + [-0.5, -1.5, -2.5] + [
-        0.0, -0.5]
+        0.0,
+        -0.5,
+    ]
     assert s.weight_versions == [1, 1, 2] and s.status == "completed"
     assert s.routed_experts.shape == (len(s.tokens) - 1, 2, 2)
     assert np.array_equal(s.routed_experts, records[-1].routed_experts)
@@ -56,7 +71,7 @@ def test_max_seq_len_cuts_at_a_turn_boundary():
     assert s.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 1, 1]
     assert s.weight_versions == [1, 1] and s.status == "truncated"
     # the last turn's routing, cut to the kept positions
-    assert np.array_equal(s.routed_experts, records[-1].routed_experts[:len(s.tokens) - 1])
+    assert np.array_equal(s.routed_experts, records[-1].routed_experts[: len(s.tokens) - 1])
     assert merge_trajectory(records, max_seq_len=100).status == "completed"
 
 
@@ -74,12 +89,14 @@ def malformed_cases():
     dropped[-1].drop_blobs()
     bad_shape = three_turns()
     bad_shape[-1].routed_experts = bad_shape[-1].routed_experts[:-1]
-    return {"no turns": ([], None, "no turns"),
-            "gap": (gap, None, "starts at token"),
-            "logprobs": (short_logprobs, None, "logprobs"),
-            "dropped": (dropped, None, "dropped"),
-            "blob rows": (bad_shape, None, "one row per token"),
-            "max_seq_len": (three_turns(), 4, "max_seq_len=4")}
+    return {
+        "no turns": ([], None, "no turns"),
+        "gap": (gap, None, "starts at token"),
+        "logprobs": (short_logprobs, None, "logprobs"),
+        "dropped": (dropped, None, "dropped"),
+        "blob rows": (bad_shape, None, "one row per token"),
+        "max_seq_len": (three_turns(), 4, "max_seq_len=4"),
+    }
 
 
 @pytest.mark.parametrize("name", list(malformed_cases()))

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 
 import pytest
+from raylane.router.sessions import SessionConfig, SessionRegistry
 
-from router.sessions import SessionConfig, SessionRegistry
 from tests.tiny_models import make_tokenizer
 from tests.unit.sessions_helpers import Agent, logprobs_for, make_registry, rendered, user
 
@@ -30,8 +30,9 @@ async def nothing(agent: Agent) -> None:
     pass
 
 
-async def turns(tok, config: SessionConfig, count: int,
-                after_each: Callable[[Agent], Awaitable[None]] = nothing) -> Agent:
+async def turns(
+    tok, config: SessionConfig, count: int, after_each: Callable[[Agent], Awaitable[None]] = nothing
+) -> Agent:
     """An agent session that has run `count` turns."""
     registry, _ = make_registry(tok, config)
     agent = await Agent.start(registry)
@@ -106,8 +107,7 @@ async def test_describe_is_json_without_blobs(tok):
     registry, _ = make_registry(tok)
     agent = await Agent.start(registry)
     for turn in range(3):
-        await agent.user(f"turn {turn}", tools=[{"type": "function",
-                                                 "function": {"name": "f"}}])
+        await agent.user(f"turn {turn}", tools=[{"type": "function", "function": {"name": "f"}}])
     body = json.loads(json.dumps(await registry.describe(agent.id)))
     assert body["messages"] == agent.messages and body["num_turns"] == 3
     shapes = [r["routed_experts_shape"] for r in body["records"]]
@@ -130,8 +130,8 @@ async def test_no_drift_when_turns_end_normally(tok):
     tokens = (await registry.sample(agent.id)).tokens
     whole = rendered(tok, agent.messages, generation_prompt=False)
     # the template closes the last reply with "\n" after its <|im_end|>; the session stops there
-    assert whole[:len(tokens)] == tokens
-    assert tok.decode(whole[len(tokens):]) == "\n"
+    assert whole[: len(tokens)] == tokens
+    assert tok.decode(whole[len(tokens) :]) == "\n"
 
 
 async def test_no_drift_where_naive_retokenization_would_differ(tok):
@@ -142,10 +142,10 @@ async def test_no_drift_where_naive_retokenization_would_differ(tok):
     await agent.user("And Germany?")
     sample = await registry.sample(agent.id)
     naive = rendered(tok, agent.messages, generation_prompt=False)
-    assert naive[:len(sample.tokens)] != sample.tokens  # re-tokenizing would drift
+    assert naive[: len(sample.tokens)] != sample.tokens  # re-tokenizing would drift
     assert tok.decode(naive).startswith(tok.decode(sample.tokens))  # same text, other ids
     # the session holds exactly what the model saw and produced
-    assert sample.tokens[:len(gen.seen[1])] == gen.seen[1]
+    assert sample.tokens[: len(gen.seen[1])] == gen.seen[1]
     records = (await registry.get(agent.id)).trajectory.records
     generated = [t for t, m in zip(sample.tokens, sample.loss_mask) if m]
     assert generated == records[0].output_ids + records[1].output_ids

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from raylane.router.errors import BadRole, BadSessionRequest, RollbackTooDeep
+from raylane.router.sessions import SessionConfig
 
-from router.errors import BadRole, BadSessionRequest, RollbackTooDeep
-from router.sessions import SessionConfig
 from tests.tiny_models import make_tokenizer
 from tests.unit.sessions_helpers import Agent, make_registry, rendered, user
 
@@ -117,20 +117,26 @@ async def test_two_steps_allowed_when_configured(tok):
     assert result.rolled_back == 2 and len((await registry.get(agent.id)).trajectory) == 1
 
 
-@pytest.mark.parametrize("messages, error", [
-    ([], BadSessionRequest),
-    ([{"role": "wizard", "content": "x"}], BadRole),
-    ([{"role": "user", "content": 3}], BadSessionRequest),
-    ("resend", BadRole),  # the stored conversation as is: nothing new to answer
-    ("resend+assistant", BadRole),  # an assistant message right after the stored reply
-    ("system", BadRole),  # the tiny template drops a system message that is not first
-])
+@pytest.mark.parametrize(
+    "messages, error",
+    [
+        ([], BadSessionRequest),
+        ([{"role": "wizard", "content": "x"}], BadRole),
+        ([{"role": "user", "content": 3}], BadSessionRequest),
+        ("resend", BadRole),  # the stored conversation as is: nothing new to answer
+        ("resend+assistant", BadRole),  # an assistant message right after the stored reply
+        ("system", BadRole),  # the tiny template drops a system message that is not first
+    ],
+)
 async def test_rejected_requests_leave_no_trace(tok, messages, error):
     registry, gen = make_registry(tok)
     agent = await Agent.start(registry)
     await agent.say(SYSTEM, user("first"))
-    tail = {"resend": [], "resend+assistant": [{"role": "assistant", "content": "x"}, user("y")],
-            "system": [{"role": "system", "content": "be terse"}]}
+    tail = {
+        "resend": [],
+        "resend+assistant": [{"role": "assistant", "content": "x"}, user("y")],
+        "system": [{"role": "system", "content": "be terse"}],
+    }
     if isinstance(messages, str):
         messages = agent.messages + tail[messages]
     before, _ = await snapshot(registry, agent.id)
@@ -141,7 +147,7 @@ async def test_rejected_requests_leave_no_trace(tok, messages, error):
 
 
 async def test_n_above_one_is_rejected(tok):
-    from actors.engine import SamplingParams
+    from raylane.actors.engine import SamplingParams
 
     registry, _ = make_registry(tok)
     sid = await registry.create()

@@ -7,10 +7,10 @@ import httpx
 import pytest
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
+from raylane.serve_backend import ServeBackend
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import ModelInfo
 
-from cluster.serve_backend import ServeBackend
-from session_server.app import build_app
-from session_server.backend import ModelInfo
 from tests.tiny_models import make_tokenizer
 
 
@@ -47,8 +47,11 @@ class DeadMethod:
         return self
 
     def remote(self, *args, **kwargs):
-        return DeadStream(self.error, self.in_stream) if self.in_stream is not None \
+        return (
+            DeadStream(self.error, self.in_stream)
+            if self.in_stream is not None
             else FailedRef(self.error)
+        )
 
 
 class DeadRouter:
@@ -64,8 +67,11 @@ def tok():
     return make_tokenizer()
 
 
-CASES = [(ActorDiedError(), False), (ActorDiedError(), True),
-         (ActorUnavailableError("the Router restarts", None), True)]
+CASES = [
+    (ActorDiedError(), False),
+    (ActorDiedError(), True),
+    (ActorUnavailableError("the Router restarts", None), True),
+]
 
 
 @pytest.mark.parametrize("error,in_stream", CASES, ids=["died-ref", "died-stream", "restarting"])
@@ -73,15 +79,25 @@ CASES = [(ActorDiedError(), False), (ActorDiedError(), True),
 async def test_session_routes_answer_503(tok, monkeypatch, error, in_stream, stream):
     cancelled = []
     monkeypatch.setattr(ray, "cancel", cancelled.append)
-    backend = ServeBackend(None, DeadRouter(error, in_stream), tok,
-                           ModelInfo("tiny", 512, len(tok)), setup=None)
+    backend = ServeBackend(
+        None, DeadRouter(error, in_stream), tok, ModelInfo("tiny", 512, len(tok)), setup=None
+    )
     transport = httpx.ASGITransport(app=build_app(backend))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-        calls = [http.post("/sessions"), http.get("/sessions/sess-x"),
-                 http.delete("/sessions/sess-x"), http.post("/sessions/sess-x/samples"),
-                 http.post("/sessions/sess-x/v1/chat/completions", json={
-                     "model": "tiny", "stream": stream,
-                     "messages": [{"role": "user", "content": "hi"}]})]
+        calls = [
+            http.post("/sessions"),
+            http.get("/sessions/sess-x"),
+            http.delete("/sessions/sess-x"),
+            http.post("/sessions/sess-x/samples"),
+            http.post(
+                "/sessions/sess-x/v1/chat/completions",
+                json={
+                    "model": "tiny",
+                    "stream": stream,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            ),
+        ]
         for call in calls:
             response = await call
             assert response.status_code == 503, response.text

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import pytest
+from raylane.router.errors import BadRole
+from raylane.router.tito import TemplateSplicer
 
-from router.errors import BadRole
-from router.tito import TemplateSplicer
 from tests.tiny_models import make_tokenizer
 from tests.unit.sessions_helpers import rendered
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +28,8 @@ def tiny():
 @pytest.fixture(scope="module")
 def smollm2():
     try:
-        from cluster.models import default_model_path
+        from raylane.models import default_model_path
+
         path = default_model_path()
     except RuntimeError as e:
         pytest.skip(str(e))
@@ -40,15 +48,19 @@ def reply(tok, text: str, eos: bool = True) -> list[int]:
     return tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
 
 
-FIRST = [{"role": "system", "content": "You answer briefly."},
-         {"role": "user", "content": "What is the capital of France?"}]
+FIRST = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 FOLLOW_UPS = {
     "user": [{"role": "user", "content": "And of Germany?"}],
     "tool": [{"role": "tool", "content": '{"city": "Berlin", "temp": 21}'}],
     "two tools": [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}],
-    "injected assistant": [{"role": "user", "content": "Numbers?"},
-                           {"role": "assistant", "content": "0 1 2"},
-                           {"role": "user", "content": "More."}],
+    "injected assistant": [
+        {"role": "user", "content": "Numbers?"},
+        {"role": "assistant", "content": "0 1 2"},
+        {"role": "user", "content": "More."},
+    ],
 }
 
 
@@ -95,7 +107,8 @@ def test_mid_conversation_system_where_the_template_renders_it(smollm2):
     new = [{"role": "system", "content": "Now answer in German."}]
     conversation = FIRST + [{"role": "assistant", "content": "Paris."}] + new
     assert splicer.first_turn(FIRST) + out + splicer.next_turn(new, out) == rendered(
-        smollm2, conversation)
+        smollm2, conversation
+    )
 
 
 def test_system_the_template_would_drop_is_refused(tiny):
@@ -106,8 +119,10 @@ def test_system_the_template_would_drop_is_refused(tiny):
 
 def test_template_errors_become_bad_role():
     tok = make_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{% if m.role == 'tool' %}"
-                         "{{ raise_exception('no tools here') }}{% endif %}"
-                         "{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}"
+        "{{ raise_exception('no tools here') }}{% endif %}"
+        "{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
     with pytest.raises(BadRole, match="no tools here"):
         TemplateSplicer(tok).next_turn([{"role": "tool", "content": "1"}], [2])

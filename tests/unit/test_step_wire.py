@@ -11,10 +11,9 @@ import threading
 import numpy as np
 import pytest
 import torch
-
-from actors.runner import wire
-from actors.runner.config import RunnerConfig
-from actors.runner.plan import (
+from raylane.actors.runner import wire
+from raylane.actors.runner.config import RunnerConfig
+from raylane.actors.runner.plan import (
     CachedRequest,
     ChannelCommand,
     NewRequest,
@@ -23,7 +22,7 @@ from actors.runner.plan import (
     StepPlan,
     StepResult,
 )
-from actors.shard import LOOPBACK, ModelShard
+from raylane.actors.shard import LOOPBACK, ModelShard
 
 
 def a_plan() -> StepPlan:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import regex
 import torch
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 
-from actors.engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 from tests.hf_reference import hf_greedy, hf_model
 
 MAX_TOKENS = 200  # far more than any bounded output below needs: "length" would be a bug
@@ -41,13 +41,14 @@ SCHEMAS = {
             "id": {"type": "integer", "minimum": 0, "maximum": 5},
             "point": {
                 "type": "object",
-                "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99},
-                               "y": {"enum": ["up", "down", None]}},
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "y": {"enum": ["up", "down", None]},
+                },
                 "required": ["x", "y"],
                 "additionalProperties": False,
             },
-            "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1,
-                      "maxItems": 2},
+            "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2},
         },
         "required": ["id", "point", "flags"],
         "additionalProperties": False,
@@ -57,8 +58,10 @@ SCHEMAS = {
         "type": "array",
         "items": {
             "type": "object",
-            "properties": {"k": {"enum": ["a", "b", "c"]},
-                           "v": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "properties": {
+                "k": {"enum": ["a", "b", "c"]},
+                "v": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
             "required": ["k", "v"],
             "additionalProperties": False,
         },
@@ -70,19 +73,30 @@ SCHEMAS = {
 # compact text is exactly what json.dumps writes for the parsed value
 CANONICAL = {"nested", "pairs"}
 
-REGEXES = [r"(cat|dog)-[0-9]{2,4}", r"[A-Z][a-z]{0,6}@[a-z]{2,5}\.(com|org)",
-           r"(0|[1-9][0-9]{0,2})(\.[0-9]{1,2})?"]
+REGEXES = [
+    r"(cat|dog)-[0-9]{2,4}",
+    r"[A-Z][a-z]{0,6}@[a-z]{2,5}\.(com|org)",
+    r"(0|[1-9][0-9]{0,2})(\.[0-9]{1,2})?",
+]
 CHOICES = ["yes", "yes please", "no", "maybe not", "naïve"]
 # (grammar, an equivalent Python regex)
 GRAMMARS = {
-    "lark": ('start: greeting " " name "!"\ngreeting: "hi" | "hello"\nname: /[A-Z][a-z]{1,5}/\n',
-             r"(hi|hello) [A-Z][a-z]{1,5}!"),
-    "lark_repeat": ('start: "[" num ("," num)~0..3 "]"\nnum: /[0-9]{1,2}/\n',
-                    r"\[[0-9]{1,2}(,[0-9]{1,2}){0,3}\]"),
-    "gbnf": ('root ::= "(" expr ")"\nexpr ::= num (op num)?\nop ::= "+" | "*"\n'
-             'num ::= [1-9] [0-9]?\n', r"\(([1-9][0-9]?)([+*][1-9][0-9]?)?\)"),
-    "gbnf_repeat": ('root ::= item ("," item){0,2}\nitem ::= [a-c] [a-c]? [a-c]?\n',
-                    r"[a-c]{1,3}(,[a-c]{1,3}){0,2}"),
+    "lark": (
+        'start: greeting " " name "!"\ngreeting: "hi" | "hello"\nname: /[A-Z][a-z]{1,5}/\n',
+        r"(hi|hello) [A-Z][a-z]{1,5}!",
+    ),
+    "lark_repeat": (
+        'start: "[" num ("," num)~0..3 "]"\nnum: /[0-9]{1,2}/\n',
+        r"\[[0-9]{1,2}(,[0-9]{1,2}){0,3}\]",
+    ),
+    "gbnf": (
+        'root ::= "(" expr ")"\nexpr ::= num (op num)?\nop ::= "+" | "*"\nnum ::= [1-9] [0-9]?\n',
+        r"\(([1-9][0-9]?)([+*][1-9][0-9]?)?\)",
+    ),
+    "gbnf_repeat": (
+        'root ::= item ("," item){0,2}\nitem ::= [a-c] [a-c]? [a-c]?\n',
+        r"[a-c]{1,3}(,[a-c]{1,3}){0,2}",
+    ),
 }
 
 
@@ -90,12 +104,21 @@ def so(**kw) -> StructuredOutputsParams:
     return StructuredOutputsParams(**kw)
 
 
-def sampled(spec: StructuredOutputsParams, seed: int | None = None, n: int = 1,
-            **kw) -> SamplingParams:
+def sampled(
+    spec: StructuredOutputsParams, seed: int | None = None, n: int = 1, **kw
+) -> SamplingParams:
     """Greedy when `seed` is None, else seeded sampling at temperature 1."""
     temperature = 0.0 if seed is None else 1.0
-    return SamplingParams(**{"temperature": temperature, "seed": seed, "n": n,
-                             "max_tokens": MAX_TOKENS, "structured_outputs": spec, **kw})
+    return SamplingParams(
+        **{
+            "temperature": temperature,
+            "seed": seed,
+            "n": n,
+            "max_tokens": MAX_TOKENS,
+            "structured_outputs": spec,
+            **kw,
+        }
+    )
 
 
 def mixed(spec: StructuredOutputsParams, **kw) -> list[SamplingParams]:
@@ -140,10 +163,12 @@ def engine(request) -> LLMEngine:
     return request.getfixturevalue(request.param)
 
 
-def generate(engine: LLMEngine, params: list[SamplingParams], seed: int = 0,
-             length: int = 21) -> list:
-    prompts = [prompt_for(engine.validator.vocab_size, length + i, seed + i)
-               for i in range(len(params))]
+def generate(
+    engine: LLMEngine, params: list[SamplingParams], seed: int = 0, length: int = 21
+) -> list:
+    prompts = [
+        prompt_for(engine.validator.vocab_size, length + i, seed + i) for i in range(len(params))
+    ]
     return engine.generate(prompts, params, use_tqdm=False)
 
 
@@ -153,6 +178,7 @@ def assert_idle(engine: LLMEngine) -> None:
 
 
 # --- JSON ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_json_schema_outputs_validate_and_are_compact(engine, name):
@@ -185,6 +211,7 @@ def test_json_whitespace_flexible_is_accepted(llama_engine):
 
 # --- regex, choice, grammars -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("pattern", REGEXES)
 def test_regex_outputs_fullmatch(engine, pattern):
     # the last request ignores EOS: a complete match still ends it (finish reason "stop")
@@ -203,8 +230,12 @@ def test_regex_cut_by_max_tokens_is_a_prefix_of_a_match(llama_engine):
 
 
 def test_choice_output_is_one_of_the_choices(engine):
-    outs = completions(generate(engine, [*mixed(so(choice=CHOICES)),
-                                         sampled(so(choice=CHOICES), 14, 3, ignore_eos=True)]))
+    outs = completions(
+        generate(
+            engine,
+            [*mixed(so(choice=CHOICES)), sampled(so(choice=CHOICES), 14, 3, ignore_eos=True)],
+        )
+    )
     for c in outs:
         assert c.constrained and c.finish_reason == "stop", (c.finish_reason, c.text)
         assert c.text in CHOICES
@@ -221,11 +252,12 @@ def test_lark_and_gbnf_grammar_outputs_parse(engine, name):
 
 # --- against Hugging Face logits --------------------------------------------------------------
 
+
 @torch.inference_mode()
 def hf_logits(model_dir: str, prompt: list[int], output: list[int]) -> torch.Tensor:
     """The unmasked logits that chose each output token: [len(output), vocab]."""
     logits = hf_model(model_dir)(torch.tensor([prompt + output])).logits[0].float()
-    return logits[len(prompt) - 1:len(prompt) - 1 + len(output)]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(output)]
 
 
 def test_constrained_logprobs_are_the_models_own(llama_engine, tiny_llama_dir):
@@ -242,8 +274,11 @@ def test_constrained_logprobs_are_the_models_own(llama_engine, tiny_llama_dir):
     assert (logits.argmax(-1) != torch.tensor(got.token_ids)).sum() >= 2
     # ... so the free greedy continuation differs (it matches Hugging Face's)
     free_ids, _ = hf_greedy(tiny_llama_dir, prompt, len(got.token_ids))
-    (free,) = llama_engine.generate([prompt], SamplingParams(
-        temperature=0.0, max_tokens=len(got.token_ids), ignore_eos=True), use_tqdm=False)
+    (free,) = llama_engine.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=len(got.token_ids), ignore_eos=True),
+        use_tqdm=False,
+    )
     assert free.outputs[0].token_ids == free_ids and not free.outputs[0].constrained
     assert free_ids != got.token_ids
 
@@ -253,8 +288,11 @@ def partial_matches(tokenizer, pattern: str, text: str, pieces: list[str]) -> se
     plus EOS once `text` is a full match: every token the grammar may allow, found with the
     `regex` module's partial matching."""
     special = set(tokenizer.all_special_ids)
-    allowed = {t for t, piece in enumerate(pieces) if t not in special
-               and regex.fullmatch(pattern, text + piece, partial=True)}
+    allowed = {
+        t
+        for t, piece in enumerate(pieces)
+        if t not in special and regex.fullmatch(pattern, text + piece, partial=True)
+    }
     if re.fullmatch(pattern, text):
         allowed.add(tokenizer.eos_token_id)
     return allowed
@@ -284,8 +322,12 @@ def test_greedy_constrained_is_the_argmax_within_the_mask(fixture, request):
     pieces = [tokenizer.decode([t]) for t in range(vocab)]
     eos = tokenizer.eos_token_id
     specs = [REGEXES[0], None, REGEXES[1], None, REGEXES[2]]
-    params = [sampled(so(regex=p)) if p else SamplingParams(temperature=0.0, max_tokens=10,
-                                                             ignore_eos=True) for p in specs]
+    params = [
+        sampled(so(regex=p))
+        if p
+        else SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        for p in specs
+    ]
     prompts = [prompt_for(vocab, 17 + 6 * i, 50 + i) for i in range(5)]
     outs = engine.generate(prompts, params, use_tqdm=False)
     for prompt, pattern, out in zip(prompts, specs, outs):
@@ -294,8 +336,9 @@ def test_greedy_constrained_is_the_argmax_within_the_mask(fixture, request):
             assert ids == hf_greedy(model_dir, prompt, 10)[0]
             continue
         logits = hf_logits(model_dir, prompt, ids)
-        matcher = llguidance.LLMatcher(ll_tokenizer,
-                                       llguidance.LLMatcher.grammar_from_regex(pattern))
+        matcher = llguidance.LLMatcher(
+            ll_tokenizer, llguidance.LLMatcher.grammar_from_regex(pattern)
+        )
         text = ""
         for step, token in enumerate(ids):
             allowed = sorted(mask_of(matcher, vocab))

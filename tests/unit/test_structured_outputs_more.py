@@ -10,8 +10,8 @@ import re
 
 import jsonschema
 import pytest
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 
-from actors.engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 from tests.tiny_models import VOCAB_SIZE
 from tests.unit.async_helpers import assert_same, drive, run_both, token_ids
 from tests.unit.test_structured_outputs import (
@@ -29,8 +29,10 @@ from tests.unit.test_structured_outputs import (
 )
 
 # a recursive (depth-bounded) Lark grammar: a list of digits and of lists of digits
-NESTED_LARK = ('start: list\nlist: "[" [item ("," item)~0..2] "]"\nitem: DIGIT | inner\n'
-               'inner: "[" [DIGIT ("," DIGIT)~0..2] "]"\nDIGIT: /[0-9]/\n')
+NESTED_LARK = (
+    'start: list\nlist: "[" [item ("," item)~0..2] "]"\nitem: DIGIT | inner\n'
+    'inner: "[" [DIGIT ("," DIGIT)~0..2] "]"\nDIGIT: /[0-9]/\n'
+)
 
 GOOD = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so(regex=REGEXES[0]))
 
@@ -65,6 +67,7 @@ def assert_valid(c, spec: StructuredOutputsParams) -> None:
 
 # --- a recursive grammar -------------------------------------------------------------------
 
+
 def test_recursive_lark_grammar_output_parses(engine):
     def check(node, depth: int) -> None:  # a list of up to 3 digits or such lists, depth <= 2
         assert isinstance(node, list) and len(node) <= 3 and depth <= 2
@@ -82,18 +85,32 @@ def test_recursive_lark_grammar_output_parses(engine):
 
 # --- bad specs -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs", [{}, {"json_object": False}, {"regex": "a", "choice": ["a"]},
-                                    {"json": {}, "json_object": True},
-                                    {"grammar": "start: \"a\"", "regex": "a"}])
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"json_object": False},
+        {"regex": "a", "choice": ["a"]},
+        {"json": {}, "json_object": True},
+        {"grammar": 'start: "a"', "regex": "a"},
+    ],
+)
 def test_none_or_two_kinds_raise_in_the_constructor(kwargs):
     with pytest.raises(ValueError, match="structured_outputs must set exactly one of"):
         StructuredOutputsParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"regex": ""}, "regex"), ({"grammar": ""}, "grammar"), ({"choice": []}, "choice"),
-    ({"choice": ["a", ""]}, "choice"), ({"json": 3}, "json"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"regex": ""}, "regex"),
+        ({"grammar": ""}, "grammar"),
+        ({"choice": []}, "choice"),
+        ({"choice": ["a", ""]}, "choice"),
+        ({"json": 3}, "json"),
+    ],
+)
 def test_malformed_fields_raise_in_the_constructor(kwargs, field):
     with pytest.raises(ValueError, match=rf"structured_outputs\.{field} must"):
         StructuredOutputsParams(**kwargs)
@@ -146,11 +163,11 @@ def test_a_grammar_that_rejects_its_own_token_ends_in_error_not_stop(tiny_llama_
     language."""
     engine = engine_for(tiny_llama_dir)
     try:
-        special = engine.tokenizer.convert_ids_to_tokens(
-            engine.tokenizer.all_special_ids[0])
+        special = engine.tokenizer.convert_ids_to_tokens(engine.tokenizer.all_special_ids[0])
         prompt = prompt_for(engine.validator.vocab_size, 20, 3)
-        params = SamplingParams(temperature=0.0, max_tokens=8,
-                                structured_outputs=so(choice=[special + "x"]))
+        params = SamplingParams(
+            temperature=0.0, max_tokens=8, structured_outputs=so(choice=[special + "x"])
+        )
         (out,) = engine.generate([prompt], params, use_tqdm=False)
         got = out.outputs[0]
         assert got.finish_reason == "error" and out.error and "grammar" in out.error
@@ -161,13 +178,23 @@ def test_a_grammar_that_rejects_its_own_token_ends_in_error_not_stop(tiny_llama_
 
 # --- the engine's machinery ------------------------------------------------------------------
 
-SPECS = [so(json=SCHEMAS["nested"]), so(regex=REGEXES[1]), so(choice=CHOICES),
-         so(grammar=GRAMMARS["gbnf"][0]), so(json=json.dumps(SCHEMAS["pairs"]))]
+SPECS = [
+    so(json=SCHEMAS["nested"]),
+    so(regex=REGEXES[1]),
+    so(choice=CHOICES),
+    so(grammar=GRAMMARS["gbnf"][0]),
+    so(json=json.dumps(SCHEMAS["pairs"])),
+]
 
 
 def free(seed: int | None, max_tokens: int = 24) -> SamplingParams:
-    return SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed,
-                          max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    return SamplingParams(
+        temperature=0.0 if seed is None else 1.0,
+        seed=seed,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        logprobs=1,
+    )
 
 
 def test_async_scheduling_matches_serial_for_a_mixed_workload(tiny_llama_dir):
@@ -175,16 +202,27 @@ def test_async_scheduling_matches_serial_for_a_mixed_workload(tiny_llama_dir):
     run ahead again once they are done: every token as in the serial engine."""
     vocab = VOCAB_SIZE
     arrivals = {
-        0: [("free0", prompt_for(vocab, 19, 0), free(None, 90)),
-            ("free1", prompt_for(vocab, 17, 1), free(5, 80))],
-        3: [("json", prompt_for(vocab, 23, 2), sampled(SPECS[0], logprobs=1)),
-            ("regex", prompt_for(vocab, 31, 3), sampled(SPECS[1], 7, 2, logprobs=1))],
-        6: [("choice", prompt_for(vocab, 40, 4), sampled(SPECS[2], 8, 2)),
+        0: [
+            ("free0", prompt_for(vocab, 19, 0), free(None, 90)),
+            ("free1", prompt_for(vocab, 17, 1), free(5, 80)),
+        ],
+        3: [
+            ("json", prompt_for(vocab, 23, 2), sampled(SPECS[0], logprobs=1)),
+            ("regex", prompt_for(vocab, 31, 3), sampled(SPECS[1], 7, 2, logprobs=1)),
+        ],
+        6: [
+            ("choice", prompt_for(vocab, 40, 4), sampled(SPECS[2], 8, 2)),
             ("gbnf", prompt_for(vocab, 12, 5), sampled(SPECS[3])),
-            ("pairs", prompt_for(vocab, 25, 6), sampled(SPECS[4], 9))],
+            ("pairs", prompt_for(vocab, 25, 6), sampled(SPECS[4], 9)),
+        ],
     }
-    specs = {"json": SPECS[0], "regex": SPECS[1], "choice": SPECS[2], "gbnf": SPECS[3],
-             "pairs": SPECS[4]}
+    specs = {
+        "json": SPECS[0],
+        "regex": SPECS[1],
+        "choice": SPECS[2],
+        "gbnf": SPECS[3],
+        "pairs": SPECS[4],
+    }
     serial, ahead = run_both(tiny_llama_dir, lambda e: drive(e, arrivals))
     assert_same(ahead, serial)
     for rid, out in serial.items():
@@ -200,8 +238,14 @@ def test_seeded_constrained_alone_equals_in_a_batch(engine):
     prompts = [prompt_for(vocab, 14 + 5 * i, 20 + i) for i in range(7)]
     target = sampled(SPECS[0], 42, 2)
     (alone,) = engine.generate([prompts[3]], target, use_tqdm=False)
-    others = [sampled(SPECS[1], 1), free(2), sampled(SPECS[4], 3, 2), sampled(SPECS[2]),
-              free(None), sampled(SPECS[0], 4)]
+    others = [
+        sampled(SPECS[1], 1),
+        free(2),
+        sampled(SPECS[4], 3, 2),
+        sampled(SPECS[2]),
+        free(None),
+        sampled(SPECS[0], 4),
+    ]
     batch = engine.generate(prompts, [*others[:3], target, *others[3:]], use_tqdm=False)
     assert token_ids({"t": batch[3]}) == token_ids({"t": alone})
     for c in alone.outputs:
@@ -227,14 +271,26 @@ def test_preemption_and_chunked_prefill_keep_the_grammar_state(engine, tiny_llam
     """Room for about two sequences and 16 tokens a step: sequences are preempted and
     re-prefilled with their outputs, in chunks; their grammars carry on where they were."""
     vocab = engine.validator.vocab_size
-    specs = [so(regex=r"[a-z]{30,40}"), SPECS[0], so(regex=r"[0-9]{30,40}"), SPECS[4],
-             so(json=SCHEMAS["person"])]
+    specs = [
+        so(regex=r"[a-z]{30,40}"),
+        SPECS[0],
+        so(regex=r"[0-9]{30,40}"),
+        SPECS[4],
+        so(json=SCHEMAS["person"]),
+    ]
     prompts = [prompt_for(vocab, 33 + 4 * i, 400 + i) for i in range(len(specs))]
     # max_tokens within the tight cache's room (the outputs end far sooner)
-    params = [sampled(s, None if i % 2 else 30 + i, logprobs=1, max_tokens=100)
-              for i, s in enumerate(specs)]
-    tight = engine_for(tiny_llama_dir, num_kv_blocks=12, max_num_batched_tokens=16,
-                       enable_prefix_caching=False, async_scheduling=False)
+    params = [
+        sampled(s, None if i % 2 else 30 + i, logprobs=1, max_tokens=100)
+        for i, s in enumerate(specs)
+    ]
+    tight = engine_for(
+        tiny_llama_dir,
+        num_kv_blocks=12,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+    )
     try:
         got = tight.generate(prompts, params, use_tqdm=False)
         assert tight.scheduler.num_preemptions > 0
@@ -242,8 +298,9 @@ def test_preemption_and_chunked_prefill_keep_the_grammar_state(engine, tiny_llam
     finally:
         tight.shutdown()
     ref = engine.generate(prompts, params, use_tqdm=False)
-    assert_same({str(i): o for i, o in enumerate(got)}, {str(i): o for i, o in enumerate(ref)},
-                atol=1e-4)
+    assert_same(
+        {str(i): o for i, o in enumerate(got)}, {str(i): o for i, o in enumerate(ref)}, atol=1e-4
+    )
     for spec, out in zip(specs, got):
         assert_valid(out.outputs[0], spec)
 
@@ -253,8 +310,9 @@ def test_n_samples_each_follow_their_own_grammar_state(engine):
     matcher per sample its tokens are the same; every sample is valid, and they differ."""
     prompt = prompt_for(engine.validator.vocab_size, 26, 500)
     spec = so(json=SCHEMAS["person"])
-    many, one = engine.generate([prompt, prompt], [sampled(spec, 77, 5), sampled(spec, 77)],
-                                use_tqdm=False)
+    many, one = engine.generate(
+        [prompt, prompt], [sampled(spec, 77, 5), sampled(spec, 77)], use_tqdm=False
+    )
     assert many.outputs[0].token_ids == one.outputs[0].token_ids
     for c in completions([many, one]):
         assert_valid(c, spec)

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels.attention.triton_kernels import (  # noqa: E402
+from raylane.kernels.attention.triton_kernels import (  # noqa: E402
     decode_attention,
     pick_num_splits,
     prefill_attention,
@@ -31,8 +31,16 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 class Paged:
     """Random per-sequence K/V written into a NaN-filled paged cache via random block tables."""
 
-    def __init__(self, ctx_lens: list[int], kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, gen: torch.Generator, width: int | None = None):
+    def __init__(
+        self,
+        ctx_lens: list[int],
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        gen: torch.Generator,
+        width: int | None = None,
+    ):
         need = [-(-n // block_size) for n in ctx_lens]
         num_blocks = sum(need) + 3  # a few blocks nobody owns
         pool = torch.randperm(num_blocks, generator=gen).tolist()
@@ -44,8 +52,8 @@ class Paged:
         self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
         self.k, self.v = [], []
         for i, n in enumerate(ctx_lens):
-            table, pool = pool[:need[i]], pool[need[i]:]
-            self.tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            table, pool = pool[: need[i]], pool[need[i] :]
+            self.tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
             k, v = (torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
             for pos in range(n):
                 slot = table[pos // block_size] * block_size + pos % block_size
@@ -64,27 +72,46 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
         pos = k.shape[0] - q.shape[0] + i
         for h in range(q.shape[1]):
             kv = h // group  # GQA: consecutive query heads share a KV head
-            weights = torch.softmax(k[:pos + 1, kv] @ q[i, h] * SCALE, dim=0)
-            out[i, h] = weights @ v[:pos + 1, kv]
+            weights = torch.softmax(k[: pos + 1, kv] @ q[i, h] * SCALE, dim=0)
+            out[i, h] = weights @ v[: pos + 1, kv]
     return out
 
 
 def strided_q(num_tokens: int, heads: int, head_dim: int, dtype, gen) -> torch.Tensor:
     """[T, H, D] queries as a view of a fused qkv output (row stride > H * D)."""
     fused = torch.randn(num_tokens, (heads + 3) * head_dim, generator=gen).to(dtype)
-    return fused[:, head_dim:(heads + 1) * head_dim].view(num_tokens, heads, head_dim)
+    return fused[:, head_dim : (heads + 1) * head_dim].view(num_tokens, heads, head_dim)
 
 
-def run_decode(ctx_lens, heads, kv_heads, head_dim, block_size, dtype=torch.float32,
-               num_splits=None, seed=0, width=None):
+def run_decode(
+    ctx_lens,
+    heads,
+    kv_heads,
+    head_dim,
+    block_size,
+    dtype=torch.float32,
+    num_splits=None,
+    seed=0,
+    width=None,
+):
     gen = torch.Generator().manual_seed(seed)
     cache = Paged(ctx_lens, kv_heads, head_dim, block_size, dtype, gen, width)
     q = strided_q(len(ctx_lens), heads, head_dim, dtype, gen)
     out = torch.full_like(q, float("nan"))
-    decode_attention(q, cache.k_cache, cache.v_cache, cache.tables, cache.seq_lens, SCALE,
-                     block_size, out, num_splits=num_splits)
-    want = torch.cat([naive_attention(q[i:i + 1], cache.k[i], cache.v[i])
-                      for i in range(len(ctx_lens))])
+    decode_attention(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.tables,
+        cache.seq_lens,
+        SCALE,
+        block_size,
+        out,
+        num_splits=num_splits,
+    )
+    want = torch.cat(
+        [naive_attention(q[i : i + 1], cache.k[i], cache.v[i]) for i in range(len(ctx_lens))]
+    )
     return out, want
 
 
@@ -110,8 +137,9 @@ DECODE_CASES = {
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_decode_matches_naive_attention(case):
     ctx_lens, heads, kv_heads, head_dim, block_size, num_splits = DECODE_CASES[case]
-    out, want = run_decode(ctx_lens, heads, kv_heads, head_dim, block_size,
-                           num_splits=num_splits, seed=len(case))
+    out, want = run_decode(
+        ctx_lens, heads, kv_heads, head_dim, block_size, num_splits=num_splits, seed=len(case)
+    )
     assert_matches(out, want, torch.float32)
 
 
@@ -144,8 +172,17 @@ def test_decode_of_an_empty_context_writes_zeros(num_splits):
     cache.seq_lens[1] = 0
     q = torch.randn(2, 2, 16, generator=gen)
     out = torch.full_like(q, float("nan"))
-    decode_attention(q, cache.k_cache, cache.v_cache, cache.tables, cache.seq_lens, SCALE, 4,
-                     out, num_splits=num_splits)
+    decode_attention(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.tables,
+        cache.seq_lens,
+        SCALE,
+        4,
+        out,
+        num_splits=num_splits,
+    )
     assert torch.equal(out[1], torch.zeros(2, 16))
     assert_matches(out[:1], naive_attention(q[:1], cache.k[0], cache.v[0]), torch.float32)
 
@@ -158,8 +195,9 @@ def test_pick_num_splits():
     assert pick_num_splits(batch=1, num_kv_heads=1, max_seq_len=10**6) == 16  # capped
 
 
-def run_prefill(chunks, heads, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0,
-                max_query_len=None):
+def run_prefill(
+    chunks, heads, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0, max_query_len=None
+):
     """chunks: (q_len, ctx_len) per sequence; the chunk is the last q_len of ctx_len positions."""
     gen = torch.Generator().manual_seed(seed)
     cache = Paged([ctx for _, ctx in chunks], kv_heads, head_dim, block_size, dtype, gen)
@@ -167,10 +205,24 @@ def run_prefill(chunks, heads, kv_heads, head_dim, block_size, dtype=torch.float
     q = strided_q(sum(q_lens), heads, head_dim, dtype, gen)
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     out = torch.full_like(q, float("nan"))
-    prefill_attention(q, cache.k_cache, cache.v_cache, cache.tables, cache.seq_lens, qsl,
-                      max_query_len or max(q_lens), SCALE, block_size, out)
-    want = torch.cat([naive_attention(q[qsl[i]:qsl[i + 1]], cache.k[i], cache.v[i])
-                      for i in range(len(chunks))])
+    prefill_attention(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.tables,
+        cache.seq_lens,
+        qsl,
+        max_query_len or max(q_lens),
+        SCALE,
+        block_size,
+        out,
+    )
+    want = torch.cat(
+        [
+            naive_attention(q[qsl[i] : qsl[i + 1]], cache.k[i], cache.v[i])
+            for i in range(len(chunks))
+        ]
+    )
     return out, want
 
 
@@ -214,8 +266,8 @@ def test_store_kv_writes_strided_rows_to_their_slots(dtype):
     tokens, heads, kv_heads, head_dim = 5, 3, 3, 40
     # [T, (H + 2 KVH) * D] fused projection; k and v are strided views into it
     fused = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    k = fused[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    v = fused[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    k = fused[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = fused[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
     k_cache = torch.full((16, kv_heads, head_dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     slots = torch.tensor([9, 2, -1, 15, 0])  # -1: a padding token, not stored
@@ -240,8 +292,16 @@ def test_bad_shapes_raise_value_errors():
     with pytest.raises(ValueError, match="dtypes differ"):
         decode_attention(q.bfloat16(), cache, cache, tables, lens, SCALE, 4, q.bfloat16())
     with pytest.raises(ValueError, match="head_dim contiguous"):
-        decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), cache, cache, tables,
-                         lens, SCALE, 4, torch.empty_like(q))
+        decode_attention(
+            q.transpose(1, 2).contiguous().transpose(1, 2),
+            cache,
+            cache,
+            tables,
+            lens,
+            SCALE,
+            4,
+            torch.empty_like(q),
+        )
     with pytest.raises(ValueError, match="shapes disagree"):
         store_kv(q, q, cache, cache, torch.zeros(2, dtype=torch.int64))
 
@@ -250,9 +310,9 @@ def test_bad_shapes_raise_value_errors():
 def test_backend_equals_the_torch_reference_on_a_mixed_step(dtype):
     """The backend API over one step's metadata (prefills, one after cached context, then
     decodes) against the torch reference backend: the same outputs and the same cache."""
-    from kernels.attention.builder import SeqSlice, build_metadata
-    from kernels.attention.torch_ref import TorchAttention
-    from kernels.attention.triton_backend import TritonAttention
+    from raylane.kernels.attention.builder import SeqSlice, build_metadata
+    from raylane.kernels.attention.torch_ref import TorchAttention
+    from raylane.kernels.attention.triton_backend import TritonAttention
 
     gen = torch.Generator().manual_seed(11)
     block_size, heads, kv_heads, head_dim = 4, 6, 2, 24
@@ -267,9 +327,9 @@ def test_backend_equals_the_torch_reference_on_a_mixed_step(dtype):
     tokens = sum(s.num_new for s in seqs)
     # a fused qkv output: q, k, v are strided views, as the models pass them
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
     cache = torch.randn(2, 40 * block_size, kv_heads, head_dim, generator=gen).to(dtype)
     ref_k, ref_v = cache[0].clone(), cache[1].clone()
     got_k, got_v = cache[0].clone(), cache[1].clone()

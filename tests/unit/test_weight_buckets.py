@@ -11,27 +11,29 @@ import struct
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load, load_file, save
-
-from actors.models import load_model, load_weights
-from actors.models.packing import repack_changed
-from actors.models.weights import (
+from raylane.actors.models import load_model, load_weights
+from raylane.actors.models.packing import repack_changed
+from raylane.actors.models.weights import (
     bucket_specs,
     decode_bucket,
     encode_bucket,
     iter_buckets,
     pack_bucket,
 )
+from safetensors.torch import load, load_file, save
+
 from tests.tiny_models import attach_kv_cache, make_llama, run_prefill
 
 
 def _tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {"a.weight": torch.randn(5, 7, generator=gen),
-            "b.bias": torch.randn(3, generator=gen).to(torch.bfloat16),
-            "c.half": torch.randn(2, 3, 2, generator=gen).to(torch.float16),
-            "d.strided": torch.randn(6, 4, generator=gen).t(),  # not contiguous
-            "e.empty": torch.empty(0, 4)}
+    return {
+        "a.weight": torch.randn(5, 7, generator=gen),
+        "b.bias": torch.randn(3, generator=gen).to(torch.bfloat16),
+        "c.half": torch.randn(2, 3, 2, generator=gen).to(torch.float16),
+        "d.strided": torch.randn(6, 4, generator=gen).t(),  # not contiguous
+        "e.empty": torch.empty(0, 4),
+    }
 
 
 def test_our_bytes_load_with_the_safetensors_library():
@@ -70,22 +72,35 @@ def _payload(header: dict, body: bytes) -> bytes:
     return struct.pack("<Q", len(head)) + head + body
 
 
-@pytest.mark.parametrize(("payload", "says"), [
-    (b"\x01\x00", "shorter"),
-    (struct.pack("<Q", 99) + b"{}", "longer"),
-    (struct.pack("<Q", 4) + b"nope", "bad header"),
-    (struct.pack("<Q", 2) + b"[]", "bad header"),
-    (_payload({"x": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)),
-     "dtype"),
-    (_payload({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(4)),
-     "offsets"),  # past the end of the body
-    (_payload({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(16)),
-     "offsets"),  # fewer bytes than the shape needs
-    (_payload({"x": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}, bytes(16)),
-     "offsets"),
-    (_payload({"x": {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}}, bytes(8)),
-     "shape"),
-])
+@pytest.mark.parametrize(
+    ("payload", "says"),
+    [
+        (b"\x01\x00", "shorter"),
+        (struct.pack("<Q", 99) + b"{}", "longer"),
+        (struct.pack("<Q", 4) + b"nope", "bad header"),
+        (struct.pack("<Q", 2) + b"[]", "bad header"),
+        (
+            _payload({"x": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)),
+            "dtype",
+        ),
+        (
+            _payload({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(4)),
+            "offsets",
+        ),  # past the end of the body
+        (
+            _payload({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(16)),
+            "offsets",
+        ),  # fewer bytes than the shape needs
+        (
+            _payload({"x": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}, bytes(16)),
+            "offsets",
+        ),
+        (
+            _payload({"x": {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}}, bytes(8)),
+            "shape",
+        ),
+    ],
+)
 def test_a_malformed_payload_is_a_value_error(payload, says):
     with pytest.raises(ValueError, match=says):
         decode_bucket(payload)
