@@ -6,8 +6,8 @@ It runs every row of a step, prefill chunks and decodes alike, from the metadata
 
 from __future__ import annotations
 
+import raylane.kernels.attention.cpu_kernel as cpu_kernel
 import torch
-from raylane.kernels.attention import cpu_kernel
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.attention.torch_ref import store_kv
 

@@ -48,7 +48,7 @@ def _cpu_backend() -> AttentionBackend:
 def _has_cpu_kernel(device: torch.device) -> bool:
     if device.type != "cpu":
         return False
-    from raylane.kernels.attention import cpu_kernel
+    import raylane.kernels.attention.cpu_kernel as cpu_kernel
 
     return cpu_kernel.is_available()  # built once per machine (about a second), then cached
 

@@ -7,8 +7,8 @@ graph's metadata fixes at the model's maximum).
 
 from __future__ import annotations
 
+import raylane.kernels.attention.triton_kernels as tk
 import torch
-from raylane.kernels.attention import triton_kernels as tk
 from raylane.kernels.attention.metadata import AttentionMetadata
 
 
