@@ -34,6 +34,13 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow" tests
 
+# ruff (lint and format) over the tree, then mypy over the packages as they install.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	.ci/lint_view
+	$(VENV)/bin/mypy build/lint/raylane
+
 bench: install
 	$(VENV)/bin/raylane bench throughput
 
