@@ -6,8 +6,9 @@ Streaming every request over its own Serve call costs a Ray message per token pe
 (an ingress, the Router, the in-cluster rollout client) instead opens one channel per replica
 (`EngineReplica.open_channel`) and submits its requests onto it (`EngineReplica.submit`): each
 step's new outputs of all of them travel as one batch of `(request_id, item)` pairs, where the
-item is a `DeltaEncoder` delta (what the request gained since its last batch) or the exception
-that ended the request. `router/replica_channels.py` is the caller's side.
+item is the engine's own delta (`EngineCoreOutput`: what the request gained in the step, the
+prompt only on its first) or the exception that ended the request. `router/replica_channels.py`
+is the caller's side.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from raylane.actors.engine.async_engine import RequestStream
-from raylane.actors.engine.output_delta import DeltaEncoder
 
 
 class ChannelClosed(RuntimeError):
@@ -60,10 +60,9 @@ class OutputChannel:
         self._streams.clear()
 
     async def _forward(self, stream: RequestStream) -> None:
-        encoder = DeltaEncoder()
         try:
-            async for out in stream:
-                self._put(stream.request_id, encoder.encode(out))
+            async for delta in stream:
+                self._put(stream.request_id, delta)
         except Exception as e:  # RequestFailed, or the step loop died: the caller raises it
             self._put(stream.request_id, e)
         finally:

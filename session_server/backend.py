@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.control import ControlPlane
 from raylane.router.errors import ReplicaFailed
@@ -111,8 +111,9 @@ class EngineBackend(Protocol):
         params: SamplingParams,
         request_id: str,
         routing_key: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request; closing the iterator early aborts it.
+    ) -> AsyncIterator[EngineCoreOutput]:
+        """The engine's deltas for one request (what each step added; the prompt on the
+        first); closing the iterator early aborts it.
 
         Raises `ValueError` for bad input, `raylane.router.errors.ReplicasBusy` (429) and
         `ReplicaFailed` (503).
@@ -186,7 +187,8 @@ class LocalBackend:
             self.engine.check_health()
         except RuntimeError as e:
             raise ReplicaFailed(str(e)) from e
-        async with contextlib.aclosing(self.engine.generate(prompt_ids, params, request_id)) as it:
+        deltas = self.engine.generate_deltas(prompt_ids, params, request_id)
+        async with contextlib.aclosing(deltas) as it:
             async for out in it:
                 yield out
 

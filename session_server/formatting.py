@@ -104,7 +104,11 @@ def usage(finals: list[RequestOutput]) -> dict:
     """OpenAI usage over every prompt of a request and all of its choices."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in finals)
+    return usage_of(prompt, completion, sum(o.num_cached_tokens for o in finals))
+
+
+def usage_of(prompt: int, completion: int, cached: int) -> dict:
+    """OpenAI usage from token counts."""
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

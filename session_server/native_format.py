@@ -1,16 +1,17 @@
 """SGLang-shaped /generate answers: `text`, `output_ids` and `meta_info` per sample.
 
 Streamed chunks are cumulative as SGLang's (each holds everything so far), with `index` when a
-request has several samples; text that may still be trimmed by a stop string is held back.
+request has several samples (built from the engine's deltas; the engine holds back text that a
+stop string may still trim).
 """
 
 from __future__ import annotations
 
-from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.output_accumulator import OutputAccumulator
+from raylane.actors.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.session_server import formatting as fmt
 from raylane.session_server.schemas import GenerateRequest
-from raylane.session_server.streaming import ChoiceCursor, hold_for
 
 
 def finish_reason(c: CompletionOutput) -> dict | None:
@@ -69,7 +70,7 @@ class NativeFormatter:
         self.params = params
         self.tokenizer = tokenizer
         self.num_prompts = num_prompts
-        self.cursors: dict[tuple[int, int], ChoiceCursor] = {}
+        self.accumulators: dict[int, OutputAccumulator] = {}  # streaming: by prompt index
 
     def items(self, finals: dict[int, RequestOutput]) -> list[dict]:
         """Prompt-major: every sample of prompt 0, then of prompt 1, ..."""
@@ -77,13 +78,12 @@ class NativeFormatter:
             self._item(i, finals[i], c, c.text) for i in sorted(finals) for c in finals[i].outputs
         ]
 
-    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
-        chunks = []
-        for c in out.outputs:
-            cursor = self.cursors.setdefault((i, c.index), ChoiceCursor(hold_for(self.params)))
-            if cursor.advance(c) is not None:
-                chunks.append(self._item(i, out, c, c.text[: cursor.sent_chars]))
-        return chunks
+    def chunks(self, i: int, delta: EngineCoreOutput) -> list[dict]:
+        acc = self.accumulators.setdefault(i, OutputAccumulator())
+        acc.add(delta)
+        out = acc.live()  # SGLang's chunks are cumulative
+        news = {d.index for d in delta.outputs if d.text or d.token_ids or d.finished}
+        return [self._item(i, out, c, c.text) for c in out.outputs if c.index in news]
 
     def _item(self, i: int, out: RequestOutput, c: CompletionOutput, text: str) -> dict:
         item = {"text": text, "output_ids": list(c.token_ids), "meta_info": self._meta(i, out, c)}

@@ -1,7 +1,8 @@
 """OpenAI response bodies and stream chunks for one request, chat and (legacy) completions.
 
-A formatter is built per request; while streaming it remembers what each choice has sent
-(`ChoiceCursor`) and the last output of each prompt (for the usage chunk).
+A formatter is built per request. A non-streaming response reads each prompt's cumulative
+output; a stream reads the engine's deltas as they come, remembering what each choice has sent
+(`ChoiceCursor`) and what each prompt told so far (`PromptSeen`, for the usage chunk).
 """
 
 from __future__ import annotations
@@ -10,11 +11,16 @@ import dataclasses
 import time
 from itertools import accumulate
 
-from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    RequestOutput,
+    SampleDelta,
+)
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.session_server import formatting as fmt
 from raylane.session_server.schemas import OpenAISampling
-from raylane.session_server.streaming import ChoiceCursor, Delta, hold_for
+from raylane.session_server.streaming import ChoiceCursor, Delta, PromptSeen
 from raylane.session_server.tool_calls import ToolParser, openai_deltas
 from raylane.session_server.tool_calls.choice import ToolPlan
 
@@ -40,7 +46,7 @@ class _Formatter:
         self.tokenizer = tokenizer
         self.num_top = num_top
         self.cursors: dict[tuple[int, int], ChoiceCursor] = {}
-        self.last: dict[int, RequestOutput] = {}
+        self.seen: dict[int, PromptSeen] = {}  # streaming: by prompt index
         self.version = 0  # the newest weight version seen in the outputs
 
     def _head(self, kind: str) -> dict:
@@ -53,22 +59,24 @@ class _Formatter:
             "weight_version": self.version,
         }
 
-    def _saw(self, outs: list[RequestOutput]) -> None:
+    def _saw(self, outs: list[RequestOutput] | list[EngineCoreOutput]) -> None:
         self.version = max([self.version, *(o.weight_version for o in outs)])
 
-    def _extras(self, choice: dict, c: CompletionOutput, token_ids: list[int]) -> dict:
+    def _extras(
+        self, choice: dict, c: CompletionOutput | SampleDelta, token_ids: list[int]
+    ) -> dict:
         if self.body.return_token_ids:
             choice["token_ids"] = token_ids
         if self.body.return_routed_experts and c.finished:
             choice["routed_experts"] = fmt.routed_experts(c.routed_experts)
         return choice
 
-    def _deltas(self, i: int, out: RequestOutput) -> list[tuple[int, CompletionOutput, Delta]]:
-        self.last[i] = out
+    def _deltas(self, i: int, out: EngineCoreOutput) -> list[tuple[int, SampleDelta, Delta]]:
+        self.seen.setdefault(i, PromptSeen()).add(out)
         self._saw([out])
         found = []
         for c in out.outputs:
-            cursor = self.cursors.setdefault((i, c.index), ChoiceCursor(hold_for(self.params)))
+            cursor = self.cursors.setdefault((i, c.index), ChoiceCursor())
             delta = cursor.advance(c)
             if delta is not None and (delta.text or delta.finished or self._token_level):
                 found.append((i * self.params.n + c.index, c, delta))
@@ -89,8 +97,16 @@ class _Formatter:
         """After the last output: the usage chunk when `stream_options.include_usage`."""
         if not self.body.include_usage:
             return []
-        usage = self._usage([self.last[i] for i in sorted(self.last)])
+        usage = self._stream_usage()
         return [{**self._head(self.chunk_object), "choices": [], "usage": usage}]
+
+    def _stream_usage(self) -> dict:
+        seen = self.seen.values()
+        return fmt.usage_of(
+            sum(len(p.prompt_token_ids) for p in seen),
+            sum(p.completion_tokens for p in seen),
+            sum(p.num_cached_tokens for p in seen),
+        )
 
     def _usage(self, finals: list[RequestOutput]) -> dict:
         return fmt.usage(finals)
@@ -149,7 +165,7 @@ class CompletionFormatter(_Formatter):
             choice["prompt_token_ids"] = out.prompt_token_ids
         return self._extras(choice, c, c.token_ids)
 
-    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
+    def chunks(self, i: int, out: EngineCoreOutput) -> list[dict]:
         out = self._shown(out)
         deltas = {idx: (c, d) for idx, c, d in self._deltas(i, out)}
         choices = []
@@ -167,15 +183,15 @@ class CompletionFormatter(_Formatter):
         self,
         i: int,
         idx: int,
-        out: RequestOutput,
-        c: CompletionOutput,
+        out: EngineCoreOutput,
+        c: SampleDelta,
         d: Delta | None,
         echo_now: bool,
     ) -> dict:
         if d is None:  # the prompt part alone: the choice has nothing new yet
             none = [] if c.logprobs is not None else None
             d = Delta("", [], none, none, 0, False, False)
-        prefix, prefix_lp = self._prompt_part(i, out) if echo_now else ("", None)
+        prefix, prefix_lp = self._prompt_part(i, self.seen[i]) if echo_now else ("", None)
         shift = len(self.echo.texts[i]) if self.echo is not None else 0
         lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, d.text_offset + shift)
         choice = {
@@ -186,10 +202,10 @@ class CompletionFormatter(_Formatter):
             "stop_reason": c.stop_reason if d.finished else None,
         }
         if self.body.return_token_ids and (echo_now if self.echo is not None else d.first):
-            choice["prompt_token_ids"] = out.prompt_token_ids
+            choice["prompt_token_ids"] = self.seen[i].prompt_token_ids
         return self._extras(choice, c, d.token_ids)
 
-    def _prompt_part(self, i: int, out: RequestOutput) -> tuple[str, dict | None]:
+    def _prompt_part(self, i: int, out: RequestOutput | PromptSeen) -> tuple[str, dict | None]:
         """What echo puts before prompt i's completion: its text, and its logprobs when asked."""
         if self.echo is None:
             return "", None
@@ -197,7 +213,8 @@ class CompletionFormatter(_Formatter):
             return self.echo.texts[i], None
         return self.echo.texts[i], _prompt_logprobs(self.tokenizer, out)
 
-    def _shown(self, out: RequestOutput) -> RequestOutput:
+    def _shown(self, out):
+        """`out` (a cumulative output or a delta) as the response shows it."""
         return _prompt_only(out) if self.echo is not None and self.echo.prompt_only else out
 
     def _logprobs(self, ids, logprobs, tops, offset: int) -> dict | None:
@@ -206,7 +223,7 @@ class CompletionFormatter(_Formatter):
         return fmt.completion_logprobs(self.tokenizer, ids, logprobs, tops, self.num_top, offset)
 
 
-def _prompt_logprobs(tokenizer, out: RequestOutput) -> dict:
+def _prompt_logprobs(tokenizer, out: RequestOutput | PromptSeen) -> dict:
     """The legacy `logprobs` of the prompt tokens. The first token has none (nothing precedes
     it); each later one's top_logprobs holds the top-N and the token itself, as vLLM's do."""
     ids = out.prompt_token_ids
@@ -230,8 +247,9 @@ def _prompt_logprobs(tokenizer, out: RequestOutput) -> dict:
     }
 
 
-def _prompt_only(out: RequestOutput) -> RequestOutput:
-    """`out` without its generated token (see `Echo.prompt_only`)."""
+def _prompt_only(out):
+    """`out` (a `RequestOutput` or an `EngineCoreOutput`) without its generated token (see
+    `Echo.prompt_only`)."""
     samples = [
         dataclasses.replace(
             c,
@@ -301,8 +319,8 @@ class ChatFormatter(_Formatter):
             message["tool_calls"] = [call.to_openai() for call in calls]
         return message
 
-    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
-        chunks = [] if self.last else [self._role_chunk(out)]
+    def chunks(self, i: int, out: EngineCoreOutput) -> list[dict]:
+        chunks = [] if self.seen else [self._role_chunk(out)]
         for idx, c, d in self._deltas(i, out):
             deltas = self._message_deltas(i, c, d)
             if not deltas and not (d.finished or self._token_level):
@@ -325,18 +343,18 @@ class ChatFormatter(_Formatter):
             chunks.append(self._chunk([self._extras(choice, c, d.token_ids)]))
         return chunks
 
-    def _message_deltas(self, i: int, c: CompletionOutput, d: Delta) -> list[dict]:
+    def _message_deltas(self, i: int, c: SampleDelta, d: Delta) -> list[dict]:
         if self.tools is None:
             return [{"content": d.text}] if d.text else []
         parser = self.parsers.setdefault((i, c.index), self.tools.new_parser())
         return openai_deltas(parser.feed(d.text) + (parser.finish() if d.finished else []))
 
-    def _stream_finish(self, i: int, c: CompletionOutput) -> str | None:
+    def _stream_finish(self, i: int, c: SampleDelta) -> str | None:
         if self.tools is None:
             return c.finish_reason
         return self.tools.finish_reason(c.finish_reason, self.parsers[(i, c.index)].called)
 
-    def _role_chunk(self, out: RequestOutput) -> dict:
+    def _role_chunk(self, out: EngineCoreOutput) -> dict:
         """The first chunk names the role of every choice, as OpenAI's stream does."""
         self._saw([out])
         chunk = self._chunk(

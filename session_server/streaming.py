@@ -1,5 +1,10 @@
 """Driving backend streams for one HTTP request: fan-in, deltas, SSE, and disconnects.
 
+A backend stream is the engine's own deltas (`EngineCoreOutput`): a streamed response turns each
+into SSE chunks as it comes (`ChoiceCursor`, `PromptSeen`: O(new tokens) per step, no
+cumulative rebuild); only a non-streaming response folds them into cumulative outputs
+(`final_outputs`).
+
 Every backend iterator is closed (`aclosing`) when the response ends for any reason — a finished
 stream, an error, or a client that went away (Starlette cancels the body iterator; a task waiting
 on the backend is cancelled) — so the engine aborts the request and frees its blocks.
@@ -11,19 +16,20 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from raylane.actors.engine.outputs import CompletionOutput, RequestOutput, aborted
+from raylane.actors.engine.output_accumulator import OutputAccumulator
+from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput, SampleDelta
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.errors import ReplicaFailed
 from raylane.session_server.backend import EngineBackend
 from raylane.session_server.errors import ClientGone, error_body, from_exception
 
 T = TypeVar("T")
-Indexed = tuple[int, RequestOutput]  # (prompt index, cumulative output)
+Indexed = tuple[int, EngineCoreOutput]  # (prompt index, what the step added)
 DONE = "data: [DONE]\n\n"
 
 
@@ -71,7 +77,8 @@ async def _with_deadline(
     request_id: str,
     timeout_s: float,
 ) -> AsyncIterator[Indexed]:
-    last: dict[int, RequestOutput] = {}
+    ended: dict[int, set[int]] = {}  # prompt index -> its samples that finished
+    done: set[int] = set()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     async with aclosing(stream):  # closing it aborts what still runs on the engine
@@ -83,37 +90,41 @@ async def _with_deadline(
                 return
             except TimeoutError:
                 break
-            last[i] = out
+            ended.setdefault(i, set()).update(d.index for d in out.outputs if d.finished)
+            if out.finished:
+                done.add(i)
             yield i, out
     for i, prompt in enumerate(prompts):
-        if i not in last or not last[i].finished:
+        if i not in done:
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            yield i, _ended_at_deadline(last.get(i), prompt, params, rid)
+            yield i, _ended_at_deadline(ended.get(i), prompt, params, rid)
 
 
 def _ended_at_deadline(
-    out: RequestOutput | None, prompt: list[int], params: SamplingParams, request_id: str
-) -> RequestOutput:
-    """The partial output as final, every unfinished sample's finish reason "abort"."""
-    if out is None:  # nothing came back yet: empty samples
-        asked = [] if params.logprobs is not None else None
-        empty = [
-            CompletionOutput(k, "", [], logprobs=asked, top_logprobs=asked) for k in range(params.n)
-        ]
-        out = RequestOutput(request_id, None, list(prompt), empty, False)
-    return aborted(out)
+    ended: set[int] | None, prompt: list[int], params: SamplingParams, request_id: str
+) -> EngineCoreOutput:
+    """The last delta of a request cut at its deadline: every sample still running ends with
+    finish reason "abort" (the prompt too, when nothing came back yet)."""
+    asked = [] if params.logprobs is not None else None
+    samples = [
+        SampleDelta(k, "", [], logprobs=asked, top_logprobs=asked, finish_reason="abort")
+        for k in range(params.n)
+        if k not in (ended or ())
+    ]
+    prompt_ids = list(prompt) if ended is None else None
+    return EngineCoreOutput(request_id, samples, True, prompt_token_ids=prompt_ids)
 
 
-async def _single(iterator: AsyncIterator[RequestOutput]) -> AsyncIterator[Indexed]:
+async def _single(iterator: AsyncIterator[EngineCoreOutput]) -> AsyncIterator[Indexed]:
     async with aclosing(iterator):
         async for out in iterator:
             yield 0, out
 
 
-async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[Indexed]:
+async def _merge(iterators: list[AsyncIterator[EngineCoreOutput]]) -> AsyncIterator[Indexed]:
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, iterator: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, iterator: AsyncIterator[EngineCoreOutput]) -> None:
         try:
             async with aclosing(iterator):
                 async for out in iterator:
@@ -171,16 +182,19 @@ async def _disconnected(request: Request) -> None:
 async def final_outputs(
     request: Request, stream: AsyncIterator[Indexed], num_prompts: int
 ) -> dict[int, RequestOutput]:
-    """Run every prompt to completion; the last output of each, by prompt index."""
+    """Run every prompt to completion; the cumulative output of each, by prompt index."""
 
     async def collect() -> dict[int, RequestOutput]:
-        last: dict[int, RequestOutput] = {}
+        accumulators: dict[int, OutputAccumulator] = {}
+        finished: set[int] = set()
         async with aclosing(stream):
             async for i, out in stream:
-                last[i] = out
-        if len(last) != num_prompts or not all(out.finished for out in last.values()):
+                accumulators.setdefault(i, OutputAccumulator()).add(out)
+                if out.finished:
+                    finished.add(i)
+        if len(finished) != num_prompts:
             raise ReplicaFailed("the engine stream ended before the request finished")
-        return last
+        return {i: acc.output() for i, acc in accumulators.items()}
 
     return await until_disconnect(request, collect())
 
@@ -210,7 +224,7 @@ def sse(obj: dict) -> str:
 
 def sse_response(
     stream: AsyncIterator[Indexed],
-    chunks: Callable[[int, RequestOutput], list[dict]],
+    chunks: Callable[[int, EngineCoreOutput], list[dict]],
     tail: Callable[[], list[dict]],
 ) -> StreamingResponse:
     """`chunks(i, out)` turns each output into events, `tail()` adds the last ones (usage);
@@ -249,32 +263,39 @@ class Delta:
 
 @dataclass
 class ChoiceCursor:
-    """What one choice has sent so far. While it runs, the last `hold` characters stay back:
-    they might be the start of a stop string that the engine will trim away."""
+    """What one choice has sent so far. The engine already held back text that could become a
+    stop string, so every delta's text goes out as it is."""
 
-    hold: int = 0
     sent_chars: int = 0
-    sent_tokens: int = 0
+    started: bool = False
     done: bool = False
 
-    def advance(self, c: CompletionOutput) -> Delta | None:
-        if self.done:
+    def advance(self, d: SampleDelta) -> Delta | None:
+        if self.done or not (d.text or d.token_ids or d.finished):
             return None
-        end = len(c.text) if c.finished else max(self.sent_chars, len(c.text) - self.hold)
-        start, n0 = self.sent_chars, self.sent_tokens
-        if end <= start and len(c.token_ids) <= n0 and not c.finished:
-            return None
-        self.sent_chars, self.sent_tokens, self.done = max(end, start), len(c.token_ids), c.finished
-        return Delta(
-            c.text[start:end],
-            c.token_ids[n0:],
-            c.logprobs[n0:] if c.logprobs is not None else None,
-            c.top_logprobs[n0:] if c.top_logprobs is not None else None,
-            start,
-            c.finished,
-            first=start == 0 and n0 == 0,
-        )
+        start, first = self.sent_chars, not self.started
+        self.sent_chars, self.started, self.done = start + len(d.text), True, d.finished
+        return Delta(d.text, d.token_ids, d.logprobs, d.top_logprobs, start, d.finished, first)
 
 
-def hold_for(params: SamplingParams) -> int:
-    return max((len(s) for s in params.stop_list), default=1) - 1
+@dataclass
+class PromptSeen:
+    """What a stream told about one prompt so far, kept without rebuilding cumulative outputs:
+    the prompt (sent once), its logprobs, and counts for the usage chunk."""
+
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    completion_tokens: int = 0
+    weight_version: int = 0
+    finished: bool = False
+
+    def add(self, out: EngineCoreOutput) -> None:
+        if out.prompt_token_ids is not None:
+            self.prompt_token_ids = out.prompt_token_ids
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + out.prompt_logprobs
+        self.num_cached_tokens = out.num_cached_tokens
+        self.completion_tokens += sum(len(d.token_ids) for d in out.outputs)
+        self.weight_version = max(self.weight_version, out.weight_version)
+        self.finished = out.finished

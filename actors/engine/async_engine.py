@@ -6,11 +6,13 @@ import asyncio
 import sys
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from raylane.actors.engine.config import EngineConfig
 from raylane.actors.engine.errors import EnginePaused, RequestFailed
 from raylane.actors.engine.llm_engine import LLMEngine, Prompt
-from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.output_accumulator import OutputAccumulator
+from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.plan_ahead import PlanAheadClock
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.models.weights import TensorSpec
@@ -27,8 +29,10 @@ GIL_SWITCH_INTERVAL_S = 5e-4
 class AsyncLLMEngine:
     """Steps the engine in a task on the event loop and fans outputs out to per-request queues.
 
-    `generate` yields cumulative `RequestOutput`s; leaving the iterator early (break, cancel, a
-    client disconnect) aborts the request and frees its blocks. The engine's bookkeeping runs
+    `generate` yields cumulative `RequestOutput`s (built from the engine's deltas by an
+    `OutputAccumulator`); `add_request` gives the deltas themselves (`EngineCoreOutput`), for
+    callers that stream them on. Leaving either early (break, cancel, a client disconnect)
+    aborts the request and frees its blocks. The engine's bookkeeping runs
     on the loop's thread; the model runs on the executor's side (a worker thread, or shard
     actors), and the loop awaits each step, so it serves other tasks while the model computes.
     An output whose request failed (a step raised) raises `RequestFailed` in its consumer.
@@ -67,19 +71,29 @@ class AsyncLLMEngine:
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str
     ) -> AsyncIterator[RequestOutput]:
+        acc = OutputAccumulator()
+        async with aclosing(self.generate_deltas(prompt, params, request_id)) as deltas:
+            async for delta in deltas:
+                acc.add(delta)
+                yield acc.output()
+
+    async def generate_deltas(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str
+    ) -> AsyncIterator[EngineCoreOutput]:
+        """`generate`, as the engine's deltas: what each step added (the prompt on the first)."""
         stream = await self.add_request(prompt, params, request_id)
         try:
-            async for out in stream:
-                yield out
+            async for delta in stream:
+                yield delta
         finally:
             stream.close()
 
     async def add_request(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str
     ) -> RequestStream:
-        """Admit a request now and return its outputs. What is wrong with it (a ValueError), a
-        duplicate id and a paused engine's full queue (`EnginePaused`) raise here; while paused
-        it waits for the resume."""
+        """Admit a request now and return its outputs (deltas). What is wrong with it (a
+        ValueError), a duplicate id and a paused engine's full queue (`EnginePaused`) raise
+        here; while paused it waits for the resume."""
         self.check_health()
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -93,11 +107,12 @@ class AsyncLLMEngine:
         return RequestStream(self, request_id, queue)
 
     async def abort(self, request_ids: str | list[str]) -> list[RequestOutput]:
-        """Stop requests; their consumers get a final output with reason "abort", which is
-        also returned (partial outputs; unknown ids are skipped). Their blocks are freed."""
-        outputs = self.engine.abort_request(request_ids)
-        self._fan_out(outputs)
-        return outputs
+        """Stop requests; their consumers get a final output with reason "abort". Returns
+        their cumulative partial outputs (unknown ids are skipped). Their blocks are freed."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        requests = [r for rid in ids if (r := self.engine.requests.get(rid)) is not None]
+        self._fan_out(self.engine.abort_request(ids))
+        return [r.output(self.engine.weight_version) for r in requests]
 
     def stats_snapshot(self) -> dict:
         # steps run on this thread: no lock needed
@@ -246,7 +261,7 @@ class AsyncLLMEngine:
         """Paused in a mode that stops the steps ("wait" lets in-flight requests run)."""
         return self._paused is not None and self._paused != "wait"
 
-    def _fan_out(self, outputs: list[RequestOutput]) -> None:
+    def _fan_out(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
@@ -260,8 +275,8 @@ class AsyncLLMEngine:
 
 
 class RequestStream:
-    """One admitted request's cumulative outputs (`AsyncLLMEngine.add_request`), ending with
-    its final one. `close()` releases it (it is called when the stream ends or raises);
+    """One admitted request's outputs (`AsyncLLMEngine.add_request`): the engine's deltas,
+    ending with its final one. `close()` releases it (it is called when the stream ends or raises);
     closing before the final output aborts the request and frees its blocks."""
 
     def __init__(self, owner: AsyncLLMEngine, request_id: str, queue: asyncio.Queue) -> None:
@@ -274,7 +289,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineCoreOutput:
         if self._closed:
             raise StopAsyncIteration
         item = await self._queue.get()

@@ -18,11 +18,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
 
-    def step(self, ids: list[int]) -> str:
-        prefix = self._decode(ids[self.prefix_offset : self.read_offset])
-        full = self._decode(ids[self.prefix_offset :])
+    def step(self, ids: list[int], start: int = 0) -> str:
+        """The text `ids[start:]` (the output so far) adds since the last call. `start` lets a
+        caller pass a sequence's whole token list without copying its output part out."""
+        prefix = self._decode(ids[start + self.prefix_offset : start + self.read_offset])
+        full = self._decode(ids[start + self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids) - start
             return full[len(prefix) :]
         return ""
 

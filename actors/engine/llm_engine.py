@@ -10,7 +10,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from raylane.actors.engine.config import EngineConfig
-from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.output_accumulator import OutputAccumulator
+from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.planner import StepPlanner
 from raylane.actors.engine.postprocessor import Postprocessor
 from raylane.actors.engine.request import Request
@@ -80,7 +81,7 @@ class LLMEngine:
         )
         self._in_flight: LaunchedStep | None = None  # launched, to be collected by a later step
         self._due: LaunchedStep | None = None  # launched, to be collected by this step
-        self._held: list[RequestOutput] = []  # outputs of steps drained outside step()
+        self._held: list[EngineCoreOutput] = []  # outputs of steps drained outside step()
         self._ids = itertools.count()
         # NOTE: a weak method, so an engine that is dropped is not kept alive until exit
         self._atexit = weakref.WeakMethod(self.shutdown)
@@ -104,7 +105,7 @@ class LLMEngine:
         weights: Iterable[tuple[str, torch.Tensor]],
         version: int | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> list[RequestOutput]:
+    ) -> list[EngineCoreOutput]:
         """A whole update in one call (offline use): check every name and shape on every rank,
         load bounded buckets, switch to `version` (default: the next). Returns the outputs of
         requests it ended as "stale" (`SamplingParams.max_weight_lag`)."""
@@ -126,7 +127,7 @@ class LLMEngine:
         (checked before any copy)."""
         return self.weights.load(bucket)
 
-    def finish_weight_update(self, version: int | None = None) -> list[RequestOutput]:
+    def finish_weight_update(self, version: int | None = None) -> list[EngineCoreOutput]:
         """Switch to the new weights as `version` (default: the next; must be newer). Returns
         the outputs of requests this ended as "stale"."""
         self.weights.finish(version)
@@ -141,7 +142,7 @@ class LLMEngine:
         """A begun update is not finished: its buckets may be half in (do not step)."""
         return self.weights.is_open
 
-    def _end_stale(self) -> list[RequestOutput]:
+    def _end_stale(self) -> list[EngineCoreOutput]:
         """Requests whose tokens would now span more than their max_weight_lag versions end
         with their partial output, finish reason "stale"."""
         stale = [r for r in self.requests.values() if too_stale(r, self.weight_version)]
@@ -186,7 +187,7 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
 
-    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+    def abort_request(self, request_id: str | Iterable[str]) -> list[EngineCoreOutput]:
         """Stop requests and free their blocks; returns their final ("abort") outputs. A step
         in flight that holds them computes on, and what it computes for them is dropped."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -197,7 +198,7 @@ class LLMEngine:
                 continue
             self.stats.finished["abort"] += 1
             self.post.end(request, "abort", keep_routing=False)
-            outputs.append(request.output(self.weight_version))
+            outputs.append(request.delta(self.weight_version))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -208,8 +209,9 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the cumulative output of every request it advanced.
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduling step; returns what every request it advanced gained (deltas:
+        `OutputAccumulator` builds the cumulative outputs, as `generate` does).
 
         Serial: launch a step, wait for it, fold its result in. With async scheduling the
         step after it is launched (planned on the assumption that every running sequence goes
@@ -245,14 +247,14 @@ class LLMEngine:
         self.stats.steps_planned_ahead += self._in_flight is not None
         return self._in_flight is not None
 
-    def end_step(self) -> list[RequestOutput]:
+    def end_step(self) -> list[EngineCoreOutput]:
         """The second half of `step`: fold in the step begin_step launched (if drain has not)."""
         outputs, self._held = self._held + self.launcher.failed, []
         self.launcher.failed = []
         due, self._due = self._due, None
         return outputs if due is None else outputs + self._collect(due)
 
-    def drain(self) -> list[RequestOutput]:
+    def drain(self) -> list[EngineCoreOutput]:
         """Wait for every step in flight and fold them in, planning nothing new (before a
         pause, a weight update or a retract); returns their outputs."""
         outputs = self.end_step()
@@ -274,7 +276,7 @@ class LLMEngine:
         """No step in flight from here on; its outputs come with the next step()."""
         self._held = self.drain()
 
-    def _collect(self, step: LaunchedStep) -> list[RequestOutput]:
+    def _collect(self, step: LaunchedStep) -> list[EngineCoreOutput]:
         """Wait for a launched step and fold its result in."""
         try:
             result = step.future.result()
@@ -310,12 +312,14 @@ class LLMEngine:
         except ValueError:  # one bad request: none of the batch stays queued
             self.abort_request([rid for rid in ids if rid in self.requests])
             raise
+        accumulators = {rid: OutputAccumulator() for rid in ids}
         finished: dict[str, RequestOutput] = {}
         with _progress(len(prompts), use_tqdm) as bar:
             while len(finished) < len(ids):
-                for out in self.step():
-                    if out.finished:
-                        finished[out.request_id] = out
+                for delta in self.step():
+                    accumulators[delta.request_id].add(delta)
+                    if delta.finished:
+                        finished[delta.request_id] = accumulators[delta.request_id].output()
                         bar.update(1)
         return [finished[rid] for rid in ids]
 

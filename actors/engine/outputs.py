@@ -52,3 +52,45 @@ def aborted(out: RequestOutput) -> RequestOutput:
         c if c.finished else dataclasses.replace(c, finish_reason="abort") for c in out.outputs
     ]
     return dataclasses.replace(out, outputs=samples, finished=True)
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    """What one sample gained in one engine step (see `EngineCoreOutput`)."""
+
+    index: int
+    text: str  # new text; held back while it could still be the start of a stop string
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    weight_versions: list[int] = field(default_factory=list)
+    kept_mass_logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # the whole array, once: on the delta that finishes the sample (it is trimmed then)
+    routed_experts: np.ndarray | None = None
+    constrained: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """One request's news from one engine step, shaped like vLLM v1's `EngineCoreOutput`: only
+    what is new, so a step's output is O(new tokens) whatever the prompt length. The prompt (text,
+    ids) comes once, on the request's first output; `prompt_logprobs` holds the entries computed
+    since the last output. `outputs` lists the samples with news (all of them on the first).
+    `OutputAccumulator` folds these into the cumulative `RequestOutput`s."""
+
+    request_id: str
+    outputs: list[SampleDelta]
+    finished: bool
+    weight_version: int = 0
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None  # first output only
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: dict[str, float] | None = None  # final output only
+    error: str | None = None

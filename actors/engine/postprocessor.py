@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 from raylane.actors.engine.detokenizer import StopChecker
-from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.planner import StepPlanner
 from raylane.actors.engine.request import Request
 from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler
@@ -42,7 +42,7 @@ class Postprocessor:
         self.requests = requests
         self.weight_version = weight_version
 
-    def apply(self, scheduled: list[ScheduledSeq], result: StepResult) -> list[RequestOutput]:
+    def apply(self, scheduled: list[ScheduledSeq], result: StepResult) -> list[EngineCoreOutput]:
         """Fold a step's result in; returns the outputs of the requests it advanced."""
         touched: dict[str, Request] = {}
         now = time.monotonic()
@@ -90,7 +90,7 @@ class Postprocessor:
         elif seq.finish_reason is None and matcher.is_stopped():
             seq.finish_reason = "stop"
 
-    def fail(self, scheduled: list[ScheduledSeq], error: BaseException) -> list[RequestOutput]:
+    def fail(self, scheduled: list[ScheduledSeq], error: BaseException) -> list[EngineCoreOutput]:
         """The step raised: every request in it ends with finish reason "error"."""
         failed: dict[str, Request] = {}
         for item in scheduled:
@@ -118,9 +118,10 @@ class Postprocessor:
         self.scheduler.finish(seq)
         self.planner.forget(seq)
 
-    def outputs(self, touched: list[Request]) -> list[RequestOutput]:
-        """The requests' outputs; finished ones are counted and forgotten."""
-        outputs = [r.output(self.weight_version()) for r in touched]
+    def outputs(self, touched: list[Request]) -> list[EngineCoreOutput]:
+        """What the requests gained since their last output; finished ones are counted and
+        forgotten."""
+        outputs = [r.delta(self.weight_version()) for r in touched]
         for r in touched:
             if r.finished:
                 self.stats.request_finished(r, time.monotonic())

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from raylane.actors.engine.grammar import GrammarCompiler
-from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.planner import StepPlanner
 from raylane.actors.engine.postprocessor import Postprocessor
 from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -49,7 +49,7 @@ class StepLauncher:
         self.post = post
         self.stats = stats
         self.faults = Faults()  # the "plan" stage of LLMEngine.arm_fault
-        self.failed: list[RequestOutput] = []  # outputs of requests whose plan raised
+        self.failed: list[EngineCoreOutput] = []  # outputs of requests whose plan raised
 
     def launch(self) -> LaunchedStep | None:
         """Schedule, plan and submit a step (None when there is nothing to run)."""

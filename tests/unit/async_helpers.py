@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
-from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.output_accumulator import OutputAccumulator
+from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 
 ATOL = 1e-5  # batch composition differs between the modes: fp32 rounding may, the math not
 MAX_STEPS = 400  # every workload here ends in far fewer steps; more is a hang
@@ -55,19 +56,20 @@ def drive(
     aborts: dict[int, list[str]] | None = None,
 ) -> dict[str, RequestOutput]:
     """Step the engine, adding and aborting requests before the given steps, until every
-    request ended; returns each one's final output. Checks the stream on the way: outputs
-    only grow, and nothing follows a request's final output (an abort's included)."""
+    request ended; returns each one's final (cumulative) output. Checks the stream on the way:
+    outputs only grow, and nothing follows a request's final output (an abort's included)."""
     aborts = aborts or {}
     last_event = max([*arrivals, *aborts, 0])
     finals: dict[str, RequestOutput] = {}
-    seen: dict[str, list[list[int]]] = {}
+    seen: dict[str, OutputAccumulator] = {}
     for step in range(MAX_STEPS):
         for rid, prompt, params in arrivals.get(step, []):
             engine.add_request(rid, prompt, params)
         for rid in aborts.get(step, []):
-            (out,) = engine.abort_request(rid)
+            (delta,) = engine.abort_request(rid)
+            check_stream(delta, finals, seen)
+            out = finals[rid]
             assert out.finished and all(c.finish_reason == "abort" for c in out.outputs)
-            finals[rid] = out
         if step > last_event and not engine.has_unfinished_requests():
             return finals
         for out in engine.step():
@@ -76,16 +78,24 @@ def drive(
 
 
 def check_stream(
-    out: RequestOutput, finals: dict[str, RequestOutput], seen: dict[str, list[list[int]]]
+    delta: EngineCoreOutput, finals: dict[str, RequestOutput], seen: dict[str, OutputAccumulator]
 ) -> None:
-    rid = out.request_id
+    """Fold a delta into its request's output; a finished one goes to `finals`."""
+    rid = delta.request_id
     assert rid not in finals, f"{rid}: an output after its final one"
-    ids = [c.token_ids for c in out.outputs]
-    for before, now in zip(seen.get(rid, []), ids):
-        assert now[: len(before)] == before, f"{rid}: tokens changed after they were reported"
-    seen[rid] = ids
-    if out.finished:
-        finals[rid] = out
+    if rid not in seen:
+        assert delta.prompt_token_ids is not None, f"{rid}: the first output lacks the prompt"
+    else:
+        assert delta.prompt_token_ids is None, f"{rid}: the prompt was sent twice"
+    acc = seen.setdefault(rid, OutputAccumulator())
+    acc.add(delta)
+    if delta.finished:
+        finals[rid] = acc.output()
+
+
+def lengths(seen: dict[str, OutputAccumulator]) -> dict[str, list[int]]:
+    """Tokens reported so far, per request and sample."""
+    return {rid: [len(c.token_ids) for c in acc.live().outputs] for rid, acc in seen.items()}
 
 
 def run_both(model_dir: str, run: Callable[[LLMEngine], Any], **kw) -> tuple[Any, Any]:

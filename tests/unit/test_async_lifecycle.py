@@ -15,6 +15,7 @@ from tests.unit.async_helpers import (
     drive,
     engine_for,
     greedy,
+    lengths,
     prompts_for,
     run_both,
     seeded,
@@ -105,12 +106,12 @@ def test_drain_collects_the_step_in_flight_and_plans_nothing(
         for _ in range(3):
             for out in engine.step():
                 check_stream(out, finals, seen)
-        before = {rid: [len(ids) for ids in seen[rid]] for rid in seen}
+        before = lengths(seen)
         planned = engine.stats.steps_planned_ahead
         assert (planned > 0) == async_scheduling
         for out in engine.drain():  # the paused engine: nothing runs after this
             check_stream(out, finals, seen)
-        after = {rid: [len(ids) for ids in seen[rid]] for rid in seen}
+        after = lengths(seen)
         assert engine.drain() == []
         assert engine.stats.steps_planned_ahead == planned  # drain plans nothing
         if not async_scheduling:

@@ -4,6 +4,7 @@ runs joins the step planned after it, one step sooner, with the serial run's tok
 from __future__ import annotations
 
 import pytest
+from raylane.actors.engine.output_accumulator import accumulate
 from raylane.actors.engine.plan_ahead import PlanAheadClock
 
 from tests.unit.async_helpers import engine_for, greedy, prompts_for
@@ -19,12 +20,13 @@ def steps_to_first_token(engine, prompt, params, plan_late: bool) -> tuple[int, 
     if plan_late:
         engine.plan_ahead()
     steps, outputs = 1, engine.end_step()
-    while not any(o.request_id == "b" and o.outputs[0].token_ids for o in outputs):
+    b = [o for o in outputs if o.request_id == "b"]
+    while not any(o.outputs and o.outputs[0].token_ids for o in b):
         steps, outputs = steps + 1, engine.step()
+        b += [o for o in outputs if o.request_id == "b"]
     while engine.has_unfinished_requests():
-        outputs += engine.step()
-    b = [o for o in outputs if o.request_id == "b"][-1]
-    return steps, b.outputs[0].token_ids
+        b += [o for o in engine.step() if o.request_id == "b"]
+    return steps, accumulate(b).outputs[0].token_ids
 
 
 def test_a_late_plan_takes_in_a_request_that_arrived_during_the_step(tiny_llama_dir):
