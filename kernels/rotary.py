@@ -112,6 +112,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryEmbedding(nn.Module):
     """The cos/sin cache for positions [0, max_positions), like HF's `LlamaRotaryEmbedding`."""
 
+    cos_cache: torch.Tensor  # buffers, [P, D]
+    sin_cache: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,

@@ -56,7 +56,7 @@ class TrainingSample:
         when None), weight_versions int64; `status` in the header metadata."""
         from safetensors.numpy import save
 
-        tensors = {
+        tensors: dict[str, np.ndarray] = {
             "tokens": np.asarray(self.tokens, dtype=np.int64),
             "loss_mask": np.asarray(self.loss_mask, dtype=np.int8),
             "rollout_logprobs": np.asarray(self.rollout_logprobs, dtype=np.float32),

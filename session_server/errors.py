@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -165,9 +167,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_gone(_: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"
 
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(HTTPException, on_http)
-    app.add_exception_handler(ClientGone, on_gone)
+    # Starlette's stub types every handler as taking any Exception; it calls each one only with
+    # the class it is registered for
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, on_http)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientGone, on_gone)  # type: ignore[arg-type]
     # NOTE: the errors a request meets in normal operation are named here: Starlette answers
     # an unnamed one (the Exception entry) from its outermost middleware and then re-raises
     # it, and uvicorn closes a connection whose app raised, resetting a keep-alive client's
@@ -176,7 +180,7 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(kind, on_any)
 
 
-def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
+def describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
     """A readable message and the top-level field for pydantic / FastAPI validation errors."""
     if not errors:
         return "invalid request", None

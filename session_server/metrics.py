@@ -125,7 +125,8 @@ def _combine(name: str, values: list[float]) -> float:
 
 def _cumulative(bounds: list[float], counts: list[int]) -> list[tuple[str, float]]:
     """Per-bucket counts (the last one +Inf) -> Prometheus's cumulative `le` buckets."""
-    out, running = [], 0
+    out: list[tuple[str, float]] = []
+    running = 0
     for bound, count in zip([*map(float, bounds), float("inf")], counts):
         running += count
         out.append(("+Inf" if bound == float("inf") else repr(bound), running))

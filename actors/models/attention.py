@@ -28,6 +28,6 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
         # q [T, H, D], k/v [T, KVH, D] -> [T, H, D]
-        if self.k_cache is None:
+        if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("Attention.k_cache is not attached; the runner allocates it")
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn, self.scale)

@@ -92,7 +92,8 @@ def split_rows(loaded: Loaded, dim: int, full: int, index: int, size: int, what:
 
 def new_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape), requires_grad=False)
-    param.weight_loader = loader
+    # torch gives Parameter no slot for it; the loader finds it by name, as vLLM's does
+    setattr(param, "weight_loader", loader)
     return param
 
 

@@ -93,7 +93,7 @@ class LlamaAttention(nn.Module):
         t, d, h, kvh = hidden.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)  # [T, KVH, D]
-        if self.q_norm is None:  # rotate q and k heads in one go: [T, H + KVH, D]
+        if self.q_norm is None or self.k_norm is None:  # rotate q, k heads at once: [T, H + KVH, D]
             qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]  # NOTE: views, row stride (H + KVH) * D
         else:
@@ -244,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)  # [N, vocab] float32
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [m for m in self.model.layers.modules() if isinstance(m, Attention)]  # layer order
 
     def expert_params_mapping(self) -> list[tuple[str, str, Any]]:
         """(our param fragment, checkpoint fragment, shard id) for expert weights; none here."""

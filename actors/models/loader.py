@@ -137,7 +137,8 @@ def load_weights(
     what changed (`repack_changed`).
     """
     params = dict(model.named_parameters())
-    experts = model.expert_params_mapping() if hasattr(model, "expert_params_mapping") else []
+    mapping = getattr(model, "expert_params_mapping", None)  # MoE models have one
+    experts = mapping() if mapping is not None else []
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:

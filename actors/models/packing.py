@@ -45,11 +45,11 @@ def reorder_supported(dtype: torch.dtype) -> bool:
     return True
 
 
-def _packable(model: nn.Module) -> list[nn.Module]:
+def _packable(model: nn.Module) -> list[LinearBase | ParallelLMHead]:
     return [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
 
 
-def _agrees(module: nn.Module, packed: torch.Tensor) -> bool:
+def _agrees(module: LinearBase | ParallelLMHead, packed: torch.Tensor) -> bool:
     """Guard against an internal op misbehaving on an unusual CPU: compare with F.linear once."""
     weight = module.weight.detach()
     x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))

@@ -161,7 +161,8 @@ def pack_bucket(
     import torch
 
     tensors = [(name, t.detach()) for name, t in named_tensors]
-    header, offset = {}, 0
+    header: dict[str, dict[str, Any]] = {}
+    offset = 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
         header[name] = {

@@ -151,7 +151,7 @@ def _device(name: str):
 
 def _model(args: argparse.Namespace, scratch: str | None, dtype: str, device) -> tuple[str, str]:
     """(model directory, label for the table)."""
-    if args.random_model:
+    if scratch is not None:  # --random-model: the weights are written there
         build_random_model(args.random_model, scratch, dtype, device)
         return scratch, f"{args.random_model}-shaped random weights"
     if args.model:
@@ -362,7 +362,7 @@ def print_table(
         cells += [f"{graphs.tok_s / columns[ref][b].tok_s:>17.2f}x" for _, ref in ratios]
         cells.append(f"{graphs.replays:>18}")
         print(f"| {b:>5} | " + " | ".join(cells) + " |")
-    eager_replays = sum(c.replays for c in columns["eager"].values())
+    eager_replays = sum(c.replays or 0 for c in columns["eager"].values())
     print(
         f"(graph replays: in one timed pass of the graphs engine, one per decode step, so "
         f"{args.output_len - 1} when every step replayed; the eager engine replayed "

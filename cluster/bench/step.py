@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     work = make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), hf.vocab_size, args.seed
     )
-    configs = [
+    configs: list[tuple[str, dict[str, object]]] = [
         ("in-process executor, TP=1", {"distributed_executor_backend": "uni"}),
         ("Ray executor, TP=1", {"distributed_executor_backend": "ray"}),
     ]

@@ -54,7 +54,8 @@ def parse_args() -> argparse.Namespace:
 
 def confidence(rollout: Rollout) -> float:
     """Mean logprob of the proposal's tokens (higher: the model was surer)."""
-    return sum(rollout.logprobs) / max(1, len(rollout.logprobs))
+    logprobs = rollout.logprobs or []
+    return sum(logprobs) / max(1, len(logprobs))
 
 
 async def propose(

@@ -95,6 +95,6 @@ class CallBody:
         key = next((k for k in ("arguments", "parameters") if k in obj), None)
         if key is None:
             return None
-        if self.args is not None and self.args.end is not None:  # as streamed
-            return self.name, self.args_text()
+        if self.name is not None and self.args is not None and self.args.end is not None:
+            return self.name, self.args_text()  # as streamed
         return obj["name"], json.dumps(obj[key], ensure_ascii=False)

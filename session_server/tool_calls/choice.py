@@ -37,7 +37,7 @@ class ToolPlan:
 
     def new_parser(self) -> ToolParser:
         """A parser for one output (one choice)."""
-        if self.mode == "named":
+        if self.named is not None:  # mode "named"
             return NamedParser(self.named)
         if self.mode == "required":
             return JsonCallsParser(self.limit)
@@ -55,7 +55,7 @@ class ToolPlan:
                 "tool_choice",
             )
         request.state.param_names = {"structured_outputs.json": "tools"}
-        if self.mode == "named":
+        if self.named is not None:  # mode "named"
             schema = _arguments_schema(self.functions[self.named])
         else:
             calls = [_call_schema(name, fn) for name, fn in self.functions.items()]

@@ -99,11 +99,13 @@ class ToolParser:
     def _read_body(self, after: str) -> bool:
         """Feed the buffer into the call object; at its end, settle the call and go to `after`."""
         body = self.body
+        if body is None:  # only the states after `_open` read a body
+            raise RuntimeError(f"no call object to read in state {self.state!r}")
         rest = body.add(self.buf)
         self.raw += self.buf[: len(self.buf) - len(rest)]
         self.buf = rest
         if body.args is not None and not self.started:
-            self._start(body.name)
+            self._start(body.name or "")
         if self.started:
             self._args(body.args_text())
         if not body.complete:
@@ -114,7 +116,7 @@ class ToolParser:
             return True
         if call is None:
             self.broken = True
-            call = (body.name, body.args_text())
+            call = (body.name or "", body.args_text())
         self._end_call(*call)
         self.state = after
         return True
