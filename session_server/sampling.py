@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-from raylane.actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
+import dataclasses
+
+from raylane.actors.engine.sampling_names import (
+    ALIASES,
+    GUIDED,
+    STRUCTURED_SGLANG,
+    copied_fields,
+    sglang_error_names,
+)
+from raylane.actors.engine.sampling_params import (
+    STRUCTURED_KINDS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from raylane.session_server.backend import ModelInfo
 from raylane.session_server.errors import bad_request
 from raylane.session_server.schemas import (
@@ -12,50 +25,11 @@ from raylane.session_server.schemas import (
 )
 
 # engine field -> SGLang field, so a /generate error names what the client sent
-SGLANG_NAMES = {
-    "max_tokens": "max_new_tokens",
-    "min_tokens": "min_new_tokens",
-    "logprobs": "top_logprobs_num",
-    "prompt": "input_ids",
-    "include_stop_str_in_output": "no_stop_trim",
-    "structured_outputs.json": "json_schema",
-    "structured_outputs.regex": "regex",
-    "structured_outputs.grammar": "ebnf",
-}
-_SO_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-_GUIDED = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-}
-# SamplingParams fields both APIs carry (under SGLANG_NAMES' names in /generate)
-_SHARED = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "min_tokens",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-)
+SGLANG_NAMES = sglang_error_names()
+_OPENAI = copied_fields("openai")
+_SGLANG = copied_fields("sglang")
 # what an OpenAI field sent as null (or left out) means
-_OPENAI_NULLS = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
 
 
 def resolve_max_tokens(
@@ -95,11 +69,10 @@ def openai_params(
 ) -> SamplingParams:
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
-    fields = {name: _or(getattr(body, name), _OPENAI_NULLS.get(name)) for name in _SHARED}
+    fields = {name: _or(getattr(body, key), _DEFAULTS[name]) for name, key in _OPENAI.items()}
     spec, _ = structured_outputs_of(body)
     return SamplingParams(
         **fields,
-        seed=body.seed,
         max_tokens=max_tokens,
         logprobs=logprobs,
         return_routed_experts=body.return_routed_experts,
@@ -119,7 +92,7 @@ def structured_outputs_of(body: OpenAISampling) -> tuple[StructuredOutputsParams
         found.append(
             (_spec(dict(body.structured_outputs), "structured_outputs"), "structured_outputs")
         )
-    for name, kind in _GUIDED.items():
+    for name, kind in GUIDED.items():
         if getattr(body, name) is not None:
             found.append((_spec({kind: getattr(body, name)}, name), name))
     if len(found) > 1:
@@ -131,7 +104,7 @@ def name_engine_errors(request, body: OpenAISampling) -> None:
     """Engine errors about the constraint (structured_outputs.json: ...) name the field the
     client sent it in (response_format, guided_json, ...): see errors.install_error_handlers."""
     _, field = structured_outputs_of(body)
-    request.state.param_names = {f"structured_outputs.{kind}": field for kind in _SO_KINDS}
+    request.state.param_names = {f"structured_outputs.{kind}": field for kind in STRUCTURED_KINDS}
 
 
 def _response_format(value: dict) -> StructuredOutputsParams | None:
@@ -159,9 +132,11 @@ def _response_format(value: dict) -> StructuredOutputsParams | None:
 
 
 def _spec(fields: dict, field: str) -> StructuredOutputsParams:
-    unknown = sorted(set(fields) - {*_SO_KINDS, "whitespace_flexible"})
+    unknown = sorted(set(fields) - {*STRUCTURED_KINDS, "whitespace_flexible"})
     if unknown:
-        raise bad_request(f"{field}: unknown keys {unknown}; use one of {list(_SO_KINDS)}", field)
+        raise bad_request(
+            f"{field}: unknown keys {unknown}; use one of {list(STRUCTURED_KINDS)}", field
+        )
     try:
         return StructuredOutputsParams(**fields)
     except (ValueError, TypeError) as e:
@@ -174,33 +149,28 @@ def sglang_params(
     logprobs: int | None,
     return_routed_experts: bool,
 ) -> SamplingParams:
-    fields = {name: getattr(sp, SGLANG_NAMES.get(name, name)) for name in _SHARED}
-    seed = sp.seed if sp.seed is not None else sp.sampling_seed
+    fields = {name: getattr(sp, key) for name, key in _SGLANG.items()}
+    for alias, name in ALIASES["sglang"].items():
+        if fields[name] is None:
+            fields[name] = getattr(sp, alias)
     return SamplingParams(
         **fields,
-        seed=seed,
         max_tokens=max_tokens,
         logprobs=logprobs,
         return_routed_experts=return_routed_experts,
-        max_weight_lag=sp.max_weight_lag,
-        return_kept_mass=sp.return_kept_mass,
         structured_outputs=_sglang_spec(sp),
     )
 
 
 def _sglang_spec(sp: SGLangSamplingParams) -> StructuredOutputsParams | None:
-    given = {
-        name: value
-        for name, value in (("json_schema", sp.json_schema), ("regex", sp.regex), ("ebnf", sp.ebnf))
-        if value is not None
-    }
+    given = {name: getattr(sp, name) for name in STRUCTURED_SGLANG}
+    given = {name: value for name, value in given.items() if value is not None}
     if len(given) > 1:
         raise bad_request(f"give one of {sorted(given)}, not several", sorted(given)[1])
     if not given:
         return None
     ((name, value),) = given.items()
-    kind = {"json_schema": "json", "ebnf": "grammar"}.get(name, name)
-    return _spec({kind: value}, name)
+    return _spec({STRUCTURED_SGLANG[name]: value}, name)
 
 
 def _or(value, default):

@@ -7,16 +7,12 @@ forget (finished, aborted, preempted) until the next plan takes them along.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.engine.scheduler import SchedulerOutput
 from raylane.actors.engine.sequence import Sequence
-from raylane.actors.runner.plan import CachedRequest, NewRequest, SamplingOptions, StepPlan
-
-_OPTION_FIELDS = [f.name for f in dataclasses.fields(SamplingOptions)]
+from raylane.actors.runner.plan import CachedRequest, NewRequest, StepPlan
 
 
 @dataclass
@@ -55,7 +51,7 @@ class StepPlanner:
                         tuple(seq.token_ids),
                         tuple(seq.block_table),
                         seq.num_computed_tokens,
-                        sampling_options(seq.params),
+                        seq.params,
                     )
                 )
             known[seq.seq_id] = _Known(len(seq), len(seq.block_table))
@@ -106,9 +102,3 @@ class StepPlanner:
             return False
         known.num_blocks, known.resumed = 0, True
         return True
-
-
-def sampling_options(params: SamplingParams) -> SamplingOptions:
-    values = {name: getattr(params, name) for name in _OPTION_FIELDS}
-    values["stop_token_ids"] = tuple(params.stop_token_ids or ())
-    return SamplingOptions(**values)

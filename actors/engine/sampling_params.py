@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from raylane.actors.engine.strict import check_type, strict_fields
 
 _NUM = (int, float)
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,11 @@ class StructuredOutputsParams:
     whitespace_flexible: bool = False
 
     def __post_init__(self) -> None:
-        set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise ValueError(
                 "SamplingParams.structured_outputs must set exactly one of "
-                f"{list(_KINDS)}, got {set_ or 'none'}"
+                f"{list(STRUCTURED_KINDS)}, got {set_ or 'none'}"
             )
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(
@@ -54,7 +54,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @strict_fields

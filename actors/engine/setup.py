@@ -13,6 +13,7 @@ from raylane.actors.engine.block_manager import BlockManager
 from raylane.actors.engine.config import EngineConfig
 from raylane.actors.engine.detokenizer import StopChecker
 from raylane.actors.engine.grammar import GrammarCompiler
+from raylane.actors.engine.limits import model_limits
 from raylane.actors.executor import Executor, create_executor
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
 
@@ -42,8 +43,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     check_tp_shape(hf_config, config.tensor_parallel_size)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     eos = _eos_token_ids(hf_config, tokenizer, model_dir)
-    max_len = config.max_model_len or getattr(hf_config, "max_position_embeddings", 4096)
-    config = dataclasses.replace(config, max_model_len=max_len)
+    limits = model_limits(hf_config, config)
+    config = dataclasses.replace(config, max_model_len=limits.max_model_len)
     executor = create_executor(
         runner_config(config, model_dir, eos), config.executor_backend, config.shard_resources
     )
@@ -56,8 +57,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         block_manager=BlockManager(
             info.num_kv_blocks, config.block_size, config.enable_prefix_caching
         ),
-        stop_checker=StopChecker(eos, max_len),
-        vocab_size=hf_config.vocab_size,
+        stop_checker=StopChecker(eos, limits.max_model_len),
+        vocab_size=limits.vocab_size,
         num_moe_layers=info.num_moe_layers,
         grammars=GrammarCompiler(tokenizer, info.vocab_size),
     )

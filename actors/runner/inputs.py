@@ -64,7 +64,7 @@ def logit_rows(item: ScheduledRequest, first_row: int) -> list[int]:
     """
     state = item.state
     rows = []
-    if state.options.prompt_logprobs is not None:
+    if state.params.prompt_logprobs is not None:
         start, done = state.num_computed_tokens, state.num_prompt_logprobs_done
         rows = [
             first_row + j

@@ -238,13 +238,13 @@ class ModelRunner:
         state = item.state
         first, count = rows
         count -= int(item.samples)  # the sampling row is not a prompt row
-        if state.options.prompt_logprobs is None or count <= 0:
+        if state.params.prompt_logprobs is None or count <= 0:
             return []
         lp = logits[first : first + count].float().log_softmax(dim=-1)  # [count, V]
         target0 = state.num_prompt_logprobs_done
         targets = torch.tensor(state.token_ids[target0 : target0 + count], device=lp.device)
         chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        top_v, top_i = lp.topk(state.options.prompt_logprobs, dim=-1)  # k=0 gives empty rows
+        top_v, top_i = lp.topk(state.params.prompt_logprobs, dim=-1)  # k=0 gives empty rows
         entries = []
         for t, c, tv, ti in zip(targets.tolist(), chosen, top_v.tolist(), top_i.tolist()):
             entry = dict(zip(ti, tv))
@@ -262,7 +262,7 @@ class ModelRunner:
             state = item.state
             start, end = state.num_routed_reported, item.context_len
             # end <= start: a recompute after preemption, already reported
-            if state.options.return_routed_experts and end > start:
+            if state.params.return_routed_experts and end > start:
                 state.num_routed_reported = end
                 rows.append(i)
                 spans.append((state.block_ids, start, end))

@@ -7,49 +7,19 @@ its own per-request state keyed by `seq_id` (one per sample of an `n > 1` reques
 small whatever the context length, can travel to another process, and can be built ahead of the
 step that runs it.
 
-The runner defines these types; the engine imports them, never the other way round.
+The runner defines these types; the engine imports them, never the other way round. The one
+exception is `SamplingParams`, which travels as the user gave it: it is plain torch-free data.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raylane.actors.engine.sampling_params import SamplingParams
+
 # A token id the runner fills in with the token it sampled for that request at the previous
 # step (async scheduling plans step N+1 before step N's token reaches the host).
 PLACEHOLDER = -1
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """What the runner needs of a request's sampling parameters (vLLM's names)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    return_routed_experts: bool = False
-    return_kept_mass: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def uses_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
 
 
 @dataclass(frozen=True)
@@ -61,7 +31,7 @@ class NewRequest:
     token_ids: tuple[int, ...]  # the prompt
     block_ids: tuple[int, ...]  # the whole block table so far
     num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit)
-    options: SamplingOptions
+    params: SamplingParams  # the request's own, as the user gave it (validated, picklable)
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.runner.plan import (
     PLACEHOLDER,
     CachedRequest,
     NewRequest,
-    SamplingOptions,
     StepPlan,
 )
 
@@ -24,7 +24,7 @@ class RequestState:
     __slots__ = (
         "seq_id",
         "sample_index",
-        "options",
+        "params",
         "token_ids",
         "num_prompt_tokens",
         "block_ids",
@@ -41,18 +41,18 @@ class RequestState:
         token_ids: list[int],
         block_ids: list[int],
         num_computed_tokens: int,
-        options: SamplingOptions,
+        params: SamplingParams,
     ):
         self.seq_id = seq_id
         self.sample_index = sample_index
-        self.options = options
+        self.params = params
         self.token_ids = list(token_ids)  # prompt, then every token fed or to be fed
         self.num_prompt_tokens = len(token_ids)
         self.block_ids = list(block_ids)
         self.num_computed_tokens = num_computed_tokens
         self.last_sampled: int | None = None  # on the sampling rank
         # prompt positions whose logprobs were reported; position 0 has none to report
-        self.num_prompt_logprobs_done = 1 if options.prompt_logprobs is not None else 0
+        self.num_prompt_logprobs_done = 1 if params.prompt_logprobs is not None else 0
         self.num_routed_reported = 0  # positions whose routed experts were reported
 
     @classmethod
@@ -63,7 +63,7 @@ class RequestState:
             list(new.token_ids),
             list(new.block_ids),
             new.num_computed_tokens,
-            new.options,
+            new.params,
         )
 
     def __len__(self) -> int:

@@ -41,18 +41,18 @@ class Sampler:
         only needs to know what was sampled). `masks`: per row, None or a grammar's int32 bit
         set of the allowed tokens, applied after the raw logprobs are taken."""
         logits = logits[:, : self.vocab_size].float()  # [B, V]
-        wants_logprobs = any(s.options.logprobs is not None for s in states) and not tokens_only
+        wants_logprobs = any(s.params.logprobs is not None for s in states) and not tokens_only
         raw = logits.log_softmax(dim=-1) if wants_logprobs else None
         if masks is not None and any(m is not None for m in masks):
             logits = self._apply_grammar(logits, masks)
         logits = self._mask_stop_tokens(logits, states)
-        if any(s.options.uses_penalties for s in states):
+        if any(s.params.uses_penalties for s in states):
             logits = self._penalise(logits, states)
         tokens, kept = self._draw(logits, states, tokens_only)
         kept_mass = [None] * len(states)
         if kept is not None:
             kept_mass = [
-                m if s.options.return_kept_mass else None for m, s in zip(kept.tolist(), states)
+                m if s.params.return_kept_mass else None for m, s in zip(kept.tolist(), states)
             ]
         return SampleResult(tokens.tolist(), *self._logprobs(raw, tokens, states), kept_mass)
 
@@ -64,10 +64,10 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled ids, and the log kept mass of each row when any row asks for it."""
         greedy = logits.argmax(dim=-1)
-        wants_kept = any(s.options.return_kept_mass for s in states) and not tokens_only
-        if all(s.options.greedy for s in states):
+        wants_kept = any(s.params.return_kept_mass for s in states) and not tokens_only
+        if all(s.params.greedy for s in states):
             return greedy, _greedy_kept(logits, greedy) if wants_kept else None
-        params = [s.options for s in states]
+        params = [s.params for s in states]
         temps = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
         logits = logits / temps.unsqueeze(1)
         # a top_k past the vocabulary keeps every token (and may not fit an int64 column)
@@ -109,9 +109,9 @@ class Sampler:
     def _mask_stop_tokens(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         """Before min_tokens are out, EOS and stop_token_ids cannot be sampled."""
         for i, s in enumerate(states):
-            if s.num_output_tokens < s.options.min_tokens:
-                stops = list(s.options.stop_token_ids or [])
-                if not s.options.ignore_eos:
+            if s.num_output_tokens < s.params.min_tokens:
+                stops = list(s.params.stop_token_ids or [])
+                if not s.params.ignore_eos:
                     stops += self.eos_token_ids
                 if stops:
                     logits[i, torch.tensor(stops, device=logits.device)] = float("-inf")
@@ -126,7 +126,7 @@ class Sampler:
             prompt_mask[i, prompt] = True
             out = torch.tensor(s.output_token_ids, dtype=torch.long, device=logits.device)
             counts[i].index_add_(0, out, torch.ones(len(out), device=logits.device))
-        params = [s.options for s in states]
+        params = [s.params for s in states]
         return sampling.apply_penalties(
             logits,
             prompt_mask,
@@ -140,16 +140,16 @@ class Sampler:
         if raw is None:
             return [None] * len(states), [None] * len(states)
         chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        n_max = max(s.options.logprobs or 0 for s in states)
+        n_max = max(s.params.logprobs or 0 for s in states)
         values, ids = sampling.top_logprobs(raw, n_max)
         values, ids = values.tolist(), ids.tolist()
         top = [
-            dict(zip(ids[i][: s.options.logprobs], values[i][: s.options.logprobs]))
-            if s.options.logprobs is not None
+            dict(zip(ids[i][: s.params.logprobs], values[i][: s.params.logprobs]))
+            if s.params.logprobs is not None
             else None
             for i, s in enumerate(states)
         ]
-        lps = [lp if s.options.logprobs is not None else None for lp, s in zip(chosen, states)]
+        lps = [lp if s.params.logprobs is not None else None for lp, s in zip(chosen, states)]
         return lps, top
 
     def _column(self, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -164,8 +164,8 @@ _SEEDED, _UNSEEDED = 0x5EED_5EED_5EED_5EED, 0x0DE1_A17E_D0DE_1A17
 def row_words(state: RequestState, engine_seed: int) -> tuple[int, int, int]:
     """The row's Philox (key, counter0, counter1): (seed, stream) hashed to 64 bits gives the key
     and one counter word, the output position of the token being sampled the other."""
-    if state.options.seed is not None:
-        base = _mix64(_fold64(state.options.seed) ^ _SEEDED)
+    if state.params.seed is not None:
+        base = _mix64(_fold64(state.params.seed) ^ _SEEDED)
         stream = state.sample_index  # the n samples of one request differ
     else:
         base = _mix64(_fold64(engine_seed) ^ _UNSEEDED)

@@ -7,55 +7,14 @@ The client checks every field by building `SamplingParams` first (an unknown or 
 
 from __future__ import annotations
 
+from raylane.actors.engine.sampling_names import BY_FIELD, copied_fields
 from raylane.actors.engine.sampling_params import SamplingParams
 
-# SamplingParams field -> /generate `sampling_params` field, where the names differ
-_SGLANG = {
-    "max_tokens": "max_new_tokens",
-    "min_tokens": "min_new_tokens",
-    "include_stop_str_in_output": "no_stop_trim",
-}
-# fields /generate carries inside `sampling_params` (under _SGLANG's names)
-_GENERATE_FIELDS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "max_tokens",
-    "min_tokens",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "max_weight_lag",
-    "return_kept_mass",
-)
+# SamplingParams field -> its /generate name inside `sampling_params`, and in a chat body
+_GENERATE = {**copied_fields("sglang"), "max_tokens": BY_FIELD["max_tokens"].sglang}
+_CHAT = {**copied_fields("openai"), "max_tokens": BY_FIELD["max_tokens"].openai}
 # RL fields sent only when set, so the body stays valid for servers that predate them
 _OPTIONAL = {"max_weight_lag": None, "return_kept_mass": False}
-# fields the OpenAI chat body of a session turn carries under their own names
-_CHAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "max_tokens",
-    "min_tokens",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-)
 # defaults the client sends unless told otherwise: trainers need each token's logprob
 CLIENT_DEFAULTS = {"logprobs": 0}
 
@@ -75,8 +34,8 @@ def generate_body(
     if params.prompt_logprobs is not None:
         raise ValueError("prompt_logprobs is not available over HTTP; use the in-cluster client")
     sampling = {
-        _SGLANG.get(name, name): getattr(params, name)
-        for name in _GENERATE_FIELDS
+        key: getattr(params, name)
+        for name, key in _GENERATE.items()
         if name not in _OPTIONAL or getattr(params, name) != _OPTIONAL[name]
     }
     body = {
@@ -84,8 +43,8 @@ def generate_body(
         "sampling_params": sampling,
         "rid": request_id,
         "return_logprob": params.logprobs is not None,
-        "top_logprobs_num": params.logprobs or 0,
-        "return_routed_experts": params.return_routed_experts,
+        BY_FIELD["logprobs"].sglang: params.logprobs or 0,
+        BY_FIELD["return_routed_experts"].sglang: params.return_routed_experts,
     }
     if routing_key is not None:
         body["routing_key"] = routing_key
@@ -96,7 +55,7 @@ def chat_body(messages: list[dict], params: SamplingParams, tools: list[dict] | 
     """The OpenAI chat body of a session turn (one sample; token ids and logprobs back)."""
     if params.n != 1:
         raise ValueError("n must be 1 in a session: a session records one trajectory")
-    body = {name: getattr(params, name) for name in _CHAT_FIELDS}
+    body = {key: getattr(params, name) for name, key in _CHAT.items()}
     body.update(messages=messages, logprobs=True, return_token_ids=True)
     if tools is not None:
         body["tools"] = tools

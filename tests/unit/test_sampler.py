@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from raylane.actors.engine.planner import sampling_options
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.runner.requests import RequestState
 from raylane.actors.runner.sampler import Sampler, row_words
@@ -27,8 +26,7 @@ def make_seq(
     seq_id: int = 0,
     **params,
 ) -> RequestState:
-    options = sampling_options(SamplingParams(**params))  # validated as the engine does
-    seq = RequestState(seq_id, index, prompt or [1, 2, 3], [], 0, options)
+    seq = RequestState(seq_id, index, prompt or [1, 2, 3], [], 0, SamplingParams(**params))
     seq.token_ids.extend(outputs)
     return seq
 
@@ -51,7 +49,7 @@ def log_softmax(row: list[float]) -> list[float]:
 
 
 def naive_penalised(row, seq: RequestState) -> list[float]:
-    p = seq.options
+    p = seq.params
     prompt, outputs = seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
     result = []
     for tok, x in enumerate(row):

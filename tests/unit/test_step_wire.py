@@ -11,13 +11,13 @@ import threading
 import numpy as np
 import pytest
 import torch
+from raylane.actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from raylane.actors.runner import wire
 from raylane.actors.runner.config import RunnerConfig
 from raylane.actors.runner.plan import (
     CachedRequest,
     ChannelCommand,
     NewRequest,
-    SamplingOptions,
     StepError,
     StepPlan,
     StepResult,
@@ -26,7 +26,11 @@ from raylane.actors.shard import LOOPBACK, ModelShard
 
 
 def a_plan() -> StepPlan:
-    new = NewRequest(7, 1, (5, 6, 7), (3, 4), 0, SamplingOptions(seed=3, stop_token_ids=(2,)))
+    # the user's SamplingParams travel as they are, structured outputs included
+    params = SamplingParams(
+        seed=3, stop_token_ids=[2], stop="x", structured_outputs=StructuredOutputsParams(regex="a+")
+    )
+    new = NewRequest(7, 1, (5, 6, 7), (3, 4), 0, params)
     cached = CachedRequest(9, (11,), (8,), 16, resumed=True)
     return StepPlan(4, (new,), (cached,), ((7, 3), (9, 1)), 1, (1, 2), (9,))
 
