@@ -4,6 +4,8 @@ Runs a fixed seeded chat workload through N concurrent streaming clients and rep
 requests/s, output tokens/s, TTFT and inter-token latency. In the same run it measures the
 offline engine on the same prompts (the ceiling the HTTP path should keep 85% of) and,
 with `--transformers`, `transformers serve --continuous-batching` on the same model.
+`--prompt-words` makes the prompts long; `--channel-bytes` adds the bytes per output token that
+the replica's output channel sends to the ingress (raylane/bench/channel_bytes.py).
 
 The HTTP/offline ratio is taken in paired rounds (`--rounds`): each round runs the offline
 engine, then a fresh endpoint, on that round's own workload, one right after the other. These
@@ -48,6 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
     parser.add_argument("--requests", type=int, default=64, help="requests in the workload")
     parser.add_argument("--max-tokens", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--prompt-words",
+        type=int,
+        nargs=2,
+        default=[3, 40],
+        metavar=("MIN", "MAX"),
+        help="words per prompt (long prompts: e.g. 2000 2000, about 2 tokens a word)",
+    )
+    parser.add_argument(
+        "--channel-bytes",
+        action="store_true",
+        help="also measure the bytes the replica's output channel sends per output token "
+        "(round 1's workload, in process, before any Ray process starts)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--rounds",
@@ -77,11 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def make_workload(num: int, max_tokens: tuple[int, int], seed: int) -> list[tuple[str, int]]:
+def make_workload(
+    num: int, max_tokens: tuple[int, int], seed: int, words: tuple[int, int] = (3, 40)
+) -> list[tuple[str, int]]:
     rng = random.Random(seed)
     return [
         (
-            f"Write about: {' '.join(rng.choices(WORDS, k=rng.randint(3, 40)))}.",
+            f"Write about: {' '.join(rng.choices(WORDS, k=rng.randint(*words)))}.",
             rng.randint(*max_tokens),
         )
         for _ in range(num)
@@ -171,8 +189,8 @@ def round_work(args: argparse.Namespace, k: int) -> tuple[list, list]:
     kernel for each new batch shape, that the measured runs should not. Fresh prompts every
     round, so neither system answers from a prefix cache an earlier round filled."""
     seed = args.seed + 2 * k
-    size = (args.requests, tuple(args.max_tokens))
-    return make_workload(*size, seed), make_workload(*size, seed + 1)
+    size, words = (args.requests, tuple(args.max_tokens)), tuple(args.prompt_words)
+    return make_workload(*size, seed, words), make_workload(*size, seed + 1, words)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -183,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise ValueError("--rounds must be >= 1")
     model_dir = resolve_model(args.model)
+    if args.channel_bytes:
+        print_channel_bytes(model_dir, round_work(args, 0)[0], args.clients)
     offline = None
     if not args.skip_offline:
         offline = OfflineEngine(model_dir, args.clients, round_work(args, 0)[1])
@@ -216,6 +236,15 @@ def run(args: argparse.Namespace) -> int:
         rows.append(ref)
     print_table(rows, args.requests)
     return 0
+
+
+def print_channel_bytes(model_dir: str, work: list[tuple[str, int]], clients: int) -> None:
+    from raylane.bench.channel_bytes import HEADER, measure, report
+
+    print("\nreplica -> ingress output channel (pickled as Ray sends it):")
+    print(HEADER)
+    label = f"{len(work)} chat requests, {clients} at a time"
+    print(report(label, measure(model_dir, work, clients)))
 
 
 @dataclass
