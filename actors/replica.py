@@ -1,19 +1,21 @@
-"""An engine replica: one AsyncLLMEngine inside a Ray Serve replica.
-
-The Serve deployment (made in cluster/serve.py) restarts it when `check_health` fails or its
-actor dies. It registers with the Router and heartbeats while it can serve, so the Router's
-replica table always reflects the replicas that can serve.
+"""An engine replica: one AsyncLLMEngine in a plain Ray actor that the Router creates and owns
+(router/replica_set.py), and replaces when `check_health` fails or the actor dies. It registers
+with the Router and heartbeats while it can serve, so the Router's replica table always reflects
+the replicas that can serve. Callers reach it through its actor handle, which the Router's table
+carries.
 
 At tensor_parallel_size > 1 the replica owns its group of `ModelShard` actors (in the replica's
 placement group): a shard that dies fails the requests in flight (the executor raises, the
 engine loop fails every waiter), and from then on the heartbeat reports the replica failed and
-`check_health` raises, so Serve replaces the replica and, with it, the whole shard group.
+`check_health` raises, so the Router replaces the replica and, with it, the whole shard group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +24,11 @@ from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.output_channel import ChannelClosed, OutputChannel
 
 logger = logging.getLogger(__name__)
+
+# a caller renews its open channels (router/replica_channels.py, every RENEW_S); one not renewed
+# for this long is closed and its requests aborted: its caller died (Ray does not end an actor
+# call whose caller is gone)
+CHANNEL_LEASE_S = 15.0
 
 
 class EngineReplica:
@@ -41,11 +48,13 @@ class EngineReplica:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.engine = AsyncLLMEngine(LLMEngine(EngineConfig(**engine_options)))
-        self.replica_id = replica_id or _serve_replica_id()
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.router = router
         self._heartbeat_s = heartbeat_s
         self._heartbeat_task: asyncio.Task | None = None
         self._channels: dict[str, OutputChannel] = {}
+        self._leases: dict[str, float] = {}  # channel id -> monotonic time of its last renewal
+        self._admitted = 0  # requests submitted since start (the Router's "routed" count)
 
     async def start(self) -> None:
         """Register with the Router and start heartbeating (idempotent)."""
@@ -56,16 +65,20 @@ class EngineReplica:
 
     async def _heartbeat(self) -> None:
         while True:
-            # a replica whose engine died stops being routed to before Serve replaces it
+            # a replica whose engine died stops being routed to before the Router replaces it
             try:
                 if self._serving():
                     await self.router.heartbeat.remote(
-                        self.replica_id, self.engine.weight_version, self.engine.num_requests
+                        self.replica_id,
+                        self.engine.weight_version,
+                        self.engine.num_requests,
+                        self._admitted,
                     )
                 else:
                     await self.router.report_failure.remote(self.replica_id)
             except Exception as e:  # the Router restarts; keep trying
                 logger.warning("heartbeat to the Router failed: %s", e)
+            self.close_lapsed_channels()
             await asyncio.sleep(self._heartbeat_s)
 
     def _serving(self) -> bool:
@@ -83,13 +96,13 @@ class EngineReplica:
     async def open_channel(
         self,
         channel_id: str,
-        target_replica: str | None = None,
     ) -> AsyncIterator[Any]:
         """A caller's output channel (actors/output_channel.py): first this replica's id (the
         caller learns where the call landed), then per-step batches of the outputs of the
         requests it submits on `channel_id`. Leaving it aborts those still running."""
         channel = OutputChannel()
         self._channels[channel_id] = channel
+        self._leases[channel_id] = time.monotonic()
         try:
             yield self.replica_id
             async for batch in channel.batches():
@@ -97,7 +110,24 @@ class EngineReplica:
         finally:
             if self._channels.get(channel_id) is channel:
                 del self._channels[channel_id]
+                self._leases.pop(channel_id, None)
             channel.close()
+
+    async def renew(self, channel_ids: list[str]) -> None:
+        """The caller of these channels is alive (see CHANNEL_LEASE_S)."""
+        now = time.monotonic()
+        for channel_id in channel_ids:
+            if channel_id in self._leases:
+                self._leases[channel_id] = now
+
+    def close_lapsed_channels(self, lease_s: float = CHANNEL_LEASE_S) -> None:
+        """Close the channels whose caller stopped renewing them, aborting their requests."""
+        now = time.monotonic()
+        for channel_id, renewed in list(self._leases.items()):
+            if now - renewed > lease_s:
+                logger.warning("output channel %s lapsed: its caller is gone", channel_id)
+                self._leases.pop(channel_id)
+                self._channels[channel_id].close()
 
     async def submit(
         self,
@@ -105,7 +135,6 @@ class EngineReplica:
         params: SamplingParams,
         request_id: str,
         channel_id: str,
-        target_replica: str | None = None,
     ) -> None:
         """Admit a request whose outputs go out on the caller's open channel `channel_id`. Bad
         input (ValueError) and a paused engine's full queue (EnginePaused) raise here; abort
@@ -116,64 +145,60 @@ class EngineReplica:
                 f"no output channel {channel_id!r} is open on replica {self.replica_id}"
             )
         channel.start(await self.engine.add_request(prompt_ids, params, request_id))
+        self._admitted += 1
 
-    async def stats(self, target_replica: str | None = None) -> dict:
+    async def stats(self) -> dict:
         return self.engine.stats_snapshot()
 
     # --- the RL control plane (driven by router/control.py, one replica at a time) ------------
 
-    async def pause(self, mode: str, target_replica: str | None = None) -> None:
+    async def pause(self, mode: str) -> None:
         await self.engine.pause(mode)
 
-    async def resume(self, target_replica: str | None = None) -> None:
+    async def resume(self) -> None:
         await self.engine.resume()
 
-    async def weight_version(self, target_replica: str | None = None) -> int:
+    async def weight_version(self) -> int:
         return self.engine.weight_version
 
     async def begin_weight_update(
         self,
         specs: list[dict],
-        target_replica: str | None = None,
     ) -> None:
         from raylane.actors.models.weights import TensorSpec
 
         self.engine.begin_weight_update([TensorSpec.from_dict(d) for d in specs])
 
-    async def load_weight_bucket(self, bucket, target_replica: str | None = None) -> int:
+    async def load_weight_bucket(self, bucket) -> int:
         """`bucket`: safetensors bytes, or `[ObjectRef]` of them (stored once for every
         replica; the list keeps callers in between from fetching it)."""
         if isinstance(bucket, list):
             bucket = await bucket[0]
         return self.engine.load_weight_bucket(bucket)
 
-    async def finish_weight_update(
-        self, version: int | None = None, target_replica: str | None = None
-    ) -> int:
+    async def finish_weight_update(self, version: int | None = None) -> int:
         return self.engine.finish_weight_update(version)
 
     async def abort(
         self,
         request_ids: list[str],
-        target_replica: str | None = None,
     ) -> list[RequestOutput]:
         return await self.engine.abort(request_ids)
 
-    async def flush_cache(self, target_replica: str | None = None) -> None:
+    async def flush_cache(self) -> None:
         self.engine.flush_cache()
 
     async def arm_fault(
         self,
         stage: str,
         times: int = 1,
-        target_replica: str | None = None,
     ) -> None:
         """Test hook: this replica's next `times` engine steps raise at `stage`
         (`LLMEngine.arm_fault`); their requests fail, the engine serves on."""
         self.engine.engine.arm_fault(stage, times)
 
     async def check_health(self) -> None:
-        """Serve's health hook: raising makes the controller replace this replica."""
+        """The Router's health check: raising makes it replace this replica."""
         await self.start()
         self._check_engine()
         # every shard answers a ping: one that died while no request ran is seen here, not by
@@ -181,14 +206,8 @@ class EngineReplica:
         self.engine.engine.check_health(ping=True)
 
     def __del__(self) -> None:
-        # Serve calls this on a graceful stop: free the shard group now (Serve then removes the
-        # placement group, which would also end the shards)
+        # a graceful stop: free the shard group now (the Router then removes the placement
+        # group, which would also end the shards)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.engine.shutdown()
-
-
-def _serve_replica_id() -> str:
-    from ray import serve
-
-    return serve.get_replica_context().replica_id.unique_id

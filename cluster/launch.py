@@ -158,7 +158,10 @@ def shutdown() -> None:
         pass
     try:
         serve.shutdown()
-        ray.kill(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE))
+        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        # its replicas are detached actors: they would outlive it
+        ray.get(router.stop_replicas.remote(), timeout=60)
+        ray.kill(router)
     except Exception:  # nothing to stop
         pass
     ray.shutdown()

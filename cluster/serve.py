@@ -1,51 +1,39 @@
-"""The Ray Serve application: a stateless FastAPI ingress in front of N engine replicas.
+"""The Ray Serve application: a stateless FastAPI ingress; the engine replicas are the Router's.
 
 `app_builder` is the `import_path` a RayService points at (`raylane.serve:app_builder`, with
 the ClusterConfig fields as args); `build_application(config)` is what `raylane serve` runs.
 
-At tensor_parallel_size > 1 each engine replica owns a group of `ModelShard` actors. Serve makes
-one STRICT_PACK placement group per replica (bundle 0 the replica's, then one per shard), and
-the executor inside the replica places its shards in bundles 1..N of that group (see
+The Serve app holds only the `Ingress` deployment. The engine replicas are plain Ray actors the
+Router creates, health-checks and replaces (router/replica_set.py) to match the `ReplicaSpec`
+built here; the ingress routes on its own copy of the Router's replica table and talks to the
+chosen replica's actor handle directly (router/replica_view.py), so a request never calls the
+Router. The Router is created here, by the app's builder, outside any placement group.
+
+At tensor_parallel_size > 1 each engine replica owns a group of `ModelShard` actors in its own
+STRICT_PACK placement group (bundle 0 the replica's, then one per shard; see
 actors/executor/placement.py): a replica and its shards start, fit and die together, on one
-node. Serve puts the replica's child actors in its group by default (it sets
-`placement_group_capture_child_tasks`), which is why the Router is created outside any replica.
-Ray places each group on the least-used node that fits it, so replicas spread over nodes;
-Serve forbids `max_replicas_per_node` with placement groups, so to force one replica per node
-size `engine.shard_resources` so that a second group does not fit a node (and leave
-RAY_SERVE_USE_PACK_SCHEDULING_STRATEGY unset: it packs replicas onto as few nodes as it can).
+node. Ray places each group on the least-used node that fits it, so replicas spread over nodes;
+to force one replica per node size `engine.shard_resources` so that a second group does not fit
+a node.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 from raylane.actors.engine.config import EngineConfig
 from raylane.actors.executor.placement import check_fits_one_node, replica_bundles, shard_bundle
-from raylane.actors.replica import EngineReplica
 from raylane.config import ClusterConfig
 from raylane.router.actor import get_or_create_router
-from raylane.router.serve_router import IMPORT_PATH as REQUEST_ROUTER
-
-
-@serve.deployment(
-    ray_actor_options={"num_cpus": 0},
-    max_ongoing_requests=1024,
-    health_check_period_s=2,
-    health_check_timeout_s=30,
-    request_router_config=RequestRouterConfig(request_router_class=REQUEST_ROUTER),
-)
-class EngineDeployment(EngineReplica):
-    async def __init__(self, engine_options: dict, torch_threads: int, capacity: int):
-        EngineReplica.__init__(self, engine_options, get_or_create_router(capacity), torch_threads)
-        await self.start()
+from raylane.router.replica_set import ReplicaSpec
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress()
 class Ingress:
-    async def __init__(self, replicas, model_dir: str, config: ClusterConfig):
+    async def __init__(self, spec: ReplicaSpec, model_dir: str, config: ClusterConfig):
         from raylane.consolidation import metrics_sources, start_with_app
         from raylane.router.session_host import SessionSetup
         from raylane.serve_backend import ServeBackend
@@ -57,8 +45,10 @@ class Ingress:
         router = get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
         # the Router hosts the sessions and runs their turns on these replicas
         capture = moe and bool(config.engine.get("enable_return_routed_experts"))
-        setup = SessionSetup(model_dir, replicas, return_routed_experts=capture)
-        backend = ServeBackend(replicas, router, tokenizer, info, setup)
+        setup = SessionSetup(model_dir, return_routed_experts=capture)
+        # each refresh of its replica table hands the Router this app's spec, so a Router that
+        # restarted runs the replicas again
+        backend = ServeBackend(router, tokenizer, info, setup, spec, config.max_queue_per_replica)
         self.asgi = build_app(
             backend,
             api_keys=list(config.api_keys) or None,
@@ -90,31 +80,29 @@ def build_application(config: ClusterConfig, model_dir: str | None = None):
     from raylane.models import resolve_model
 
     model_dir = model_dir or resolve_model_dir(resolve_model(config.model))  # .gguf -> HF dir
-    engine_options = {"model": model_dir, **config.engine}
-    options = engine_deployment_options(config, config.engine_config(model_dir))
-    # NOTE: made here, before any replica: a replica would place the (detached) Router in its
-    # own placement group, and the Router would die when Serve replaces that replica
-    get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
-    replicas = EngineDeployment.options(**options).bind(
-        engine_options, config.replica_threads(), config.max_queue_per_replica
+    spec = replica_spec(config, model_dir)
+    router = get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
+    router.deploy.remote(spec)  # the replicas load while Serve starts the ingress
+    return Ingress.bind(spec, model_dir, config)
+
+
+def replica_spec(config: ClusterConfig, model_dir: str) -> ReplicaSpec:
+    """The engine replicas `config` asks for: with a Ray shard group, each in its own placement
+    group, checked against the alive nodes (ValueError naming the shortfall)."""
+    engine = config.engine_config(model_dir)
+    bundles = shard_group_bundles(engine) if engine.executor_backend == "ray" else None
+    return ReplicaSpec(
+        {"model": model_dir, **config.engine},
+        config.replicas,
+        config.replica_threads(),
+        bundles,
+        stamp=time.time(),
     )
-    return Ingress.bind(replicas, model_dir, config)
-
-
-def engine_deployment_options(config: ClusterConfig, engine: EngineConfig) -> dict:
-    """Serve options of the engine replicas: with a Ray shard group, one placement group per
-    replica for it, checked against the alive nodes (ValueError naming the shortfall)."""
-    options: dict = {"num_replicas": config.replicas}
-    if engine.executor_backend != "ray":
-        return options  # the model runs inside the replica process
-    bundles = shard_group_bundles(engine)
-    options.update(placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK")
-    return options
 
 
 def shard_group_bundles(engine: EngineConfig) -> list[dict[str, float]]:
     """One replica's bundles (its own, then one per shard), if a node of this cluster can hold
-    them all; Serve would otherwise wait forever for a group no node can place."""
+    them all; the replica would otherwise wait forever for a group no node can place."""
     import ray
 
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
@@ -150,12 +138,11 @@ def app_builder(args: dict):
 
 
 def _model_facts(model_dir: str, config: ClusterConfig):
-    from transformers import AutoConfig, AutoTokenizer
+    from raylane.actors.engine.limits import read_model_limits
+    from transformers import AutoTokenizer
 
-    hf = AutoConfig.from_pretrained(model_dir)
-    max_len = config.engine.get("max_model_len") or getattr(hf, "max_position_embeddings", 4096)
-    moe = bool(getattr(hf, "num_experts_per_tok", 0))  # Qwen3-MoE, Mixtral: routes tokens
-    return AutoTokenizer.from_pretrained(model_dir), max_len, hf.vocab_size, moe
+    lim = read_model_limits(config.engine_config(model_dir))  # the engine's own rule
+    return AutoTokenizer.from_pretrained(model_dir), lim.max_model_len, lim.vocab_size, lim.is_moe
 
 
 def served_model_name(config: ClusterConfig) -> str:

@@ -1,4 +1,7 @@
-"""The HTTP layer's `EngineBackend` over the Router actor and the Serve engine replicas."""
+"""The HTTP layer's `EngineBackend` over the Router actor and its engine replicas.
+
+Requests go from here straight to a replica's actor handle, chosen on this process's copy of the
+Router's replica table (`ReplicaView`); control calls and sessions go to the Router."""
 
 from __future__ import annotations
 
@@ -7,29 +10,48 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.errors import ROUTER_DOWN, ReplicaFailed, call_router
 from raylane.router.messages import Message
-from raylane.router.replica_generator import ReplicaRequests, RouterPicker
+from raylane.router.replica_generator import ReplicaRequests
+from raylane.router.replica_set import ReplicaSpec
+from raylane.router.replica_view import ReplicaView
 from raylane.router.samples import TrainingSample
 from raylane.router.session_host import SessionSetup
 from raylane.router.sessions import TurnResult
 from raylane.session_server.backend import ModelInfo
 
 
-class ServeBackend:
-    """Ask the Router for a replica, then stream from that replica directly."""
+def router_view(router: Any, capacity: int, spec: ReplicaSpec | None = None) -> ReplicaView:
+    """A `ReplicaView` of the Router's table (with `spec`: the app's, which the Router then
+    runs). A failed request's replica is reported to the Router, once, off the request path."""
+    return ReplicaView(
+        lambda: call_router(router.table.remote(spec)),
+        capacity,
+        report=lambda replica_id: router.report_failure.remote(replica_id),
+    )
 
-    def __init__(self, replicas, router, tokenizer, info: ModelInfo, setup: SessionSetup):
-        self.replicas = replicas  # DeploymentHandle of the engine replicas
+
+class ServeBackend:
+    """Choose a replica locally, then stream from that replica directly."""
+
+    def __init__(
+        self,
+        router,
+        tokenizer,
+        info: ModelInfo,
+        setup: SessionSetup,
+        spec: ReplicaSpec | None = None,
+        capacity: int = 256,
+    ):
         self.router = router
         self.tokenizer = tokenizer
         self.info = info
-        self.picker = RouterPicker(router)
-        self.requests = ReplicaRequests(replicas, self.picker)
+        self.view = router_view(router, capacity, spec)
+        self.requests = ReplicaRequests(self.view)
         self.sessions = RouterSessions(router, setup)
-        self.control = RouterControl(router, replicas)
+        self.control = RouterControl(router)
 
     def generate(
         self,
@@ -37,41 +59,35 @@ class ServeBackend:
         params: SamplingParams,
         request_id: str,
         routing_key: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[EngineCoreOutput]:
         return self.requests.generate(prompt_ids, params, request_id, routing_key)
 
     async def ready(self) -> bool:
-        return await self.picker.ready()
+        return await self.view.ready()
 
     async def stats(self) -> list[dict]:
-        ids = [
-            r["replica_id"]
-            for r in await call_router(self.router.replicas.remote())
-            if r["healthy"]
-        ]
-        calls = [self.replicas.stats.remote(target_replica=rid) for rid in ids]
+        await self.view.ready()
+        healthy = [r.replica_id for r in self.view.policy.healthy()]
+        calls = [self.view.handle(rid).stats.remote() for rid in healthy]
         results = await asyncio.gather(*calls, return_exceptions=True)
         return [r for r in results if isinstance(r, dict)]
 
 
 class RouterControl:
     """`ControlBackend` over the Router actor, whose `ControlPlane` serializes control calls for
-    the whole cluster and reaches every replica through the engine deployment's handle."""
+    the whole cluster and calls every replica's actor handle."""
 
-    def __init__(self, router, replicas):
+    def __init__(self, router):
         self.router = router
-        self.replicas = replicas
 
     async def pause(self, mode: str) -> dict[str, Any]:
-        return await call_router(self.router.pause.remote(self.replicas, mode))
+        return await call_router(self.router.pause.remote(mode))
 
     async def resume(self) -> dict[str, Any]:
-        return await call_router(self.router.resume.remote(self.replicas))
+        return await call_router(self.router.resume.remote())
 
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
-        return await call_router(
-            self.router.begin_update.remote(self.replicas, version, spec_dicts)
-        )
+        return await call_router(self.router.begin_update.remote(version, spec_dicts))
 
     async def load_bucket(self, update_id: str, payload: bytes) -> int:
         import ray
@@ -80,19 +96,19 @@ class RouterControl:
         # instead of fetching the bytes. NOTE: the ref must live until the call returns
         # (a uint8 array, which a replica reads in place; bytes would be copied out)
         ref = await asyncio.to_thread(ray.put, np.frombuffer(payload, dtype=np.uint8))
-        return await call_router(self.router.load_bucket.remote(self.replicas, update_id, [ref]))
+        return await call_router(self.router.load_bucket.remote(update_id, [ref]))
 
     async def commit_update(self, update_id: str) -> int:
-        return await call_router(self.router.commit_update.remote(self.replicas, update_id))
+        return await call_router(self.router.commit_update.remote(update_id))
 
     async def weight_version(self) -> int:
         return await call_router(self.router.weight_version.remote())
 
     async def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        return await call_router(self.router.abort.remote(self.replicas, request_ids))
+        return await call_router(self.router.abort.remote(request_ids))
 
     async def flush_cache(self) -> None:
-        await call_router(self.router.flush_cache.remote(self.replicas))
+        await call_router(self.router.flush_cache.remote())
 
 
 class RouterSessions:

@@ -1,13 +1,15 @@
-"""The Router: one named Ray actor per cluster that owns the replica table, the routing policy
-and the multi-turn session registry.
+"""The Router: one named Ray actor per cluster that owns the engine replicas, their table, the
+control plane and the multi-turn session registry.
 
-Engine replicas register on start and heartbeat while alive; the HTTP ingress asks `choose()`
-which replica serves a request, then streams from that replica directly (tokens never pass
-through here) and reports `done()` / `report_failure()`. Session turns are the exception: the
-registry records every token, so they run here (see `router/session_host.py`), on the replica
-the policy picks for the session id. The RL control plane (pause, resume, weight updates, aborts;
-`router/control.py`) runs here too, so one lock serializes it for the whole cluster; callers pass
-the engine deployment's handle, through which it reaches every replica.
+It creates the replicas (plain Ray actors, `router/replica_set.py`) to match the spec the Serve
+app deploys, health-checks them and replaces those that fail. Replicas heartbeat here while
+alive (weight version, requests held); the table, with each replica's actor handle, is what
+every caller copies into its `ReplicaView` (router/replica_view.py) in the background and
+routes on locally: no request calls the Router. Session turns are the exception: the registry
+records every token, so they run here (see `router/session_host.py`), on the replica the policy
+picks for the session id. The RL control plane (pause, resume, weight updates, aborts;
+`router/control.py`) runs here too, so one lock serializes it for the whole cluster, and it calls
+each replica's actor handle directly.
 
 An async actor (the session methods are coroutines): every method, the sync replica-table ones
 included, runs on the actor's event loop, so none may block.
@@ -25,8 +27,9 @@ from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.control import ControlPlane
 from raylane.router.messages import Message
 from raylane.router.policy import RoutingPolicy
-from raylane.router.replica_calls import HandleCalls
-from raylane.router.replica_generator import PolicyPicker
+from raylane.router.replica_calls import ActorCalls
+from raylane.router.replica_set import ReplicaSet, ReplicaSpec
+from raylane.router.replica_view import ReplicaView
 from raylane.router.session_host import SessionHost, SessionSetup
 from raylane.router.session_store import open_session_store
 from raylane.router.sessions import TurnResult
@@ -47,63 +50,86 @@ class Router:
         self.policy = RoutingPolicy(capacity)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.forget_after_s = forget_after_s
+        self._beats: dict[str, int] = {}  # heartbeats received, per replica
+        self.replica_set = ReplicaSet(_own_handle, self.unregister, NAMESPACE)
         # with a DSN, sessions are written through to PostgreSQL and outlive a restart (Ray
         # restarts the actor with the same arguments); without one a restart loses them
-        self.sessions = SessionHost(PolicyPicker(self), store=open_session_store(sessions_dsn))
+        # in this process: the table is read before each turn's choice
+        view = ReplicaView(self.table, capacity, self.report_failure, refresh_s=0)
+        self.sessions = SessionHost(view, store=open_session_store(sessions_dsn))
         self.control = ControlPlane(self)
+        self.calls = ActorCalls(self.replica_set.handles)
 
     # --- replicas -----------------------------------------------------------------------------
+
+    def deploy(self, spec: ReplicaSpec) -> bool:
+        """Run `spec.count` replicas of `spec`'s engine (idempotent; replicas start in the
+        background). False when a newer spec is deployed already."""
+        return self.replica_set.deploy(spec)
+
+    def stop_replicas(self) -> None:
+        """Kill every engine replica (`raylane serve`'s shutdown)."""
+        self.replica_set.stop()
 
     def register(self, replica_id: str) -> None:
         self.policy.add(replica_id, time.monotonic())
         self.heartbeat(replica_id)
 
     def heartbeat(
-        self, replica_id: str, weight_version: int | None = None, held: int | None = None
+        self,
+        replica_id: str,
+        weight_version: int | None = None,
+        held: int | None = None,
+        admitted: int | None = None,
     ) -> None:
-        """The replica is alive, at this weight version, holding `held` requests (None: it
-        does not say)."""
+        """The replica is alive, at this weight version, holding `held` requests, having
+        admitted `admitted` since it started (None: it does not say)."""
         state = self.policy.replicas.get(replica_id)
         if state is None:  # the Router restarted and lost its table: re-learn the replica
             self.policy.add(replica_id, time.monotonic())
             state = self.policy.replicas[replica_id]
         state.last_seen = time.monotonic()
         state.healthy = True
+        self._beats[replica_id] = self._beats.get(replica_id, 0) + 1
         if weight_version is not None:
             self.policy.set_version(replica_id, weight_version)
         if held is not None:
             state.report(held)
+        if admitted is not None:
+            state.routed = admitted
 
     def unregister(self, replica_id: str) -> None:
         self.policy.remove(replica_id)
+        self._beats.pop(replica_id, None)
 
     def report_failure(self, replica_id: str) -> None:
-        """The ingress saw this replica fail: skip it until its next heartbeat."""
+        """A caller saw this replica fail: skip it until its next heartbeat."""
         self.policy.set_healthy(replica_id, False)
-
-    # --- routing ------------------------------------------------------------------------------
-
-    def choose(self, routing_key: str | None = None) -> str | None:
-        """The replica for a request, counted as in flight; None when all are full or down."""
-        self._expire()
-        replica_id = self.policy.choose(routing_key)
-        if replica_id is not None:
-            self.policy.started(replica_id)
-        return replica_id
-
-    def done(self, replica_id: str) -> None:
-        self.policy.finished(replica_id)
 
     def ready(self) -> bool:
         """Some replica can serve: healthy, at the cluster's weight version."""
         self._expire()
         return bool(self.policy.routable())
 
+    async def table(self, spec: ReplicaSpec | None = None) -> list[dict]:
+        """The replicas with their actor handles, for a `ReplicaView`. The Serve app's ingress
+        sends its `spec` along, so a restarted Router runs its replicas again."""
+        if spec is not None:
+            self.deploy(spec)
+        self.replica_set.adopt()
+        handles, beats = self.replica_set.handles, self._beats
+        return [
+            {**row, "handle": handles[rid], "beat": beats.get(rid)}
+            for row in self.replicas()
+            if (rid := row["replica_id"]) in handles
+        ]
+
     def replicas(self) -> list[dict]:
         self._expire()
         return [
             {
                 "replica_id": r.replica_id,
+                "held": r.reported,
                 "in_flight": r.in_flight,
                 "routed": r.routed,
                 "healthy": r.healthy,
@@ -112,30 +138,30 @@ class Router:
             for r in self.policy.replicas.values()
         ]
 
-    # --- the control plane (`replicas`: the engine deployment's DeploymentHandle) ------------
+    # --- the control plane: straight to each replica's actor handle ---------------------------
 
-    async def pause(self, replicas, mode: str) -> dict[str, Any]:
-        return await self.control.pause(HandleCalls(replicas), mode)
+    async def pause(self, mode: str) -> dict[str, Any]:
+        return await self.control.pause(self.calls, mode)
 
-    async def resume(self, replicas) -> dict[str, Any]:
-        return await self.control.resume(HandleCalls(replicas))
+    async def resume(self) -> dict[str, Any]:
+        return await self.control.resume(self.calls)
 
-    async def begin_update(self, replicas, version: int, spec_dicts: list[dict]) -> str:
-        return await self.control.begin_update(HandleCalls(replicas), version, spec_dicts)
+    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
+        return await self.control.begin_update(self.calls, version, spec_dicts)
 
-    async def load_bucket(self, replicas, update_id: str, bucket: list) -> int:
+    async def load_bucket(self, update_id: str, bucket: list) -> int:
         """`bucket`: `[ObjectRef]` of safetensors bytes; the list keeps Ray from fetching the
         bytes here, so each replica reads them from the object store itself."""
-        return await self.control.load_bucket(HandleCalls(replicas), update_id, bucket)
+        return await self.control.load_bucket(self.calls, update_id, bucket)
 
-    async def commit_update(self, replicas, update_id: str) -> int:
-        return await self.control.commit_update(HandleCalls(replicas), update_id)
+    async def commit_update(self, update_id: str) -> int:
+        return await self.control.commit_update(self.calls, update_id)
 
-    async def abort(self, replicas, request_ids: list[str]) -> list[RequestOutput]:
-        return await self.control.abort(HandleCalls(replicas), request_ids)
+    async def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        return await self.control.abort(self.calls, request_ids)
 
-    async def flush_cache(self, replicas) -> None:
-        await self.control.flush_cache(HandleCalls(replicas))
+    async def flush_cache(self) -> None:
+        await self.control.flush_cache(self.calls)
 
     def control_state(self) -> dict[str, Any]:
         return self.control.state()
@@ -144,7 +170,7 @@ class Router:
 
     def reachable(self) -> list[str]:
         self._expire()
-        return [r.replica_id for r in self.policy.healthy()]
+        return [r.replica_id for r in self.policy.healthy() if r.replica_id in self.calls.handles]
 
     def weight_version(self) -> int:
         self._expire()
@@ -198,6 +224,12 @@ class Router:
                 self.policy.remove(state.replica_id)
             elif silent > self.heartbeat_timeout_s:
                 state.healthy = False
+
+
+def _own_handle() -> Any:
+    import ray
+
+    return ray.get_runtime_context().current_actor
 
 
 def get_or_create_router(capacity: int = 256, sessions_dsn: str | None = None):

@@ -1,6 +1,6 @@
 """The RL control plane: pause, resume, weight updates and aborts across every engine replica.
 
-The Router actor hosts one for the Serve replicas, `LocalBackend` one for its in-process engine.
+The Router actor hosts one for its replica actors, `LocalBackend` one for its in-process engine.
 One asyncio.Lock serializes pause, resume and each step of an update, so concurrent callers (two
 trainers, a retry racing its original) see them one after another, never interleaved; every call
 is broadcast and idempotent on the replicas, so a retry, or a Router that restarted and forgot
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,12 +36,23 @@ PAUSE_MODES = ("abort", "wait", "keep", "retract")
 
 
 class ReplicaCalls(Protocol):
-    """Calls one engine replica's control method (those of `raylane.actors.replica.EngineReplica`:
-    pause, resume, begin_weight_update, load_weight_bucket, finish_weight_update, abort,
-    flush_cache). Raises what the replica raised: `ValueError` for bad input; anything else
-    means the replica failed."""
+    """Calls one engine replica's control methods (those of `raylane.actors.replica.EngineReplica`).
+    Each raises what the replica raised: `ValueError` for bad input; anything else means the
+    replica failed."""
 
-    async def __call__(self, replica_id: str, method: str, *args: Any) -> Any: ...
+    async def pause(self, replica_id: str, mode: str) -> None: ...
+
+    async def resume(self, replica_id: str) -> None: ...
+
+    async def begin_weight_update(self, replica_id: str, spec_dicts: list[dict]) -> None: ...
+
+    async def load_weight_bucket(self, replica_id: str, bucket: Any) -> int: ...
+
+    async def finish_weight_update(self, replica_id: str, version: int) -> int: ...
+
+    async def abort(self, replica_id: str, request_ids: list[str]) -> list: ...
+
+    async def flush_cache(self, replica_id: str) -> None: ...
 
 
 class ReplicaTable(Protocol):
@@ -119,11 +131,11 @@ class ControlPlane:
             return self.state()
 
     async def _pause(self, calls: ReplicaCalls, mode: str) -> None:
-        await self._everywhere(calls, self._reachable(), "pause", mode)
+        await self._everywhere(self._reachable(), "pause", lambda rid: calls.pause(rid, mode))
         self.paused_mode = mode
 
     async def _resume(self, calls: ReplicaCalls) -> None:
-        await self._everywhere(calls, self._reachable(), "resume")
+        await self._everywhere(self._reachable(), "resume", calls.resume)
         self.paused_mode = None
 
     # --- the update transaction ---------------------------------------------------------------
@@ -140,8 +152,11 @@ class ControlPlane:
             if fresh:
                 await self._pause(calls, "keep")
             try:
+                dicts = [s.to_dict() for s in specs]
                 ok = await self._everywhere(
-                    calls, self._reachable(), "begin_weight_update", [s.to_dict() for s in specs]
+                    self._reachable(),
+                    "begin_weight_update",
+                    lambda rid: calls.begin_weight_update(rid, dicts),
                 )
             except BaseException:
                 if fresh:  # nothing was begun anywhere: undo the pause
@@ -160,7 +175,10 @@ class ControlPlane:
         async with self._lock:
             update = self._open(update_id)
             ok = await self._everywhere(
-                calls, update.replica_ids, "load_weight_bucket", bucket, update=update
+                update.replica_ids,
+                "load_weight_bucket",
+                lambda rid: calls.load_weight_bucket(rid, bucket),
+                update=update,
             )
             count = next(iter(ok.values()))
             update.loaded += count
@@ -179,7 +197,10 @@ class ControlPlane:
                     "tensors were loaded; send the rest before committing"
                 )
             ok = await self._everywhere(
-                calls, update.replica_ids, "finish_weight_update", update.version, update=update
+                update.replica_ids,
+                "finish_weight_update",
+                lambda rid: calls.finish_weight_update(rid, update.version),
+                update=update,
             )
             for rid in ok:
                 self.table.set_version(rid, update.version)
@@ -210,12 +231,17 @@ class ControlPlane:
         """End these requests wherever they run (unknown ids are skipped); their partial
         outputs (`RequestOutput`, finish reason "abort")."""
         ids = self.table.reachable()
-        done = await self._everywhere(calls, ids, "abort", list(request_ids)) if ids else {}
+        wanted = list(request_ids)
+        done = (
+            await self._everywhere(ids, "abort", lambda rid: calls.abort(rid, wanted))
+            if ids
+            else {}
+        )
         return [out for outs in done.values() for out in outs]
 
     async def flush_cache(self, calls: ReplicaCalls) -> None:
         """Drop every replica's prefix cache."""
-        await self._everywhere(calls, self._reachable(), "flush_cache")
+        await self._everywhere(self._reachable(), "flush_cache", calls.flush_cache)
 
     # --- broadcasting ---------------------------------------------------------------------------
 
@@ -227,22 +253,20 @@ class ControlPlane:
 
     async def _everywhere(
         self,
-        calls: ReplicaCalls,
         ids: list[str],
         method: str,
-        *args: Any,
+        call: Callable[[str], Awaitable[Any]],
         update: Update | None = None,
     ) -> dict[str, Any]:
-        """Call `method` on every replica in `ids` at once; their results by replica id.
+        """`call(replica_id)` (the replica's `method`) on every replica in `ids` at once;
+        their results by replica id.
 
         A `ValueError` (the input's fault) raised anywhere is raised here. A replica that
         failed otherwise is reported, and leaves `update`; only when none succeeded is it an
         error (`ReplicasFailed`)."""
         if not ids:
             raise ReplicasFailed(f"{method}: no engine replica is left to call")
-        results = await asyncio.gather(
-            *(calls(rid, method, *args) for rid in ids), return_exceptions=True
-        )
+        results = await asyncio.gather(*(call(rid) for rid in ids), return_exceptions=True)
         ok = {rid: r for rid, r in zip(ids, results) if not isinstance(r, BaseException)}
         failed = {rid: r for rid, r in zip(ids, results) if isinstance(r, BaseException)}
         bad_input = next((e for e in failed.values() if isinstance(e, ValueError)), None)

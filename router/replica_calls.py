@@ -1,5 +1,6 @@
-"""How the control plane reaches engine replicas: Serve replicas through the deployment handle,
-or one in-process engine (`LocalBackend`), behind the same `ReplicaCalls` / `ReplicaTable`."""
+"""How the control plane reaches engine replicas: the Router's replica actors through their
+handles, or one in-process engine (`LocalBackend`), behind the same `ReplicaCalls` /
+`ReplicaTable`."""
 
 from __future__ import annotations
 
@@ -8,19 +9,45 @@ from typing import Any
 from raylane.actors.engine.errors import EnginePaused, RequestFailed
 
 
-class HandleCalls:
-    """`ReplicaCalls` over the engine deployment's DeploymentHandle: each call carries
-    `target_replica`, which the deployment's request router (`router/serve_router.py`)
-    delivers to that replica."""
+class ActorCalls:
+    """`ReplicaCalls` over the replicas' actor handles (`handles`: the Router's, by id)."""
 
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
+    def __init__(self, handles: dict[str, Any]) -> None:
+        self.handles = handles
 
-    async def __call__(self, replica_id: str, method: str, *args: Any) -> Any:
-        try:
-            return await getattr(self.handle, method).remote(*args, target_replica=replica_id)
-        except Exception as e:
-            raise unwrapped(e) from None
+    async def pause(self, replica_id: str, mode: str) -> None:
+        await _result(self._handle(replica_id).pause.remote(mode))
+
+    async def resume(self, replica_id: str) -> None:
+        await _result(self._handle(replica_id).resume.remote())
+
+    async def begin_weight_update(self, replica_id: str, spec_dicts: list[dict]) -> None:
+        await _result(self._handle(replica_id).begin_weight_update.remote(spec_dicts))
+
+    async def load_weight_bucket(self, replica_id: str, bucket: Any) -> int:
+        return await _result(self._handle(replica_id).load_weight_bucket.remote(bucket))
+
+    async def finish_weight_update(self, replica_id: str, version: int) -> int:
+        return await _result(self._handle(replica_id).finish_weight_update.remote(version))
+
+    async def abort(self, replica_id: str, request_ids: list[str]) -> list:
+        return await _result(self._handle(replica_id).abort.remote(request_ids))
+
+    async def flush_cache(self, replica_id: str) -> None:
+        await _result(self._handle(replica_id).flush_cache.remote())
+
+    def _handle(self, replica_id: str) -> Any:
+        handle = self.handles.get(replica_id)
+        if handle is None:
+            raise RuntimeError(f"engine replica {replica_id} is gone")
+        return handle
+
+
+async def _result(ref: Any) -> Any:
+    try:
+        return await ref
+    except Exception as e:
+        raise unwrapped(e) from None
 
 
 def unwrapped(error: Exception) -> Exception:
@@ -41,30 +68,27 @@ class EngineCalls:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    async def __call__(self, replica_id: str, method: str, *args: Any) -> Any:
-        return await getattr(self, "_" + method)(*args)
-
-    async def _pause(self, mode: str) -> None:
+    async def pause(self, replica_id: str, mode: str) -> None:
         await self.engine.pause(mode)
 
-    async def _resume(self) -> None:
+    async def resume(self, replica_id: str) -> None:
         await self.engine.resume()
 
-    async def _begin_weight_update(self, spec_dicts: list[dict]) -> None:
+    async def begin_weight_update(self, replica_id: str, spec_dicts: list[dict]) -> None:
         from raylane.actors.models.weights import TensorSpec
 
         self.engine.begin_weight_update([TensorSpec.from_dict(d) for d in spec_dicts])
 
-    async def _load_weight_bucket(self, bucket: bytes) -> int:
+    async def load_weight_bucket(self, replica_id: str, bucket: bytes) -> int:
         return self.engine.load_weight_bucket(bucket)
 
-    async def _finish_weight_update(self, version: int) -> int:
+    async def finish_weight_update(self, replica_id: str, version: int) -> int:
         return self.engine.finish_weight_update(version)
 
-    async def _abort(self, request_ids: list[str]) -> list:
+    async def abort(self, replica_id: str, request_ids: list[str]) -> list:
         return await self.engine.abort(request_ids)
 
-    async def _flush_cache(self) -> None:
+    async def flush_cache(self, replica_id: str) -> None:
         self.engine.flush_cache()
 
 

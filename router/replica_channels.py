@@ -3,8 +3,8 @@ engine replica per process, opened on first use and shared by every request this
 there, so a step's outputs arrive as one Ray message instead of one per request.
 
 `ReplicaChannels.stream` is one request on one replica: submit it on the replica's channel, then
-rebuild its cumulative outputs from the deltas the channel delivers. Leaving early aborts it on
-the replica. When a channel's call fails (the replica died), every request on it raises. A
+yield the engine's deltas (`EngineCoreOutput`) as the channel delivers them. Leaving early aborts
+it on the replica. When a channel's call fails (the replica died), every request on it raises. A
 channel idle for `IDLE_CLOSE_S` is closed, so a replica being stopped is not kept waiting.
 """
 
@@ -16,14 +16,16 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from raylane.actors.engine.output_delta import DeltaDecoder
-from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
-from raylane.router.replica_calls import HandleCalls, unwrapped
+from raylane.router.replica_calls import unwrapped
 
-# a channel with no request for this long is closed: it is an ongoing request on its replica,
-# and Serve waits for those (up to its graceful-shutdown timeout) before stopping a replica
-IDLE_CLOSE_S = 2.0
+# a channel with no request for this long is closed (it holds a call open on its replica); long
+# enough that a steady trickle of requests reuses it instead of opening one per request
+IDLE_CLOSE_S = 30.0
+# how often an open channel tells its replica that this process is alive; a replica closes a
+# channel not renewed within its CHANNEL_LEASE_S (actors/replica.py)
+RENEW_S = 3.0
 
 
 class ChannelLost(RuntimeError):
@@ -31,40 +33,42 @@ class ChannelLost(RuntimeError):
 
 
 class ReplicaChannels:
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle  # the engine deployment's DeploymentHandle
-        self._calls = HandleCalls(handle)
-        self._channels: dict[str, asyncio.Task] = {}  # chosen replica id -> its _Channel
+    def __init__(self) -> None:
+        self._channels: dict[str, asyncio.Task] = {}  # replica id -> its _Channel
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def stream(
-        self, replica_id: str, prompt_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request on `replica_id` (where the deployment's request
-        router sends it: another replica if that one is gone). A ValueError (bad input),
-        EnginePaused or RequestFailed raised there arrives as itself."""
-        channel = await self._channel(replica_id)
+        self,
+        replica_id: str,
+        handle: Any,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+    ) -> AsyncIterator[EngineCoreOutput]:
+        """The engine's deltas for one request on replica `replica_id` (`handle`: its actor
+        handle). A ValueError (bad input), EnginePaused or RequestFailed raised there arrives
+        as itself."""
+        channel = await self._channel(replica_id, handle)
         queue = channel.subscribe(request_id)
         finished = submitted = False
         try:
-            await self._calls(
-                channel.replica_id, "submit", prompt_ids, params, request_id, channel.id
-            )
+            try:
+                await handle.submit.remote(prompt_ids, params, request_id, channel.id)
+            except Exception as e:
+                raise unwrapped(e) from None
             submitted = True
-            decoder = DeltaDecoder()
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                out = decoder.decode(item)
-                finished = out.finished
-                yield out
+                finished = item.finished
+                yield item
         finally:
             channel.unsubscribe(request_id)
             if submitted and not finished and not channel.lost:
-                self.handle.abort.remote([request_id], target_replica=channel.replica_id)
+                handle.abort.remote([request_id])
 
-    async def _channel(self, replica_id: str) -> _Channel:
+    async def _channel(self, replica_id: str, handle: Any) -> _Channel:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # channels (and their tasks) belong to one event loop
             self._loop, self._channels = loop, {}
@@ -74,41 +78,34 @@ class ReplicaChannels:
             and (opening.cancelled() or opening.exception() is not None or opening.result().lost)
         ):
             # its own task: a request that leaves while it opens does not cancel it for others
-            opening = loop.create_task(_Channel.open(self.handle, replica_id))
+            opening = loop.create_task(_Channel.open(handle, replica_id))
             self._channels[replica_id] = opening
-        channel = await asyncio.shield(opening)
-        if channel.replica_id != replica_id:
-            # the request router sent it elsewhere (the target is gone, or this handle does not
-            # know it yet): serve this request there, but file the channel under the replica it
-            # reached, so the next request for `replica_id` tries that replica again
-            if self._channels.get(replica_id) is opening:
-                del self._channels[replica_id]
-            self._channels.setdefault(channel.replica_id, opening)
-        return channel
+        return await asyncio.shield(opening)
 
 
 class _Channel:
     def __init__(self, channel_id: str, replica_id: str) -> None:
         self.id = channel_id
-        self.replica_id = replica_id  # where the call landed
+        self.replica_id = replica_id
         self.lost = False
         self._queues: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
         self._idle: asyncio.TimerHandle | None = None
+        self._renewing: asyncio.Task | None = None
 
     @classmethod
     async def open(cls, handle: Any, replica_id: str) -> _Channel:
         channel_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        stream = handle.options(stream=True).open_channel.remote(
-            channel_id, target_replica=replica_id
-        )
+        stream = handle.open_channel.options(num_returns="streaming").remote(channel_id)
         try:
-            landed = await stream.__anext__()  # the replica's id
+            await (await stream.__anext__())  # the replica's id: the channel is open
         except Exception as e:
-            stream.cancel()
+            _cancel(stream)
             raise unwrapped(e) from None
-        channel = cls(channel_id, landed)
-        channel._task = asyncio.get_running_loop().create_task(channel._pump(stream))
+        channel = cls(channel_id, replica_id)
+        loop = asyncio.get_running_loop()
+        channel._task = loop.create_task(channel._pump(stream))
+        channel._renewing = loop.create_task(channel._renew(handle))
         return channel
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
@@ -131,16 +128,24 @@ class _Channel:
             self.lost = True  # the next request opens a new one
             self._task.cancel()
 
+    async def _renew(self, handle: Any) -> None:
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await handle.renew.remote([self.id])
+            except Exception:  # the replica is gone: the pump sees it
+                return
+
     async def _pump(self, stream: Any) -> None:
         error: BaseException = ChannelLost(f"replica {self.replica_id} closed the output channel")
         try:
-            async for batch in stream:
-                for request_id, item in batch:
+            async for ref in stream:
+                for request_id, item in await ref:
                     queue = self._queues.get(request_id)
                     if queue is not None:
                         queue.put_nowait(item)
         except asyncio.CancelledError:
-            stream.cancel()
+            _cancel(stream)
             raise
         except Exception as e:
             error = ChannelLost(
@@ -148,5 +153,13 @@ class _Channel:
             )
         finally:
             self.lost = True
+            if self._renewing is not None:
+                self._renewing.cancel()
             for queue in self._queues.values():
                 queue.put_nowait(error)
+
+
+def _cancel(stream: Any) -> None:
+    import ray
+
+    ray.cancel(stream)  # ends the replica's open_channel call, which closes the channel there

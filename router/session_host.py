@@ -1,7 +1,7 @@
 """The Router's session registry: one per cluster, so the HTTP ingress replicas stay stateless.
 
 The ingress sends a `SessionSetup` with every session call (the model directory for the
-chat template, the engine deployment's handle, whether routed experts are captured); the first
+chat template, whether routed experts are captured); the first
 one builds the registry — after a Router restart too, so a stored session carries on — and a
 different one — the app was redeployed with another model — rebuilds it. Turns run on the
 engine replicas through `ReplicaTurnGenerator`, sticky by session id.
@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from raylane.router.replica_generator import ReplicaPicker, ReplicaRequests, ReplicaTurnGenerator
+from raylane.router.replica_generator import ReplicaRequests, ReplicaTurnGenerator
+from raylane.router.replica_view import ReplicaView
 from raylane.router.session_store import MemorySessionStore, SessionStore
 from raylane.router.sessions import SessionConfig, SessionRegistry
 from raylane.router.tito import TemplateSplicer
@@ -34,20 +35,12 @@ class SessionSetup:
     """What the Router needs to host sessions for the served model."""
 
     model_dir: str  # its tokenizer's chat template builds the prompt ids; sessions record it
-    replicas: Any = field(compare=False)  # the engine deployment's DeploymentHandle
     return_routed_experts: bool = False  # the engines capture routed experts (MoE)
     config: SessionConfig = field(default_factory=SessionConfig)
 
     @property
     def key(self) -> tuple:
-        # handles do not compare equal across pickling; their names do
-        return (
-            self.model_dir,
-            self.replicas.app_name,
-            self.replicas.deployment_name,
-            self.return_routed_experts,
-            self.config,
-        )
+        return (self.model_dir, self.return_routed_experts, self.config)
 
 
 def auto_tokenizer(model_dir: str) -> Any:
@@ -62,11 +55,11 @@ class SessionHost:
 
     def __init__(
         self,
-        picker: ReplicaPicker,
+        view: ReplicaView,
         load_tokenizer: Callable[[str], Any] = auto_tokenizer,
         store: SessionStore | None = None,
     ) -> None:
-        self.picker = picker
+        self.view = view
         self.load_tokenizer = load_tokenizer
         self.store = store or MemorySessionStore()  # shared by every registry built here
         self._registry: SessionRegistry | None = None
@@ -91,7 +84,7 @@ class SessionHost:
             # off the event loop: the replica table keeps answering meanwhile
             tokenizer = await asyncio.to_thread(self.load_tokenizer, setup.model_dir)
             generator = ReplicaTurnGenerator(
-                ReplicaRequests(setup.replicas, self.picker), setup.return_routed_experts
+                ReplicaRequests(self.view), setup.return_routed_experts
             )
             if self.num_sessions:
                 log.warning("the served model changed; forgetting %d sessions", self.num_sessions)

@@ -1,9 +1,10 @@
 """The rollout client inside the Ray cluster: no HTTP hop.
 
-Generation asks the Router actor for a replica, then streams from that engine replica through
-the Serve deployment handle (as the HTTP ingress does, `cluster/serve_backend.py`); control
-calls go to the Router's control plane, which reaches every replica; weight buckets are put in
-the object store once and every replica fetches the same object.
+Generation chooses a replica on this process's copy of the Router's replica table, then streams
+from that engine replica through its actor handle (as the HTTP ingress does,
+`cluster/serve_backend.py`); control calls go to the Router's control plane, which reaches every
+replica; weight buckets are put in the object store once and every replica fetches the same
+object.
 """
 
 from __future__ import annotations
@@ -13,16 +14,14 @@ from typing import Any
 
 import numpy as np
 from raylane.actors.engine.errors import EnginePaused, RequestFailed
-from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.output_accumulator import OutputAccumulator
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.client.errors import Busy, ClientError, NoReplica
 from raylane.client.rollout import Rollout, from_request_output
 from raylane.client.session import SessionTurn
 from raylane.router.errors import ReplicaFailed, ReplicasBusy, RouterError
-from raylane.router.replica_generator import ReplicaRequests, RouterPicker
+from raylane.router.replica_generator import ReplicaRequests
 from raylane.router.samples import TrainingSample
-
-ENGINE_DEPLOYMENT = "EngineDeployment"
 
 
 class RayTransport:
@@ -31,18 +30,17 @@ class RayTransport:
     def __init__(
         self,
         router: Any,
-        replicas: Any,
         model: str | None = None,
         return_routed_experts: bool = False,
+        capacity: int = 256,
     ):
+        from raylane.serve_backend import router_view
+
         self.router = router  # the Router actor's handle
-        self.replicas = replicas  # the engine deployment's DeploymentHandle
-        self.requests = ReplicaRequests(replicas, RouterPicker(router))
+        self.requests = ReplicaRequests(router_view(router, capacity))
         self.model = model  # the served HF directory: its tokenizer and chat template
         self.sessions = (
-            None
-            if model is None
-            else _router_sessions(router, replicas, model, return_routed_experts)
+            None if model is None else _router_sessions(router, model, return_routed_experts)
         )
         self._tokenizer = None
 
@@ -50,15 +48,14 @@ class RayTransport:
     def connect(
         cls, app_name: str, model: str | None = None, return_routed_experts: bool = False
     ) -> RayTransport:
-        """Handles of a running app (`ray.init(address=...)` first when outside the cluster).
-        `model`: the HF directory the app serves (its chat template builds session turns)."""
+        """The Router of a running app (`ray.init(address=...)` first when outside the
+        cluster). `model`: the HF directory the app serves (its chat template builds session
+        turns). `app_name` is kept for callers; a cluster has one Router."""
         import ray
-        from ray import serve
         from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
         router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-        replicas = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)
-        return cls(router, replicas, model, return_routed_experts)
+        return cls(router, model, return_routed_experts)
 
     async def generate(
         self,
@@ -67,19 +64,19 @@ class RayTransport:
         request_id: str,
         routing_key: str | None,
     ) -> list[Rollout]:
-        final: RequestOutput | None = None
+        final = OutputAccumulator()  # the engine's deltas, folded into the final output
         try:
             stream = self.requests.generate(prompt, params, request_id, routing_key)
             async with aclosing(stream):
                 async for out in stream:
-                    final = out
+                    final.add(out)
         except (ReplicasBusy, ReplicaFailed) as e:
             raise Busy(e.status, str(e), e.error_type, None, e.code) from e
         except EnginePaused as e:  # its paused queue is full: worth retrying
             raise Busy(503, str(e), "server_error", None, "engine_paused") from e
         except RequestFailed as e:  # a step it was in failed; the replica serves on
             raise ClientError(500, str(e), "server_error", None, "request_failed") from e
-        return from_request_output(final)
+        return from_request_output(final.output())
 
     async def tokenize(self, text: str | None, messages: list[dict] | None) -> list[int]:
         tokenizer = self._tokenizer_of_model()
@@ -105,16 +102,16 @@ class RayTransport:
     # --- control (the Router's control plane) -----------------------------------------------
 
     async def pause(self, mode: str) -> None:
-        await _unwrap(self.router.pause.remote(self.replicas, mode))
+        await _unwrap(self.router.pause.remote(mode))
 
     async def resume(self) -> None:
-        await _unwrap(self.router.resume.remote(self.replicas))
+        await _unwrap(self.router.resume.remote())
 
     async def weight_version(self) -> int:
         return await _unwrap(self.router.weight_version.remote())
 
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
-        return await _unwrap(self.router.begin_update.remote(self.replicas, version, spec_dicts))
+        return await _unwrap(self.router.begin_update.remote(version, spec_dicts))
 
     def stage_bucket(self, payload: np.ndarray) -> Any:
         import ray
@@ -125,17 +122,17 @@ class RayTransport:
 
     async def load_bucket(self, update_id: str, staged: Any) -> int:
         # a list, so the Router forwards the reference without fetching the bytes itself
-        return await _unwrap(self.router.load_bucket.remote(self.replicas, update_id, [staged]))
+        return await _unwrap(self.router.load_bucket.remote(update_id, [staged]))
 
     async def commit_update(self, update_id: str) -> int:
-        return await _unwrap(self.router.commit_update.remote(self.replicas, update_id))
+        return await _unwrap(self.router.commit_update.remote(update_id))
 
     async def abort(self, request_ids: list[str]) -> list[Rollout]:
-        outs = await _unwrap(self.router.abort.remote(self.replicas, list(request_ids)))
+        outs = await _unwrap(self.router.abort.remote(list(request_ids)))
         return [r for out in outs for r in from_request_output(out)]
 
     async def flush_cache(self) -> None:
-        await _unwrap(self.router.flush_cache.remote(self.replicas))
+        await _unwrap(self.router.flush_cache.remote())
 
     # --- sessions (the Router hosts them) ---------------------------------------------------
 
@@ -185,13 +182,13 @@ class RayTransport:
         pass  # the handles belong to the cluster
 
 
-def _router_sessions(router: Any, replicas: Any, model: str, routed: bool):
+def _router_sessions(router: Any, model: str, routed: bool):
     from raylane.router.session_host import SessionSetup
     from raylane.serve_backend import RouterSessions
 
     # NOTE: must equal the ingress's setup (same model dir, same routed-experts flag), else
     # the Router takes it for a redeployed model and rebuilds its registry
-    return RouterSessions(router, SessionSetup(model, replicas, return_routed_experts=routed))
+    return RouterSessions(router, SessionSetup(model, return_routed_experts=routed))
 
 
 async def _unwrap(ref):

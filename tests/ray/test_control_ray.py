@@ -15,6 +15,7 @@ from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
 from tests.hf_reference import hf_greedy, perturbed_model
 from tests.ray.conftest import free_port, keys_owned, wait_healthy
+from tests.ray.replica_helpers import counts_after, routed_counts
 
 ADMIN_KEY = "admin-ray"
 PROMPTS = [[5, 17, 42, 99, 7, 150, 33], [9, 8, 7, 6, 5, 4], [100, 200, 300, 12]]
@@ -100,11 +101,10 @@ def test_an_update_reaches_both_replicas_at_one_version(
     assert set(replica_versions(router).values()) == {1}
     ids = wait_healthy(ray_cluster, 2)
     keys = keys_owned(ids, 4)  # spread over both replicas by key
-    before = {r["replica_id"]: r["routed"] for r in call(router, "replicas")}
+    before = routed_counts(ray_cluster)
     outs = [greedy(url, PROMPTS[i % len(PROMPTS)], key) for i, key in enumerate(keys)]
-    routed = {
-        r["replica_id"]: r["routed"] - before[r["replica_id"]] for r in call(router, "replicas")
-    }
+    after = counts_after(ray_cluster, before, len(keys))
+    routed = {rid: after[rid] - before[rid] for rid in after}
     assert routed == dict.fromkeys(ids, 4), routed
     for i, out in enumerate(outs):  # the references after: they starve the replicas meanwhile
         assert out["output_ids"] == hf_greedy(v1_dir, PROMPTS[i % len(PROMPTS)], 8)[0]

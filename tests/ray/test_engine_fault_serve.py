@@ -4,7 +4,7 @@ endpoint keeps serving (issue 14).
 Two replicas of the tiny Llama, three clients in a loop. (a) A forward fault injected into one
 replica's engine fails only the requests of that step (500, code "request_failed"); the replica
 stays registered and serves on. (b) A replica actor killed outright: every request meanwhile is
-200 or 503 (never another 5xx, never a hang), and Serve brings a replacement up.
+200 or 503 (never another 5xx, never a hang), and the Router brings a replacement up.
 """
 
 from __future__ import annotations
@@ -14,13 +14,10 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-import pytest
-from raylane.launch import APP_NAME
 from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
 from tests.ray.conftest import keys_owned, wait_for, wait_healthy
-
-ENGINE_DEPLOYMENT = "EngineDeployment"
+from tests.ray.replica_helpers import replica_actor
 
 
 @dataclass
@@ -75,16 +72,13 @@ def completion(url: str, key: str | None = None) -> httpx.Response:
 
 
 def test_forward_fault_fails_its_requests_and_the_replica_serves_on(served, ray_cluster):
-    from ray import serve
-
     url, _ = served
     ray = ray_cluster
     ids = wait_healthy(ray, 2)
-    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
     with Load(url) as load:
         time.sleep(1.0)
         assert set(load.codes) == {200}, load.errors
-        handle.arm_fault.remote("forward", 2, target_replica=ids[0]).result(timeout_s=60)
+        ray.get(replica_actor(ray, ids[0]).arm_fault.remote("forward", 2), timeout=60)
         wait_for(lambda: 500 in load.codes, 30, "a request failed by the injected fault")
         time.sleep(1.0)
     assert not load.broken, load.broken
@@ -107,7 +101,7 @@ def test_killed_replica_fails_cleanly_and_is_replaced(served, ray_cluster):
     victim_id = ids[0]
     with Load(url) as load:
         time.sleep(1.0)
-        ray.kill(_replica_actor(ray, victim_id), no_restart=True)
+        ray.kill(replica_actor(ray, victim_id), no_restart=True)
         time.sleep(4.0)
     assert not load.broken, load.broken  # no hang, no dropped connection
     assert set(load.codes) <= {200, 503}, load.errors
@@ -119,7 +113,7 @@ def test_killed_replica_fails_cleanly_and_is_replaced(served, ray_cluster):
         healthy = _healthy_ids(ray)
         return len(healthy) == 2 and victim_id not in healthy
 
-    wait_for(replaced, 120, "Serve to replace the killed replica", poll_s=1.0)
+    wait_for(replaced, 120, "the Router to replace the killed replica", poll_s=1.0)
     for key in keys_owned(wait_healthy(ray, 2), 2):
         resp = completion(url, key)
         assert resp.status_code == 200, resp.text
@@ -128,12 +122,3 @@ def test_killed_replica_fails_cleanly_and_is_replaced(served, ray_cluster):
 def _healthy_ids(ray) -> list[str]:
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     return sorted(r["replica_id"] for r in ray.get(router.replicas.remote()) if r["healthy"])
-
-
-def _replica_actor(ray, replica_id: str):
-    from ray.util import list_named_actors
-
-    for entry in list_named_actors(all_namespaces=True):
-        if replica_id in entry["name"] and ENGINE_DEPLOYMENT in entry["name"]:
-            return ray.get_actor(entry["name"], namespace=entry["namespace"])
-    pytest.fail(f"no actor for replica {replica_id}")

@@ -1,10 +1,11 @@
-"""An ingress that dies mid-request never tells the Router its requests are done; the counts
-must heal from the replica's own heartbeats, or a full replica answers 429 forever.
+"""An ingress that dies mid-request must leave no orphans: its requests stop counting against
+the replica, or a full replica answers 429 forever, and stop running, or they burn its steps.
 
-One replica with room for two requests: two long streams fill it, the ingress process is
-SIGKILLed, and the endpoint must serve again once the replica has let the orphans go. This is
-`raylane serve`'s default path, where the ingress replica holds the port itself: its replacement
-must get the port back.
+One replica with room for two requests, paused ("keep") so two streams are held there; the
+ingress process is SIGKILLed. Ray does not end the dead caller's output channel, so the replica
+closes it once its caller stops renewing it (CHANNEL_LEASE_S), and the held requests, resumed,
+are aborted at admission instead of generating. This is `raylane serve`'s default path, where
+the ingress replica holds the port itself: its replacement must get the port back.
 """
 
 from __future__ import annotations
@@ -71,20 +72,41 @@ def stream_until_broken(url: str) -> None:
         pass  # the ingress died under it
 
 
-def test_counts_heal_after_the_ingress_dies_mid_request(url, ray_cluster):
+def generated_tokens(ray) -> int:
+    from raylane.router.replica_set import REPLICA_PREFIX
+
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(REPLICA_PREFIX)
+    ]
+    stats = [ray.get(ray.get_actor(n, namespace=NAMESPACE).stats.remote()) for n in names]
+    return sum(s["counters"]["generation_tokens"] for s in stats)
+
+
+def test_an_ingress_that_dies_mid_request_leaves_no_orphans(url, ray_cluster):
+    import time
+
+    from raylane.actors.replica import CHANNEL_LEASE_S
+
     ray = ray_cluster
+    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     assert httpx.post(f"{url}/generate", json=body(4), timeout=60).status_code == 200
+    ray.get(router.pause.remote("keep"))
     streams = [threading.Thread(target=stream_until_broken, args=(url,)) for _ in range(2)]
     for t in streams:
         t.start()
-    wait_for(lambda: in_flight(ray) == 2, 60, "two requests in flight")
+    wait_for(lambda: in_flight(ray) == 2, 60, "two requests held")
     assert httpx.post(f"{url}/generate", json=body(4), timeout=60).status_code == 429  # full
+    before = generated_tokens(ray)
     (pid,) = ingress_pids()
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         assert b"Ingress" in f.read(), "not the ingress process"
     os.kill(pid, signal.SIGKILL)
     for t in streams:
         t.join(timeout=120)
+    time.sleep(CHANNEL_LEASE_S + 3)  # the replica notices the dead caller's channel lapse
+    ray.get(router.resume.remote())
 
     def serves() -> bool:
         try:
@@ -93,4 +115,6 @@ def test_counts_heal_after_the_ingress_dies_mid_request(url, ray_cluster):
             return False
 
     wait_for(serves, 120, "the endpoint to serve again after the ingress died")
-    wait_for(lambda: in_flight(ray) == 0, 30, "the Router's counts to return to zero")
+    wait_for(lambda: in_flight(ray) == 0, 30, "the replica to let the orphans go")
+    # the orphans were aborted, not run: far fewer tokens than one 240-token request
+    assert generated_tokens(ray) - before < 240

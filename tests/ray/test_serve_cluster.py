@@ -6,17 +6,13 @@ import concurrent.futures
 import time
 
 import httpx
-import pytest
 from raylane.router.actor import NAMESPACE, ROUTER_NAME
+
+from tests.ray.replica_helpers import counts_after, replica_actor, routed_counts
 
 
 def router(ray):
     return ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-
-
-def routed_counts(ray) -> dict[str, int]:
-    replicas = ray.get(router(ray).replicas.remote())
-    return {r["replica_id"]: r["routed"] for r in replicas if r["healthy"]}
 
 
 def generate(url: str, ids: list[int], key: str | None = None, max_new: int = 4) -> dict:
@@ -36,13 +32,13 @@ def test_session_key_sticks_and_unkeyed_requests_spread(served, ray_cluster):
     before = routed_counts(ray_cluster)
     for _ in range(6):
         generate(url, [5, 6, 7, 8], key="session-42")
-    after = routed_counts(ray_cluster)
+    after = counts_after(ray_cluster, before, 6)
     grew = {rid: after[rid] - before.get(rid, 0) for rid in after}
     assert sorted(grew.values()) == [0, 6]
     before = after
     for _ in range(6):
         generate(url, [9, 10, 11])
-    after = routed_counts(ray_cluster)
+    after = counts_after(ray_cluster, before, 6)
     assert all(after[rid] > before[rid] for rid in after)
 
 
@@ -85,7 +81,7 @@ def test_killing_a_replica_keeps_the_endpoint_serving(served, ray_cluster):
     url, _ = served
     ray = ray_cluster
     victim_id = next(iter(routed_counts(ray)))
-    victim = _replica_actor(ray, victim_id)
+    victim = replica_actor(ray, victim_id)
     body = {
         "input_ids": [5, 6, 7],
         "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
@@ -105,7 +101,7 @@ def test_killing_a_replica_keeps_the_endpoint_serving(served, ray_cluster):
     assert all(code in (200, 503) for code in codes), codes  # clean errors, no hang
     assert 200 in codes
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # the Serve controller brings a new replica up
+    while time.monotonic() < deadline:  # the Router brings a new replica up
         healthy = routed_counts(ray)
         if len(healthy) == 2 and victim_id not in healthy:
             break
@@ -113,15 +109,6 @@ def test_killing_a_replica_keeps_the_endpoint_serving(served, ray_cluster):
     assert len(routed_counts(ray)) == 2
     for i in range(4):
         assert generate(url, [5, 6, 7], key=f"after-{i}")["output_ids"]
-
-
-def _replica_actor(ray, replica_id: str):
-    from ray.util import list_named_actors
-
-    for entry in list_named_actors(all_namespaces=True):
-        if replica_id in entry["name"] and "EngineDeployment" in entry["name"]:
-            return ray.get_actor(entry["name"], namespace=entry["namespace"])
-    pytest.fail(f"no actor for replica {replica_id}")
 
 
 def test_load_64_streaming_clients_no_5xx_all_done(served):

@@ -1,6 +1,6 @@
-"""Tensor-parallel engine replicas on Ray Serve: each replica owns a group of ModelShard actors
-in its own placement group; a shard that dies takes its replica down cleanly and Serve brings up
-a replica with a fresh group."""
+"""Tensor-parallel engine replicas: each replica (an actor the Router owns) has a group of
+ModelShard actors in its own placement group; a shard that dies takes its replica down cleanly
+and the Router brings up a replica with a fresh group."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from raylane.router.actor import NAMESPACE, ROUTER_NAME
 from tests.ray.conftest import free_port, wait_for
 from tests.ray.test_serve_cli import _wait_for
 
-REPLICA_CLASS = "ServeReplica:raylane:EngineDeployment"
+REPLICA_CLASS = "EngineReplica"
 
 
 # --- the cluster's actors, read from the GCS (the state API needs the dashboard) --------------
@@ -162,7 +162,7 @@ def test_two_tp2_replicas_each_own_a_shard_group(served_tp, tiny_llama_dir):
 
 
 def _replace_and_wait(ray, victim_name: str, old_ids: set[str]) -> None:
-    """Wait until Serve replaced the victim's replica: two healthy replicas, none of them the
+    """Wait until the Router replaced the victim's replica: two healthy replicas, none of them the
     victim, each with a full shard group."""
 
     def recovered() -> bool:
@@ -174,7 +174,7 @@ def _replace_and_wait(ray, victim_name: str, old_ids: set[str]) -> None:
             and not any(rid in victim_name for rid in healthy_replicas(ray))
         )
 
-    wait_for(recovered, 150, "Serve to replace the replica whose shard died")
+    wait_for(recovered, 150, "the Router to replace the replica whose shard died")
     assert healthy_replicas(ray) != old_ids
 
 

@@ -13,6 +13,7 @@ import pytest
 from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
 from tests.ray.conftest import free_port
+from tests.ray.replica_helpers import counts_after, routed_counts
 
 MODEL = "tiny-moe"
 ENGINE = {
@@ -37,11 +38,6 @@ def moe_served(ray_cluster, tiny_moe_dir) -> str:
         engine=ENGINE,
     )
     return launch.deploy(config)
-
-
-def routed_counts(ray) -> dict[str, int]:
-    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    return {r["replica_id"]: r["routed"] for r in ray.get(router.replicas.remote())}
 
 
 def new_session(url: str) -> tuple[str, openai.OpenAI]:
@@ -76,7 +72,7 @@ def test_session_turns_stick_to_one_replica_and_merge(moe_served, ray_cluster, t
             {"role": "assistant", "content": text},
             {"role": "tool", "content": f'{{"temp": {20 + turn}}}'},
         ]
-    after = routed_counts(ray_cluster)
+    after = counts_after(ray_cluster, before, 3)
     grew = sorted(after[rid] - before.get(rid, 0) for rid in after)
     assert grew == [0, 3]  # every turn on the same replica
 

@@ -20,7 +20,7 @@ from raylane.client import RolloutClient
 from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
 from tests.hf_reference import hf_greedy, hf_model, perturbed_model
-from tests.ray.conftest import free_port, keys_owned, wait_healthy
+from tests.ray.conftest import free_port, keys_owned, wait_for, wait_healthy
 
 ADMIN_KEY = "admin-loop"
 LONG = 160  # tokens: long enough to pause a group while it runs
@@ -148,4 +148,5 @@ async def test_pause_update_resume_round(mode, url, keys, weight_sets, ray_clust
             )
             assert got.token_ids == hf_greedy(new_dir, prompt, 8)[0]
             assert got.weight_versions == [new] * 8
-    assert all(n > 0 for n in routed_counts(ray_cluster))  # the group used both replicas
+    # the group used both replicas
+    wait_for(lambda: all(n > 0 for n in routed_counts(ray_cluster)), 30, "both replicas used")

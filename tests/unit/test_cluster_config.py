@@ -177,10 +177,22 @@ def test_a_replica_group_too_small_for_its_shards_is_named():
 
 
 def test_tp1_deploys_without_a_placement_group():
-    from raylane.serve import engine_deployment_options
+    from raylane.serve import replica_spec
 
-    config = ClusterConfig(replicas=2)
-    assert engine_deployment_options(config, config.engine_config("m")) == {"num_replicas": 2}
+    config = ClusterConfig(replicas=2, engine={"max_num_seqs": 4})
+    spec = replica_spec(config, "m")
+    assert (spec.count, spec.bundles) == (2, None)
+    assert spec.engine_options == {"model": "m", "max_num_seqs": 4}
+
+
+def test_a_replica_spec_key_changes_with_the_engine_only():
+    from raylane.router.replica_set import ReplicaSpec
+
+    base = ReplicaSpec({"model": "m"}, 2, 1, None, stamp=1.0)
+    assert ReplicaSpec({"model": "m"}, 3, 1, None, stamp=2.0).key == base.key  # scale, rebuild
+    assert ReplicaSpec({"model": "m", "seed": 1}, 2, 1, None).key != base.key
+    assert ReplicaSpec({"model": "m"}, 2, 2, None).key != base.key  # threads
+    assert ReplicaSpec({"model": "m"}, 2, 1, [{"CPU": 1.0}]).key != base.key  # placement
 
 
 def test_keys_never_show_in_a_printed_config():

@@ -52,7 +52,28 @@ class Recorder:
         self.fail: dict[tuple[str, str], Exception] = {}  # (replica, method) -> error
         self.gates: dict[str, asyncio.Event] = {}  # method -> event it waits for
 
-    async def __call__(self, replica_id: str, method: str, *args):
+    async def pause(self, replica_id: str, mode: str):
+        return await self._record(replica_id, "pause", mode)
+
+    async def resume(self, replica_id: str):
+        return await self._record(replica_id, "resume")
+
+    async def begin_weight_update(self, replica_id: str, spec_dicts: list[dict]):
+        return await self._record(replica_id, "begin_weight_update", spec_dicts)
+
+    async def load_weight_bucket(self, replica_id: str, bucket):
+        return await self._record(replica_id, "load_weight_bucket", bucket)
+
+    async def finish_weight_update(self, replica_id: str, version: int):
+        return await self._record(replica_id, "finish_weight_update", version)
+
+    async def abort(self, replica_id: str, request_ids: list[str]):
+        return await self._record(replica_id, "abort", request_ids)
+
+    async def flush_cache(self, replica_id: str):
+        return await self._record(replica_id, "flush_cache")
+
+    async def _record(self, replica_id: str, method: str, *args):
         self.log.append((replica_id, method, "start"))
         if method in self.gates:
             await self.gates[method].wait()

@@ -1,6 +1,6 @@
 """Requests over the replicas' output channels (actors/output_channel.py,
 router/replica_channels.py) against a serial run of the same engine, without Ray: real
-`EngineReplica`s behind an in-process stand-in for the deployment handle. Checks the outputs
+`EngineReplica`s behind an in-process stand-in for their actor handles. Checks the outputs
 (ids, logprobs, the cumulative view), that a step's outputs travel as one batch, and that every
 way of leaving aborts on the replica."""
 
@@ -11,6 +11,7 @@ from contextlib import aclosing
 
 import pytest
 from raylane.actors.engine import SamplingParams
+from raylane.actors.engine.output_accumulator import cumulative
 from raylane.actors.replica import EngineReplica
 from raylane.router.replica_channels import ReplicaChannels
 
@@ -18,7 +19,8 @@ MAX_TOKENS = 10
 
 
 class Call:
-    """A handle call's response: awaitable (unary), async-iterable (`stream=True`)."""
+    """An actor call's result: awaitable; for `num_returns="streaming"`, async-iterable
+    over awaitables (Ray's ObjectRefGenerator of refs)."""
 
     def __init__(self, result) -> None:
         self.result = result
@@ -30,37 +32,39 @@ class Call:
         return self
 
     async def __anext__(self):
-        return await anext(self.result)
+        return _ready(await anext(self.result))
 
     def cancel(self) -> None:
-        # as Serve does: the replica's generator is closed (its `finally` runs)
+        # as `ray.cancel` does: the replica's generator is closed (its `finally` runs)
         asyncio.get_running_loop().create_task(self.result.aclose())
 
 
-class LocalHandle:
-    """The engine deployment's handle over in-process replicas: `target_replica` picks one
-    (an unknown target falls back to the first, as the request router does); counts what the
-    caller would send over Ray."""
+async def _ready(value):
+    return value
 
-    def __init__(self, replicas: dict[str, EngineReplica]) -> None:
-        self.replicas = replicas
+
+class LocalHandle:
+    """An actor handle of one in-process replica; counts what the caller would send over
+    Ray."""
+
+    def __init__(self, replica: EngineReplica) -> None:
+        self.replica = replica
         self.batches = 0  # channel messages after the first (the replica's id)
         self.aborts: list[str] = []
-
-    def options(self, **_) -> LocalHandle:
-        return self
 
     def __getattr__(self, method: str):
         handle = self
 
         class Method:
             @staticmethod
-            def remote(*args, target_replica=None):
-                replicas = handle.replicas
-                replica = replicas.get(target_replica) or next(iter(replicas.values()))
+            def options(**_):
+                return Method
+
+            @staticmethod
+            def remote(*args):
                 if method == "abort":
                     handle.aborts.extend(args[0])
-                result = getattr(replica, method)(*args, target_replica=target_replica)
+                result = getattr(handle.replica, method)(*args)
                 if method == "open_channel":
                     return Call(handle._counted(result))
                 return Call(asyncio.ensure_future(result))  # sent now, awaited or not
@@ -74,6 +78,13 @@ class LocalHandle:
                 yield item
         finally:
             await stream.aclose()
+
+
+@pytest.fixture(autouse=True)
+def cancel_in_process(monkeypatch):
+    import raylane.router.replica_channels as channels_module
+
+    monkeypatch.setattr(channels_module, "_cancel", lambda stream: stream.cancel())
 
 
 @pytest.fixture
@@ -91,9 +102,11 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
 
 
-async def collect(channels: ReplicaChannels, prompt, params, rid: str) -> list:
-    async with aclosing(channels.stream("r1", prompt, params, rid)) as stream:
-        return [out async for out in stream]
+async def collect(channels: ReplicaChannels, handle, prompt, params, rid: str) -> list:
+    async with aclosing(
+        channels.stream(handle.replica.replica_id, handle, prompt, params, rid)
+    ) as stream:
+        return [out async for out in cumulative(stream)]  # the engine's deltas, folded
 
 
 async def wait_idle(replica: EngineReplica) -> None:
@@ -108,10 +121,10 @@ async def test_concurrent_requests_equal_the_serial_run_in_one_batch_per_step(re
     engine = replica.engine.engine
     ps = prompts(engine.validator.vocab_size)
     serial = [engine.generate([p], greedy(), use_tqdm=False)[0] for p in ps]
-    handle = LocalHandle({"r1": replica})
-    channels = ReplicaChannels(handle)
+    handle = LocalHandle(replica)
+    channels = ReplicaChannels()
     results = await asyncio.gather(
-        *(collect(channels, p, greedy(), f"q{i}") for i, p in enumerate(ps))
+        *(collect(channels, handle, p, greedy(), f"q{i}") for i, p in enumerate(ps))
     )
     for outs, ref in zip(results, serial):
         final, want = outs[-1].outputs[0], ref.outputs[0]
@@ -129,33 +142,36 @@ async def test_concurrent_requests_equal_the_serial_run_in_one_batch_per_step(re
 
 
 async def test_leaving_early_aborts_on_the_replica(replica):
-    handle = LocalHandle({"r1": replica})
-    channels = ReplicaChannels(handle)
+    handle = LocalHandle(replica)
+    channels = ReplicaChannels()
     ps = prompts(replica.engine.engine.validator.vocab_size, 2)
-    async with aclosing(channels.stream("r1", ps[0], greedy(200), "leave")) as stream:
-        async for out in stream:
-            if len(out.outputs[0].token_ids) == 2:
+    async with aclosing(channels.stream("r1", handle, ps[0], greedy(200), "leave")) as stream:
+        seen = 0
+        async for delta in stream:
+            seen += sum(len(d.token_ids) for d in delta.outputs)
+            if seen >= 2:
                 break
     assert handle.aborts == ["leave"]
     await wait_idle(replica)
     # the channel stays open for the next request
-    outs = await collect(channels, ps[1], greedy(), "next")
+    outs = await collect(channels, handle, ps[1], greedy(), "next")
     assert len(outs[-1].outputs[0].token_ids) == MAX_TOKENS
 
 
 async def test_bad_input_is_a_value_error_and_nothing_runs(replica):
-    channels = ReplicaChannels(LocalHandle({"r1": replica}))
+    handle = LocalHandle(replica)
+    channels = ReplicaChannels()
     vocab = replica.engine.engine.validator.vocab_size
     with pytest.raises(ValueError, match="prompt"):
-        await collect(channels, [5, 6, vocab + 3], greedy(), "bad")
+        await collect(channels, handle, [5, 6, vocab + 3], greedy(), "bad")
     await wait_idle(replica)
 
 
 async def test_a_closed_channel_aborts_its_requests_and_fails_them(replica):
-    handle = LocalHandle({"r1": replica})
-    channels = ReplicaChannels(handle)
+    handle = LocalHandle(replica)
+    channels = ReplicaChannels()
     ps = prompts(replica.engine.engine.validator.vocab_size, 3)
-    streams = [channels.stream("r1", p, greedy(200), f"c{i}") for i, p in enumerate(ps)]
+    streams = [channels.stream("r1", handle, p, greedy(200), f"c{i}") for i, p in enumerate(ps)]
     for stream in streams:
         await anext(stream)
     (channel,) = replica._channels.values()
@@ -168,10 +184,10 @@ async def test_a_closed_channel_aborts_its_requests_and_fails_them(replica):
 
 
 async def test_a_lost_channel_fails_its_requests_and_the_next_one_reopens(replica):
-    handle = LocalHandle({"r1": replica})
-    channels = ReplicaChannels(handle)
+    handle = LocalHandle(replica)
+    channels = ReplicaChannels()
     ps = prompts(replica.engine.engine.validator.vocab_size, 2)
-    stream = channels.stream("r1", ps[0], greedy(200), "lost")
+    stream = channels.stream("r1", handle, ps[0], greedy(200), "lost")
     await anext(stream)
     (channel,) = [t.result() for t in channels._channels.values()]
     channel._task.cancel()  # the call to the replica ends under it
@@ -180,7 +196,7 @@ async def test_a_lost_channel_fails_its_requests_and_the_next_one_reopens(replic
             pass
     await stream.aclose()
     await asyncio.sleep(0.05)
-    outs = await collect(channels, ps[1], greedy(), "after")
+    outs = await collect(channels, handle, ps[1], greedy(), "after")
     assert outs[-1].finished
 
 
@@ -188,30 +204,55 @@ async def test_an_idle_channel_closes_and_the_next_request_reopens(replica, monk
     import raylane.router.replica_channels as channels_module
 
     monkeypatch.setattr(channels_module, "IDLE_CLOSE_S", 0.05)
-    channels = ReplicaChannels(LocalHandle({"r1": replica}))
+    handle = LocalHandle(replica)
+    channels = ReplicaChannels()
     ps = prompts(replica.engine.engine.validator.vocab_size, 2)
-    await collect(channels, ps[0], greedy(), "first")
+    await collect(channels, handle, ps[0], greedy(), "first")
     assert len(replica._channels) == 1
     for _ in range(100):  # closed on the replica too: Serve waits for no call at a shutdown
         if not replica._channels:
             break
         await asyncio.sleep(0.02)
     assert not replica._channels
-    outs = await collect(channels, ps[1], greedy(), "again")
+    outs = await collect(channels, handle, ps[1], greedy(), "again")
     assert outs[-1].finished and len(replica._channels) == 1
 
 
-async def test_a_channel_that_landed_elsewhere_is_not_kept_for_its_target(replica, tiny_llama_dir):
-    handle = LocalHandle({"r1": replica})  # "r2" is not known to the handle yet
-    channels = ReplicaChannels(handle)
-    ps = prompts(replica.engine.engine.validator.vocab_size, 2)
-    async with aclosing(channels.stream("r2", ps[0], greedy(), "early")) as stream:
-        outs = [out async for out in stream]  # served by r1 instead
-    assert outs[-1].finished and len(replica._channels) == 1
+async def test_each_replica_gets_its_own_channel_through_its_own_handle(replica, tiny_llama_dir):
     other = EngineReplica(
         {"model": tiny_llama_dir, "num_kv_blocks": 128, "max_model_len": 256}, replica_id="r2"
     )
-    handle.replicas["r2"] = other  # the handle learns of it
-    async with aclosing(channels.stream("r2", ps[1], greedy(), "late")) as stream:
-        outs = [out async for out in stream]
-    assert outs[-1].finished and len(other._channels) == 1  # now it reaches its target
+    handles = LocalHandle(replica), LocalHandle(other)
+    channels = ReplicaChannels()
+    ps = prompts(replica.engine.engine.validator.vocab_size, 2)
+    outs = await asyncio.gather(
+        *(
+            collect(channels, h, p, greedy(), f"to-{h.replica.replica_id}")
+            for h, p in zip(handles, ps)
+        )
+    )
+    assert all(o[-1].finished for o in outs)
+    assert len(replica._channels) == 1 and len(other._channels) == 1
+    assert all(h.batches >= 1 for h in handles)
+
+
+async def test_a_channel_whose_caller_stops_renewing_is_closed(replica, monkeypatch):
+    import raylane.router.replica_channels as channels_module
+
+    monkeypatch.setattr(channels_module, "RENEW_S", 3600.0)  # a caller that died: no renewals
+    handle = LocalHandle(replica)
+    channels = ReplicaChannels()
+    ps = prompts(replica.engine.engine.validator.vocab_size, 1)
+    stream = channels.stream("r1", handle, ps[0], greedy(200), "orphan")
+    await anext(stream)
+    (channel_id,) = replica._channels
+    await asyncio.sleep(0.05)
+    await replica.renew([channel_id])
+    replica.close_lapsed_channels(lease_s=0.04)  # renewed just now: kept
+    assert list(replica._channels) == [channel_id]
+    await asyncio.sleep(0.05)
+    replica.close_lapsed_channels(lease_s=0.04)  # lapsed: closed, its request aborted
+    await wait_idle(replica)
+    with pytest.raises(RuntimeError, match="closed the output channel"):
+        async for _ in stream:
+            pass

@@ -91,11 +91,31 @@ def test_a_lost_done_heals_at_the_next_heartbeat():
     assert policy.replicas["a"].in_flight == 0
 
 
-def test_the_router_takes_the_count_from_heartbeats():
+def test_a_view_takes_the_count_from_the_routers_heartbeats():
+    import asyncio
+
     from raylane.router.actor import Router
+    from raylane.router.replica_view import ReplicaView
 
     router = Router(capacity=1)  # the plain class: Ray wraps it only when it is started
+    router.replica_set.handles["r1"] = "r1's handle"  # as if it had started r1
     router.register("r1")
-    assert router.choose() == "r1" and router.choose() is None  # its ingress then died
-    router.heartbeat("r1", 0, held=0)
-    assert router.choose() == "r1"
+
+    async def fetch():
+        return await router.table()
+
+    async def main():
+        view = ReplicaView(fetch, 1, router.report_failure, refresh_s=3600)  # by hand below
+        assert await view.choose() == "r1" and view.handle("r1") == "r1's handle"
+        assert await view.choose() is None  # full; then the process that sent it died
+        router.heartbeat("r1", 0, held=0)  # the replica's own count
+        view.apply(await router.table())
+        assert await view.choose() == "r1"
+        router.heartbeat("r1", 0, held=1)
+        view.apply(await router.table())
+        assert await view.choose() is None
+        view.apply(await router.table())  # the same heartbeat again: counts stay
+        view.done("r1")  # the request the replica reported ends
+        assert view.policy.replicas["r1"].in_flight == 0 and await view.choose() == "r1"
+
+    asyncio.run(main())

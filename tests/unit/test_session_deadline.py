@@ -112,19 +112,12 @@ async def test_a_turn_that_finishes_in_time_is_untouched(tok):
     assert got.to_json() == want.to_json()
 
 
-class Handle:
-    """The engine deployment's handle, as far as `SessionSetup.key` looks at it."""
-
-    app_name = "raylane"
-    deployment_name = "EngineDeployment"
-
-
 async def test_the_router_aborts_the_turn_where_it_runs(tok, monkeypatch):
     gen = EndlessGenerator(tok)  # in place of the replica generator, whatever it is built from
     monkeypatch.setattr(session_host, "ReplicaTurnGenerator", lambda *args, **kwargs: gen)
     router = Router(capacity=2)
     router.sessions.load_tokenizer = lambda _: tok
-    setup = SessionSetup("tiny", Handle())
+    setup = SessionSetup("tiny")
     session_id = await router.session_call(setup, "create")
     results = [
         r async for r in router.session_turn(setup, session_id, [user("hi")], None, None, None, 0.1)
@@ -164,7 +157,7 @@ async def test_the_ingress_sends_the_deadline_to_the_router(tok, monkeypatch):
     router = Router(capacity=2)
     router.sessions.load_tokenizer = lambda _: tok
     call = StreamingCall(router)
-    sessions = RouterSessions(SimpleNamespace(session_turn=call), SessionSetup("tiny", Handle()))
+    sessions = RouterSessions(SimpleNamespace(session_turn=call), SessionSetup("tiny"))
     session_id = await router.session_call(sessions.setup, "create")
     results = [r async for r in sessions.chat_stream(session_id, [user("hi")], None, timeout_s=0.1)]
     assert call.args[0] is sessions.setup and call.args[-1] == 0.1

@@ -1,5 +1,5 @@
-"""The Router's session hosting without Ray: the plain `Router` class, a fake engine deployment
-handle, and the tiny tokenizer. Turns follow the routing policy and always give the replica
+"""The Router's session hosting without Ray: the plain `Router` class, fake replica actor
+handles, and the tiny tokenizer. Turns follow the routing policy and always give the replica
 back; replica failures and full queues are clean session errors; errors survive pickling."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import asyncio
 import pickle
 
 import pytest
-from raylane.actors.engine.output_delta import DeltaEncoder
-from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.outputs import EngineCoreOutput, SampleDelta
 from raylane.router.actor import Router
 from raylane.router.errors import (
     MalformedTrajectory,
@@ -36,40 +35,52 @@ class FakeStream:
         return self
 
     async def __anext__(self):
-        return await anext(self.items)
+        return _ready(await anext(self.items))  # as Ray streams: each item a ref to await
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+async def _ready(value):
+    return value
 
 
 class Method:
     def __init__(self, fn) -> None:
         self.fn = fn
 
+    def options(self, **_) -> Method:
+        return self
+
     def remote(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
 
+class ReplicaHandle:
+    """One replica's actor handle, as `ReplicaChannels` uses it."""
+
+    def __init__(self, fake: FakeHandle, replica_id: str) -> None:
+        self.open_channel = Method(lambda channel_id: fake._open_channel(channel_id, replica_id))
+        self.submit = Method(lambda *args: fake._submit(*args, replica_id))
+        self.abort = Method(lambda ids: fake.aborted.extend(ids))
+
+
 class FakeHandle:
-    """The engine deployment's handle as `ReplicaChannels` uses it: a replica's output channel
-    (`open_channel`), `submit` (two output tokens per turn, each in its own batch), `abort`.
-    `fail`: the channel's call fails after the first token (the replica died); `submit_error`:
-    what submitting raises (as Ray wraps it)."""
+    """The replicas' actor handles (`install` gives them to the Router): a replica's output
+    channel (`open_channel`), `submit` (two output tokens per turn, each in its own batch),
+    `abort`. `fail`: the channel's call fails after the first token (the replica died);
+    `submit_error`: what submitting raises (as Ray wraps it)."""
 
-    deployment_name = "EngineDeployment"
-
-    def __init__(self, app_name: str = "raylane") -> None:
-        self.app_name = app_name
+    def __init__(self) -> None:
         self.targets: list[str] = []
         self.aborted: list[str] = []
         self.fail: Exception | None = None
         self.submit_error: Exception | None = None
         self.channels: dict[str, asyncio.Queue] = {}
-        self.open_channel, self.submit = Method(self._open_channel), Method(self._submit)
-        self.abort = Method(lambda ids, target_replica: self.aborted.extend(ids))
 
-    def options(self, **_) -> FakeHandle:
-        return self
+    def install(self, router: Router) -> None:
+        for replica_id in router.policy.replicas:
+            router.replica_set.handles[replica_id] = ReplicaHandle(self, replica_id)
 
     def _open_channel(self, channel_id: str, target_replica: str) -> FakeStream:
         queue = self.channels[channel_id] = asyncio.Queue()
@@ -85,30 +96,39 @@ class FakeHandle:
         return FakeStream(items())
 
     async def _submit(self, prompt_ids, params, request_id, channel_id, target_replica):
+        """`target_replica`: which replica's handle was called."""
         if self.submit_error is not None:
             raise self.submit_error
         self.targets.append(target_replica)
         ids = [5, 6]
-        encoder = DeltaEncoder()  # as a replica sends them
-        for n in (1, 2):
-            out = self._out(prompt_ids, ids[:n], params, n == len(ids))
-            self.channels[channel_id].put_nowait([(request_id, encoder.encode(out))])
+        for n in (1, 2):  # deltas, as a replica sends them
+            out = self._delta(prompt_ids, ids, n, params)
+            self.channels[channel_id].put_nowait([(request_id, out)])
             if self.fail is not None:
                 self.channels[channel_id].put_nowait(self.fail)
                 return
 
     @staticmethod
-    def _out(prompt, ids, params, last) -> RequestOutput:
+    def _delta(prompt, ids, n, params) -> EngineCoreOutput:
+        """What token n of `ids` adds (the prompt with the first)."""
+        last = n == len(ids)
         experts = token_routing(prompt + ids) if last and params.return_routed_experts else None
-        c = CompletionOutput(
+        c = SampleDelta(
             0,
-            "ab"[: len(ids)],
-            ids,
-            [-0.5] * len(ids),
+            "ab"[n - 1],
+            ids[n - 1 : n],
+            [-0.5],
             finish_reason="length" if last else None,
             routed_experts=experts,
         )
-        return RequestOutput("r", None, prompt, [c], last)
+        return EngineCoreOutput("r", [c], last, prompt_token_ids=prompt if n == 1 else None)
+
+
+@pytest.fixture(autouse=True)
+def cancel_in_process(monkeypatch):
+    import raylane.router.replica_channels as channels_module
+
+    monkeypatch.setattr(channels_module, "_cancel", lambda stream: stream.cancel())
 
 
 @pytest.fixture
@@ -121,10 +141,11 @@ def router() -> Router:
 
 
 def setup(handle: FakeHandle, model_dir: str = "tiny") -> SessionSetup:
-    return SessionSetup(model_dir, handle, return_routed_experts=True)
+    return SessionSetup(model_dir, return_routed_experts=True)
 
 
 async def create(router: Router, handle: FakeHandle, metadata: dict | None = None) -> str:
+    handle.install(router)
     return await router.session_call(setup(handle), "create", metadata)
 
 
@@ -145,7 +166,8 @@ async def test_turns_stick_to_the_policy_replica_and_give_it_back(router):
         results = await turn(router, handle, session_id, messages)
         messages += [results[-1].message, {"role": "tool", "content": "42"}]
     assert handle.targets == [owner] * 3
-    counts = {r["replica_id"]: (r["routed"], r["in_flight"]) for r in router.replicas()}
+    view = router.sessions.view.policy.replicas  # where the Router's turns are counted
+    counts = {rid: (r.routed, r.in_flight) for rid, r in view.items()}
     assert counts[owner] == (3, 0) and sum(routed for routed, _ in counts.values()) == 3
     assert all(r.output.routed_experts is None for r in results)  # not shipped to the ingress
     described = await describe(router, handle, session_id)
@@ -203,14 +225,15 @@ async def test_a_replicas_bad_input_stays_a_value_error(router):
     handle.submit_error = wrapped
     with pytest.raises(ValueError, match="prompt: too long"):
         await turn(router, handle, session_id)
-    assert all(r["healthy"] and not r["in_flight"] for r in router.replicas())
+    assert all(r["healthy"] for r in router.replicas())
+    assert all(not r.in_flight for r in router.sessions.view.policy.replicas.values())
 
 
 async def test_full_queues_are_429_and_no_replica_is_503(router):
     handle = FakeHandle()
     session_id = await create(router, handle)
     owner = router.policy.choose(session_id)
-    router.policy.replicas[owner].report(router.policy.capacity)  # its heartbeat: full
+    router.heartbeat(owner, held=router.policy.capacity)  # its heartbeat: full
     with pytest.raises(ReplicasBusy) as err:
         await turn(router, handle, session_id)
     assert err.value.status == 429
@@ -227,7 +250,7 @@ async def test_leaving_a_turn_early_cancels_the_replica_call(router):
     await anext(stream)
     await stream.aclose()
     assert len(handle.aborted) == 1 and handle.aborted[0].startswith(session_id)
-    assert all(not r["in_flight"] for r in router.replicas())
+    assert all(not r.in_flight for r in router.sessions.view.policy.replicas.values())
     assert (await describe(router, handle, session_id))["num_turns"] == 0
 
 
