@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import numpy as np
 from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.errors import ROUTER_DOWN, ReplicaFailed, call_router
+from raylane.router.generator import TurnGenerator
 from raylane.router.messages import Message
-from raylane.router.replica_generator import ReplicaRequests
+from raylane.router.replica_generator import ReplicaRequests, ReplicaTurnGenerator
 from raylane.router.replica_set import ReplicaSpec
 from raylane.router.replica_view import ReplicaView
 from raylane.router.samples import TrainingSample
 from raylane.router.session_host import SessionSetup
 from raylane.router.sessions import TurnResult
+from raylane.router.turn_handoff import stream_turn
 from raylane.session_server.backend import ModelInfo
 
 
@@ -50,7 +53,8 @@ class ServeBackend:
         self.info = info
         self.view = router_view(router, capacity, spec)
         self.requests = ReplicaRequests(self.view)
-        self.sessions = RouterSessions(router, setup)
+        turns = ReplicaTurnGenerator(self.requests, setup.return_routed_experts)
+        self.sessions = RouterSessions(router, setup, turns)
         self.control = RouterControl(router)
 
     def generate(
@@ -115,10 +119,11 @@ class RouterSessions:
     """`SessionBackend` over the Router actor, which hosts the session registry (so ingress
     replicas stay stateless) and runs each turn on the session's replica."""
 
-    def __init__(self, router, setup: SessionSetup):
+    def __init__(self, router, setup: SessionSetup, generator: TurnGenerator):
         self.router = router
         # sent with every call: the Router (re)builds its registry from it, after a restart too
         self.setup = setup
+        self.generator = generator  # runs a turn's tokens (a `ReplicaTurnGenerator`)
 
     async def create(self, metadata: dict[str, Any] | None = None) -> str:
         return await self._call("create", metadata)
@@ -145,21 +150,37 @@ class RouterSessions:
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[TurnResult]:
-        import ray
         from ray.exceptions import RayActorError
 
-        # the deadline runs in the Router, which aborts the turn on its replica
-        turn = self.router.session_turn.options(num_returns="streaming").remote(
-            self.setup, session_id, messages, params, tools, chat_template_kwargs, timeout_s
+        # the Router plans and commits the turn; its tokens come here over this process's
+        # output channel to the replica, and the deadline runs here (router/turn_handoff.py)
+        call = self.router.session_turn.options(num_returns="streaming").remote(
+            self.setup, session_id, messages, params, tools, chat_template_kwargs
         )
         committed = False
+        turn = stream_turn(_results(call), self.generator, self._hand_back, session_id, timeout_s)
         try:
-            async for ref in turn:
-                result = await call_router(ref)
-                committed = result.message is not None
-                yield result
+            async with aclosing(turn):
+                async for result in turn:
+                    committed = result.message is not None
+                    yield result
         except RayActorError as e:  # the stream itself may report the Router's death
             raise ReplicaFailed(ROUTER_DOWN) from e
         finally:
-            if not committed:  # aborts the turn in the Router, which aborts it on the replica
-                ray.cancel(turn)
+            if not committed:  # the Router forgets the turn: the session stays as it was
+                _cancel(call)
+
+    async def _hand_back(self, turn_id: str, output: RequestOutput) -> None:
+        await call_router(self.router.session_turn_end.remote(turn_id, output))
+
+
+async def _results(call) -> AsyncIterator:
+    """The Router's streamed items, each awaited through `call_router` (its errors)."""
+    async for ref in call:
+        yield call_router(ref)
+
+
+def _cancel(call) -> None:
+    import ray
+
+    ray.cancel(call)

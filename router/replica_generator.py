@@ -1,5 +1,5 @@
-"""One request on the engine replicas, the same path for every caller: the HTTP ingress, the
-Router's session turns and the in-cluster rollout client.
+"""One request on the engine replicas, the same path for every caller: the HTTP ingress (its
+plain requests and its session turns, `ReplicaTurnGenerator`) and the in-cluster rollout client.
 
 `ReplicaRequests.generate` asks its process's `ReplicaView` (router/replica_view.py: a copy of
 the Router's table, chosen on locally) for a replica, streams the request from it over that

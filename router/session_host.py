@@ -3,8 +3,9 @@
 The ingress sends a `SessionSetup` with every session call (the model directory for the
 chat template, whether routed experts are captured); the first
 one builds the registry — after a Router restart too, so a stored session carries on — and a
-different one — the app was redeployed with another model — rebuilds it. Turns run on the
-engine replicas through `ReplicaTurnGenerator`, sticky by session id.
+different one — the app was redeployed with another model — rebuilds it. A turn's tokens do not
+pass through here: the registry plans and commits it, the caller generates it over its own
+output channel (`TurnHandoff`, router/turn_handoff.py).
 
 Sessions live in the Router's memory and are written through to its `SessionStore`: with
 PostgreSQL (a DSN configured) they survive a Router restart; memory only, a restart forgets them
@@ -21,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from raylane.router.replica_generator import ReplicaRequests, ReplicaTurnGenerator
 from raylane.router.replica_view import ReplicaView
 from raylane.router.session_store import MemorySessionStore, SessionStore
 from raylane.router.sessions import SessionConfig, SessionRegistry
 from raylane.router.tito import TemplateSplicer
+from raylane.router.turn_handoff import TurnHandoff
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class SessionHost:
         self.view = view
         self.load_tokenizer = load_tokenizer
         self.store = store or MemorySessionStore()  # shared by every registry built here
+        self.handoff = TurnHandoff()  # the registries' generator: turns run at the caller
         self._registry: SessionRegistry | None = None
         self._key: tuple | None = None
         self._lock = asyncio.Lock()
@@ -83,14 +85,11 @@ class SessionHost:
                 return
             # off the event loop: the replica table keeps answering meanwhile
             tokenizer = await asyncio.to_thread(self.load_tokenizer, setup.model_dir)
-            generator = ReplicaTurnGenerator(
-                ReplicaRequests(self.view), setup.return_routed_experts
-            )
             if self.num_sessions:
                 log.warning("the served model changed; forgetting %d sessions", self.num_sessions)
             self._registry = SessionRegistry(
                 TemplateSplicer(tokenizer),
-                generator,
+                self.handoff,
                 setup.config,
                 store=self.store,
                 model=setup.model_dir,

@@ -17,10 +17,9 @@ from raylane.actors.engine.errors import EnginePaused, RequestFailed
 from raylane.actors.engine.output_accumulator import OutputAccumulator
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.client.errors import Busy, ClientError, NoReplica
-from raylane.client.rollout import Rollout, from_request_output
-from raylane.client.session import SessionTurn
+from raylane.client.rollout import Rollout, SessionTurn, from_request_output
 from raylane.router.errors import ReplicaFailed, ReplicasBusy, RouterError
-from raylane.router.replica_generator import ReplicaRequests
+from raylane.router.replica_generator import ReplicaRequests, ReplicaTurnGenerator
 from raylane.router.samples import TrainingSample
 
 
@@ -40,7 +39,9 @@ class RayTransport:
         self.requests = ReplicaRequests(router_view(router, capacity))
         self.model = model  # the served HF directory: its tokenizer and chat template
         self.sessions = (
-            None if model is None else _router_sessions(router, model, return_routed_experts)
+            None
+            if model is None
+            else _router_sessions(router, model, return_routed_experts, self.requests)
         )
         self._tokenizer = None
 
@@ -182,13 +183,14 @@ class RayTransport:
         pass  # the handles belong to the cluster
 
 
-def _router_sessions(router: Any, model: str, routed: bool):
+def _router_sessions(router: Any, model: str, routed: bool, requests: ReplicaRequests):
     from raylane.router.session_host import SessionSetup
     from raylane.serve_backend import RouterSessions
 
     # NOTE: must equal the ingress's setup (same model dir, same routed-experts flag), else
     # the Router takes it for a redeployed model and rebuilds its registry
-    return RouterSessions(router, SessionSetup(model, return_routed_experts=routed))
+    setup = SessionSetup(model, return_routed_experts=routed)
+    return RouterSessions(router, setup, ReplicaTurnGenerator(requests, routed))
 
 
 async def _unwrap(ref):

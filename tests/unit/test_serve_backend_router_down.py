@@ -7,6 +7,7 @@ import httpx
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from raylane.router.errors import ReplicaFailed
+from raylane.router.session_host import SessionSetup
 from raylane.serve_backend import ServeBackend
 from raylane.session_server.app import build_app
 from raylane.session_server.backend import ModelInfo
@@ -38,7 +39,8 @@ ERRORS = [ActorDiedError(), ActorUnavailableError("the Router restarts", None)]
 
 @pytest.mark.parametrize("error", ERRORS, ids=["died", "restarting"])
 async def test_generate_is_replica_failed_and_not_ready(error):
-    backend = ServeBackend(None, DeadRouter(error), None, ModelInfo("tiny", 512, 256), None)
+    info, setup = ModelInfo("tiny", 512, 256), SessionSetup("tiny")
+    backend = ServeBackend(DeadRouter(error), None, info, setup)
     with pytest.raises(ReplicaFailed):
         async for _ in backend.generate([1, 2, 3], None, "r1"):
             pass
@@ -47,7 +49,8 @@ async def test_generate_is_replica_failed_and_not_ready(error):
 
 @pytest.mark.parametrize("error", ERRORS, ids=["died", "restarting"])
 async def test_http_answers_503_with_the_error_body(error):
-    backend = ServeBackend(None, DeadRouter(error), None, ModelInfo("tiny", 512, 256), None)
+    info, setup = ModelInfo("tiny", 512, 256), SessionSetup("tiny")
+    backend = ServeBackend(DeadRouter(error), None, info, setup)
     transport = httpx.ASGITransport(app=build_app(backend))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         response = await http.post("/generate", json={"input_ids": [1, 2, 3]})

@@ -1,7 +1,8 @@
 """A session turn's deadline (`timeout_s`): past it the generation is aborted and the turn
 commits its partial output, finish reason "abort", as a control-plane abort's turn is recorded;
 the next turn carries on after it. In the registry (a generator that never finishes on its own)
-and through the plain `Router` class, to which the ingress's `RouterSessions` sends it.
+and through the ingress's `RouterSessions` over the plain `Router` class: the ingress runs the
+turn (and its deadline), the Router records it.
 
 Reference: the same conversation without deadlines, and the chat template's rendering."""
 
@@ -9,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 
 import pytest
 from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
-from raylane.router import session_host
 from raylane.router.actor import Router
 from raylane.router.errors import BadSessionRequest
 from raylane.router.session_host import SessionSetup
@@ -22,6 +21,7 @@ from raylane.router.tito import TemplateSplicer
 from raylane.serve_backend import RouterSessions
 
 from tests.tiny_models import make_tokenizer
+from tests.unit.router_ingress import InProcessRouter
 from tests.unit.sessions_helpers import Agent, make_registry, user
 
 
@@ -112,56 +112,25 @@ async def test_a_turn_that_finishes_in_time_is_untouched(tok):
     assert got.to_json() == want.to_json()
 
 
-async def test_the_router_aborts_the_turn_where_it_runs(tok, monkeypatch):
-    gen = EndlessGenerator(tok)  # in place of the replica generator, whatever it is built from
-    monkeypatch.setattr(session_host, "ReplicaTurnGenerator", lambda *args, **kwargs: gen)
+async def test_the_ingress_aborts_the_turn_where_it_runs_and_the_router_records_it(tok):
+    gen = EndlessGenerator(tok)  # in place of the ingress's replica generator
     router = Router(capacity=2)
     router.sessions.load_tokenizer = lambda _: tok
-    setup = SessionSetup("tiny")
-    session_id = await router.session_call(setup, "create")
-    results = [
-        r async for r in router.session_turn(setup, session_id, [user("hi")], None, None, None, 0.1)
-    ]
-    final = results[-1]
-    assert final.message is not None and final.output.finish_reason == "abort"
-    assert final.output.token_ids and gen.running == 0 and gen.closed == 1
-    record = (await router.session_call(setup, "describe", session_id))["records"][-1]
-    assert record["finish_reason"] == "abort" and record["output_ids"] == final.output.token_ids
-
-
-class StreamingCall:
-    """`router.session_turn.options(num_returns="streaming").remote(...)` over the plain
-    Router: each result arrives as a ref (an awaitable), as Ray streams them."""
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        self.args: tuple = ()
-
-    def options(self, **_) -> StreamingCall:
-        return self
-
-    def remote(self, *args):
-        self.args = args
-
-        async def refs():
-            async for result in self.router.session_turn(*args):
-                yield asyncio.sleep(0, result)
-
-        return refs()
-
-
-async def test_the_ingress_sends_the_deadline_to_the_router(tok, monkeypatch):
-    monkeypatch.setattr(
-        session_host, "ReplicaTurnGenerator", lambda *args, **kwargs: EndlessGenerator(tok)
-    )
-    router = Router(capacity=2)
-    router.sessions.load_tokenizer = lambda _: tok
-    call = StreamingCall(router)
-    sessions = RouterSessions(SimpleNamespace(session_turn=call), SessionSetup("tiny"))
+    shim = InProcessRouter(router)
+    sessions = RouterSessions(shim, SessionSetup("tiny"), gen)
     session_id = await router.session_call(sessions.setup, "create")
     results = [r async for r in sessions.chat_stream(session_id, [user("hi")], None, timeout_s=0.1)]
-    assert call.args[0] is sessions.setup and call.args[-1] == 0.1
-    assert results[-1].message is not None and results[-1].output.finish_reason == "abort"
+    final = results[-1]
+    assert shim.session_turn.args[0] is sessions.setup  # the deadline stays at the ingress
+    # the tokens went generator -> ingress; the Router sent the ticket and the committed turn
+    assert len(results) > 3 and shim.session_turn.stream.sent == 2
+    assert final.message is not None and final.output.finish_reason == "abort"
+    assert final.output.token_ids and gen.running == 0 and gen.closed == 1
+    assert [r.output.token_ids for r in results[:-1]] == [
+        final.output.token_ids[: len(r.output.token_ids)] for r in results[:-1]
+    ]
+    record = (await router.session_call(sessions.setup, "describe", session_id))["records"][-1]
+    assert record["finish_reason"] == "abort" and record["output_ids"] == final.output.token_ids
 
 
 @pytest.mark.parametrize("bad", [0, -1.5])

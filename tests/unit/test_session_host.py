@@ -18,9 +18,12 @@ from raylane.router.errors import (
     SessionNotFound,
 )
 from raylane.router.fake_generator import token_routing
+from raylane.router.replica_generator import ReplicaRequests, ReplicaTurnGenerator
 from raylane.router.session_host import SessionSetup
+from raylane.serve_backend import RouterSessions
 
 from tests.tiny_models import make_tokenizer
+from tests.unit.router_ingress import InProcessRouter
 
 HELLO = [{"role": "user", "content": "hello"}]
 
@@ -127,8 +130,10 @@ class FakeHandle:
 @pytest.fixture(autouse=True)
 def cancel_in_process(monkeypatch):
     import raylane.router.replica_channels as channels_module
+    import raylane.serve_backend as backend_module
 
     monkeypatch.setattr(channels_module, "_cancel", lambda stream: stream.cancel())
+    monkeypatch.setattr(backend_module, "_cancel", lambda call: call.cancel())
 
 
 @pytest.fixture
@@ -153,8 +158,16 @@ async def describe(router: Router, handle: FakeHandle, session_id: str) -> dict:
     return await router.session_call(setup(handle), "describe", session_id)
 
 
+def ingress(router: Router, handle: FakeHandle) -> RouterSessions:
+    """The ingress's sessions: turns planned and committed by the Router, generated here on
+    the replicas of the Router's own table (so its counts show the turns)."""
+    requests = ReplicaRequests(router.sessions.view)
+    generator = ReplicaTurnGenerator(requests, return_routed_experts=True)
+    return RouterSessions(InProcessRouter(router), setup(handle), generator)
+
+
 async def turn(router: Router, handle: FakeHandle, session_id: str, messages=HELLO) -> list:
-    return [r async for r in router.session_turn(setup(handle), session_id, messages, None)]
+    return [r async for r in ingress(router, handle).chat_stream(session_id, messages)]
 
 
 async def test_turns_stick_to_the_policy_replica_and_give_it_back(router):
@@ -246,9 +259,10 @@ async def test_full_queues_are_429_and_no_replica_is_503(router):
 async def test_leaving_a_turn_early_cancels_the_replica_call(router):
     handle = FakeHandle()
     session_id = await create(router, handle)
-    stream = router.session_turn(setup(handle), session_id, HELLO, None)
+    stream = ingress(router, handle).chat_stream(session_id, HELLO)
     await anext(stream)
     await stream.aclose()
+    await asyncio.sleep(0.01)  # the Router's side unwinds (as after ray.cancel)
     assert len(handle.aborted) == 1 and handle.aborted[0].startswith(session_id)
     assert all(not r.in_flight for r in router.sessions.view.policy.replicas.values())
     assert (await describe(router, handle, session_id))["num_turns"] == 0
@@ -266,3 +280,11 @@ def test_session_errors_survive_pickling(error):
     copy = pickle.loads(pickle.dumps(error))  # Ray ships them from the Router to the ingress
     assert type(copy) is type(error) and str(copy) == str(error)
     assert copy.param == error.param and copy.status == error.status
+
+
+async def test_a_turn_the_router_refuses_raises_before_anything_runs(router):
+    handle = FakeHandle()
+    await create(router, handle)
+    with pytest.raises(SessionNotFound):
+        await turn(router, handle, "sess-nope")
+    assert handle.targets == [] and not router.sessions.handoff._waiting

@@ -7,6 +7,7 @@ import httpx
 import pytest
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
+from raylane.router.session_host import SessionSetup
 from raylane.serve_backend import ServeBackend
 from raylane.session_server.app import build_app
 from raylane.session_server.backend import ModelInfo
@@ -80,7 +81,7 @@ async def test_session_routes_answer_503(tok, monkeypatch, error, in_stream, str
     cancelled = []
     monkeypatch.setattr(ray, "cancel", cancelled.append)
     backend = ServeBackend(
-        None, DeadRouter(error, in_stream), tok, ModelInfo("tiny", 512, len(tok)), setup=None
+        DeadRouter(error, in_stream), tok, ModelInfo("tiny", 512, len(tok)), SessionSetup("tiny")
     )
     transport = httpx.ASGITransport(app=build_app(backend))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

@@ -1,0 +1,132 @@
+"""A session turn whose tokens stream replica -> ingress, while the Router keeps the session.
+
+The Router hosts the session registry: it plans the turn (the prompt ids, from the stored
+trajectory) and commits its record. The generation runs from the caller, the ingress, over its
+own output channel to the replica (the same path as a plain request), so no token crosses the
+Router. One turn is one streaming call to the Router (`Router.session_turn`: the turn's
+`TurnTicket` first, the committed `TurnResult` last) plus one call that hands the finished
+output back (`Router.session_turn_end`).
+
+`TurnHandoff` is the registry's `TurnGenerator` inside the Router: its `generate` hands the
+ticket out and waits for the output. `stream_turn` is the caller's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.errors import ReplicaFailed
+from raylane.router.generator import TurnGenerator
+from raylane.router.session import TurnResult
+from raylane.router.turn_deadline import until_deadline
+
+# a caller that never hands its output back (it died) frees the session after this long
+LEASE_S = 900.0
+# where `TurnHandoff.generate` puts a turn's ticket: set by the Router's call serving the turn
+_OUTBOX: ContextVar[asyncio.Queue] = ContextVar("turn_outbox")
+
+
+@dataclass(frozen=True)
+class TurnTicket:
+    """What the caller generates for a turn: the whole prompt, as the session planned it."""
+
+    turn_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class TurnHandoff:
+    """`TurnGenerator` in the Router: the turn's generation happens at the caller."""
+
+    def __init__(self, lease_s: float = LEASE_S) -> None:
+        self.lease_s = lease_s
+        self._waiting: dict[str, asyncio.Future] = {}  # turn id -> its finished output
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, routing_key: str
+    ) -> AsyncIterator[RequestOutput]:
+        ticket = TurnTicket(f"{routing_key}-{secrets.token_hex(6)}", prompt_ids, params)
+        final = self._waiting[ticket.turn_id] = asyncio.get_running_loop().create_future()
+        try:
+            _OUTBOX.get().put_nowait(ticket)
+            async with asyncio.timeout(self.lease_s):
+                out = await final
+        except TimeoutError:
+            raise ReplicaFailed("the turn's caller did not hand its output back") from None
+        finally:
+            del self._waiting[ticket.turn_id]
+        yield out
+
+    def finish(self, turn_id: str, out: RequestOutput) -> None:
+        """The caller's finished output of the turn (its last, finish reason set)."""
+        final = self._waiting.get(turn_id)
+        if final is None or final.done():
+            raise ReplicaFailed(f"turn {turn_id} is not waiting for its output (it ended)")
+        if not out.finished:
+            raise ValueError("a turn's output must be finished")
+        final.set_result(out)
+
+
+async def serve_turn(stream: AsyncIterator[TurnResult]) -> AsyncIterator[Any]:
+    """The Router's side of a turn: `stream` (`SessionRegistry.chat_stream` over a
+    `TurnHandoff`) as the caller sees it: the `TurnTicket`, then the committed `TurnResult`.
+    An error before the ticket (an unknown session, a bad request) raises at once."""
+    outbox: asyncio.Queue = asyncio.Queue()
+    token = _OUTBOX.set(outbox)
+    result = asyncio.ensure_future(anext(stream))  # copies the context: it sees the outbox
+    _OUTBOX.reset(token)
+    ticket = asyncio.ensure_future(outbox.get())
+    try:
+        await asyncio.wait({result, ticket}, return_when=asyncio.FIRST_COMPLETED)
+        if ticket.done():
+            yield ticket.result()
+        yield await result
+    finally:
+        ticket.cancel()
+        if not result.done():  # the caller left: the turn ends with no trace
+            result.cancel()
+            await asyncio.wait({result})
+        await stream.aclose()
+
+
+async def stream_turn(
+    call: AsyncIterator[Awaitable[Any]],
+    generator: TurnGenerator,
+    hand_back: Callable[[str, RequestOutput], Awaitable[None]],
+    session_id: str,
+    timeout_s: float | None,
+) -> AsyncIterator[TurnResult]:
+    """The caller's side: `call` is the Router's `session_turn` stream (each item awaitable).
+    Generates the ticket's prompt with `generator` (past `timeout_s`: aborted, partial output,
+    finish reason "abort"), yields its progress, hands the finished output back, and yields
+    the committed result. Leaving early aborts the generation; the caller then cancels `call`,
+    which leaves the session as it was."""
+    ticket: TurnTicket = await (await anext(call))
+    outputs = until_deadline(
+        generator.generate(ticket.prompt_ids, ticket.params, session_id), timeout_s
+    )
+    final = None
+    async with aclosing(outputs):
+        async for out in outputs:
+            if out.finished:
+                final = out
+                break
+            yield _progress(out, len(ticket.prompt_ids))
+    if final is None:
+        raise ReplicaFailed("the engine stream ended before the turn finished")
+    await hand_back(ticket.turn_id, final)
+    yield await (await anext(call))
+
+
+def _progress(out: RequestOutput, prompt_len: int) -> TurnResult:
+    """A turn in progress, as the registry reports one (`rolled_back` is only known to the
+    Router: 0 here, set on the committed result)."""
+    return TurnResult(out.outputs[0], out.weight_version, prompt_len, 0)
