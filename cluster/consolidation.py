@@ -82,7 +82,7 @@ def start_with_app(config: ClusterConfig, model_name: str) -> threading.Thread |
 
 
 def _start_when_serving(config: ClusterConfig, model_name: str) -> None:
-    from raylane.launch import wait_healthy
+    from raylane.listener import wait_healthy
 
     while True:
         try:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import time
-import urllib.request
 
 # Safe local defaults: bind to loopback, no auth tokens, no usage reporting.
 for _key, _value in (
@@ -115,6 +113,7 @@ def deploy(config, model_dir: str | None = None) -> str:
     after, when the consolidation database cannot be reached)."""
     from ray import serve
     from raylane.consolidation import start_consolidation
+    from raylane.listener import wait_healthy
     from raylane.serve import build_application, served_model_name
 
     config = config.resolved()
@@ -131,19 +130,6 @@ def deploy(config, model_dir: str | None = None) -> str:
     # after the health check: the actor's first pass asks this endpoint at once
     start_consolidation(config, url, served_model_name(config))
     return url
-
-
-def wait_healthy(url: str, timeout_s: float = 300.0, api_keys=()) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
 
 
 def shutdown() -> None:

@@ -6,13 +6,16 @@ Through Ray Serve's proxy every streamed token crosses two processes and is seri
 with SO_REUSEPORT: a replica that Serve starts while the one it replaces still holds the port
 binds beside it, and the kernel frees a dead replica's port with its process, so a crashed
 ingress is served again as soon as Serve has replaced it (Ray Serve 2.60's own direct ingress
-keeps a dead replica's port allocated and never serves on it again).
+keeps a dead replica's port allocated and never serves on it again). `wait_healthy` polls an
+endpoint until it answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
+import urllib.request
 
 
 class HTTPListener:
@@ -52,3 +55,17 @@ def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket
         sock.close()
         raise
     return sock
+
+
+def wait_healthy(url: str, timeout_s: float = 300.0, api_keys=()) -> None:
+    """Poll `url`/health until it answers 200 (TimeoutError after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")

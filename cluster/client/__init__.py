@@ -8,9 +8,9 @@ and fan-out (fork / release / gather / aggregate).
 
 from raylane.client.errors import BadRequest, Busy, ClientError, Unauthorized
 from raylane.client.fanout import Branch, aggregate
-from raylane.client.rollout import Rollout
+from raylane.client.rollout import Rollout, SessionTurn
 from raylane.client.rollout_client import RolloutClient
-from raylane.client.session import Session, SessionTurn
+from raylane.client.session import Session
 
 __all__ = [
     "BadRequest",

@@ -9,8 +9,7 @@ import httpx
 import numpy as np
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.client.errors import from_status
-from raylane.client.rollout import Rollout, from_generate_item, unfloor
-from raylane.client.session import SessionTurn
+from raylane.client.rollout import Rollout, SessionTurn, from_generate_item, unfloor
 from raylane.client.wire import chat_body, generate_body
 from raylane.router.samples import TrainingSample
 

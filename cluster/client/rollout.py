@@ -118,3 +118,15 @@ def _top_logprobs(per_token: list[list[list]] | None) -> list[dict[int, float]] 
 
 def _floats(values: list[float] | None) -> list[float] | None:
     return None if values is None else [unfloor(v) for v in values]
+
+
+@dataclass
+class SessionTurn:
+    """One session turn as the rollout client returns it (`Session.chat`)."""
+
+    message: dict  # the assistant message the session stored: echo it back next turn
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    weight_version: int = 0

@@ -6,24 +6,14 @@ turn, as to any OpenAI chat endpoint, and the session appends only what is new.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from raylane.client.rollout import SessionTurn
 from raylane.client.wire import sampling_params
 from raylane.router.samples import TrainingSample
 
 if TYPE_CHECKING:
     from raylane.client.transport import Transport
-
-
-@dataclass
-class SessionTurn:
-    message: dict  # the assistant message the session stored: echo it back next turn
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str | None
-    weight_version: int = 0
 
 
 class Session:

@@ -8,8 +8,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from raylane.actors.engine.sampling_params import SamplingParams
-from raylane.client.rollout import Rollout
-from raylane.client.session import SessionTurn
+from raylane.client.rollout import Rollout, SessionTurn
 from raylane.router.samples import TrainingSample
 
 

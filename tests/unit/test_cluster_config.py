@@ -315,7 +315,7 @@ def test_the_app_logs_an_unusable_database_and_tries_again(monkeypatch, caplog):
     import logging
     import threading
 
-    from raylane import consolidation, launch
+    from raylane import consolidation, listener
 
     calls: list[str] = []
     done = threading.Event()
@@ -330,7 +330,7 @@ def test_the_app_logs_an_unusable_database_and_tries_again(monkeypatch, caplog):
         done.set()
 
     monkeypatch.setattr(consolidation, "serve_url", lambda: "http://10.0.0.7:8000")
-    monkeypatch.setattr(launch, "wait_healthy", lambda url, timeout_s: calls.append("healthy"))
+    monkeypatch.setattr(listener, "wait_healthy", lambda url, timeout_s: calls.append("healthy"))
     monkeypatch.setattr(consolidation, "start_consolidation", start)
     monkeypatch.setattr(consolidation, "RETRY_S", 0.01)
     logging.getLogger("ray.serve").addHandler(caplog.handler)
