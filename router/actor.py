@@ -57,8 +57,7 @@ class Router:
         # in this process: the table is read before each turn's choice
         view = ReplicaView(self.table, capacity, self.report_failure, refresh_s=0)
         self.sessions = SessionHost(view, store=open_session_store(sessions_dsn))
-        self.control = ControlPlane(self)
-        self.calls = ActorCalls(self.replica_set.handles)
+        self.control = ControlPlane(self, ActorCalls(self.replica_set.handles))
 
     # --- replicas -----------------------------------------------------------------------------
 
@@ -141,27 +140,27 @@ class Router:
     # --- the control plane: straight to each replica's actor handle ---------------------------
 
     async def pause(self, mode: str) -> dict[str, Any]:
-        return await self.control.pause(self.calls, mode)
+        return await self.control.pause(mode)
 
     async def resume(self) -> dict[str, Any]:
-        return await self.control.resume(self.calls)
+        return await self.control.resume()
 
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
-        return await self.control.begin_update(self.calls, version, spec_dicts)
+        return await self.control.begin_update(version, spec_dicts)
 
     async def load_bucket(self, update_id: str, bucket: list) -> int:
         """`bucket`: `[ObjectRef]` of safetensors bytes; the list keeps Ray from fetching the
         bytes here, so each replica reads them from the object store itself."""
-        return await self.control.load_bucket(self.calls, update_id, bucket)
+        return await self.control.load_bucket(update_id, bucket)
 
     async def commit_update(self, update_id: str) -> int:
-        return await self.control.commit_update(self.calls, update_id)
+        return await self.control.commit_update(update_id)
 
     async def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        return await self.control.abort(self.calls, request_ids)
+        return await self.control.abort(request_ids)
 
     async def flush_cache(self) -> None:
-        await self.control.flush_cache(self.calls)
+        await self.control.flush_cache()
 
     def control_state(self) -> dict[str, Any]:
         return self.control.state()
@@ -170,7 +169,8 @@ class Router:
 
     def reachable(self) -> list[str]:
         self._expire()
-        return [r.replica_id for r in self.policy.healthy() if r.replica_id in self.calls.handles]
+        handles = self.replica_set.handles
+        return [r.replica_id for r in self.policy.healthy() if r.replica_id in handles]
 
     def weight_version(self) -> int:
         self._expire()

@@ -1,6 +1,8 @@
 """The RL control plane: pause, resume, weight updates and aborts across every engine replica.
 
-The Router actor hosts one for its replica actors, `LocalBackend` one for its in-process engine.
+The Router actor hosts one for its replica actors, `LocalBackend` one for its in-process engine;
+either way it is the `ControlBackend` the admin routes drive (the ingress reaches the Router's
+through `RouterControl`).
 One asyncio.Lock serializes pause, resume and each step of an update, so concurrent callers (two
 trainers, a retry racing its original) see them one after another, never interleaved; every call
 is broadcast and idempotent on the replicas, so a retry, or a Router that restarted and forgot
@@ -13,7 +15,7 @@ weight changes; `load_bucket` applies one bucket on every replica of the transac
 `commit_update` switches them all to the new version and resumes what it paused. A replica that
 fails mid-update leaves the transaction and stays at the old version; the Router routes only to
 replicas at the cluster's version, so it serves nothing until a later update reaches it, as does
-a replica Serve restarted from the checkpoint (version 0). Updates reach every healthy replica,
+a replica the Router restarted from the checkpoint (version 0). Updates reach every healthy replica,
 those behind included: an update with every weight brings them back.
 """
 
@@ -87,36 +89,37 @@ class Update:
 
 
 class ControlPlane:
-    def __init__(self, table: ReplicaTable) -> None:
+    def __init__(self, table: ReplicaTable, calls: ReplicaCalls) -> None:
         self.table = table
+        self.calls = calls
         self.paused_mode: str | None = None
         self._update: Update | None = None
         self._committed: tuple[str, int] | None = None  # the last commit, for a retried one
         self._lock = asyncio.Lock()
 
-    def weight_version(self) -> int:
+    async def weight_version(self) -> int:
         return self.table.weight_version()
 
     def state(self) -> dict[str, Any]:
         paused = (
             {"paused": True, "mode": self.paused_mode} if self.paused_mode else {"paused": False}
         )
-        return {**paused, "weight_version": self.weight_version()}
+        return {**paused, "weight_version": self.table.weight_version()}
 
     # --- pause and resume ---------------------------------------------------------------------
 
-    async def pause(self, calls: ReplicaCalls, mode: str) -> dict[str, Any]:
+    async def pause(self, mode: str) -> dict[str, Any]:
         """Pause every replica in `mode` (see `AsyncLLMEngine.pause`); pausing again applies
         the new mode. Returns `state()`."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode: {mode!r} is not one of {list(PAUSE_MODES)}")
         async with self._lock:
-            await self._pause(calls, mode)
+            await self._pause(mode)
             if self._update is not None:  # paused on purpose: the commit must not resume
                 self._update.paused_here = False
             return self.state()
 
-    async def resume(self, calls: ReplicaCalls) -> dict[str, Any]:
+    async def resume(self) -> dict[str, Any]:
         """Resume every replica. An update with nothing loaded yet is dropped; one that is
         half loaded is a `ControlConflict` (commit it, or begin a new one, first)."""
         async with self._lock:
@@ -127,40 +130,40 @@ class ControlPlane:
                         "(or begin a new one) before resuming"
                     )
                 self._update = None
-            await self._resume(calls)
+            await self._resume()
             return self.state()
 
-    async def _pause(self, calls: ReplicaCalls, mode: str) -> None:
-        await self._everywhere(self._reachable(), "pause", lambda rid: calls.pause(rid, mode))
+    async def _pause(self, mode: str) -> None:
+        await self._everywhere(self._reachable(), "pause", lambda rid: self.calls.pause(rid, mode))
         self.paused_mode = mode
 
-    async def _resume(self, calls: ReplicaCalls) -> None:
-        await self._everywhere(self._reachable(), "resume", calls.resume)
+    async def _resume(self) -> None:
+        await self._everywhere(self._reachable(), "resume", self.calls.resume)
         self.paused_mode = None
 
     # --- the update transaction ---------------------------------------------------------------
 
-    async def begin_update(self, calls: ReplicaCalls, version: int, spec_dicts: list[dict]) -> str:
+    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
         """Open an update to `version` (newer than the cluster's) of the tensors in
         `spec_dicts` ({"name", "shape", "dtype"}, HF names, full shapes), checked on every
         replica; a `ValueError` (naming the tensor) leaves every replica as it was. Returns
         the update id. A begin replaces an update that was not committed."""
         specs = manifest(spec_dicts)
         async with self._lock:
-            _check_version(version, self.weight_version())
+            _check_version(version, self.table.weight_version())
             fresh = self.paused_mode is None
             if fresh:
-                await self._pause(calls, "keep")
+                await self._pause("keep")
             try:
                 dicts = [s.to_dict() for s in specs]
                 ok = await self._everywhere(
                     self._reachable(),
                     "begin_weight_update",
-                    lambda rid: calls.begin_weight_update(rid, dicts),
+                    lambda rid: self.calls.begin_weight_update(rid, dicts),
                 )
             except BaseException:
                 if fresh:  # nothing was begun anywhere: undo the pause
-                    await self._resume(calls)
+                    await self._resume()
                 raise
             paused_here = fresh or (self._update is not None and self._update.paused_here)
             self._update = Update(
@@ -168,7 +171,7 @@ class ControlPlane:
             )
             return self._update.update_id
 
-    async def load_bucket(self, calls: ReplicaCalls, update_id: str, bucket: Any) -> int:
+    async def load_bucket(self, update_id: str, bucket: Any) -> int:
         """Apply one bucket (safetensors bytes, or `[ObjectRef]` of them) on every replica of
         the update; returns how many tensors it held. A `ValueError` (a tensor not in the
         manifest, or unlike its spec) changes nothing, and the update stays open."""
@@ -177,14 +180,14 @@ class ControlPlane:
             ok = await self._everywhere(
                 update.replica_ids,
                 "load_weight_bucket",
-                lambda rid: calls.load_weight_bucket(rid, bucket),
+                lambda rid: self.calls.load_weight_bucket(rid, bucket),
                 update=update,
             )
             count = next(iter(ok.values()))
             update.loaded += count
             return count
 
-    async def commit_update(self, calls: ReplicaCalls, update_id: str) -> int:
+    async def commit_update(self, update_id: str) -> int:
         """Switch every replica of the update to its version, and resume the cluster if the
         update paused it. Returns the version; committing it again returns it again."""
         async with self._lock:
@@ -199,20 +202,20 @@ class ControlPlane:
             ok = await self._everywhere(
                 update.replica_ids,
                 "finish_weight_update",
-                lambda rid: calls.finish_weight_update(rid, update.version),
+                lambda rid: self.calls.finish_weight_update(rid, update.version),
                 update=update,
             )
             for rid in ok:
                 self.table.set_version(rid, update.version)
             self._update, self._committed = None, (update_id, update.version)
             if update.paused_here:
-                await self._resume_after_commit(calls)
+                await self._resume_after_commit()
             return update.version
 
-    async def _resume_after_commit(self, calls: ReplicaCalls) -> None:
+    async def _resume_after_commit(self) -> None:
         """The commit stands even if no replica resumes: a later resume retries."""
         try:
-            await self._resume(calls)
+            await self._resume()
         except ReplicasFailed as e:
             log.warning("no engine replica resumed after the weight update: %s", e)
 
@@ -227,21 +230,21 @@ class ControlPlane:
 
     # --- requests and the cache ---------------------------------------------------------------
 
-    async def abort(self, calls: ReplicaCalls, request_ids: list[str]) -> list:
+    async def abort(self, request_ids: list[str]) -> list:
         """End these requests wherever they run (unknown ids are skipped); their partial
         outputs (`RequestOutput`, finish reason "abort")."""
         ids = self.table.reachable()
         wanted = list(request_ids)
         done = (
-            await self._everywhere(ids, "abort", lambda rid: calls.abort(rid, wanted))
+            await self._everywhere(ids, "abort", lambda rid: self.calls.abort(rid, wanted))
             if ids
             else {}
         )
         return [out for outs in done.values() for out in outs]
 
-    async def flush_cache(self, calls: ReplicaCalls) -> None:
+    async def flush_cache(self) -> None:
         """Drop every replica's prefix cache."""
-        await self._everywhere(self._reachable(), "flush_cache", calls.flush_cache)
+        await self._everywhere(self._reachable(), "flush_cache", self.calls.flush_cache)
 
     # --- broadcasting ---------------------------------------------------------------------------
 

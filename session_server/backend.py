@@ -129,39 +129,6 @@ class EngineBackend(Protocol):
         ...
 
 
-class LocalControl:
-    """The control plane over one in-process AsyncLLMEngine: the `ControlPlane` the Router
-    runs for a cluster, with the engine as its only replica."""
-
-    def __init__(self, engine) -> None:
-        self.plane = ControlPlane(EngineTable(engine))
-        self.calls = EngineCalls(engine)
-
-    async def pause(self, mode: str) -> dict[str, Any]:
-        return await self.plane.pause(self.calls, mode)
-
-    async def resume(self) -> dict[str, Any]:
-        return await self.plane.resume(self.calls)
-
-    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
-        return await self.plane.begin_update(self.calls, version, spec_dicts)
-
-    async def load_bucket(self, update_id: str, payload: bytes) -> int:
-        return await self.plane.load_bucket(self.calls, update_id, payload)
-
-    async def commit_update(self, update_id: str) -> int:
-        return await self.plane.commit_update(self.calls, update_id)
-
-    async def weight_version(self) -> int:
-        return self.plane.weight_version()
-
-    async def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        return await self.plane.abort(self.calls, request_ids)
-
-    async def flush_cache(self) -> None:
-        await self.plane.flush_cache(self.calls)
-
-
 class LocalBackend:
     """One in-process AsyncLLMEngine behind the protocol, with its own session registry."""
 
@@ -180,7 +147,8 @@ class LocalBackend:
         self.sessions = SessionRegistry(
             TemplateSplicer(self.tokenizer), generator, session_config, model=cfg.model
         )
-        self.control = LocalControl(engine)
+        # the control plane itself, with the engine as its only replica
+        self.control = ControlPlane(EngineTable(engine), EngineCalls(engine))
 
     async def generate(self, prompt_ids, params, request_id, routing_key=None):
         try:

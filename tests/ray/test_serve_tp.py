@@ -166,7 +166,10 @@ def _replace_and_wait(ray, victim_name: str, old_ids: set[str]) -> None:
     victim, each with a full shard group."""
 
     def recovered() -> bool:
-        groups = shard_groups()
+        try:
+            groups = shard_groups()
+        except AssertionError:  # the dead replica's other shards, not yet ended with it
+            return False
         return (
             victim_name not in groups
             and sorted(map(len, groups.values())) == [2, 2]

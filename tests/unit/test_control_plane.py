@@ -95,16 +95,16 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def full_update(plane: ControlPlane, calls: Recorder, version: int) -> int:
-    update_id = await plane.begin_update(calls, version, SPECS)
-    await plane.load_bucket(calls, update_id, b"bucket")
-    return await plane.commit_update(calls, update_id)
+async def full_update(plane: ControlPlane, version: int) -> int:
+    update_id = await plane.begin_update(version, SPECS)
+    await plane.load_bucket(update_id, b"bucket")
+    return await plane.commit_update(update_id)
 
 
 def test_update_pauses_applies_everywhere_and_resumes():
     table, calls = Table("r1", "r2"), Recorder()
-    plane = ControlPlane(table)
-    assert run(full_update(plane, calls, 3)) == 3
+    plane = ControlPlane(table, calls)
+    assert run(full_update(plane, 3)) == 3
     assert (
         calls.methods()
         == ["pause"] * 2
@@ -113,17 +113,17 @@ def test_update_pauses_applies_everywhere_and_resumes():
         + ["finish_weight_update"] * 2
         + ["resume"] * 2
     )
-    assert plane.weight_version() == 3 and plane.paused_mode is None
+    assert plane.state()["weight_version"] == 3 and plane.paused_mode is None
     assert {r.weight_version for r in table.policy.replicas.values()} == {3}
 
 
 def test_an_update_under_an_explicit_pause_leaves_the_cluster_paused():
     table, calls = Table("r1"), Recorder()
-    plane = ControlPlane(table)
+    plane = ControlPlane(table, calls)
 
     async def go():
-        await plane.pause(calls, "retract")
-        await full_update(plane, calls, 1)
+        await plane.pause("retract")
+        await full_update(plane, 1)
 
     run(go())
     assert "resume" not in calls.methods() and plane.paused_mode == "retract"
@@ -131,13 +131,14 @@ def test_an_update_under_an_explicit_pause_leaves_the_cluster_paused():
 
 
 def test_pause_resume_and_update_steps_never_interleave():
-    calls, plane = Recorder(), ControlPlane(Table("r1", "r2"))
+    calls = Recorder()
+    plane = ControlPlane(Table("r1", "r2"), calls)
 
     async def go():
         calls.gates["pause"] = asyncio.Event()
-        pausing = asyncio.create_task(plane.pause(calls, "wait"))
-        resuming = asyncio.create_task(plane.resume(calls))
-        begin = asyncio.create_task(plane.begin_update(calls, 1, SPECS))
+        pausing = asyncio.create_task(plane.pause("wait"))
+        resuming = asyncio.create_task(plane.resume())
+        begin = asyncio.create_task(plane.begin_update(1, SPECS))
         await asyncio.sleep(0.01)
         assert calls.methods() == ["pause", "pause"]  # the others wait for the lock
         calls.gates["pause"].set()
@@ -153,13 +154,13 @@ def test_pause_resume_and_update_steps_never_interleave():
 def test_bad_manifest_anywhere_fails_the_update_and_undoes_its_pause():
     table, calls = Table("r1", "r2"), Recorder()
     calls.fail[("r2", "begin_weight_update")] = ValueError("tensors: 'a.weight' has shape ...")
-    plane = ControlPlane(table)
+    plane = ControlPlane(table, calls)
     with pytest.raises(ValueError, match="a.weight"):
-        run(plane.begin_update(calls, 1, SPECS))
+        run(plane.begin_update(1, SPECS))
     assert calls.methods()[-2:] == ["resume", "resume"] and plane.paused_mode is None
-    assert plane.weight_version() == 0 and not table.failures  # a bad input, not a failure
+    assert plane.state()["weight_version"] == 0 and not table.failures  # a bad input, not a failure
     with pytest.raises(UpdateNotFound):
-        run(plane.load_bucket(calls, "upd-anything", b""))
+        run(plane.load_bucket("upd-anything", b""))
 
 
 @pytest.mark.parametrize(
@@ -174,23 +175,24 @@ def test_bad_manifest_anywhere_fails_the_update_and_undoes_its_pause():
 def test_malformed_manifest_is_refused_before_any_call(specs, message):
     calls = Recorder()
     with pytest.raises(ValueError, match=message):
-        run(ControlPlane(Table("r1")).begin_update(calls, 1, specs))
+        run(ControlPlane(Table("r1"), calls).begin_update(1, specs))
     assert calls.log == []
 
 
 def test_versions_must_grow():
-    calls, plane = Recorder(), ControlPlane(Table("r1"))
-    run(full_update(plane, calls, 5))
+    calls = Recorder()
+    plane = ControlPlane(Table("r1"), calls)
+    run(full_update(plane, 5))
     for version in (5, 4, True):
         with pytest.raises(ValueError, match="version"):
-            run(plane.begin_update(calls, version, SPECS))
+            run(plane.begin_update(version, SPECS))
 
 
 def test_a_replica_failing_mid_update_leaves_it_at_the_old_version():
     table, calls = Table("r1", "r2"), Recorder()
     calls.fail[("r2", "load_weight_bucket")] = RuntimeError("replica died")
-    plane = ControlPlane(table)
-    assert run(full_update(plane, calls, 1)) == 1
+    plane = ControlPlane(table, calls)
+    assert run(full_update(plane, 1)) == 1
     assert table.failures == ["r2"]
     finished = [r for r, m, phase in calls.log if m == "finish_weight_update" and phase == "end"]
     assert finished == ["r1"]
@@ -201,73 +203,78 @@ def test_a_replica_failing_mid_update_leaves_it_at_the_old_version():
 
 
 def test_every_replica_failing_is_an_error():
-    calls, plane = Recorder(), ControlPlane(Table("r1", "r2"))
+    calls = Recorder()
+    plane = ControlPlane(Table("r1", "r2"), calls)
     for rid in ("r1", "r2"):
         calls.fail[(rid, "pause")] = RuntimeError("down")
     with pytest.raises(ReplicasFailed, match="pause failed on every engine replica"):
-        run(plane.pause(calls, "keep"))
+        run(plane.pause("keep"))
     with pytest.raises(ReplicasFailed, match="no engine replica is ready"):
-        run(ControlPlane(Table()).pause(calls, "keep"))
+        run(ControlPlane(Table(), calls).pause("keep"))
 
 
 def test_commit_needs_every_tensor_and_is_idempotent():
-    calls, plane = Recorder(), ControlPlane(Table("r1"))
+    calls = Recorder()
+    plane = ControlPlane(Table("r1"), calls)
 
     async def go():
         update_id = await plane.begin_update(
-            calls, 1, SPECS + [{"name": "c.weight", "shape": [1], "dtype": "float32"}]
+            1, SPECS + [{"name": "c.weight", "shape": [1], "dtype": "float32"}]
         )
-        await plane.load_bucket(calls, update_id, b"two tensors")
+        await plane.load_bucket(update_id, b"two tensors")
         with pytest.raises(ValueError, match="only 2 of the update's 3 tensors"):
-            await plane.commit_update(calls, update_id)
+            await plane.commit_update(update_id)
         with pytest.raises(ControlConflict, match="half loaded"):
-            await plane.resume(calls)
-        await plane.load_bucket(calls, update_id, b"two more")
-        assert await plane.commit_update(calls, update_id) == 1
-        assert await plane.commit_update(calls, update_id) == 1  # a retried commit
+            await plane.resume()
+        await plane.load_bucket(update_id, b"two more")
+        assert await plane.commit_update(update_id) == 1
+        assert await plane.commit_update(update_id) == 1  # a retried commit
         assert calls.methods().count("finish_weight_update") == 1
 
     run(go())
 
 
 def test_resume_drops_an_update_with_nothing_loaded():
-    calls, plane = Recorder(), ControlPlane(Table("r1"))
+    calls = Recorder()
+    plane = ControlPlane(Table("r1"), calls)
 
     async def go():
-        update_id = await plane.begin_update(calls, 1, SPECS)
-        await plane.resume(calls)
+        update_id = await plane.begin_update(1, SPECS)
+        await plane.resume()
         with pytest.raises(UpdateNotFound):
-            await plane.load_bucket(calls, update_id, b"")
+            await plane.load_bucket(update_id, b"")
 
     run(go())
-    assert plane.paused_mode is None and plane.weight_version() == 0
+    assert plane.paused_mode is None and plane.state()["weight_version"] == 0
 
 
 def test_a_newer_begin_replaces_an_open_update():
-    calls, plane = Recorder(), ControlPlane(Table("r1"))
+    calls = Recorder()
+    plane = ControlPlane(Table("r1"), calls)
 
     async def go():
-        first = await plane.begin_update(calls, 1, SPECS)
-        second = await plane.begin_update(calls, 2, SPECS)
+        first = await plane.begin_update(1, SPECS)
+        second = await plane.begin_update(2, SPECS)
         with pytest.raises(UpdateNotFound):
-            await plane.load_bucket(calls, first, b"")
-        await plane.load_bucket(calls, second, b"")
-        return await plane.commit_update(calls, second)
+            await plane.load_bucket(first, b"")
+        await plane.load_bucket(second, b"")
+        return await plane.commit_update(second)
 
     assert run(go()) == 2
     assert calls.methods().count("pause") == 1 and calls.methods()[-1] == "resume"
 
 
 def test_abort_broadcasts_and_gathers_outputs():
-    calls, plane = Recorder(), ControlPlane(Table("r1", "r2"))
-    assert sorted(run(plane.abort(calls, ["x"]))) == ["out-r1", "out-r2"]
-    assert run(ControlPlane(Table()).abort(calls, ["x"])) == []
+    calls = Recorder()
+    plane = ControlPlane(Table("r1", "r2"), calls)
+    assert sorted(run(plane.abort(["x"]))) == ["out-r1", "out-r2"]
+    assert run(ControlPlane(Table(), calls).abort(["x"])) == []
 
 
 def test_bad_pause_mode_is_refused():
     calls = Recorder()
     with pytest.raises(ValueError, match="mode"):
-        run(ControlPlane(Table("r1")).pause(calls, "sleep"))
+        run(ControlPlane(Table("r1"), calls).pause("sleep"))
     assert calls.log == []
 
 
