@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -75,7 +75,7 @@ class TurnHandoff:
         final.set_result(out)
 
 
-async def serve_turn(stream: AsyncIterator[TurnResult]) -> AsyncIterator[Any]:
+async def serve_turn(stream: AsyncGenerator[TurnResult, None]) -> AsyncIterator[Any]:
     """The Router's side of a turn: `stream` (`SessionRegistry.chat_stream` over a
     `TurnHandoff`) as the caller sees it: the `TurnTicket`, then the committed `TurnResult`.
     An error before the ticket (an unknown session, a bad request) raises at once."""

@@ -38,7 +38,7 @@ class SessionChatFormatter(ChatFormatter):
             0,
             out.text[c0:],
             ids,
-            logprobs=out.logprobs[n0:] if asked else None,
+            logprobs=(out.logprobs or [])[n0:] if asked else None,
             top_logprobs=[{}] * len(ids) if asked else None,  # top-n is refused on this route
             finish_reason=out.finish_reason,
         )

@@ -105,9 +105,16 @@ def _ended_at_deadline(
 ) -> EngineCoreOutput:
     """The last delta of a request cut at its deadline: every sample still running ends with
     finish reason "abort" (the prompt too, when nothing came back yet)."""
-    asked = [] if params.logprobs is not None else None
+    asked = params.logprobs is not None
     samples = [
-        SampleDelta(k, "", [], logprobs=asked, top_logprobs=asked, finish_reason="abort")
+        SampleDelta(
+            k,
+            "",
+            [],
+            logprobs=[] if asked else None,
+            top_logprobs=[] if asked else None,
+            finish_reason="abort",
+        )
         for k in range(params.n)
         if k not in (ended or ())
     ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from raylane.actors.engine.outputs import (
     CompletionOutput,
@@ -18,6 +19,7 @@ from raylane.actors.engine.outputs import (
     SampleDelta,
 )
 
+T = TypeVar("T")
 _LISTS = ("token_ids", "logprobs", "top_logprobs", "weight_versions", "kept_mass_logprobs")
 
 
@@ -52,10 +54,13 @@ class OutputAccumulator:
                 d.index,
                 d.text,
                 list(d.token_ids),
-                **{name: _copy(getattr(d, name)) for name in _LISTS[1:]},
+                logprobs=_copy(d.logprobs),
+                top_logprobs=_copy(d.top_logprobs),
                 finish_reason=d.finish_reason,
                 stop_reason=d.stop_reason,
                 routed_experts=d.routed_experts,
+                weight_versions=list(d.weight_versions),
+                kept_mass_logprobs=_copy(d.kept_mass_logprobs),
                 constrained=d.constrained,
             )
             return
@@ -117,8 +122,11 @@ def accumulate(deltas: list[EngineCoreOutput]) -> RequestOutput:
 
 
 def _snapshot(c: CompletionOutput) -> CompletionOutput:
-    return dataclasses.replace(c, **{name: _copy(getattr(c, name)) for name in _LISTS})
+    copy = dataclasses.replace(c)
+    for name in _LISTS:
+        setattr(copy, name, _copy(getattr(c, name)))
+    return copy
 
 
-def _copy(values: list | None) -> list | None:
+def _copy(values: list[T] | None) -> list[T] | None:
     return None if values is None else list(values)
