@@ -85,11 +85,11 @@ class FakeHandle:
         for replica_id in router.policy.replicas:
             router.replica_set.handles[replica_id] = ReplicaHandle(self, replica_id)
 
-    def _open_channel(self, channel_id: str, target_replica: str) -> FakeStream:
+    def _open_channel(self, channel_id: str, replica_id: str) -> FakeStream:
         queue = self.channels[channel_id] = asyncio.Queue()
 
         async def items():
-            yield target_replica
+            yield replica_id
             while True:
                 batch = await queue.get()
                 if isinstance(batch, Exception):
@@ -98,11 +98,11 @@ class FakeHandle:
 
         return FakeStream(items())
 
-    async def _submit(self, prompt_ids, params, request_id, channel_id, target_replica):
-        """`target_replica`: which replica's handle was called."""
+    async def _submit(self, prompt_ids, params, request_id, channel_id, replica_id):
+        """`replica_id`: which replica's handle was called."""
         if self.submit_error is not None:
             raise self.submit_error
-        self.targets.append(target_replica)
+        self.targets.append(replica_id)
         ids = [5, 6]
         for n in (1, 2):  # deltas, as a replica sends them
             out = self._delta(prompt_ids, ids, n, params)
