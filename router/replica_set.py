@@ -3,7 +3,8 @@ health-checks and replaces, to match the `ReplicaSpec` the Serve app deploys.
 
 Each replica is a named, detached actor (`raylane-replica-<spec key>-<id>`), so a Router that
 restarts finds its replicas again by name instead of starting new ones, and a redeploy whose
-engine options changed (another spec key) replaces them. At tensor_parallel_size > 1 with the
+engine options changed (another spec key) replaces them: the old ones serve until as many new
+ones do, then go. At tensor_parallel_size > 1 with the
 Ray executor, a replica lives in bundle 0 of its own STRICT_PACK placement group (named like the
 replica) and its shards take bundles 1..N (actors/executor/placement.py): a replica and its
 shards start, fit and die together, on one node. Killing a replica ends its shards too (they
@@ -93,15 +94,20 @@ class ReplicaSet:
     async def _reconcile(self) -> None:
         self.adopt()
         spec = self.spec
-        for rid in [r for r in self.handles if not started_for(spec, r)]:
-            self._kill(rid)  # another engine: a redeploy changed its options
         await self._check_health()
-        missing = spec.count - len(self.handles) - len(self._starting)
+        current = sorted(r for r in self.handles if started_for(spec, r))
+        starting = sum(started_for(spec, r) for r in self._starting)
+        missing = spec.count - len(current) - starting
         for _ in range(missing):
             rid = f"{spec.key}-{uuid.uuid4().hex[:8]}"
             self._starting[rid] = asyncio.get_running_loop().create_task(self._start(spec, rid))
-        for rid in sorted(self.handles)[: max(-missing, 0)]:
+        for rid in current[: max(-missing, 0)]:
             self._kill(rid)  # scaled down
+        if len(current) >= spec.count:
+            # a redeploy changed the engine options: the old replicas serve until the new ones
+            # do (as a rolling update), then go
+            for rid in [r for r in self.handles if not started_for(spec, r)]:
+                self._kill(rid)
 
     def adopt(self) -> None:
         """Once: the replicas a previous incarnation of the Router started (found by name)."""
