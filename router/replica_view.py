@@ -84,6 +84,12 @@ class ReplicaView:
         await self._fresh()
         return bool(self.policy.routable())
 
+    def close(self) -> None:
+        """Stop the background refresh (a later choice starts it again)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            self._loop_task = None
+
     async def _fresh(self) -> None:
         """The first table, fetched once; then the background refresh keeps it current
         (`refresh_s` 0: fetched before every choice, for a table in this process)."""

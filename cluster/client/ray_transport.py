@@ -180,7 +180,7 @@ class RayTransport:
         await self._sessions().delete(session_id)
 
     async def close(self) -> None:
-        pass  # the handles belong to the cluster
+        self.requests.view.close()  # the handles belong to the cluster
 
 
 def _router_sessions(router: Any, model: str, routed: bool, requests: ReplicaRequests):
