@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from raylane.actors.engine.outputs import EngineCoreOutput
@@ -44,7 +44,7 @@ class ReplicaChannels:
         prompt_ids: list[int],
         params: SamplingParams,
         request_id: str,
-    ) -> AsyncIterator[EngineCoreOutput]:
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
         """The engine's deltas for one request on replica `replica_id` (`handle`: its actor
         handle). A ValueError (bad input), EnginePaused or RequestFailed raised there arrives
         as itself."""
@@ -126,7 +126,8 @@ class _Channel:
         self._idle = None
         if not self._queues:
             self.lost = True  # the next request opens a new one
-            self._task.cancel()
+            if self._task is not None:
+                self._task.cancel()
 
     async def _renew(self, handle: Any) -> None:
         while True:

@@ -15,7 +15,7 @@ replica and reuses its prefix cache.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 from raylane.actors.engine.errors import EnginePaused, RequestFailed
@@ -39,7 +39,7 @@ class ReplicaRequests:
         params: SamplingParams,
         request_id: str,
         routing_key: str | None = None,
-    ) -> AsyncIterator[EngineCoreOutput]:
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
         """The engine's deltas for the request; leaving early aborts it on its replica."""
         replica_id = await self._choose(routing_key)
         handle = self.view.handle(replica_id)

@@ -94,6 +94,8 @@ class ReplicaSet:
     async def _reconcile(self) -> None:
         self.adopt()
         spec = self.spec
+        if spec is None:  # stopped
+            return
         await self._check_health()
         current = sorted(r for r in self.handles if started_for(spec, r))
         starting = sum(started_for(spec, r) for r in self._starting)
@@ -157,10 +159,9 @@ class ReplicaSet:
                 options["scheduling_strategy"] = _in_bundle_0(group)
             else:
                 options["scheduling_strategy"] = "DEFAULT"  # never in the Router's group
-            handle = (
-                ray.remote(EngineReplica)
-                .options(**options)
-                .remote(spec.engine_options, self.router(), spec.torch_threads, rid)
+            actor_class: Any = ray.remote(EngineReplica)
+            handle = actor_class.options(**options).remote(
+                spec.engine_options, self.router(), spec.torch_threads, rid
             )
             await handle.start.remote()  # after the engine loaded: registers, heartbeats
         except Exception:

@@ -96,10 +96,13 @@ class ReplicaView:
         if self.refresh_s == 0:
             self.apply(await self.fetch())
             return
-        if self._loop_task is None or self._loop_task.get_loop() is not _running_loop():
-            self._first = asyncio.get_running_loop().create_task(self._refresh())
-            self._loop_task = asyncio.get_running_loop().create_task(self._refresh_forever())
-        await asyncio.shield(self._first)
+        loop = asyncio.get_running_loop()
+        # tasks belong to one event loop: a caller on another loop starts its own
+        first = self._first
+        if first is None or self._loop_task is None or self._loop_task.get_loop() is not loop:
+            first = self._first = loop.create_task(self._refresh())
+            self._loop_task = loop.create_task(self._refresh_forever(first))
+        await asyncio.shield(first)
 
     async def _refresh(self) -> None:
         try:
@@ -107,12 +110,8 @@ class ReplicaView:
         except Exception as e:  # the Router restarts: keep routing on the last table
             log.warning("could not refresh the replica table: %r", e)
 
-    async def _refresh_forever(self) -> None:
-        await self._first
+    async def _refresh_forever(self, first: asyncio.Task) -> None:
+        await first
         while True:
             await asyncio.sleep(self.refresh_s)
             await self._refresh()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop:
-    return asyncio.get_running_loop()
