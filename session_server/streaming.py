@@ -302,7 +302,8 @@ class PromptSeen:
             self.prompt_token_ids = out.prompt_token_ids
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = (self.prompt_logprobs or []) + out.prompt_logprobs
-        self.num_cached_tokens = out.num_cached_tokens
+        # the highest seen: a deadline's last delta (made here) does not know it
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         self.completion_tokens += sum(len(d.token_ids) for d in out.outputs)
         self.weight_version = max(self.weight_version, out.weight_version)
         self.finished = out.finished

@@ -34,6 +34,9 @@ class OutputAccumulator:
         self._prompt_ids: list[int] = []
         self._prompt_logprobs: list | None = None
         self._metrics: dict[str, float] = {}
+        # the highest seen: a caller's own last delta (a deadline's) does not know them
+        self._weight_version = 0
+        self._cached = 0
 
     def add(self, delta: EngineCoreOutput) -> None:
         self._head = delta
@@ -44,6 +47,8 @@ class OutputAccumulator:
             self._prompt_logprobs = (self._prompt_logprobs or []) + delta.prompt_logprobs
         if delta.metrics:
             self._metrics = delta.metrics
+        self._weight_version = max(self._weight_version, delta.weight_version)
+        self._cached = max(self._cached, delta.num_cached_tokens)
         for d in delta.outputs:
             self._fold(d)
 
@@ -92,8 +97,8 @@ class OutputAccumulator:
             prompt_token_ids=self._prompt_ids,
             outputs=[self._samples[i] for i in sorted(self._samples)],
             finished=head.finished,
-            num_cached_tokens=head.num_cached_tokens,
-            weight_version=head.weight_version,
+            num_cached_tokens=self._cached,
+            weight_version=self._weight_version,
             prompt_logprobs=self._prompt_logprobs,
             metrics=dict(self._metrics),
             error=head.error,

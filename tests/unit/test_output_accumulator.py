@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from raylane.actors.engine.output_accumulator import OutputAccumulator, accumulate
+from raylane.actors.engine.outputs import EngineCoreOutput, SampleDelta
 
 FIELDS = (
     "index",
@@ -159,3 +160,26 @@ def test_offline_generate_equals_folded_async_deltas(tiny_qwen3_dir):
         _same(accumulate(deltas), ref)
         _same(outs[-1], ref)
     engine.shutdown()
+
+
+def test_a_callers_own_last_delta_keeps_what_the_engine_reported():
+    # a deadline's end (session_server/streaming.py) knows neither version nor cached tokens
+    first = EngineCoreOutput(
+        "r",
+        [SampleDelta(0, "ab", [7, 8], weight_versions=[3, 3])],
+        False,
+        weight_version=3,
+        num_cached_tokens=16,
+        prompt_token_ids=list(range(20)),
+    )
+    last = EngineCoreOutput("r", [SampleDelta(0, "", [], finish_reason="abort")], True)
+    out = accumulate([first, last])
+    assert (out.weight_version, out.num_cached_tokens, out.finished) == (3, 16, True)
+    c = out.outputs[0]
+    assert (c.text, c.token_ids, c.weight_versions, c.finish_reason) == (
+        "ab",
+        [7, 8],
+        [3, 3],
+        "abort",
+    )
+    assert out.prompt_token_ids == list(range(20))
