@@ -21,9 +21,9 @@ class ModelLimits:
 
 def model_limits(hf_config, config: EngineConfig) -> ModelLimits:
     """The limits an engine built from `config` enforces on the model `hf_config` describes."""
-    max_len = config.max_model_len or getattr(
-        hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN
-    )
+    max_len = config.max_model_len
+    if max_len is None:
+        max_len = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
     is_moe = bool(getattr(hf_config, "num_experts_per_tok", 0))  # Qwen3-MoE, Mixtral
     return ModelLimits(max_len, hf_config.vocab_size, is_moe)
 

@@ -46,7 +46,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     limits = model_limits(hf_config, config)
     config = dataclasses.replace(config, max_model_len=limits.max_model_len)
     executor = create_executor(
-        runner_config(config, model_dir, eos), config.executor_backend, config.shard_resources
+        runner_config(config, model_dir, eos, limits.max_model_len),
+        config.executor_backend,
+        config.shard_resources,
     )
     info = executor.info
     config = dataclasses.replace(config, num_kv_blocks=info.num_kv_blocks)
@@ -64,7 +66,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
 
 
-def runner_config(config: EngineConfig, model_dir: str, eos: list[int]) -> RunnerConfig:
+def runner_config(
+    config: EngineConfig, model_dir: str, eos: list[int], max_model_len: int
+) -> RunnerConfig:
     return RunnerConfig(
         model_dir=model_dir,
         dtype=config.dtype,
@@ -80,7 +84,7 @@ def runner_config(config: EngineConfig, model_dir: str, eos: list[int]) -> Runne
         sample_on_every_rank=config.async_scheduling and config.tensor_parallel_size > 1,
         enforce_eager=config.enforce_eager,
         cudagraph_capture_sizes=config.capture_sizes,
-        max_model_len=config.max_model_len,
+        max_model_len=max_model_len,
     )
 
 

@@ -58,4 +58,6 @@ def result_or_step_failed(result: object, what: str) -> StepResult:
     """The reply of a step that may have raised on its own (a StepError): StepFailed then."""
     if isinstance(result, StepError):
         raise StepFailed(f"{what}: {result.message}")
+    if not isinstance(result, StepResult):
+        raise StepFailed(f"{what}: an unexpected reply {type(result).__name__}")
     return result

@@ -76,7 +76,7 @@ class RayExecutor:
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=_custom(bundle),
                 max_restarts=0,
-                scheduling_strategy=self.placement.strategy(rank),
+                scheduling_strategy=self._placement().strategy(rank),
             ).remote(config, rank, self.world_size, threads)
             for rank in range(self.world_size)
         ]
@@ -121,14 +121,15 @@ class RayExecutor:
         with the one before)."""
         self._raise_if_down()
         sent = time.perf_counter()
-        if self.channels is None:
+        channels = self.channels
+        if channels is None:
             refs = [s.execute.remote(plan) for s in self.shards]
             wait = lambda: self._gather(refs, kill_on_error=True)[0]  # noqa: E731
         else:
             if self._serving is None:  # the shards' main threads take steps from the channel
                 self._serving = [s.serve_steps.remote() for s in self.shards]
-            self._on_channel(self.channels.send, plan)
-            wait = lambda: self._on_channel(self.channels.collect_step, None)  # noqa: E731
+            self._on_channel(channels.send, plan)
+            wait = lambda: self._on_channel(channels.collect_step, None)  # noqa: E731
         future = self._collector.submit(self._collect, wait, plan.step_id, sent)
         self._last = future
         return future
@@ -175,11 +176,21 @@ class RayExecutor:
         if not ping or (self._last is not None and not self._last.done()):
             return  # a step in flight reports a dead shard itself
         if self._serving is not None:  # the shards take no Ray call while serving steps
-            self._on_channel(self.channels.command, "ping")
+            self._on_channel(self._channels().command, "ping")
         else:
             self._gather(
                 [s.ping.remote() for s in self.shards], HEALTH_TIMEOUT_S, kill_on_error=True
             )
+
+    def _channels(self) -> StepChannels:
+        if self.channels is None:  # serving steps means they were opened
+            raise ExecutorError("the shards' step channels are not open")
+        return self.channels
+
+    def _placement(self) -> ShardPlacement:
+        if self.placement is None:
+            raise ExecutorError("the executor is shut down")
+        return self.placement
 
     def _on_channel(self, call, arg):
         try:
@@ -192,7 +203,7 @@ class RayExecutor:
         """End the shards' serve_steps calls so they take Ray calls again."""
         if self._serving is None:
             return
-        self._on_channel(self.channels.command, "release")
+        self._on_channel(self._channels().command, "release")
         serving, self._serving = self._serving, None
         self._gather(serving, HEALTH_TIMEOUT_S, kill_on_error=True)
 

@@ -71,7 +71,7 @@ class StepChannels:
             left = len(self.socks)
             while left:
                 for key, _ in selector.select():
-                    reply = wire.decode(wire.recv_frame(key.fileobj))
+                    reply = wire.decode(wire.recv_frame(self.socks[key.data]))
                     if isinstance(reply, RuntimeError):
                         raise ShardFailed(str(reply))
                     replies[key.data] = reply

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from raylane.actors.executor.base import ExecutorError, StepFailed
+from raylane.actors.executor.base import ExecutorError, StepFailed, result_or_step_failed
 from raylane.actors.runner.config import RunnerConfig
 from raylane.actors.runner.model_runner import ModelRunner
 from raylane.actors.runner.plan import StepPlan, StepResult
@@ -41,7 +41,9 @@ class UniExecutor:
 
     def _step(self, plan: StepPlan, sent: float) -> StepResult:
         try:
-            result = self.runner.execute(plan)
+            result = result_or_step_failed(self.runner.execute(plan), f"step {plan.step_id}")
+        except StepFailed:
+            raise
         except Exception as e:  # the runner dropped the step's requests and serves on
             raise StepFailed(f"step {plan.step_id} failed: {e!r}") from e
         result.timings.update(sent_at=sent, received_at=time.perf_counter())

@@ -67,6 +67,10 @@ class KVCache:
     def read_routing(self, spans: list[tuple[list[int], int, int]]) -> list[np.ndarray]:
         """Routing of positions [start, end) of each (block table, start, end), copied to the
         host in one transfer after the step: [end - start, layers, k] int32 each."""
+        if self.routing is None:
+            raise ValueError(
+                "routed experts: this KV cache records none (enable_return_routed_experts)"
+            )
         slots = [_slots(table, start, end, self.block_size) for table, start, end in spans]
         flat = torch.from_numpy(np.concatenate(slots)).to(self.routing.device)
         rows = self.routing.index_select(0, flat).cpu().numpy()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 from raylane.actors.models import TPGroup, load_model, load_weights
@@ -43,11 +44,12 @@ class ModelRunner:
             self.tp,
             pack_weights=config.pack_weights,
         )
-        self.model = model
+        # the architecture's class (attention_layers, compute_logits), not a plain nn.Module
+        self.model: Any = cast(Any, model)
         self.hf_config = hf_config
         self.dtype = next(model.parameters()).dtype
         backend = get_backend(config.attention_backend, self.device)
-        layers = model.attention_layers()
+        layers = self.model.attention_layers()
         for layer in layers:
             layer.backend = backend
         self.kv = KVCache.allocate(config, layers, model, self.dtype, self.device)
@@ -109,8 +111,11 @@ class ModelRunner:
         )
         prepared = time.perf_counter()
         self.faults.check("forward")
-        replayed = self.graphs is not None and self.graphs.fits(step)
-        logits, routed = self.graphs.run(step) if replayed else self._forward(step)
+        graphs = self.graphs
+        replayed = graphs is not None and graphs.fits(step)
+        logits, routed = (
+            graphs.run(step) if graphs is not None and replayed else self._forward(step)
+        )
         if routed is not None:
             self.kv.store_routing(step.attn.slot_mapping, routed)
         computed = time.perf_counter()

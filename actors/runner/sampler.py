@@ -49,7 +49,7 @@ class Sampler:
         if any(s.params.uses_penalties for s in states):
             logits = self._penalise(logits, states)
         tokens, kept = self._draw(logits, states, tokens_only)
-        kept_mass = [None] * len(states)
+        kept_mass: list[float | None] = [None] * len(states)
         if kept is not None:
             kept_mass = [
                 m if s.params.return_kept_mass else None for m, s in zip(kept.tolist(), states)
@@ -136,13 +136,15 @@ class Sampler:
             self._column([p.frequency_penalty for p in params]),
         )
 
-    def _logprobs(self, raw: torch.Tensor | None, tokens: torch.Tensor, states: list[RequestState]):
+    def _logprobs(
+        self, raw: torch.Tensor | None, tokens: torch.Tensor, states: list[RequestState]
+    ) -> tuple[list[float | None], list[dict[int, float] | None]]:
         if raw is None:
             return [None] * len(states), [None] * len(states)
         chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         n_max = max(s.params.logprobs or 0 for s in states)
-        values, ids = sampling.top_logprobs(raw, n_max)
-        values, ids = values.tolist(), ids.tolist()
+        top_values, top_ids = sampling.top_logprobs(raw, n_max)
+        values, ids = top_values.tolist(), top_ids.tolist()
         top = [
             dict(zip(ids[i][: s.params.logprobs], values[i][: s.params.logprobs]))
             if s.params.logprobs is not None
