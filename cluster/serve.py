@@ -33,7 +33,10 @@ from raylane.router.replica_set import ReplicaSpec
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress()
 class Ingress:
-    async def __init__(self, spec: ReplicaSpec, model_dir: str, config: ClusterConfig):
+    # Serve awaits an async constructor (mypy knows only plain classes)
+    async def __init__(  # type: ignore[misc]
+        self, spec: ReplicaSpec, model_dir: str, config: ClusterConfig
+    ):
         from raylane.consolidation import metrics_sources, start_with_app
         from raylane.router.session_host import SessionSetup
         from raylane.serve_backend import ServeBackend
@@ -83,7 +86,7 @@ def build_application(config: ClusterConfig, model_dir: str | None = None):
     spec = replica_spec(config, model_dir)
     router = get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
     router.deploy.remote(spec)  # the replicas load while Serve starts the ingress
-    return Ingress.bind(spec, model_dir, config)
+    return Ingress.bind(spec, model_dir, config)  # type: ignore[attr-defined]  # serve.deployment
 
 
 def replica_spec(config: ClusterConfig, model_dir: str) -> ReplicaSpec:

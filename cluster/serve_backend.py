@@ -23,7 +23,7 @@ from raylane.router.samples import TrainingSample
 from raylane.router.session_host import SessionSetup
 from raylane.router.sessions import TurnResult
 from raylane.router.turn_handoff import stream_turn
-from raylane.session_server.backend import ModelInfo
+from raylane.session_server.backend import ControlBackend, ModelInfo, SessionBackend
 
 
 def router_view(router: Any, capacity: int, spec: ReplicaSpec | None = None) -> ReplicaView:
@@ -54,8 +54,9 @@ class ServeBackend:
         self.view = router_view(router, capacity, spec)
         self.requests = ReplicaRequests(self.view)
         turns = ReplicaTurnGenerator(self.requests, setup.return_routed_experts)
-        self.sessions = RouterSessions(router, setup, turns)
-        self.control = RouterControl(router)
+        # typed as the protocols: EngineBackend's attributes are mutable, so invariant
+        self.sessions: SessionBackend = RouterSessions(router, setup, turns)
+        self.control: ControlBackend = RouterControl(router)
 
     def generate(
         self,
