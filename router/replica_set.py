@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 REPLICA_PREFIX = "raylane-replica-"
+# the Serve app's ingress re-sends its spec with every table refresh (about twice a second);
+# replicas whose app stopped asking this long ago (deleted without `raylane serve`'s shutdown)
+# are stopped, so a detached replica never outlives its app for good
+SPEC_LEASE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -55,12 +60,15 @@ class ReplicaSet:
         namespace: str,
         check_s: float = 2.0,
         check_timeout_s: float = 30.0,
+        spec_lease_s: float = SPEC_LEASE_S,
     ) -> None:
         self.router = router
         self.forget = forget
         self.namespace = namespace
         self.check_s = check_s
         self.check_timeout_s = check_timeout_s
+        self.spec_lease_s = spec_lease_s
+        self._deployed_at = 0.0  # monotonic time the current spec was last sent
         self.spec: ReplicaSpec | None = None
         self.handles: dict[str, Any] = {}  # started replicas
         self._starting: dict[str, asyncio.Task] = {}
@@ -73,7 +81,7 @@ class ReplicaSet:
         if self.spec is not None and spec.stamp < self.spec.stamp:
             return False
         changed = self.spec != spec
-        self.spec = spec
+        self.spec, self._deployed_at = spec, time.monotonic()
         if self._loop is None or self._loop.done():
             self._loop = asyncio.get_running_loop().create_task(self._supervise())
         elif changed:
@@ -95,6 +103,10 @@ class ReplicaSet:
         self.adopt()
         spec = self.spec
         if spec is None:  # stopped
+            return
+        if time.monotonic() - self._deployed_at > self.spec_lease_s:
+            log.warning("no ingress sent the replica spec for %.0f s: stopping", self.spec_lease_s)
+            self.stop()
             return
         await self._check_health()
         current = sorted(r for r in self.handles if started_for(spec, r))
