@@ -149,10 +149,14 @@ class SGLangSamplingParams(BaseModel):
     ebnf: str | None = None
 
 
+def _default_sampling() -> SGLangSamplingParams:
+    return SGLangSamplingParams.model_validate({})
+
+
 class GenerateRequest(_Body):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: SGLangSamplingParams = Field(default_factory=SGLangSamplingParams)
+    sampling_params: SGLangSamplingParams = Field(default_factory=_default_sampling)
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
