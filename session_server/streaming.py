@@ -78,6 +78,7 @@ async def _with_deadline(
     timeout_s: float,
 ) -> AsyncIterator[Indexed]:
     ended: dict[int, set[int]] = {}  # prompt index -> its samples that finished
+    held: dict[tuple[int, int], str] = {}  # (prompt, sample) -> text the engine holds back
     done: set[int] = set()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -91,25 +92,32 @@ async def _with_deadline(
             except TimeoutError:
                 break
             ended.setdefault(i, set()).update(d.index for d in out.outputs if d.finished)
+            held.update(((i, d.index), d.held_text) for d in out.outputs)
             if out.finished:
                 done.add(i)
             yield i, out
     for i, prompt in enumerate(prompts):
         if i not in done:
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            yield i, _ended_at_deadline(ended.get(i), prompt, params, rid)
+            texts = {k: text for (j, k), text in held.items() if j == i}
+            yield i, _ended_at_deadline(ended.get(i), texts, prompt, params, rid)
 
 
 def _ended_at_deadline(
-    ended: set[int] | None, prompt: list[int], params: SamplingParams, request_id: str
+    ended: set[int] | None,
+    held: dict[int, str],
+    prompt: list[int],
+    params: SamplingParams,
+    request_id: str,
 ) -> EngineCoreOutput:
     """The last delta of a request cut at its deadline: every sample still running ends with
-    finish reason "abort" (the prompt too, when nothing came back yet)."""
+    finish reason "abort" and the text the engine held back (the prompt too, when nothing came
+    back yet)."""
     asked = params.logprobs is not None
     samples = [
         SampleDelta(
             k,
-            "",
+            held.get(k, ""),
             [],
             logprobs=[] if asked else None,
             top_logprobs=[] if asked else None,

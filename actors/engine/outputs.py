@@ -70,6 +70,9 @@ class SampleDelta:
     # the whole array, once: on the delta that finishes the sample (it is trimmed then)
     routed_experts: np.ndarray | None = None
     constrained: bool = False
+    # the text held back so far (a few characters, with stop strings only): a caller that ends
+    # the request itself (a deadline) shows it, as the engine's own final delta would
+    held_text: str = ""
 
     @property
     def finished(self) -> bool:

@@ -106,6 +106,7 @@ class Request:
             stop_reason=seq.stop_reason,
             routed_experts=seq.routed_experts if finished else None,
             constrained=self.params.structured_outputs is not None,
+            held_text=seq.text[end:],
         )
 
     def output(self, weight_version: int) -> RequestOutput:

@@ -114,7 +114,13 @@ def test_bytes_per_step_do_not_grow_with_the_prompt(tiny_llama_dir):
 
 def _stream_texts(engine: LLMEngine, prompt, params) -> tuple[list[str], str]:
     pairs = _steps(engine, prompt, params)
-    texts = [d.outputs[0].text for d, _ in pairs if d.outputs]
+    texts, sent = [], ""
+    for delta, own in pairs:
+        if delta.outputs:
+            texts.append(delta.outputs[0].text)
+            sent += texts[-1]
+            # what is held back is exactly the rest of the sequence's text so far
+            assert sent + delta.outputs[0].held_text == own.outputs[0].text
     return texts, pairs[-1][1].outputs[0].text
 
 
