@@ -127,19 +127,17 @@ class RouterSessions:
         self.generator = generator  # runs a turn's tokens (a `ReplicaTurnGenerator`)
 
     async def create(self, metadata: dict[str, Any] | None = None) -> str:
-        return await self._call("create", metadata)
+        return await call_router(self.router.session_create.remote(self.setup, metadata))
 
     async def describe(self, session_id: str) -> dict[str, Any]:
-        return await self._call("describe", session_id)
+        return await call_router(self.router.session_describe.remote(self.setup, session_id))
 
     async def delete(self, session_id: str) -> None:
-        await self._call("delete", session_id)
+        await call_router(self.router.session_delete.remote(self.setup, session_id))
 
     async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample:
-        return await self._call("sample", session_id, max_seq_len)
-
-    def _call(self, method: str, *args: Any):
-        return call_router(self.router.session_call.remote(self.setup, method, *args))
+        ref = self.router.session_sample.remote(self.setup, session_id, max_seq_len)
+        return await call_router(ref)
 
     async def chat_stream(
         self,

@@ -30,12 +30,12 @@ from raylane.router.policy import RoutingPolicy
 from raylane.router.replica_calls import ActorCalls
 from raylane.router.replica_set import ReplicaSet, ReplicaSpec
 from raylane.router.replica_view import ReplicaView
+from raylane.router.samples import TrainingSample
 from raylane.router.session_host import SessionHost, SessionSetup
 from raylane.router.session_store import open_session_store
 from raylane.router.turn_handoff import serve_turn
 
 ROUTER_NAME = "raylane-router"
-SESSION_CALLS = frozenset({"create", "describe", "delete", "sample"})
 NAMESPACE = "raylane"
 
 
@@ -181,13 +181,21 @@ class Router:
 
     # --- sessions (`setup`: the caller's, so a restarted Router can serve stored sessions) ---
 
-    async def session_call(self, setup: SessionSetup, method: str, *args: Any) -> Any:
-        """`SessionRegistry.<method>(*args)` for one of `SESSION_CALLS`, on the registry of
-        `setup`'s model (the `SessionBackend` protocol, which `RouterSessions` forwards)."""
-        if method not in SESSION_CALLS:
-            raise ValueError(f"no session call {method!r}; one of {sorted(SESSION_CALLS)}")
-        registry = await self.sessions.registry(setup)
-        return await getattr(registry, method)(*args)
+    # the `SessionBackend` calls, which `RouterSessions` forwards, on `setup`'s registry
+
+    async def session_create(self, setup: SessionSetup, metadata: dict | None = None) -> str:
+        return await (await self.sessions.registry(setup)).create(metadata)
+
+    async def session_describe(self, setup: SessionSetup, session_id: str) -> dict[str, Any]:
+        return await (await self.sessions.registry(setup)).describe(session_id)
+
+    async def session_delete(self, setup: SessionSetup, session_id: str) -> None:
+        await (await self.sessions.registry(setup)).delete(session_id)
+
+    async def session_sample(
+        self, setup: SessionSetup, session_id: str, max_seq_len: int | None = None
+    ) -> TrainingSample:
+        return await (await self.sessions.registry(setup)).sample(session_id, max_seq_len)
 
     async def session_turn(
         self,

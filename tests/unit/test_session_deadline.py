@@ -118,7 +118,7 @@ async def test_the_ingress_aborts_the_turn_where_it_runs_and_the_router_records_
     router.sessions.load_tokenizer = lambda _: tok
     shim = InProcessRouter(router)
     sessions = RouterSessions(shim, SessionSetup("tiny"), gen)
-    session_id = await router.session_call(sessions.setup, "create")
+    session_id = await router.session_create(sessions.setup)
     results = [r async for r in sessions.chat_stream(session_id, [user("hi")], None, timeout_s=0.1)]
     final = results[-1]
     assert shim.session_turn.args[0] is sessions.setup  # the deadline stays at the ingress
@@ -129,7 +129,7 @@ async def test_the_ingress_aborts_the_turn_where_it_runs_and_the_router_records_
     assert [r.output.token_ids for r in results[:-1]] == [
         final.output.token_ids[: len(r.output.token_ids)] for r in results[:-1]
     ]
-    record = (await router.session_call(sessions.setup, "describe", session_id))["records"][-1]
+    record = (await router.session_describe(sessions.setup, session_id))["records"][-1]
     assert record["finish_reason"] == "abort" and record["output_ids"] == final.output.token_ids
 
 

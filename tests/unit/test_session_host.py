@@ -151,11 +151,11 @@ def setup(handle: FakeHandle, model_dir: str = "tiny") -> SessionSetup:
 
 async def create(router: Router, handle: FakeHandle, metadata: dict | None = None) -> str:
     handle.install(router)
-    return await router.session_call(setup(handle), "create", metadata)
+    return await router.session_create(setup(handle), metadata)
 
 
 async def describe(router: Router, handle: FakeHandle, session_id: str) -> dict:
-    return await router.session_call(setup(handle), "describe", session_id)
+    return await router.session_describe(setup(handle), session_id)
 
 
 def ingress(router: Router, handle: FakeHandle) -> RouterSessions:
@@ -187,7 +187,7 @@ async def test_turns_stick_to_the_policy_replica_and_give_it_back(router):
     record = described["records"][-1]
     assert described["metadata"] == {"run": 1}
     assert record["routed_experts_shape"] is not None  # the record keeps it
-    sample = await router.session_call(setup(handle), "sample", session_id, None)
+    sample = await router.session_sample(setup(handle), session_id, None)
     assert (
         sample.routed_experts.shape[0]
         == record["prefix_len"] + len(record["prompt_ids"]) + len(record["output_ids"]) - 1
@@ -200,12 +200,7 @@ async def test_unknown_ids_are_404_before_and_after_creating(router):
         await describe(router, handle, "sess-nope")
     await create(router, handle)
     with pytest.raises(SessionNotFound):
-        await router.session_call(setup(handle), "delete", "sess-nope")
-
-
-async def test_only_the_session_backends_calls_are_served(router):
-    with pytest.raises(ValueError, match="no session call 'chat_stream'"):
-        await router.session_call(setup(FakeHandle()), "chat_stream", "sess-x", HELLO)
+        await router.session_delete(setup(handle), "sess-nope")
 
 
 async def test_a_different_model_rebuilds_the_registry(router):
@@ -213,9 +208,9 @@ async def test_a_different_model_rebuilds_the_registry(router):
     again = await create(router, FakeHandle())  # same names: same registry
     await describe(router, FakeHandle(), first)
     other = setup(FakeHandle(), model_dir="other")
-    await router.session_call(other, "create", None)
+    await router.session_create(other, None)
     with pytest.raises(SessionNotFound):
-        await router.session_call(other, "describe", again)
+        await router.session_describe(other, again)
 
 
 async def test_a_failing_replica_is_a_503_reported_and_released(router):
