@@ -1,4 +1,5 @@
-"""Session-wide fixtures: tiny random models built offline and the embedded SmolLM2."""
+"""Session-wide fixtures: tiny random models built offline, the embedded SmolLM2, and one local
+Ray cluster shared by every module that can share it."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.support import ray_cluster as shared_ray
 from tests.tiny_models import make_llama, make_qwen3, make_qwen3_moe
 
 torch.set_num_threads(min(2, torch.get_num_threads()))  # the machine's cores are shared
+shared_ray.set_env()  # also for the modules that start a Ray cluster of their own
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +45,23 @@ def smollm2_dir() -> str:
     from raylane.models import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The session's local Ray cluster (yields the `ray` module). What the module deployed on it
+    is stopped after the module; Ray stays up for the next one."""
+    ray = shared_ray.start()
+    yield ray
+    shared_ray.stop_apps()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules marked `own_ray_cluster` run last, so the shared cluster starts once, not again
+    after each of them."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is not None)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if shared_ray.starts:
+        terminalreporter.write_line(f"shared Ray cluster started {shared_ray.starts} time(s)")

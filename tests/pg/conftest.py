@@ -66,26 +66,3 @@ def bank() -> str:
 @pytest.fixture
 def metrics() -> ConsolidationMetrics:
     return ConsolidationMetrics(CollectorRegistry())
-
-
-RAY_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A light local Ray for the module, or the one already running (never shut down)."""
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():  # someone else's cluster: use it, never shut it down
-        yield
-        return
-    for key, value in RAY_ENV.items():
-        os.environ.setdefault(key, value)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()

@@ -23,11 +23,10 @@ TURNS = ["Weather in Berlin?", "And tomorrow?", "Thanks. Anything else?"]
 
 
 @pytest.fixture(scope="module")
-def served(pg_dsn, tiny_moe_dir):
+def served(ray_cluster, pg_dsn, tiny_moe_dir):
     from raylane import launch
     from raylane.config import ClusterConfig
 
-    launch.start_ray(num_cpus=2)
     config = ClusterConfig(
         model=tiny_moe_dir,
         served_model_name=MODEL,
@@ -37,10 +36,7 @@ def served(pg_dsn, tiny_moe_dir):
         engine=ENGINE,
         sessions_dsn=pg_dsn,
     )
-    try:
-        yield launch.deploy(config)
-    finally:
-        launch.shutdown()
+    yield launch.deploy(config)  # stopped after the module, with the Router (ray_cluster)
 
 
 class Conversation:

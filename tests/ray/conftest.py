@@ -1,28 +1,10 @@
-"""A local Ray cluster with the raylane Serve application on a free loopback port."""
+"""The raylane Serve application on a free loopback port, deployed on the session's shared Ray
+cluster (`ray_cluster`, tests/conftest.py), and helpers the Ray tests share."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from raylane.launch import free_port  # noqa: F401 - the tests import it from here
-
-for key, value in (
-    ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
-    ("RAY_AUTH_MODE", "disabled"),
-    ("RAY_USAGE_STATS_ENABLED", "0"),
-):
-    os.environ.setdefault(key, value)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-    from raylane import launch
-
-    launch.start_ray(num_cpus=2)
-    yield ray
-    launch.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,10 @@ from raylane.config import ClusterConfig
 from tests.hf_reference import hf_greedy
 from tests.ray.conftest import free_port, streamed_and_whole_chat
 from tests.ray.test_serve_tp import alive_actors
+from tests.support import ray_cluster as shared_ray
 
 PROMPT = [5, 6, 7, 8, 9]
+pytestmark = pytest.mark.own_ray_cluster
 INGRESS_CLASS = "ServeReplica:raylane:Ingress"
 
 
@@ -32,6 +34,7 @@ def served(request, tiny_llama_dir):
         direct_ingress=request.param,
         engine={"num_kv_blocks": 128, "max_model_len": 256},
     )
+    shared_ray.leave_shared()
     launch.start_ray(num_cpus=2)
     try:
         yield launch.deploy(config), request.param is None

@@ -9,13 +9,17 @@ import os
 import pytest
 from raylane import launch
 
+from tests.support import ray_cluster as shared_ray
+
 USER_KEY = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+pytestmark = pytest.mark.own_ray_cluster
 
 
 @pytest.fixture(scope="module")
 def worker_env():
     import ray
 
+    shared_ray.leave_shared()  # this module's cluster starts with its own environment
     os.environ[USER_KEY] = "0.25"
     try:
         launch.start_ray(num_cpus=1)

@@ -12,6 +12,7 @@ from tests.ray.conftest import free_port
 from tests.ray.test_serve_tp import REPLICA_CLASS, alive_actors, shard_groups
 
 SMALL_STORE = 100 * 2**20
+pytestmark = pytest.mark.own_ray_cluster
 
 
 @pytest.fixture(scope="module")
