@@ -30,6 +30,10 @@ REPLICA_PREFIX = "raylane-replica-"
 # replicas whose app stopped asking this long ago (deleted without `raylane serve`'s shutdown)
 # are stopped, so a detached replica never outlives its app for good
 SPEC_LEASE_S = 300.0
+# after a replica fails to start (bad engine options, no room), the next start waits this long,
+# doubling up to START_BACKOFF_MAX_S, so a spec that cannot start does not reload in a loop
+START_BACKOFF_S = 2.0
+START_BACKOFF_MAX_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ class ReplicaSet:
         self._starting: dict[str, asyncio.Task] = {}
         self._loop: asyncio.Task | None = None
         self._adopted = False
+        self._backoff = 0.0  # seconds to wait after the last failed start (0: none failed)
+        self._next_start = 0.0  # monotonic time before which no replica starts
 
     def deploy(self, spec: ReplicaSpec) -> bool:
         """Make the replicas match `spec` (in the background); False when it is older than
@@ -82,6 +88,8 @@ class ReplicaSet:
             return False
         changed = self.spec != spec
         self.spec, self._deployed_at = spec, time.monotonic()
+        if changed:  # a new spec starts without the last one's backoff
+            self._backoff = self._next_start = 0.0
         if self._loop is None or self._loop.done():
             self._loop = asyncio.get_running_loop().create_task(self._supervise())
         elif changed:
@@ -112,7 +120,7 @@ class ReplicaSet:
         current = sorted(r for r in self.handles if started_for(spec, r))
         starting = sum(started_for(spec, r) for r in self._starting)
         missing = spec.count - len(current) - starting
-        for _ in range(missing):
+        for _ in range(missing if time.monotonic() >= self._next_start else 0):
             rid = f"{spec.key}-{uuid.uuid4().hex[:8]}"
             self._starting[rid] = asyncio.get_running_loop().create_task(self._start(spec, rid))
         for rid in current[: max(-missing, 0)]:
@@ -180,9 +188,12 @@ class ReplicaSet:
             log.exception("engine replica %s did not start", rid)
             _kill_actor(REPLICA_PREFIX + rid, self.namespace)
             _remove_group(group)
+            self._backoff = min(max(2 * self._backoff, START_BACKOFF_S), START_BACKOFF_MAX_S)
+            self._next_start = time.monotonic() + self._backoff
             return
         finally:
             self._starting.pop(rid, None)
+        self._backoff = 0.0
         if self.spec is not None and self.spec.key == spec.key:
             self.handles[rid] = handle
         else:  # the spec changed while it loaded

@@ -6,6 +6,7 @@ tests/ray/test_replica_set.py runs the real actors."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from raylane.router.replica_set import ReplicaSet, ReplicaSpec
@@ -96,3 +97,26 @@ async def test_replicas_stop_when_no_app_sends_its_spec(replicas):
     replicas._deployed_at -= replicas.spec_lease_s + 1  # no ingress asked for that long
     await replicas._reconcile()
     assert replicas.handles == {} and replicas.spec is None and len(replicas.killed) == 2
+
+
+async def test_a_replica_that_cannot_start_backs_off(monkeypatch):
+    import ray
+    import raylane.router.replica_set as replica_set_module
+
+    def no_actor(cls):
+        raise ValueError("engine_options: no such field 'max_num_seq'")
+
+    monkeypatch.setattr(ray, "remote", no_actor)
+    monkeypatch.setattr(replica_set_module, "_kill_actor", lambda name, namespace: None)
+    replicas = ReplicaSet(lambda: None, lambda rid: None, "raylane", check_s=3600)
+    replicas.spec = spec(1, 1.0)
+    await replicas._start(replicas.spec, f"{replicas.spec.key}-a")
+    await replicas._start(replicas.spec, f"{replicas.spec.key}-b")
+    assert replicas._backoff == 2 * replica_set_module.START_BACKOFF_S
+    assert replicas.handles == {} and replicas._next_start > 0
+    replicas._deployed_at = time.monotonic()  # its app is asking
+    await replicas._reconcile()  # within the backoff: no new start
+    assert replicas._starting == {} and replicas.spec is not None
+    replicas.deploy(spec(1, 2.0, max_num_seqs=8))  # another spec starts at once
+    assert replicas._backoff == 0.0
+    replicas.stop()
