@@ -31,8 +31,9 @@ demo: install
 test: install
 	$(PY) -m pytest -q -ra --durations=25 tests
 
+# without the slow tests and those that start Ray clusters (`make test` runs everything)
 test-fast: install
-	$(PY) -m pytest -q -ra -m "not slow" tests
+	$(PY) -m pytest -q -ra -m "not slow and not ray" tests
 
 # ruff (lint and format) over the tree, then mypy over the packages as they install.
 lint: install

@@ -4,6 +4,7 @@ Ray cluster shared by every module that can share it."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,9 +57,16 @@ def ray_cluster():
     shared_ray.stop_apps()
 
 
+RAY_TESTS = Path(__file__).parent / "ray"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules marked `own_ray_cluster` run last, so the shared cluster starts once, not again
+    """Every test that needs a Ray cluster is marked `ray` (`make test-fast` leaves them out),
+    and modules marked `own_ray_cluster` run last, so the shared cluster starts once, not again
     after each of them."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()) or RAY_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.ray)
     items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is not None)
 
 
