@@ -131,7 +131,7 @@ class EngineReplica:
 
     async def submit(
         self,
-        prompt_ids: list[int],
+        prompt_ids: list[int] | str,  # text: the engine tokenizes it
         params: SamplingParams,
         request_id: str,
         channel_id: str,

@@ -24,11 +24,14 @@ import hmac
 import os
 import secrets
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raylane.actors.runner import wire
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
 from raylane.actors.runner.plan import ChannelCommand, StepError, StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from raylane.actors.runner.model_runner import ModelRunner
 
 LOOPBACK = "127.0.0.1"
 # a collective waits this long for a peer before failing (a dead peer usually fails it at once)
@@ -43,7 +46,7 @@ class ModelShard:
 
         self.config, self.rank, self.world_size = config, rank, world_size
         torch.set_num_threads(torch_threads)
-        self.runner = None
+        self.runner: ModelRunner | None = None  # set by `start`
         self._listener: socket.socket | None = None
         self._token = b""
         self._conn: socket.socket | None = None
@@ -73,8 +76,8 @@ class ModelShard:
             timeout=COLLECTIVE_TIMEOUT,
         )
         tp = TPGroup(self.rank, self.world_size, dist.group.WORLD)
-        self.runner = ModelRunner(self.config, tp)
-        return self.runner.info()
+        self.runner = runner = ModelRunner(self.config, tp)
+        return runner.info()
 
     def execute(self, plan: StepPlan) -> StepResult | StepError | None:
         """One step as a Ray call (the fallback when the engine is on another node)."""
@@ -85,7 +88,7 @@ class ModelShard:
 
     def rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call a ModelRunner method on this rank (the executor's `collective_rpc`)."""
-        return getattr(self.runner, method)(*args, **kwargs)
+        return getattr(self._runner(), method)(*args, **kwargs)
 
     def ping(self) -> int:
         return self.rank
@@ -121,14 +124,21 @@ class ModelShard:
                 self._conn.close()
                 return "closed"
 
-    def _step(self, plan: StepPlan) -> StepResult | StepError | RuntimeError | None:
+    def _step(self, plan: object) -> StepResult | StepError | RuntimeError | None:
         try:
-            return self.runner.execute(plan)
+            if not isinstance(plan, StepPlan):  # a frame may decode to any allowed type
+                raise TypeError(f"not a step plan: {type(plan).__name__}")
+            return self._runner().execute(plan)
         except Exception as e:
             if self.world_size == 1:  # no peer waits in a collective: fail this step only
                 return StepError(repr(e))
             # a peer may be left in a collective: the engine kills the group on this reply
             return RuntimeError(f"rank {self.rank}: {e!r}")
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.rank}: the shard was not started")
+        return self.runner
 
     def stop(self) -> None:
         import torch.distributed as dist

@@ -10,8 +10,12 @@ import functools
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from raylane.config import ClusterConfig
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 ACTOR_NAME = "raylane-consolidation"
 NAMESPACE = "raylane"  # the Router's, so the cluster's actors are found in one place
@@ -51,7 +55,8 @@ def start_consolidation(config: ClusterConfig, url: str, model_name: str):
     # Detached like the Router, and restarted by Ray if its process dies (the schedule is a
     # constructor argument, so a restarted actor resumes its passes). get_if_exists: a second
     # caller gets the running actor, created once.
-    actor = ConsolidationActor.options(
+    # @ray.remote makes the class an ActorClass, but mypy keeps a decorated class's own type
+    actor = ConsolidationActor.options(  # type: ignore[attr-defined]
         name=ACTOR_NAME,
         namespace=NAMESPACE,
         lifetime="detached",
@@ -111,7 +116,9 @@ def serve_url() -> str:
     import ray
     from ray.serve.context import _get_global_client  # no public API gives the HTTP options
 
-    http = _get_global_client().http_config
+    client = _get_global_client()  # raises when no Serve controller runs
+    assert client is not None
+    http = client.http_config
     host = ray.util.get_node_ip_address() if http.host in WILDCARD_HOSTS else http.host
     return f"http://[{host}]:{http.port}" if ":" in host else f"http://{host}:{http.port}"
 
@@ -162,7 +169,7 @@ class ActorMetrics:
     """
 
     def __init__(self) -> None:
-        self._actor = None
+        self._actor: ActorHandle | None = None
 
     async def __call__(self) -> str:
         import ray

@@ -6,7 +6,7 @@ Router's replica table (`ReplicaView`); control calls and sessions go to the Rou
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -64,7 +64,7 @@ class ServeBackend:
         params: SamplingParams,
         request_id: str,
         routing_key: str | None = None,
-    ) -> AsyncIterator[EngineCoreOutput]:
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
         return self.requests.generate(prompt_ids, params, request_id, routing_key)
 
     async def ready(self) -> bool:
@@ -148,7 +148,7 @@ class RouterSessions:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncIterator[TurnResult]:
+    ) -> AsyncGenerator[TurnResult, None]:
         from ray.exceptions import RayActorError
 
         # the Router plans and commits the turn; its tokens come here over this process's

@@ -8,7 +8,7 @@ set, so tests can observe a turn in flight; `seen` keeps each prompt the generat
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import numpy as np
 from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
@@ -49,7 +49,7 @@ class FakeTurnGenerator:
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, routing_key: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         self.in_flight += 1
         try:
             if self.keep_prompts:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from raylane.actors.engine.outputs import RequestOutput
@@ -27,7 +27,7 @@ class TurnGenerator(Protocol):
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, routing_key: str
-    ) -> AsyncIterator[RequestOutput]: ...
+    ) -> AsyncGenerator[RequestOutput, None]: ...
 
 
 class EngineTurnGenerator:
@@ -43,13 +43,13 @@ class EngineTurnGenerator:
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, routing_key: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         params = turn_params(params, self.return_routed_experts)
         return self._outputs(prompt_ids, params, turn_request_id(routing_key), routing_key)
 
     def _outputs(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, routing_key: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         return self.engine.generate(prompt_ids, params, request_id)
 
 

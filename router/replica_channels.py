@@ -41,7 +41,7 @@ class ReplicaChannels:
         self,
         replica_id: str,
         handle: Any,
-        prompt_ids: list[int],
+        prompt_ids: list[int] | str,  # text: the engine tokenizes it
         params: SamplingParams,
         request_id: str,
     ) -> AsyncGenerator[EngineCoreOutput, None]:

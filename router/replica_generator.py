@@ -15,7 +15,7 @@ replica and reuses its prefix cache.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from raylane.actors.engine.errors import EnginePaused, RequestFailed
@@ -35,7 +35,7 @@ class ReplicaRequests:
 
     async def generate(
         self,
-        prompt_ids: list[int],
+        prompt_ids: list[int] | str,  # text: the engine tokenizes it
         params: SamplingParams,
         request_id: str,
         routing_key: str | None = None,
@@ -77,5 +77,5 @@ class ReplicaTurnGenerator(EngineTurnGenerator):
 
     def _outputs(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, routing_key: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         return cumulative(self.engine.generate(prompt_ids, params, request_id, routing_key))

@@ -77,6 +77,7 @@ class SessionHost:
         restarted Router, a redeployed model)."""
         if setup.key != self._key:
             await self._configure(setup)
+        assert self._registry is not None  # _configure built it for this key
         return self._registry
 
     async def _configure(self, setup: SessionSetup) -> None:

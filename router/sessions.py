@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -228,6 +228,7 @@ class SessionRegistry:
         ) as turn:
             async for result in turn:
                 pass
+        assert result is not None  # chat_stream ends with the committed result or raises
         return result
 
     async def chat_stream(
@@ -239,7 +240,7 @@ class SessionRegistry:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncIterator[TurnResult]:
+    ) -> AsyncGenerator[TurnResult, None]:
         """Run one turn, yielding cumulative progress and, last, the committed result (without
         replay blobs: the session's record keeps them, the client gets none).
 
@@ -297,6 +298,7 @@ class SessionRegistry:
 
     def _commit(self, session: Session, turn: _Turn, out: RequestOutput) -> tuple[Message, int]:
         choice = out.outputs[0]
+        assert choice.finish_reason is not None  # `out` is finished: its choice says why
         # stored normalised, so the client's echo of it compares equal
         reply = normalize_message(self.reply_parser(choice))
         record = TurnRecord(

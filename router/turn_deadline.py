@@ -6,7 +6,7 @@ output so far, finish reason "abort" — what the OpenAI routes do with `timeout
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from raylane.actors.engine.outputs import CompletionOutput, RequestOutput, aborted
@@ -15,7 +15,7 @@ from raylane.router.errors import BadSessionRequest
 
 async def until_deadline(
     outputs: AsyncGenerator[RequestOutput, None], timeout_s: float | None
-) -> AsyncIterator[RequestOutput]:
+) -> AsyncGenerator[RequestOutput, None]:
     """`outputs` as they come, for at most `timeout_s` seconds (None: no limit). At the deadline
     `outputs` is closed (which aborts the generation, see `TurnGenerator`) and one last output
     ends the turn: the partial output, finish reason "abort"."""

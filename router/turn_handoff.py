@@ -52,7 +52,7 @@ class TurnHandoff:
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, routing_key: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         ticket = TurnTicket(f"{routing_key}-{secrets.token_hex(6)}", prompt_ids, params)
         final = self._waiting[ticket.turn_id] = asyncio.get_running_loop().create_future()
         try:
@@ -75,7 +75,7 @@ class TurnHandoff:
         final.set_result(out)
 
 
-async def serve_turn(stream: AsyncGenerator[TurnResult, None]) -> AsyncIterator[Any]:
+async def serve_turn(stream: AsyncGenerator[TurnResult, None]) -> AsyncGenerator[Any, None]:
     """The Router's side of a turn: `stream` (`SessionRegistry.chat_stream` over a
     `TurnHandoff`) as the caller sees it: the `TurnTicket`, then the committed `TurnResult`.
     An error before the ticket (an unknown session, a bad request) raises at once."""
@@ -103,7 +103,7 @@ async def stream_turn(
     hand_back: Callable[[str, RequestOutput], Awaitable[None]],
     session_id: str,
     timeout_s: float | None,
-) -> AsyncIterator[TurnResult]:
+) -> AsyncGenerator[TurnResult, None]:
     """The caller's side: `call` is the Router's `session_turn` stream (each item awaitable).
     Generates the ticket's prompt with `generator` (past `timeout_s`: aborted, partial output,
     finish reason "abort"), yields its progress, hands the finished output back, and yields

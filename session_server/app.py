@@ -78,7 +78,7 @@ def build_app(
         max_bytes=max_body_bytes,
         path_limits={admin_routes.BUCKET_PATH: max_bucket_bytes} if admin else {},
     )
-    if admin:
+    if admin_api_key is not None:
         app.add_middleware(AdminAuth, admin_key=admin_api_key)
     if api_keys:
         app.add_middleware(

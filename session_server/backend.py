@@ -9,7 +9,7 @@ its `control` (a `ControlBackend`) the admin routes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,7 +52,7 @@ class SessionBackend(Protocol):
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncIterator[TurnResult]:
+    ) -> AsyncGenerator[TurnResult, None]:
         """The turn's cumulative progress, then its committed result (`message` set), without
         replay blobs. Closing the iterator early aborts the turn and leaves no trace. Past
         `timeout_s` seconds the turn is aborted where it runs (the engine request too) and
@@ -101,7 +101,7 @@ class EngineBackend(Protocol):
     """The engine side of the HTTP surface."""
 
     info: ModelInfo
-    tokenizer: object  # a transformers tokenizer (chat template, encode/decode) loaded locally
+    tokenizer: Any  # a transformers tokenizer (chat template, encode/decode) loaded locally
     sessions: SessionBackend
     control: ControlBackend
 
@@ -111,7 +111,7 @@ class EngineBackend(Protocol):
         params: SamplingParams,
         request_id: str,
         routing_key: str | None = None,
-    ) -> AsyncIterator[EngineCoreOutput]:
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
         """The engine's deltas for one request (what each step added; the prompt on the
         first); closing the iterator early aborts it.
 

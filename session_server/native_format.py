@@ -7,6 +7,8 @@ stop string may still trim).
 
 from __future__ import annotations
 
+from typing import Any
+
 from raylane.actors.engine.output_accumulator import OutputAccumulator
 from raylane.actors.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
@@ -86,13 +88,17 @@ class NativeFormatter:
         return [self._item(i, out, c, c.text) for c in out.outputs if c.index in news]
 
     def _item(self, i: int, out: RequestOutput, c: CompletionOutput, text: str) -> dict:
-        item = {"text": text, "output_ids": list(c.token_ids), "meta_info": self._meta(i, out, c)}
+        item: dict[str, Any] = {
+            "text": text,
+            "output_ids": list(c.token_ids),
+            "meta_info": self._meta(i, out, c),
+        }
         if self.num_prompts > 1 or self.params.n > 1:
             item["index"] = i * self.params.n + c.index
         return item
 
     def _meta(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict:
-        meta = {
+        meta: dict[str, Any] = {
             "id": self.id if self.num_prompts == 1 else f"{self.id}-{i}",
             "finish_reason": finish_reason(c),
             "prompt_tokens": len(out.prompt_token_ids),

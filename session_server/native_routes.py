@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from fastapi import APIRouter, Request
@@ -70,7 +70,7 @@ async def generate(body: GenerateRequest, request: Request):
     return JSONResponse(items if batched or params.n > 1 else items[0])
 
 
-async def _renamed(stream: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
+async def _renamed(stream: AsyncGenerator[Indexed, None]) -> AsyncGenerator[Indexed, None]:
     """Engine errors name SGLang's fields (max_new_tokens, not max_tokens)."""
     async with aclosing(stream):
         try:

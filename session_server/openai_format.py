@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from itertools import accumulate
+from typing import Any
 
 from raylane.actors.engine.outputs import (
     CompletionOutput,
@@ -189,7 +190,7 @@ class CompletionFormatter(_Formatter):
         echo_now: bool,
     ) -> dict:
         if d is None:  # the prompt part alone: the choice has nothing new yet
-            none = [] if c.logprobs is not None else None
+            none: list | None = [] if c.logprobs is not None else None
             d = Delta("", [], none, none, 0, False, False)
         prefix, prefix_lp = self._prompt_part(i, self.seen[i]) if echo_now else ("", None)
         shift = len(self.echo.texts[i]) if self.echo is not None else 0
@@ -314,7 +315,7 @@ class ChatFormatter(_Formatter):
         if self.tools is None:
             return {"role": "assistant", "content": c.text}
         content, calls = self.tools.new_parser().parse(c.text)
-        message = {"role": "assistant", "content": content}
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
         return message

@@ -18,9 +18,11 @@ from raylane.router.messages import Message
 from raylane.router.sessions import TurnResult
 from raylane.session_server import formatting as fmt
 from raylane.session_server.openai_format import ChatFormatter
+from raylane.session_server.schemas import ChatCompletionRequest
 
 
 class SessionChatFormatter(ChatFormatter):
+    body: ChatCompletionRequest  # the session chat route's request
     reply: Message | None = None  # the stored assistant message, once the turn is committed
     prompt_len = 0  # the ids the model saw as the turn's prompt (not shipped to the ingress)
     _sent_tokens = 0

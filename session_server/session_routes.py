@@ -13,7 +13,7 @@ or rollback too deep, 409 a stored session of another model, 422 malformed traje
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from fastapi import APIRouter, Body, Request
@@ -154,8 +154,10 @@ def _check_session_chat(body: ChatCompletionRequest, max_model_len: int) -> tupl
 
 
 async def _views(
-    turn: AsyncIterator[TurnResult], formatter: SessionChatFormatter, param_names: dict[str, str]
-) -> AsyncIterator[Indexed]:
+    turn: AsyncGenerator[TurnResult, None],
+    formatter: SessionChatFormatter,
+    param_names: dict[str, str],
+) -> AsyncGenerator[Indexed, None]:
     """The turn as the chat formatter's (prompt index, output) stream; engine errors name the
     request's fields."""
     async with aclosing(turn):

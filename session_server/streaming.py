@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -40,7 +40,7 @@ def start(
     request_id: str,
     routing_key: str | None,
     timeout_s: float | None = None,
-) -> AsyncIterator[Indexed]:
+) -> AsyncGenerator[Indexed, None]:
     """One backend request per prompt (ids `<request_id>-<i>` when several), merged. Past
     `timeout_s` the requests still running end with their partial outputs, finish reason
     "abort" (and are aborted on the engine)."""
@@ -56,7 +56,7 @@ def _start(
     params: SamplingParams,
     request_id: str,
     routing_key: str | None,
-) -> AsyncIterator[Indexed]:
+) -> AsyncGenerator[Indexed, None]:
     if len(prompts) == 1:
         return _single(backend.generate(prompts[0], params, request_id, routing_key))
     iterators = []
@@ -71,12 +71,12 @@ def _start(
 
 
 async def _with_deadline(
-    stream: AsyncIterator[Indexed],
+    stream: AsyncGenerator[Indexed, None],
     prompts: list[list[int]],
     params: SamplingParams,
     request_id: str,
     timeout_s: float,
-) -> AsyncIterator[Indexed]:
+) -> AsyncGenerator[Indexed, None]:
     ended: dict[int, set[int]] = {}  # prompt index -> its samples that finished
     held: dict[tuple[int, int], str] = {}  # (prompt, sample) -> text the engine holds back
     done: set[int] = set()
@@ -130,16 +130,20 @@ def _ended_at_deadline(
     return EngineCoreOutput(request_id, samples, True, prompt_token_ids=prompt_ids)
 
 
-async def _single(iterator: AsyncIterator[EngineCoreOutput]) -> AsyncIterator[Indexed]:
+async def _single(
+    iterator: AsyncGenerator[EngineCoreOutput, None],
+) -> AsyncGenerator[Indexed, None]:
     async with aclosing(iterator):
         async for out in iterator:
             yield 0, out
 
 
-async def _merge(iterators: list[AsyncIterator[EngineCoreOutput]]) -> AsyncIterator[Indexed]:
+async def _merge(
+    iterators: list[AsyncGenerator[EngineCoreOutput, None]],
+) -> AsyncGenerator[Indexed, None]:
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, iterator: AsyncIterator[EngineCoreOutput]) -> None:
+    async def pump(i: int, iterator: AsyncGenerator[EngineCoreOutput, None]) -> None:
         try:
             async with aclosing(iterator):
                 async for out in iterator:
@@ -195,7 +199,7 @@ async def _disconnected(request: Request) -> None:
 
 
 async def final_outputs(
-    request: Request, stream: AsyncIterator[Indexed], num_prompts: int
+    request: Request, stream: AsyncGenerator[Indexed, None], num_prompts: int
 ) -> dict[int, RequestOutput]:
     """Run every prompt to completion; the cumulative output of each, by prompt index."""
 
@@ -214,7 +218,9 @@ async def final_outputs(
     return await until_disconnect(request, collect())
 
 
-async def primed(request: Request, stream: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
+async def primed(
+    request: Request, stream: AsyncGenerator[Indexed, None]
+) -> AsyncGenerator[Indexed, None]:
     """Wait for the first output before answering, so a rejected request (bad input, busy or
     failed replica) still gets its own status code instead of a 200 stream with an error."""
     try:
@@ -223,7 +229,7 @@ async def primed(request: Request, stream: AsyncIterator[Indexed]) -> AsyncItera
         await stream.aclose()
         raise
 
-    async def chained() -> AsyncIterator[Indexed]:
+    async def chained() -> AsyncGenerator[Indexed, None]:
         async with aclosing(stream):
             if first is not None:
                 yield first
@@ -238,14 +244,14 @@ def sse(obj: dict) -> str:
 
 
 def sse_response(
-    stream: AsyncIterator[Indexed],
+    stream: AsyncGenerator[Indexed, None],
     chunks: Callable[[int, EngineCoreOutput], list[dict]],
     tail: Callable[[], list[dict]],
 ) -> StreamingResponse:
     """`chunks(i, out)` turns each output into events, `tail()` adds the last ones (usage);
     an error mid-stream becomes an error event; the stream always ends with `[DONE]`."""
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncGenerator[str, None]:
         async with aclosing(stream):
             try:
                 async for i, out in stream:

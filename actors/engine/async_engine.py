@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from raylane.actors.engine.config import EngineConfig
@@ -70,7 +70,7 @@ class AsyncLLMEngine:
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         acc = OutputAccumulator()
         async with aclosing(self.generate_deltas(prompt, params, request_id)) as deltas:
             async for delta in deltas:
@@ -79,7 +79,7 @@ class AsyncLLMEngine:
 
     async def generate_deltas(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str
-    ) -> AsyncIterator[EngineCoreOutput]:
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
         """`generate`, as the engine's deltas: what each step added (the prompt on the first)."""
         stream = await self.add_request(prompt, params, request_id)
         try:
@@ -220,16 +220,17 @@ class AsyncLLMEngine:
     def _start(self) -> None:
         if self._task is None or self._task.done():
             self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = asyncio.get_running_loop().create_task(self._run(self._wakeup))
+        assert self._wakeup is not None  # set above with the first task
         self._wakeup.set()
 
-    async def _run(self) -> None:
+    async def _run(self, wakeup: asyncio.Event) -> None:
         try:
             while True:
                 if not self.engine.has_unfinished_requests() or self._frozen():
                     self._clock.idle()
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
+                    wakeup.clear()
+                    await wakeup.wait()
                     continue
                 due = self.engine.begin_step(plan_ahead=False)
                 if due is not None:

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 from raylane.actors.engine.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
+    from llguidance._lib import JsonCompileOptions
 
 MAX_SPEC_CHARS = 256 * 1024  # a schema / grammar larger than this is refused before compiling
 _CACHE_SIZE = 256
@@ -28,11 +33,11 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
-        self._ll_tokenizer = None
-        self._executor = None
+        self._ll_tokenizer: LLTokenizer | None = None
+        self._executor: LLExecutor | None = None
         self._grammars: OrderedDict[str, str] = OrderedDict()  # spec key -> checked grammar
 
-    def matchers(self, spec: StructuredOutputsParams, count: int) -> list:
+    def matchers(self, spec: StructuredOutputsParams, count: int) -> list[LLMatcher]:
         """Fresh matchers for `count` sequences (the samples of one request), from one
         compiled grammar; ValueError naming the field if the spec is bad."""
         import llguidance
@@ -55,7 +60,7 @@ class GrammarCompiler:
         self._grammars.move_to_end(key)
         return grammar
 
-    def masks(self, matchers: list) -> np.ndarray:
+    def masks(self, matchers: list[LLMatcher]) -> np.ndarray:
         """The next-token masks of the matchers, [len, ceil(vocab / 32)] int32, in parallel."""
         import llguidance
         import llguidance.numpy as lnp
@@ -68,7 +73,7 @@ class GrammarCompiler:
         )
         return masks
 
-    def _tokenizer(self):
+    def _tokenizer(self) -> LLTokenizer:
         if self._ll_tokenizer is None:
             import llguidance.hf
 
@@ -96,25 +101,23 @@ class GrammarCompiler:
 def _grammar_text(spec: StructuredOutputsParams) -> str:
     import llguidance
 
-    compact = {"whitespace_flexible": spec.whitespace_flexible}
-    match spec.kind:
-        case "json":
-            schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-            if not isinstance(schema, dict):
-                raise ValueError("a JSON schema must be an object")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
-        case "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                {"type": "object"}, defaults=compact
-            )
-        case "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec.regex)
-        case "choice":
-            return llguidance.LLMatcher.grammar_from_lark(_choice_lark(spec.choice))
-        case _:
-            from llguidance.gbnf_to_lark import any_to_lark  # GBNF (llama.cpp's EBNF) or Lark
+    compact: JsonCompileOptions = {"whitespace_flexible": spec.whitespace_flexible}
+    # StructuredOutputsParams sets exactly one kind
+    if spec.json is not None:
+        schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
+    if spec.json_object:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=compact)
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return llguidance.LLMatcher.grammar_from_lark(_choice_lark(spec.choice))
+    assert spec.grammar is not None
+    from llguidance.gbnf_to_lark import any_to_lark  # GBNF (llama.cpp's EBNF) or Lark
 
-            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar))
+    return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar))
 
 
 def _choice_lark(choices: list[str]) -> str:

@@ -7,7 +7,7 @@ import itertools
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from raylane.actors.engine.config import EngineConfig
 from raylane.actors.engine.output_accumulator import OutputAccumulator
@@ -331,8 +331,9 @@ class LLMEngine:
         **template_kwargs,
     ) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template, then `generate`."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.validator.render_chat(conv, **template_kwargs) for conv in convs]
+        one = bool(messages) and isinstance(messages[0], dict)  # one conversation, or a list
+        convs = cast(list[list[dict]], [messages] if one else messages)
+        prompts: list[Prompt] = [self.validator.render_chat(c, **template_kwargs) for c in convs]
         return self.generate(prompts, params, use_tqdm)
 
 

@@ -9,7 +9,7 @@ deltas in. Streaming paths (the replica's output channel, SSE) never build one.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TypeVar
 
 from raylane.actors.engine.outputs import (
@@ -105,7 +105,9 @@ class OutputAccumulator:
         )
 
 
-async def cumulative(deltas: AsyncIterator[EngineCoreOutput]) -> AsyncIterator[RequestOutput]:
+async def cumulative(
+    deltas: AsyncIterator[EngineCoreOutput],
+) -> AsyncGenerator[RequestOutput, None]:
     """One request's deltas as cumulative outputs; closing this closes `deltas`."""
     acc = OutputAccumulator()
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from raylane.actors.engine.detokenizer import StopChecker
@@ -23,6 +24,9 @@ from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler
 from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.stats import EngineStats
 from raylane.actors.runner.plan import StepResult
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class Postprocessor:
@@ -68,18 +72,19 @@ class Postprocessor:
             )
             self.stop_checker.check(seq, request.detokenize(seq))
             if seq.matcher is not None:
-                self._advance_grammar(seq, request, token)
+                self._advance_grammar(seq, seq.matcher, request, token)
             if seq.finish_reason is not None and not seq.is_finished:
                 self.release(seq)
             touched[seq.request_id] = request
         return self.outputs(list(touched.values()))
 
-    def _advance_grammar(self, seq: Sequence, request: Request, token: int) -> None:
+    def _advance_grammar(
+        self, seq: Sequence, matcher: LLMatcher, request: Request, token: int
+    ) -> None:
         """The grammar takes the token; a complete grammar (nothing may follow) ends the
         sequence even under ignore_eos, since its next mask would allow no token. A grammar
         that rejects the token (e.g. text it spelled as a special token it then refuses) ends
         the request with an error, never with a "stop" whose text is not in the language."""
-        matcher = seq.matcher
         if not matcher.consume_token(token) or matcher.is_error():
             request.error = (
                 f"the structured-output grammar rejected token {token}: "

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.runner.plan import PLACEHOLDER
+
+if TYPE_CHECKING:
+    import numpy as np
+    from llguidance import LLMatcher
 
 _ids = itertools.count()
 
@@ -60,9 +65,9 @@ class Sequence:
         self.stop_reason: str | int | None = None
         # routed expert ids as the runner reports them, in position order; joined at the end
         self.routing_parts: list = []
-        self.routed_experts = None  # [len - 1, moe_layers, top_k] once finished
+        self.routed_experts: np.ndarray | None = None  # [len - 1, moe_layers, top_k] once finished
         self.siblings: list[Sequence] = []  # n > 1: started once this one's prompt is computed
-        self.matcher = None  # structured outputs: its grammar's state (an llguidance matcher)
+        self.matcher: LLMatcher | None = None  # structured outputs: its grammar's state
 
     def __len__(self) -> int:
         """Tokens as the scheduler sees them: the known ones and the pending ones."""

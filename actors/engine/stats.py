@@ -137,7 +137,7 @@ class StepTimes:
 
     def add(self, timer: StepTimer, runner: dict[str, float]) -> None:
         self.steps += 1
-        laps = {
+        laps: dict[str, float] = {
             **timer.laps,
             **{
                 k: runner[k] for k in ("prepare", "forward", "collectives", "sample") if k in runner

@@ -79,10 +79,11 @@ class StepLauncher:
 
     def _token_masks(self, batch: SchedulerOutput) -> dict[int, object]:
         """The grammar masks of the step's constrained rows that sample, by seq_id."""
-        seqs = [item.seq for item in batch.scheduled if item.samples and item.seq.matcher]
-        if not seqs:
+        seqs = [item.seq for item in batch.scheduled if item.samples]
+        matchers = {s.seq_id: s.matcher for s in seqs if s.matcher is not None}
+        if not matchers:
             return {}
-        return dict(zip((s.seq_id for s in seqs), self.grammars.masks([s.matcher for s in seqs])))
+        return dict(zip(matchers, self.grammars.masks(list(matchers.values()))))
 
     def _record_scheduled(self, batch: SchedulerOutput) -> None:
         now = time.monotonic()

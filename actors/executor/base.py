@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from raylane.actors.models.weights import Payload
 from raylane.actors.runner.config import RunnerInfo
 from raylane.actors.runner.plan import StepError, StepPlan, StepResult
 
@@ -43,9 +44,9 @@ class Executor(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None: ...
 
-    def load_weight_bucket(self, bucket: bytes | dict[str, Any]) -> None:
-        """One bucket of a weight update (safetensors bytes or named tensors) into every
-        rank's slices (`ModelRunner.load_weight_bucket`)."""
+    def load_weight_bucket(self, bucket: Payload | dict[str, Any]) -> None:
+        """One bucket of a weight update (safetensors bytes, or a uint8 array of them, or
+        named tensors) into every rank's slices (`ModelRunner.load_weight_bucket`)."""
 
     def check_health(self, ping: bool = True) -> None:
         """Raise ExecutorError when the runners cannot serve; `ping=False` skips asking each

@@ -35,6 +35,7 @@ from typing import Any
 from raylane.actors.executor.base import ExecutorError, result_or_step_failed
 from raylane.actors.executor.placement import ShardPlacement, place_shards, shard_bundle
 from raylane.actors.executor.step_channel import ShardFailed, StepChannels
+from raylane.actors.models.weights import Payload
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
 from raylane.actors.runner.plan import StepPlan, StepResult
 from raylane.actors.shard import ModelShard
@@ -163,7 +164,7 @@ class RayExecutor:
         ref = ray.put(list(weights))
         self.collective_rpc("load_weights", ref)
 
-    def load_weight_bucket(self, bucket: bytes | dict[str, Any]) -> None:
+    def load_weight_bucket(self, bucket: Payload | dict[str, Any]) -> None:
         import ray
 
         self.collective_rpc("load_weight_bucket", ray.put(bucket))  # stored once, read by all

@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from raylane.actors.executor.base import ExecutorError, StepFailed, result_or_step_failed
+from raylane.actors.models.weights import Payload
 from raylane.actors.runner.config import RunnerConfig
 from raylane.actors.runner.model_runner import ModelRunner
 from raylane.actors.runner.plan import StepPlan, StepResult
@@ -57,7 +58,7 @@ class UniExecutor:
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         self.collective_rpc("load_weights", weights)
 
-    def load_weight_bucket(self, bucket: bytes | dict[str, Any]) -> None:
+    def load_weight_bucket(self, bucket: Payload | dict[str, Any]) -> None:
         self.collective_rpc("load_weight_bucket", bucket)
 
     def check_health(self, ping: bool = True) -> None:

@@ -37,12 +37,13 @@ def join_prompt(prefix: list[int] | str, suffix: list[int] | str | None) -> list
     """`prefix` + `suffix`, both token ids or both text."""
     if suffix is None:
         return prefix
-    if isinstance(prefix, str) != isinstance(suffix, str):
-        raise ValueError(
-            "suffixes: give text suffixes for a text prefix and token-id suffixes "
-            "for a token-id prefix"
-        )
-    return prefix + suffix if isinstance(prefix, str) else [*prefix, *suffix]
+    if isinstance(prefix, str) and isinstance(suffix, str):
+        return prefix + suffix
+    if not isinstance(prefix, str) and not isinstance(suffix, str):
+        return [*prefix, *suffix]
+    raise ValueError(
+        "suffixes: give text suffixes for a text prefix and token-id suffixes for a token-id prefix"
+    )
 
 
 def branch_seeds(seed: int | None, k: int) -> list[int | None]:
@@ -58,7 +59,7 @@ def aggregate(proposals: Sequence[T], k: int, score: Callable[[T], float] | None
         raise ValueError(f"aggregate: k must be a positive int, got {k!r}")
     if k > len(proposals):
         raise ValueError(f"aggregate: asked for {k} proposals but only {len(proposals)} exist")
-    order = range(len(proposals))
+    order: Sequence[int] = range(len(proposals))
     if score is not None:
         scores = [score(p) for p in proposals]
         order = sorted(order, key=lambda i: -scores[i])

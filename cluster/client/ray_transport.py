@@ -160,6 +160,7 @@ class RayTransport:
         ) as turn:
             async for result in turn:
                 last = result
+        assert last is not None  # chat_stream ends with the committed result or raises
         out = last.output
         return SessionTurn(
             message=last.message,

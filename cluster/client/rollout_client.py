@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -188,9 +189,8 @@ class RolloutClient:
                 if sending is not None:
                     await sending
                 sending = asyncio.ensure_future(self.transport.load_bucket(update_id, staged))
-                sending.add_done_callback(
-                    lambda _, n=sum(t.numel() * t.element_size() for _, t in bucket): bar.update(n)
-                )
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                sending.add_done_callback(functools.partial(_advance, bar, size))
                 del staged
             if sending is not None:
                 await sending
@@ -238,7 +238,8 @@ class RolloutClient:
             raise ValueError(f"fork: {len(suffixes)} suffixes for k={k} branches")
         if sampling.get("n", 1) != 1:
             raise ValueError("fork: each branch is one sample (n=1); fork more branches")
-        prompts = [join_prompt(prefix, s) for s in (suffixes or [None] * k)]
+        tails: Sequence[Prompt | None] = suffixes or [None] * k
+        prompts = [join_prompt(prefix, s) for s in tails]
         sampling_params(sampling)  # a bad field fails here, not in k tasks
         key = routing_key or f"fork-{uuid.uuid4().hex}"
         if warm:
@@ -298,3 +299,7 @@ class RolloutClient:
         return [b.task.result()[0] for b in branches]
 
     aggregate = staticmethod(aggregate)
+
+
+def _advance(bar: tqdm, num_bytes: int, _sent: asyncio.Future) -> None:
+    bar.update(num_bytes)
