@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.ray.conftest import free_port
+from tests.ray.conftest import free_port, wait_healthy
 from tests.ray.test_serve_tp import REPLICA_CLASS, alive_actors, shard_groups
 
 SMALL_STORE = 100 * 2**20
@@ -66,6 +66,7 @@ def test_a_replica_bigger_than_any_node_fails_before_deploying(two_nodes, tiny_l
 
 
 def test_groups_stay_on_one_node_and_replicas_spread(two_nodes, tiny_llama_dir):
+    import ray
     from ray import serve
     from raylane.launch import APP_NAME
     from raylane.serve import build_application
@@ -73,7 +74,8 @@ def test_groups_stay_on_one_node_and_replicas_spread(two_nodes, tiny_llama_dir):
     app = build_application(config(tiny_llama_dir, tensor_parallel_size=2))
     # one proxy: the virtual nodes share this machine's ports
     serve.start(proxy_location="HeadOnly", http_options={"port": free_port()})
-    serve.run(app, name=APP_NAME, route_prefix="/")  # returns once every replica is up
+    serve.run(app, name=APP_NAME, route_prefix="/")  # returns once the ingress is up
+    wait_healthy(ray, 2)  # the Router starts the engine replicas on its own time
     replicas = {row.name: row.address.node_id.hex() for row in alive_actors(REPLICA_CLASS)}
     groups = shard_groups()
     assert sorted(map(len, groups.values())) == [2, 2]
