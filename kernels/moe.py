@@ -28,6 +28,37 @@ def select_experts(
     return weights.to(router_logits.dtype), ids
 
 
+def select_experts_grouped(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: router_logits [T, E] float32 -> (weights [T, k] float32, ids [T, k]).
+
+    Sigmoid scores; the choice adds `correction_bias` [E] and is limited to the `topk_groups`
+    of `num_groups` expert groups whose two best biased scores sum highest; the weights are the
+    unbiased scores of the chosen experts (renormalised to sum to one when asked), times
+    `scaling`. Device ops only. Ties go to `torch.topk`'s pick, as in HF.
+    """
+    scores = router_logits.sigmoid()  # [T, E]
+    biased = scores + correction_bias
+    num_tokens, num_experts = biased.shape
+    grouped = biased.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    groups = group_scores.topk(topk_groups, dim=-1, sorted=False).indices  # [T, topk_groups]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
+    ids = masked.topk(top_k, dim=-1, sorted=False).indices  # [T, k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def _grouped_mm_ready(t: torch.Tensor) -> bool:
     # torch._grouped_mm's rule: one of the two inner dims contiguous, the other's stride a
     # multiple of 16 bytes, a 16-byte aligned start. Layout only, never values: the same

@@ -109,6 +109,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's layout: x [T, H, D] rotated in pairs (x0, x1), (x2, x3), ...; the result is
+    laid out [evens' rotation | odds' rotation], as HF's `apply_rotary_pos_emb_interleave`.
+    cos/sin [T, D] are the rotate-half tables; their first half holds each pair's angle."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, :half].unsqueeze(1), sin[:, :half].unsqueeze(1)  # [T, 1, D/2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     """The cos/sin cache for positions [0, max_positions), like HF's `LlamaRotaryEmbedding`."""
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.support import ray_cluster as shared_ray
-from tests.tiny_models import make_llama, make_qwen3, make_qwen3_moe
+from tests.tiny_models import make_deepseek_v3, make_llama, make_qwen3, make_qwen3_moe
 
 torch.set_num_threads(min(2, torch.get_num_threads()))  # the machine's cores are shared
 shared_ray.set_env()  # also for the modules that start a Ray cluster of their own
@@ -32,6 +32,12 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Qwen3, 3 layers, q/k norm, head_dim 32 (!= hidden / heads)."""
     return make_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """DeepSeek-V3 (MLA + grouped sigmoid routing), see tests/tiny_models.make_deepseek_v3."""
+    return make_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek"))
 
 
 @pytest.fixture(scope="session")

@@ -186,13 +186,57 @@ def make_mixtral(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> st
     )
 
 
+def make_deepseek_v3(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """DeepSeek-V3, 3 layers: layer 0 dense (`first_k_dense_replace=1`), 1 and 2 MoE with 8
+    routed experts in 4 groups (top-2 groups, top-2 experts) plus one shared expert; MLA with
+    q_lora_rank 24 (override `q_lora_rank=None` for a plain q_proj), kv_lora_rank 32, nope 16,
+    rope 8 (interleaved), v 16. The routers' `e_score_correction_bias` is drawn at random (HF
+    initialises it to zero), so the biased choice differs from the unbiased weights."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    defaults = {
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "rope_interleave": True,
+    }
+    path = _save(path, DeepseekV3Config, DeepseekV3ForCausalLM, seed, overrides, **defaults)
+    _randomize_router_bias(path, seed)
+    return path
+
+
+def _randomize_router_bias(path: str, seed: int) -> None:
+    """Rewrite the checkpoint with seeded `e_score_correction_bias` values."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        tensors[name] = 0.1 * torch.randn(tensors[name].shape, generator=gen)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
 def attach_kv_cache(model: Any, num_slots: int) -> None:
     """Give every attention layer of one of our models a zeroed paged KV cache."""
     dtype = next(model.parameters()).dtype
     for layer in model.attention_layers():
-        shape = (num_slots, layer.num_kv_heads, layer.head_dim)
-        layer.k_cache = torch.zeros(shape, dtype=dtype)
-        layer.v_cache = torch.zeros(shape, dtype=dtype)
+        layer.attach_cache(
+            [torch.zeros((num_slots, *shape), dtype=dtype) for shape in layer.cache_shapes()]
+        )
 
 
 def run_prefill(

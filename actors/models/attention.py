@@ -1,4 +1,15 @@
-"""The attention layer of every model: writes the step's K/V into the paged cache and attends."""
+"""The attention layers of every model: each writes the step's keys into its paged cache and
+attends. A layer declares its cache layout (`kind`, `cache_shapes`); the runner sizes and
+attaches the tensors, and picks a backend that serves every kind the model has.
+
+- `Attention` ("full"): per-head K and V, [num_slots, num_kv_heads, head_dim] each.
+- `LatentAttention` ("mla", DeepSeek's multi-head latent attention): one row per slot holding
+  the compressed `kv_lora_rank` latent then the rope key, [num_slots, 1, kv_lora_rank + rope].
+  Attention runs in the absorbed form: the query arrives already multiplied into the latent
+  space (W_UK folded in by the model), the keys are the rows, the values their latent part
+  (a view of the same cache), and the model applies W_UV to the [T, H, kv_lora_rank] output.
+  That is multi-query attention with key dim L + R and value dim L, which backends serve.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +25,8 @@ class Attention(nn.Module):
     sized the cache, and may swap `backend` for one chosen at start-up.
     """
 
+    kind = "full"
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads = num_heads
@@ -24,6 +37,14 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def cache_shapes(self) -> list[tuple[int, ...]]:
+        """The per-slot shape of each cache tensor this layer keeps."""
+        return [(self.num_kv_heads, self.head_dim)] * 2
+
+    def attach_cache(self, tensors: list[torch.Tensor]) -> None:
+        """Take the runner's tensors, [num_slots, *shape] for each of `cache_shapes()`."""
+        self.k_cache, self.v_cache = tensors
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
@@ -31,3 +52,27 @@ class Attention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("Attention.k_cache is not attached; the runner allocates it")
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
+
+
+class LatentAttention(Attention):
+    """MLA over a latent paged cache: one [kv_lora_rank + rope_dim] row per token."""
+
+    kind = "mla"
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
+        super().__init__(num_heads, 1, kv_lora_rank + rope_dim, scale)
+        self.kv_lora_rank = kv_lora_rank
+
+    def cache_shapes(self) -> list[tuple[int, ...]]:
+        return [(1, self.head_dim)]
+
+    def attach_cache(self, tensors: list[torch.Tensor]) -> None:
+        (latent,) = tensors
+        self.k_cache, self.v_cache = latent, latent[..., : self.kv_lora_rank]  # v: a view
+
+    def forward(  # type: ignore[override]
+        self, q: torch.Tensor, latent: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [T, H, L + R] (absorbed query), latent [T, 1, L + R] (this step's rows)
+        -> [T, H, L], the attention output in the latent space."""
+        return super().forward(q, latent, latent[..., : self.kv_lora_rank], attn)

@@ -125,13 +125,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block. `mlp` returns a tensor, or (tensor, expert ids) when `is_moe`."""
+    """Pre-norm block. `mlp` returns a tensor, or (tensor, expert ids) when `is_moe`.
+    `self_attn`: another attention module with LlamaAttention's forward (e.g. DeepSeek's MLA)."""
 
     def __init__(
-        self, spec: AttentionSpec, mlp: nn.Module, is_moe: bool, tp: TPGroup | None = None
+        self,
+        spec: AttentionSpec,
+        mlp: nn.Module,
+        is_moe: bool,
+        tp: TPGroup | None = None,
+        self_attn: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, tp)
+        self.self_attn = self_attn if self_attn is not None else LlamaAttention(spec, tp)
         self.mlp, self.is_moe = mlp, is_moe
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)

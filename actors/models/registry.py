@@ -12,6 +12,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("raylane.actors.models.llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("raylane.actors.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("raylane.actors.models.qwen3_moe", "MixtralForCausalLM"),
+    "DeepseekV3ForCausalLM": ("raylane.actors.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 
 

@@ -85,11 +85,13 @@ def _mlp_sizes(config: Any) -> list[tuple[str, int]]:
 
 
 def _is_moe_layer(config: Any, layer_idx: int) -> bool:
-    # NOTE: the Qwen3-MoE rule of HF (and of qwen3_moe.is_moe_layer), kept here torch-free
+    # NOTE: the Qwen3-MoE rule of HF (and of qwen3_moe.is_moe_layer) and DeepSeek's dense
+    # first layers (deepseek_v3.is_moe_layer), kept here torch-free
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return (
         layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
         and (layer_idx + 1) % step == 0
+        and layer_idx >= (getattr(config, "first_k_dense_replace", 0) or 0)
     )
 
 

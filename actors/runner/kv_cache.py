@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from raylane.actors.runner.config import RunnerConfig
@@ -33,18 +35,19 @@ class KVCache:
         self.scratch_block = num_blocks
         num_slots = (num_blocks + 1) * block_size
         for layer in layers:
-            shape = (num_slots, layer.num_kv_heads, layer.head_dim)
             # zeros, not empty: padded gathers read unused slots and 0 * nan would poison outputs
-            layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.attach_cache(
+                [
+                    torch.zeros((num_slots, *shape), dtype=dtype, device=device)
+                    for shape in layer.cache_shapes()
+                ]
+            )
 
     @classmethod
     def allocate(
         cls, config: RunnerConfig, layers, model, dtype: torch.dtype, device: torch.device
     ) -> KVCache:
-        per_slot = sum(2 * layer.num_kv_heads * layer.head_dim for layer in layers)
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        bytes_per_block = per_slot * config.block_size * itemsize
+        bytes_per_block = bytes_per_token(layers, dtype) * config.block_size
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block
         )
@@ -75,6 +78,12 @@ class KVCache:
         flat = torch.from_numpy(np.concatenate(slots)).to(self.routing.device)
         rows = self.routing.index_select(0, flat).cpu().numpy()
         return np.split(rows, np.cumsum([len(s) for s in slots])[:-1])
+
+
+def bytes_per_token(layers, dtype: torch.dtype) -> int:
+    """KV cache bytes one token takes on this rank, over every layer's cache tensors."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return itemsize * sum(math.prod(s) for layer in layers for s in layer.cache_shapes())
 
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> np.ndarray:

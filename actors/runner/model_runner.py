@@ -48,8 +48,9 @@ class ModelRunner:
         self.model: Any = cast(Any, model)
         self.hf_config = hf_config
         self.dtype = next(model.parameters()).dtype
-        backend = get_backend(config.attention_backend, self.device)
         layers = self.model.attention_layers()
+        kinds = {layer.kind for layer in layers}
+        backend = get_backend(config.attention_backend, self.device, kinds)
         for layer in layers:
             layer.backend = backend
         self.kv = KVCache.allocate(config, layers, model, self.dtype, self.device)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -10,7 +10,11 @@ from raylane.kernels.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
-    """Stores the step's K/V into the cache, then attends every query over its context."""
+    """Stores the step's K/V into the cache, then attends every query over its context.
+
+    Value rows may be narrower than key rows (MLA's absorbed form: keys [latent | rope key],
+    values the latent, a view of the key cache); the output takes the value width.
+    """
 
     name: str
 
@@ -69,20 +73,34 @@ _BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], Attentio
     "cpu": (_has_cpu_kernel, _cpu_backend),
     "torch": (lambda device: True, _torch_backend),
 }
+# the cache layouts (attention layer kinds, see actors/models/attention.py) each one serves
+_KINDS: dict[str, frozenset[str]] = {
+    "triton": frozenset({"full"}),
+    "cpu": frozenset({"full"}),
+    "torch": frozenset({"full", "mla"}),
+}
 
 
-def available_backends(device: torch.device) -> list[str]:
-    return [name for name, (ok, _) in _BACKENDS.items() if ok(device)]
+def available_backends(device: torch.device, kinds: Iterable[str] = ("full",)) -> list[str]:
+    """Backends that run on `device` and serve every layer kind in `kinds`."""
+    need = set(kinds)
+    return [n for n, (ok, _) in _BACKENDS.items() if need <= _KINDS[n] and ok(device)]
 
 
-def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """Return the named backend, or with "auto" the first available for `device`."""
-    device = torch.device(device)
-    names = available_backends(device)
+def get_backend(
+    name: str = "auto", device: torch.device | str = "cpu", kinds: Iterable[str] = ("full",)
+) -> AttentionBackend:
+    """Return the named backend, or with "auto" the first available for `device` that serves
+    every layer kind of the model (`kinds`)."""
+    device, kinds = torch.device(device), tuple(kinds)
+    names = available_backends(device, kinds)
     if name == "auto":
         return _BACKENDS[names[0]][1]()
     if name not in _BACKENDS:
         raise ValueError(f"attention_backend: unknown backend {name!r}; known: {sorted(_BACKENDS)}")
     if name not in names:
-        raise ValueError(f"attention_backend: {name!r} is not available on {device}")
+        raise ValueError(
+            f"attention_backend: {name!r} is not available on {device} for layer kinds "
+            f"{sorted(set(kinds))}; available: {names}"
+        )
     return _BACKENDS[name][1]()

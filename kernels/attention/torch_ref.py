@@ -47,7 +47,7 @@ class TorchAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])  # [T, H, Dv]
         split = meta.num_prefill_tokens
         if meta.num_prefills:
             if meta.plan is None:  # planned by the first layer, shared by the rest
@@ -106,12 +106,12 @@ def plan_prefill(seqs: list[SeqSlice], block_size: int, device) -> PrefillPlan:
 
 
 def attend_prefill(q, k_cache, v_cache, plan: PrefillPlan, scale: float) -> torch.Tensor:
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_heads, v_dim = q.shape[1], v_cache.shape[2]
     qp = _pad(q, plan, q.new_empty)  # padded query rows are never read back
     # index_select on the flat slot list is several times faster than advanced indexing on CPU
     slots = plan.gather_slots.view(-1)
-    ctx_shape = (plan.batch, plan.gather_slots.shape[1], k_cache.shape[1], head_dim)
-    # [batch, max_ctx, num_kv_heads, head_dim] -> [batch, num_kv_heads, max_ctx, head_dim]
+    ctx_shape = (plan.batch, plan.gather_slots.shape[1], k_cache.shape[1], -1)
+    # [batch, max_ctx, num_kv_heads, D] -> [batch, num_kv_heads, max_ctx, D]
     kp = k_cache.index_select(0, slots).view(ctx_shape).transpose(1, 2)
     vp = v_cache.index_select(0, slots).view(ctx_shape).transpose(1, 2)
     out = F.scaled_dot_product_attention(
@@ -122,7 +122,7 @@ def attend_prefill(q, k_cache, v_cache, plan: PrefillPlan, scale: float) -> torc
         scale=scale,
         enable_gqa=kp.shape[1] != num_heads,
     )  # [batch, num_heads, max_q, head_dim]
-    out = out.transpose(1, 2).reshape(plan.batch * plan.max_q, num_heads, head_dim)
+    out = out.transpose(1, 2).reshape(plan.batch * plan.max_q, num_heads, v_dim)
     return out.index_select(0, plan.flat_index)
 
 
@@ -142,7 +142,8 @@ def attend_fresh(q, k, v, plan: PrefillPlan, scale: float) -> torch.Tensor:
         scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )  # [batch, num_heads, max_q, head_dim]
-    return out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2]).index_select(0, plan.flat_index)
+    out = out.transpose(1, 2).reshape(-1, q.shape[1], v.shape[2])
+    return out.index_select(0, plan.flat_index)
 
 
 def attend_decode(
@@ -157,12 +158,16 @@ def attend_decode(
     """One query per sequence over its whole context, from device tensors only (capturable):
     every block of the table is gathered, positions past `seq_lens` masked out."""
     batch, width = block_tables.shape
-    num_heads, kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    num_heads, kv_heads, v_dim = q.shape[1], k_cache.shape[1], v_cache.shape[2]
     blocks = block_tables.reshape(-1).long()
-    ctx_shape = (batch, width * block_size, kv_heads, head_dim)
-    # the caches viewed as [num_blocks, block_size, KVH, D]: gather whole blocks
-    kp = k_cache.view(-1, block_size, kv_heads, head_dim).index_select(0, blocks).view(ctx_shape)
-    vp = v_cache.view(-1, block_size, kv_heads, head_dim).index_select(0, blocks).view(ctx_shape)
+    ctx_shape = (batch, width * block_size, kv_heads, -1)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # the cache viewed as [num_blocks, block_size, KVH, D]: gather whole blocks
+        blocked = cache.view(-1, block_size, kv_heads, cache.shape[2])
+        return blocked.index_select(0, blocks).view(ctx_shape)
+
+    kp, vp = gather(k_cache), gather(v_cache)
     positions = torch.arange(width * block_size, device=q.device)
     allowed = (positions.unsqueeze(0) < seq_lens.unsqueeze(1)).view(batch, 1, 1, -1)
     out = F.scaled_dot_product_attention(
@@ -172,8 +177,8 @@ def attend_decode(
         attn_mask=allowed,
         scale=scale,
         enable_gqa=kv_heads != num_heads,
-    )  # [batch, num_heads, 1, head_dim]
-    return out.view(batch, num_heads, head_dim)
+    )  # [batch, num_heads, 1, Dv]
+    return out.view(batch, num_heads, v_dim)
 
 
 def _pad(x: torch.Tensor, plan: PrefillPlan, alloc) -> torch.Tensor:

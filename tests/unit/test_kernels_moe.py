@@ -208,3 +208,37 @@ def test_moe_forward_does_not_sync_with_the_host(hidden, inter, monkeypatch):
     weights, _ = select_experts(F.linear(x, block.gate.weight), K, renormalize=True)
     ref = _naive(x, block.experts.w13_weight, block.experts.w2_weight, weights, ids.long())
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_grouped_routing_equals_hf_deepseek_v3_router(renormalize):
+    from raylane.kernels.moe import select_experts_grouped
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = DeepseekV3Config(
+        hidden_size=H,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=renormalize,
+        routed_scaling_factor=2.5,
+    )
+    router = DeepseekV3TopkRouter(config).eval()
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, H, generator=gen))
+        router.e_score_correction_bias.copy_(0.5 * torch.randn(16, generator=gen))
+    x = torch.randn(23, H, generator=gen)
+    with torch.no_grad():
+        logits, ref_weights, ref_ids = router(x)
+    weights, ids = select_experts_grouped(
+        logits, router.e_score_correction_bias, 3, 4, 2, renormalize, 2.5
+    )
+    # the chosen sets agree; so do the weights, matched by expert
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order))
+    # only experts of the two chosen groups (of four experts each), never of the others
+    assert all(len(set((row // 4).tolist())) <= 2 for row in ids)

@@ -9,6 +9,7 @@ from raylane.kernels.attention.builder import SeqSlice, build_metadata
 
 from tests.tiny_models import (
     attach_kv_cache,
+    make_deepseek_v3,
     make_llama,
     make_mixtral,
     make_qwen2,
@@ -23,6 +24,17 @@ LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
+}
+
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
 }
 
 VARIANTS = {
@@ -43,6 +55,18 @@ VARIANTS = {
         make_qwen3_moe,
         {"decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": False},
     ),
+    "deepseek_v3": (make_deepseek_v3, {}),
+    # no low-rank query, rotate-half rope with YaRN (softmax mscale), biases, no renormalise
+    "deepseek_v3_q_proj_yarn": (
+        make_deepseek_v3,
+        {
+            "q_lora_rank": None,
+            "rope_interleave": False,
+            "attention_bias": True,
+            "norm_topk_prob": False,
+            "rope_parameters": DEEPSEEK_YARN,
+        },
+    ),
 }
 
 
@@ -57,7 +81,9 @@ def variant(request, tmp_path_factory):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     picks: list[torch.Tensor] = []
     for module in hf.modules():
-        if type(module).__name__.endswith("TopKRouter"):  # returns (logits, scores, indices)
+        if (
+            type(module).__name__.lower().endswith("topkrouter")
+        ):  # returns (logits, scores, indices)
             module.register_forward_hook(lambda mod, args, out: picks.append(out[2]))
     return ours, hf, picks
 

@@ -1,0 +1,119 @@
+"""DeepSeek-V3 / R1: MLA attention (mla.py) on every layer, and DeepSeek's MoE on every layer
+from `first_k_dense_replace` on (the first ones are dense MLPs).
+
+DeepSeek's MoE: a float32 router with sigmoid scores; the choice adds
+`e_score_correction_bias` and keeps to the `topk_group` best of `n_group` expert groups; the
+weights are the unbiased scores (renormalised with `norm_topk_prob`) times
+`routed_scaling_factor` (kernels/moe.select_experts_grouped). Shared experts (one MLP
+`n_shared_experts` times as wide) see every token. Each MoE layer returns the routed ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from raylane.actors.models.layers import TPGroup
+from raylane.actors.models.llama import AttentionSpec, LlamaDecoderLayer, LlamaMLP
+from raylane.actors.models.llama import LlamaForCausalLM as _Llama
+from raylane.actors.models.mla import MLASpec, MLAttention
+from raylane.actors.models.qwen3_moe import FusedMoE, expert_mapping
+from raylane.kernels.moe import expert_forward, select_experts_grouped
+from torch import nn
+
+
+class GroupedTopkRouter(nn.Module):
+    """The gate: float32 weight [E, H] and the choice's bias [E] (HF keeps both in float32)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        experts = config.n_routed_experts
+        self.weight = nn.Parameter(
+            torch.empty(experts, config.hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(experts, dtype=torch.float32), requires_grad=False
+        )
+        self.top_k, self.num_groups = config.num_experts_per_tok, config.n_group or 1
+        self.topk_groups = config.topk_group or 1
+        self.renormalize = bool(config.norm_topk_prob)
+        self.scaling = float(config.routed_scaling_factor)
+        if experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"n_group: {self.num_groups} must divide n_routed_experts {experts} and be "
+                f">= topk_group {self.topk_groups}"
+            )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        return select_experts_grouped(
+            logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.num_groups,
+            self.topk_groups,
+            self.renormalize,
+            self.scaling,
+        )
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.tp, self.hidden_act = tp or TPGroup(), config.hidden_act
+        size = config.moe_intermediate_size
+        self.gate = GroupedTopkRouter(config)
+        self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, size, tp)
+        shared = config.n_shared_experts or 0
+        self.shared_experts = (
+            LlamaMLP(config.hidden_size, size * shared, config.hidden_act, tp=tp)
+            if shared
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (out [T, H], expert ids [T, k] int32)."""
+        weights, ids = self.gate(x)
+        w13, w2 = self.experts.w13_weight, self.experts.w2_weight
+        out = self.tp.all_reduce(
+            expert_forward(x, w13, w2, weights.to(x.dtype), ids, self.hidden_act)
+        )
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, ids.to(torch.int32)
+
+
+def is_moe_layer(config: Any, layer_idx: int) -> bool:
+    freq = getattr(config, "moe_layer_freq", 1) or 1  # DeepSeek-V2's field; V3 has none
+    return (
+        bool(config.n_routed_experts)
+        and layer_idx >= (config.first_k_dense_replace or 0)
+        and layer_idx % freq == 0
+    )
+
+
+class DeepseekV3ForCausalLM(_Llama):
+    stacked_params_mapping: ClassVar[list[tuple[str, str, Any]]] = [
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+        super().__init__(config, tp)
+        self.num_moe_layers = sum(is_moe_layer(config, i) for i in range(config.num_hidden_layers))
+        self.moe_top_k = config.num_experts_per_tok if self.num_moe_layers else 0
+
+    def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
+        attn = MLAttention(MLASpec.from_config(config), self.tp)
+        if is_moe_layer(config, layer_idx):
+            return LlamaDecoderLayer(spec, DeepseekMoE(config, self.tp), True, self.tp, attn)
+        mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=self.tp)
+        return LlamaDecoderLayer(spec, mlp, False, self.tp, attn)
+
+    def expert_params_mapping(self) -> list[tuple[str, str, Any]]:
+        return expert_mapping(self.config.n_routed_experts, "gate_proj", "up_proj", "down_proj")

@@ -1,0 +1,129 @@
+"""DeepSeek's multi-head latent attention (MLA), as one decoder's `self_attn`.
+
+Per token the cache keeps only the compressed KV latent (`kv_lora_rank`, after its RMSNorm)
+and the rotated rope key shared by every head (`qk_rope_head_dim`): see
+`LatentAttention` in attention.py. `kv_b_proj` [H * (nope + v), L] is never run as a linear:
+its per-head blocks W_UK [nope, L] and W_UV [v, L] are folded around the attention
+(absorbed form), q_lat = q_nope @ W_UK, out = softmax(q_lat . c + q_rope . k_rope) c @ W_UV^T,
+which equals HF's expanded keys (c @ W_UK^T) and values (c @ W_UV^T) up to float rounding.
+
+Tensor parallel: query heads (q_b_proj / q_proj, kv_b_proj rows, o_proj columns) split across
+ranks; the latent projection, its norm and the cache rows are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from raylane.actors.models.attention import LatentAttention
+from raylane.actors.models.layers import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    TPGroup,
+)
+from raylane.kernels.attention.metadata import AttentionMetadata
+from raylane.kernels.norm import RMSNorm
+from raylane.kernels.rotary import apply_rotary, apply_rotary_interleaved, rope_parameters_of
+from torch import nn
+
+_LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the default eps
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None  # None: one q_proj, no low-rank query
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    bias: bool  # attention_bias: on q_a_proj, kv_a_proj_with_mqa and o_proj
+    rope_interleave: bool
+    scale: float
+
+    @classmethod
+    def from_config(cls, config: Any) -> MLASpec:
+        qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        return cls(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            bias=bool(getattr(config, "attention_bias", False)),
+            rope_interleave=bool(getattr(config, "rope_interleave", True)),
+            scale=qk_head_dim**-0.5 * _yarn_softmax_mscale(rope_parameters_of(config)),
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+def _yarn_softmax_mscale(rope: dict[str, Any]) -> float:
+    """YaRN's `mscale_all_dim` scales DeepSeek's softmax by mscale^2 (HF yarn_apply_mscale)."""
+    mscale_all_dim = rope.get("mscale_all_dim", 0)
+    factor = rope.get("factor", 1.0)
+    if rope.get("rope_type", "default") == "default" or not mscale_all_dim or factor <= 1:
+        return 1.0
+    mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return mscale * mscale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, spec: MLASpec, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.spec, tp = spec, tp or TPGroup()
+        heads, qk = spec.num_heads, spec.qk_head_dim
+        if spec.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(spec.hidden_size, heads * qk, False, tp)
+        else:
+            self.q_a_proj = ReplicatedLinear(spec.hidden_size, spec.q_lora_rank, spec.bias, tp)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(spec.q_lora_rank, heads * qk, False, tp)
+        latent = spec.kv_lora_rank + spec.qk_rope_head_dim
+        self.kv_a_proj_with_mqa = ReplicatedLinear(spec.hidden_size, latent, spec.bias, tp)
+        self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, _LATENT_NORM_EPS)
+        per_head = spec.qk_nope_head_dim + spec.v_head_dim
+        self.kv_b_proj = ColumnParallelLinear(spec.kv_lora_rank, heads * per_head, False, tp)
+        self.o_proj = RowParallelLinear(heads * spec.v_head_dim, spec.hidden_size, spec.bias, tp)
+        self.num_heads = self.kv_b_proj.weight.shape[0] // per_head  # this rank's heads
+        self.attn = LatentAttention(
+            self.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.scale
+        )
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.spec.q_lora_rank is None:
+            return self.q_proj(hidden)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))  # [T, H * qk]
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rotate = apply_rotary_interleaved if self.spec.rope_interleave else apply_rotary
+        return rotate(x, cos, sin)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        s, t, h = self.spec, hidden.shape[0], self.num_heads
+        q = self._query(hidden).view(t, h, s.qk_head_dim)
+        q_nope, q_rope = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(hidden).split(
+            [s.kv_lora_rank, s.qk_rope_head_dim], dim=-1
+        )
+        latent = self.kv_a_layernorm(latent)  # [T, L]
+        k_rope = self._rotate(k_rope.unsqueeze(1), cos, sin)  # [T, 1, R]
+        w = self.kv_b_proj.weight.view(h, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        w_uk, w_uv = w[:, : s.qk_nope_head_dim], w[:, s.qk_nope_head_dim :]  # [H, nope | v, L]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        query = torch.cat([q_latent, self._rotate(q_rope, cos, sin)], dim=-1)  # [T, H, L + R]
+        row = torch.cat([latent.unsqueeze(1), k_rope], dim=-1)  # [T, 1, L + R]
+        out = self.attn(query, row, attn)  # [T, H, L]
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
+        return self.o_proj(out.transpose(0, 1).reshape(t, h * s.v_head_dim))
