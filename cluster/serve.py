@@ -142,10 +142,17 @@ def app_builder(args: dict):
 
 def _model_facts(model_dir: str, config: ClusterConfig):
     from raylane.actors.engine.limits import read_model_limits
-    from transformers import AutoTokenizer
+    from raylane.actors.models import load_tokenizer
 
-    lim = read_model_limits(config.engine_config(model_dir))  # the engine's own rule
-    return AutoTokenizer.from_pretrained(model_dir), lim.max_model_len, lim.vocab_size, lim.is_moe
+    engine = config.engine_config(model_dir)
+    lim = read_model_limits(engine)  # the engine's own rule
+    # the engine's own tokenizer (EngineConfig.tokenizer overrides the model's)
+    return (
+        load_tokenizer(engine.tokenizer or model_dir),
+        lim.max_model_len,
+        lim.vocab_size,
+        lim.is_moe,
+    )
 
 
 def served_model_name(config: ClusterConfig) -> str:

@@ -224,7 +224,16 @@ def load_model(
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
-    """The tokenizer of an HF directory or a .gguf file (from its converted directory)."""
+    """The tokenizer of an HF directory (a model's, or a tokenizer's alone: no config.json
+    needed) or a .gguf file (from its converted directory)."""
     from transformers import AutoTokenizer
 
+    p = Path(path).expanduser()
+    if p.is_dir() and not (p / "config.json").is_file():
+        if not any((p / name).is_file() for name in _TOKENIZER_FILES):
+            raise ValueError(f"tokenizer: {str(path)!r} holds no tokenizer ({_TOKENIZER_FILES})")
+        return AutoTokenizer.from_pretrained(str(p))
     return AutoTokenizer.from_pretrained(resolve_model_dir(path))
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

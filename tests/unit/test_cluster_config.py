@@ -367,3 +367,19 @@ def test_the_actor_asks_the_serve_address_any_node_can_reach(host, url, monkeypa
     monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda: client)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
     assert serve_url() == url
+
+
+def test_the_ingress_reads_the_engines_tokenizer(tiny_llama_dir, tmp_path):
+    """`engine.tokenizer` names another tokenizer: the ingress (chat templates, token counts)
+    must use the one the engine uses, not the model directory's."""
+    from raylane.serve import _model_facts
+    from transformers import AutoTokenizer
+
+    other = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    other.chat_template = "OTHER {{ messages[0]['content'] }}"
+    other.save_pretrained(tmp_path)
+    config = ClusterConfig(model=tiny_llama_dir, engine={"tokenizer": str(tmp_path)})
+    tokenizer = _model_facts(tiny_llama_dir, config)[0]
+    assert tokenizer.chat_template == other.chat_template
+    own = _model_facts(tiny_llama_dir, ClusterConfig(model=tiny_llama_dir))[0]
+    assert own.chat_template != other.chat_template
