@@ -181,7 +181,7 @@ class EngineReplica:
 
     async def abort(
         self,
-        request_ids: list[str],
+        request_ids: list[str] | None,
     ) -> list[RequestOutput]:
         return await self.engine.abort(request_ids)
 

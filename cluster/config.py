@@ -44,6 +44,9 @@ class ClusterConfig:
     request_timeout_s: float | None = None  # default deadline of a generation (body: timeout)
     max_n: int = 128  # samples one request may ask for (n)
     tool_call_parser: str | None = None  # "hermes" | "llama3"; None: from the chat template
+    # the trainer protocols (vLLM's RL API, SGLang's native API, TRL's routes); off by default,
+    # as vLLM keeps its RL routes behind its dev mode (docs/trainers.md)
+    trainer_api: bool = False
     ray_address: str | None = None  # join this cluster instead of starting a local one
     # the ingress replica serves HTTP on `port` itself, without Serve's proxy (cluster/listener.py);
     # None: yes on the local cluster `raylane serve` starts, no when joining one (ray_address)
@@ -77,8 +80,9 @@ class ClusterConfig:
                 f"ClusterConfig.tool_call_parser must be one of {list(PARSERS)}, "
                 f"got {self.tool_call_parser!r}"
             )
-        if self.direct_ingress is not None:
-            check_type("ClusterConfig", "direct_ingress", self.direct_ingress, bool)
+        for flag in ("direct_ingress", "trainer_api"):
+            if getattr(self, flag) is not None:
+                check_type("ClusterConfig", flag, getattr(self, flag), bool)
         if self.direct_ingress and self.ray_address:
             raise ValueError(
                 "ClusterConfig.direct_ingress works on the local cluster raylane "

@@ -44,10 +44,20 @@ class Ingress:
         from raylane.session_server.backend import ModelInfo
 
         tokenizer, max_len, vocab, moe = _model_facts(model_dir, config)
-        info = ModelInfo(served_model_name(config), max_len, vocab)
+        capture = moe and bool(config.engine.get("enable_return_routed_experts"))
+        engine = config.engine_config(model_dir)
+        info = ModelInfo(
+            served_model_name(config),
+            max_len,
+            vocab,
+            model_path=model_dir,
+            replicas=config.replicas,
+            tensor_parallel_size=engine.tensor_parallel_size,
+            dtype=engine.dtype,
+            routed_experts=capture,
+        )
         router = get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
         # the Router hosts the sessions and runs their turns on these replicas
-        capture = moe and bool(config.engine.get("enable_return_routed_experts"))
         setup = SessionSetup(model_dir, return_routed_experts=capture)
         # each refresh of its replica table hands the Router this app's spec, so a Router that
         # restarted runs the replicas again
@@ -60,6 +70,7 @@ class Ingress:
             request_timeout_s=config.request_timeout_s,
             max_n=config.max_n,
             tool_call_parser=config.tool_call_parser,
+            trainer_api=config.trainer_api,
             metrics_sources=metrics_sources(config),
         )
         self.listener = None

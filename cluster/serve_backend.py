@@ -109,7 +109,10 @@ class RouterControl:
     async def weight_version(self) -> int:
         return await call_router(self.router.weight_version.remote())
 
-    async def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+    async def control_state(self) -> dict[str, Any]:
+        return await call_router(self.router.control_state.remote())
+
+    async def abort(self, request_ids: list[str] | None) -> list[RequestOutput]:
         return await call_router(self.router.abort.remote(request_ids))
 
     async def flush_cache(self) -> None:

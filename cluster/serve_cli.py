@@ -136,6 +136,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "way (the ingress replica may land on any node)",
     )
     parser.add_argument(
+        "--trainer-api",
+        action="store_true",
+        default=None,
+        help="serve the trainer protocols beside raylane's own routes: vLLM's RL API "
+        "(/pause, /inference/v1/generate, ...), SGLang's native API (/server_info, "
+        "/pause_generation, ...; /generate answers SGLang's exact shape) and TRL's "
+        "vllm-serve routes (/generate/, ...), so a trainer's unmodified client works "
+        "(docs/trainers.md). With --admin-api-key their state-changing routes need that "
+        "key; without one they are open, as vLLM's and SGLang's: a private network only",
+    )
+    parser.add_argument(
         "--sessions-dsn",
         metavar="DSN",
         help="PostgreSQL (postgresql://user@host/db) that multi-turn sessions "
@@ -165,6 +176,7 @@ def config_from_args(args: argparse.Namespace):
             "tool_call_parser",
             "sessions_dsn",
             "direct_ingress",
+            "trainer_api",
         )
         if getattr(args, name) is not None
     }

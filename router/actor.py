@@ -156,7 +156,7 @@ class Router:
     async def commit_update(self, update_id: str) -> int:
         return await self.control.commit_update(update_id)
 
-    async def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+    async def abort(self, request_ids: list[str] | None) -> list[RequestOutput]:
         return await self.control.abort(request_ids)
 
     async def flush_cache(self) -> None:

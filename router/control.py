@@ -52,7 +52,7 @@ class ReplicaCalls(Protocol):
 
     async def finish_weight_update(self, replica_id: str, version: int) -> int: ...
 
-    async def abort(self, replica_id: str, request_ids: list[str]) -> list: ...
+    async def abort(self, replica_id: str, request_ids: list[str] | None) -> list: ...
 
     async def flush_cache(self, replica_id: str) -> None: ...
 
@@ -99,6 +99,9 @@ class ControlPlane:
 
     async def weight_version(self) -> int:
         return self.table.weight_version()
+
+    async def control_state(self) -> dict[str, Any]:
+        return self.state()
 
     def state(self) -> dict[str, Any]:
         paused = (
@@ -230,11 +233,11 @@ class ControlPlane:
 
     # --- requests and the cache ---------------------------------------------------------------
 
-    async def abort(self, request_ids: list[str]) -> list:
-        """End these requests wherever they run (unknown ids are skipped); their partial
-        outputs (`RequestOutput`, finish reason "abort")."""
+    async def abort(self, request_ids: list[str] | None) -> list:
+        """End these requests wherever they run (unknown ids are skipped; None: every
+        request); their partial outputs (`RequestOutput`, finish reason "abort")."""
         ids = self.table.reachable()
-        wanted = list(request_ids)
+        wanted = None if request_ids is None else list(request_ids)
         done = (
             await self._everywhere(ids, "abort", lambda rid: self.calls.abort(rid, wanted))
             if ids

@@ -30,7 +30,7 @@ class ActorCalls:
     async def finish_weight_update(self, replica_id: str, version: int) -> int:
         return await _result(self._handle(replica_id).finish_weight_update.remote(version))
 
-    async def abort(self, replica_id: str, request_ids: list[str]) -> list:
+    async def abort(self, replica_id: str, request_ids: list[str] | None) -> list:
         return await _result(self._handle(replica_id).abort.remote(request_ids))
 
     async def flush_cache(self, replica_id: str) -> None:
@@ -85,7 +85,7 @@ class EngineCalls:
     async def finish_weight_update(self, replica_id: str, version: int) -> int:
         return self.engine.finish_weight_update(version)
 
-    async def abort(self, replica_id: str, request_ids: list[str]) -> list:
+    async def abort(self, replica_id: str, request_ids: list[str] | None) -> list:
         return await self.engine.abort(request_ids)
 
     async def flush_cache(self, replica_id: str) -> None:

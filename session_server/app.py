@@ -22,6 +22,7 @@ from raylane.session_server.metrics import MetricsSource
 from raylane.session_server.openapi import ERRORS
 from raylane.session_server.schemas import MAX_N
 from raylane.session_server.tool_calls import PARSERS, detect_parser
+from raylane.session_server.trainer_api import mount as mount_trainer_api
 
 
 def build_app(
@@ -35,6 +36,7 @@ def build_app(
     max_n: int = 128,
     tool_call_parser: str | None = None,
     metrics_sources: Sequence[MetricsSource] = (),
+    trainer_api: bool = False,
 ) -> FastAPI:
     """The HTTP surface: OpenAI routes, SGLang-style /generate, /tokenize, /detokenize,
     multi-turn /sessions, /health and /metrics, with the OpenAI error body for every error.
@@ -50,6 +52,9 @@ def build_app(
     tool calls are read in (`tool_choice` "auto"); None picks it from the chat template.
     `metrics_sources`: more Prometheus text for /metrics (e.g. the consolidation actor's),
     each asked on every scrape and left out when it fails or is slow.
+    `trainer_api`: serve the trainer protocols too (vLLM's RL API, SGLang's native API, TRL's
+    routes; `raylane.session_server.trainer_api`); with `admin_api_key` their
+    state-changing routes need it, without one they are open.
     """
     _check_limits(max_body_bytes, max_bucket_bytes, request_timeout_s, max_n)
     if admin_api_key is not None and admin_api_key in (api_keys or []):
@@ -67,11 +72,13 @@ def build_app(
     app.state.tool_call_parser = tool_call_parser or detect_parser(
         getattr(backend.tokenizer, "chat_template", None)
     )
+    app.state.trainer_api = trainer_api  # /generate answers SGLang's exact shape
     install_error_handlers(app)
     admin = admin_api_key is not None
     modules = [openai_routes, native_routes, session_routes, metrics]
     for module in (modules + [admin_routes]) if admin else modules:
         app.include_router(module.router, responses=ERRORS)  # the OpenAI error body
+    guarded = mount_trainer_api(app) if trainer_api else frozenset()
     # added last = runs first: auth before the body is read
     app.add_middleware(
         BodyLimit,
@@ -79,10 +86,13 @@ def build_app(
         path_limits={admin_routes.BUCKET_PATH: max_bucket_bytes} if admin else {},
     )
     if admin_api_key is not None:
-        app.add_middleware(AdminAuth, admin_key=admin_api_key)
+        app.add_middleware(AdminAuth, admin_key=admin_api_key, paths=guarded)
     if api_keys:
         app.add_middleware(
-            ApiKeyAuth, api_keys=list(api_keys), pass_prefixes=(ADMIN_PREFIX,) if admin else ()
+            ApiKeyAuth,
+            api_keys=list(api_keys),
+            pass_prefixes=(ADMIN_PREFIX,) if admin else (),
+            pass_paths=guarded if admin else frozenset(),
         )
     app.add_middleware(HeaderLimit)  # first of all: nothing reads a header flood
     return app

@@ -1,5 +1,6 @@
 """Optional API keys: every route but /health needs `Authorization: Bearer <key>`; the admin
-routes (/admin/...) need the admin key instead, which user keys never open.
+routes (/admin/..., and the trainer protocols' routes that change state) need the admin key
+instead, which user keys never open.
 
 Keys are compared in constant time and never logged or echoed back.
 """
@@ -26,15 +27,23 @@ def canonical_path(scope: Scope) -> str:
 class ApiKeyAuth:
     """Pure ASGI middleware, so streamed responses and disconnects pass through untouched.
 
-    Paths under `pass_prefixes` go on unchecked: another middleware (`AdminAuth`) guards them,
-    and the admin key, not being a user key, would be refused here."""
+    Paths under `pass_prefixes` and in `pass_paths` go on unchecked: another middleware
+    (`AdminAuth`) guards them, and the admin key, not being a user key, would be refused
+    here."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str], pass_prefixes: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: list[str],
+        pass_prefixes: tuple[str, ...] = (),
+        pass_paths: frozenset[str] = frozenset(),
+    ):
         if not api_keys or any(not k for k in api_keys):
             raise ValueError("api_keys: give at least one non-empty key, or None for no auth")
         self.app = app
         self.keys = [k.encode() for k in api_keys]
         self.pass_prefixes = pass_prefixes
+        self.pass_paths = pass_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = canonical_path(scope) if scope["type"] == "http" else ""
@@ -42,6 +51,7 @@ class ApiKeyAuth:
             scope["type"] != "http"
             or path in OPEN_PATHS
             or path.startswith(self.pass_prefixes)
+            or path in self.pass_paths
             or _matches(scope, self.keys)
         ):
             await self.app(scope, receive, send)
@@ -56,19 +66,22 @@ class ApiKeyAuth:
 
 
 class AdminAuth:
-    """Guards /admin/ paths with the admin key: none is 401, any other key (a user key) 403.
+    """Guards /admin/ paths, and `paths` (the trainer protocols' state-changing routes), with
+    the admin key: none is 401, any other key (a user key) 403.
 
     Runs before the body is read, so nobody without the key can make the server buffer a
     weight bucket."""
 
-    def __init__(self, app: ASGIApp, admin_key: str):
+    def __init__(self, app: ASGIApp, admin_key: str, paths: frozenset[str] = frozenset()):
         if not admin_key:
             raise ValueError("admin_api_key: give a non-empty key, or None for no admin routes")
         self.app = app
         self.keys = [admin_key.encode()]
+        self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not canonical_path(scope).startswith(ADMIN_PREFIX):
+        path = canonical_path(scope) if scope["type"] == "http" else ""
+        if scope["type"] != "http" or not (path.startswith(ADMIN_PREFIX) or path in self.paths):
             await self.app(scope, receive, send)
             return
         if _bearer(scope) is None:

@@ -30,6 +30,12 @@ class ModelInfo:
     name: str  # the id clients send as "model"
     max_model_len: int
     vocab_size: int
+    # how it is served, for the trainer protocols' info routes (/get_world_size, /server_info)
+    model_path: str = ""  # the HF directory every replica loads
+    replicas: int = 1
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"  # EngineConfig.dtype
+    routed_experts: bool = False  # a MoE model whose replicas capture routed experts
 
 
 class SessionBackend(Protocol):
@@ -90,8 +96,13 @@ class ControlBackend(Protocol):
 
     async def weight_version(self) -> int: ...
 
-    async def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        """The partial outputs of the requests this ended (finish reason "abort")."""
+    async def control_state(self) -> dict[str, Any]:
+        """`{"paused": bool, "mode"?: mode, "weight_version": v}` (`ControlPlane.state`)."""
+        ...
+
+    async def abort(self, request_ids: list[str] | None) -> list[RequestOutput]:
+        """The partial outputs of the requests this ended (finish reason "abort"); None
+        ends every request the replicas run."""
         ...
 
     async def flush_cache(self) -> None: ...
@@ -139,9 +150,17 @@ class LocalBackend:
         self.tokenizer = engine.tokenizer
         cfg = engine.engine.config
         validator = engine.engine.validator
-        self.info = ModelInfo(model_name, cfg.max_model_len, validator.vocab_size)
         # capture routed experts for the sessions' training samples when the engine can
         capture = cfg.enable_return_routed_experts and validator.num_moe_layers > 0
+        self.info = ModelInfo(
+            model_name,
+            cfg.max_model_len,
+            validator.vocab_size,
+            model_path=cfg.model,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            dtype=cfg.dtype,
+            routed_experts=capture,
+        )
         generator = EngineTurnGenerator(engine, return_routed_experts=capture)
         # sessions record the model by its path, as the Router's do (`SessionSetup.model_dir`)
         self.sessions = SessionRegistry(

@@ -3,6 +3,11 @@
 Streamed chunks are cumulative as SGLang's (each holds everything so far), with `index` when a
 request has several samples (built from the engine's deltas; the engine holds back text that a
 stop string may still trim).
+
+With the trainer API on (`sglang=True`) the answer is SGLang's exact one where raylane's own
+differs: `weight_version` is a string, and `routed_experts` is SGLang's base64 string of the
+flattened int32 ids (its shape in `routed_experts_shape`, which SGLang's clients ignore). Either
+way routed experts cover rows `[routed_experts_start_len, prompt + output - 1)`.
 """
 
 from __future__ import annotations
@@ -66,12 +71,14 @@ class NativeFormatter:
         params: SamplingParams,
         tokenizer,
         num_prompts: int,
+        sglang: bool = False,
     ):
         self.id = request_id
         self.body = body
         self.params = params
         self.tokenizer = tokenizer
         self.num_prompts = num_prompts
+        self.sglang = sglang  # SGLang's exact shape (the trainer API is on)
         self.accumulators: dict[int, OutputAccumulator] = {}  # streaming: by prompt index
 
     def items(self, finals: dict[int, RequestOutput]) -> list[dict]:
@@ -104,12 +111,12 @@ class NativeFormatter:
             "prompt_tokens": len(out.prompt_token_ids),
             "completion_tokens": len(c.token_ids),
             "cached_tokens": out.num_cached_tokens,
-            "weight_version": out.weight_version,
+            "weight_version": str(out.weight_version) if self.sglang else out.weight_version,
             "weight_versions": list(c.weight_versions),  # of each output token
-            "routed_experts": fmt.routed_experts(c.routed_experts)
-            if self.body.return_routed_experts
-            else None,
+            "routed_experts": None,
         }
+        if self.body.return_routed_experts:
+            meta.update(self._routing(c))
         if self.params.return_kept_mass:
             meta["kept_mass_logprobs"] = [fmt.finite(x) for x in c.kept_mass_logprobs or []]
         if self.body.return_logprob and c.logprobs is not None:
@@ -122,3 +129,15 @@ class NativeFormatter:
                     self.tokenizer, c.top_logprobs or [], self.body.top_logprobs_num, with_text
                 )
         return meta
+
+    def _routing(self, c: CompletionOutput) -> dict:
+        start = self.body.routed_experts_start_len
+        rows = None if c.routed_experts is None else c.routed_experts[start:]
+        if not self.sglang:
+            return {"routed_experts": fmt.routed_experts(rows)}
+        blob = fmt.routed_experts(rows)
+        return {
+            "routed_experts": blob["data"] if blob else None,
+            "routed_experts_shape": blob["shape"] if blob else None,
+            "routed_experts_start_len": start,
+        }

@@ -51,8 +51,14 @@ async def generate(body: GenerateRequest, request: Request):
             body.top_logprobs_num if body.return_logprob else None,
             body.return_routed_experts,
         )
+        _check_routing_start(body.routed_experts_start_len, prompts)
         formatter = NativeFormatter(
-            body.rid or new_id("gen"), body, params, backend.tokenizer, len(prompts)
+            body.rid or new_id("gen"),
+            body,
+            params,
+            backend.tokenizer,
+            len(prompts),
+            sglang=request.app.state.trainer_api,
         )
         stream = start(
             backend,
@@ -68,6 +74,15 @@ async def generate(body: GenerateRequest, request: Request):
     except ValueError as e:
         raise from_exception(e, SGLANG_NAMES) from None
     return JSONResponse(items if batched or params.n > 1 else items[0])
+
+
+def _check_routing_start(start: int, prompts: list[list[int]]) -> None:
+    shortest = min(len(p) for p in prompts)
+    if start > shortest:
+        raise bad_request(
+            f"routed_experts_start_len: {start} is past the prompt ({shortest} tokens)",
+            "routed_experts_start_len",
+        )
 
 
 async def _renamed(stream: AsyncGenerator[Indexed, None]) -> AsyncGenerator[Indexed, None]:

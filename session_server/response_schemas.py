@@ -167,9 +167,12 @@ class MetaInfo(_Out):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    weight_version: int
+    weight_version: int | str  # a string (SGLang's type) while the trainer API is on
     weight_versions: list[int]  # of each output token
-    routed_experts: RoutedExperts | None = None  # not on an admin abort's items
+    # not on an admin abort's items; SGLang's base64 string while the trainer API is on
+    routed_experts: RoutedExperts | str | None = None
+    routed_experts_shape: list[int] | None = None  # with SGLang's string
+    routed_experts_start_len: int | None = None  # with SGLang's string
     kept_mass_logprobs: list[float] | None = None  # return_kept_mass
     output_token_logprobs: list[SGLangLogprob] | None = None  # return_logprob
     output_top_logprobs: list[list[SGLangLogprob]] | None = None  # and top_logprobs_num > 0

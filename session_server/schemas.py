@@ -161,6 +161,8 @@ class GenerateRequest(_Body):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     return_routed_experts: bool = False
+    # SGLang's: routed experts from this position on (in [0, prompt tokens])
+    routed_experts_start_len: int = Field(0, ge=0)
     stream: bool = False
     rid: str | None = None
     routing_key: str | None = None

@@ -106,9 +106,12 @@ class AsyncLLMEngine:
         self._start()
         return RequestStream(self, request_id, queue)
 
-    async def abort(self, request_ids: str | list[str]) -> list[RequestOutput]:
-        """Stop requests; their consumers get a final output with reason "abort". Returns
-        their cumulative partial outputs (unknown ids are skipped). Their blocks are freed."""
+    async def abort(self, request_ids: str | list[str] | None) -> list[RequestOutput]:
+        """Stop requests (None: every request the engine runs); their consumers get a final
+        output with reason "abort". Returns their cumulative partial outputs (unknown ids
+        are skipped). Their blocks are freed."""
+        if request_ids is None:
+            request_ids = list(self.engine.requests)
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         requests = [r for rid in ids if (r := self.engine.requests.get(rid)) is not None]
         self._fan_out(self.engine.abort_request(ids))

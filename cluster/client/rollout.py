@@ -80,15 +80,23 @@ def from_generate_item(
         weight_version=version,
         top_logprobs=_top_logprobs(meta.get("output_top_logprobs")),
         kept_mass_logprobs=_floats(meta.get("kept_mass_logprobs")),
-        routed_experts=decode_routed_experts(meta.get("routed_experts")),
+        routed_experts=decode_routed_experts(
+            meta.get("routed_experts"), meta.get("routed_experts_shape")
+        ),
         num_cached_tokens=int(meta.get("cached_tokens") or 0),
     )
 
 
-def decode_routed_experts(blob: dict | None) -> np.ndarray | None:
-    """`{"data": base64 little-endian int32, "shape": [...]}` -> an int32 array."""
+def decode_routed_experts(
+    blob: dict | str | None, shape: list[int] | None = None
+) -> np.ndarray | None:
+    """`{"data": base64 little-endian int32, "shape": [...]}` -> an int32 array; or SGLang's
+    base64 string, with the shape the server sends beside it (`routed_experts_shape`, when
+    the trainer API is on)."""
     if blob is None:
         return None
+    if isinstance(blob, str):
+        blob = {"data": blob, "shape": shape}
     data = np.frombuffer(base64.b64decode(blob["data"]), dtype="<i4")
     return data.astype(np.int32).reshape(blob["shape"])
 

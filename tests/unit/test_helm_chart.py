@@ -73,7 +73,9 @@ CONFIGS = {
         "metrics": {"serviceMonitor": {"enabled": True}},
         "auth": {"apiKey": {"value": "k"}},
     },
-    "llama3-tools-serial": {"serving": {"toolCallParser": "llama3", "asyncScheduling": False}},
+    "llama3-tools-serial": {
+        "serving": {"toolCallParser": "llama3", "asyncScheduling": False, "trainerApi": True}
+    },
     "sessions-and-consolidation": {
         "postgres": {"dsn": {"value": "", "secretKeyRef": {"name": "db", "key": "dsn"}}},
         "sessions": {"persist": True},
@@ -155,6 +157,7 @@ def test_serve_config_imports_and_its_args_load(name, monkeypatch):
     assert not config.api_keys and config.admin_api_key is None  # keys never in the config
     assert config.engine["async_scheduling"] == serving.get("asyncScheduling", True)
     assert config.tool_call_parser == (serving.get("toolCallParser") or None)
+    assert config.trainer_api == serving.get("trainerApi", False)
     assert config.sessions_dsn is None  # from RAYLANE_SESSIONS_DSN in the pods only
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())["consolidation"]
     section = {**defaults, **values.get("consolidation", {})}

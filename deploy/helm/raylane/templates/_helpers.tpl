@@ -151,6 +151,7 @@ Arguments: (list $ ENV_NAME .Values.feature.dsn "chart-secret-key" "feature.swit
 {{- with .Values.model.path }}{{ $_ := set $args "model" . }}{{ end -}}
 {{- with .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" . }}{{ end -}}
 {{- with .Values.serving.toolCallParser }}{{ $_ := set $args "tool_call_parser" . }}{{ end -}}
+{{- if .Values.serving.trainerApi }}{{ $_ := set $args "trainer_api" true }}{{ end -}}
 {{- if .Values.consolidation.enabled -}}
 {{- $c := .Values.consolidation -}}
 {{- /* no dsn: it reaches the pods as RAYLANE_CONSOLIDATION_DSN, from a Secret */ -}}

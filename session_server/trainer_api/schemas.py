@@ -1,0 +1,120 @@
+"""Request and response bodies of the trainer protocols, in the peers' own names and shapes.
+Requests ignore fields they do not know (the peers' clients send more than raylane needs);
+responses are documented for the OpenAPI schema and the fuzz test, as raylane's own are."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from raylane.session_server.response_schemas import _Out
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# --- vLLM's RL API ---------------------------------------------------------------------------
+
+
+class AbortRequestsBody(_Body):
+    request_ids: list[str] | None = None  # none or empty: every request
+
+
+class UpdateWeightVersionBody(_Body):
+    """vLLM's and SGLang's /update_weight_version (the same path and field)."""
+
+    new_version: str | int
+    abort_all_requests: bool = False  # SGLang's
+
+
+class Status(_Out):
+    status: str
+
+
+class IsPaused(_Out):
+    is_paused: bool
+
+
+class WorldSize(_Out):
+    world_size: int
+
+
+class WeightVersionText(_Out):
+    weight_version: str
+
+
+class Aborted(_Out):
+    status: Literal["aborted"]
+    aborted: int  # requests ended
+
+
+class VersionUpdated(_Out):
+    success: bool
+    message: str
+    new_version: str
+
+
+# --- SGLang's native API ---------------------------------------------------------------------
+
+
+SGLANG_PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class PauseGenerationBody(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class AbortRequestBody(_Body):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class Message(_Out):
+    message: str
+    status: str
+
+
+class ServerInfo(BaseModel):
+    """SGLang's server arguments that trainers compare against their own (slime: tp_size,
+    dp_size, ...), with `vllm_config` for vLLM's clients of the same path; more keys may come."""
+
+    model_config = ConfigDict(extra="allow")
+    model_path: str
+    served_model_name: str
+    tp_size: int
+    dp_size: int
+    pp_size: int
+    ep_size: int
+    dtype: str
+    context_length: int
+    enable_return_routed_experts: bool
+    weight_version: str
+    version: str
+    vllm_config: dict[str, Any]
+
+
+class Load(_Out):
+    dp_rank: int  # the replica's index (raylane's replicas are SGLang's DP ranks)
+    num_running_reqs: int
+    num_waiting_reqs: int
+    token_usage: float  # fraction of the KV cache in use
+
+
+class Loads(_Out):
+    timestamp: str
+    dp_rank_count: int
+    loads: list[Load]
+
+
+class UpdateFromDiskBody(_Body):
+    model_path: str = Field(min_length=1)
+    load_format: str | None = None
+    weight_version: str | int | None = None
+    abort_all_requests: bool = False
+
+
+class UpdateResult(_Out):
+    success: bool
+    message: str
+    num_paused_requests: int = 0

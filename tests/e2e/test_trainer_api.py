@@ -1,0 +1,245 @@
+"""The trainer protocols (`build_app(trainer_api=True)`) over HTTP on the real engine: vLLM's RL
+API, SGLang's native routes and TRL's former vllm-serve routes, as the peers' clients call them
+(their documented request shapes, sent with httpx), with the admin key guarding what changes
+state. Pause modes are checked by their effect on a request in flight; greedy output against
+Hugging Face. The server has its own engine, so pauses do not reach the other e2e tests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from raylane.actors.engine import AsyncLLMEngine, LLMEngine
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
+
+from tests.e2e.conftest import MAX_BODY, MODEL, tiny_config
+from tests.e2e.server import ServerThread
+from tests.e2e.test_admin import LONG, PROMPT, run_midway, wait_idle
+from tests.hf_reference import hf_greedy
+
+ADMIN_KEY = "trainer-admin"
+USER_KEY = "trainer-user"
+
+
+@pytest.fixture(scope="module")
+def trainer_engine(tiny_llama_dir) -> LLMEngine:
+    return LLMEngine(tiny_config(tiny_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def backend(trainer_engine) -> LocalBackend:
+    return LocalBackend(AsyncLLMEngine(trainer_engine), MODEL)
+
+
+@pytest.fixture(scope="module")
+def open_server(backend) -> Iterator[ServerThread]:
+    """As trainers run it: no keys (a private network)."""
+    with ServerThread(build_app(backend, trainer_api=True, max_body_bytes=MAX_BODY)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def keyed_server(backend) -> Iterator[ServerThread]:
+    app = build_app(
+        backend,
+        trainer_api=True,
+        api_keys=[USER_KEY],
+        admin_api_key=ADMIN_KEY,
+        max_body_bytes=MAX_BODY,
+    )
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture
+def trainer(open_server, trainer_engine) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=open_server.url, timeout=60) as client:
+        yield client
+        client.post("/resume")  # whatever a test left paused
+        wait_idle(trainer_engine)
+
+
+def client_of(server: ServerThread, key: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=server.url, timeout=60, headers=headers)
+
+
+# --- mounting and auth -----------------------------------------------------------------------
+
+
+def test_trainer_routes_exist_only_when_turned_on(http):
+    for path in ("/is_paused", "/get_world_size", "/server_info", "/get_world_size/"):
+        assert http.get(path).status_code == 404, path
+
+
+def test_state_changing_routes_need_the_admin_key_when_one_is_set(keyed_server):
+    with (
+        client_of(keyed_server, None) as anonymous,
+        client_of(keyed_server, USER_KEY) as user,
+        client_of(keyed_server, ADMIN_KEY) as admin,
+    ):
+        for path in ("/pause?mode=keep", "/pause_generation", "/reset_prefix_cache/"):
+            assert anonymous.post(path).status_code == 401, path
+            response = user.post(path)
+            assert response.status_code == 403, path
+            assert response.json()["error"]["code"] == "forbidden"
+        assert anonymous.get("/is_paused").status_code == 401  # a user route: the user key
+        assert user.get("/is_paused").json() == {"is_paused": False}
+        assert admin.post("/pause?mode=keep").json() == {"status": "paused"}
+        assert user.get("/is_paused").json() == {"is_paused": True}
+        assert admin.post("/resume").json() == {"status": "resumed"}
+        assert user.get("/is_paused").json() == {"is_paused": False}
+
+
+# --- vLLM's RL API ---------------------------------------------------------------------------
+
+
+def test_vllm_pause_keep_freezes_the_request_and_resume_continues_it(
+    trainer, trainer_engine, tiny_llama_dir
+):
+    def pause_and_resume():
+        assert trainer.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+        assert trainer.get("/is_paused").json() == {"is_paused": True}
+        held = trainer_engine.has_unfinished_requests()
+        assert trainer.post("/resume").json() == {"status": "resumed"}
+        assert held  # kept with its KV, not ended
+
+    last = run_midway(trainer, "keep-1", pause_and_resume)
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+    expected, _ = hf_greedy(tiny_llama_dir, PROMPT, LONG)
+    assert last["output_ids"] == expected  # frozen and continued: the same greedy tokens
+
+
+def test_vllm_pause_abort_ends_the_request_and_clears_the_cache(trainer, trainer_engine):
+    last = run_midway(trainer, "abort-1", lambda: trainer.post("/pause", params={"mode": "abort"}))
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(last["output_ids"]) < LONG
+    assert not trainer_engine.block_manager.cached  # clear_cache (the default)
+
+
+def test_vllm_pause_wait_lets_the_request_finish(trainer, trainer_engine):
+    last = run_midway(trainer, "wait-1", lambda: trainer.post("/pause", params={"mode": "wait"}))
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(last["output_ids"]) == LONG and not trainer_engine.has_unfinished_requests()
+
+
+def test_vllm_bad_pause_mode_is_a_400_in_the_openai_body(trainer):
+    response = trainer.post("/pause", params={"mode": "sleep"})
+    assert response.status_code == 400
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_vllm_abort_requests_ends_named_or_all(trainer):
+    ended = {}
+    last = run_midway(
+        trainer,
+        "abort-named",
+        lambda: ended.update(trainer.post("/abort_requests", json={}).json()),
+    )
+    assert ended == {"status": "aborted", "aborted": 1}
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert trainer.post("/abort_requests", json={"request_ids": ["nope"]}).json() == {
+        "status": "aborted",
+        "aborted": 0,
+    }
+
+
+def test_vllm_info_routes(trainer):
+    assert trainer.get("/get_world_size").json() == {"world_size": 1}
+    assert trainer.get("/get_world_size", params={"include_dp": False}).json() == {"world_size": 1}
+    version = trainer.get("/weight_info").json()
+    assert version == {"weight_version": "0"}
+    assert trainer.post("/reset_prefix_cache").status_code == 200
+
+
+# --- SGLang's native API ---------------------------------------------------------------------
+
+
+def test_sglang_server_info_has_the_keys_slime_compares(trainer, tiny_llama_dir):
+    for path in ("/server_info", "/get_server_info"):
+        info = trainer.get(path).json()
+        assert (info["tp_size"], info["dp_size"], info["pp_size"], info["ep_size"]) == (1, 1, 1, 1)
+        assert info["model_path"] == tiny_llama_dir
+        assert info["enable_return_routed_experts"] is False
+        assert info["weight_version"] == trainer.get("/get_weight_version").json()["weight_version"]
+        assert info["vllm_config"]["parallel_config"]["tensor_parallel_size"] == 1
+
+
+def test_sglang_pause_in_place_and_continue(trainer, tiny_llama_dir):
+    def pause_and_continue():
+        answer = trainer.post("/pause_generation", json={"mode": "in_place"}).json()
+        assert answer["status"] == "ok"
+        assert trainer.get("/is_paused").json() == {"is_paused": True}
+        assert trainer.post("/continue_generation").json()["status"] == "ok"
+
+    last = run_midway(trainer, "in-place-1", pause_and_continue)
+    assert last["output_ids"] == hf_greedy(tiny_llama_dir, PROMPT, LONG)[0]
+
+
+def test_sglang_pause_retract_re_prefills_to_the_same_tokens(trainer, tiny_llama_dir):
+    def pause_and_continue():
+        trainer.post("/pause_generation", json={"mode": "retract"})
+        trainer.post("/continue_generation")
+
+    last = run_midway(trainer, "retract-1", pause_and_continue)
+    assert last["output_ids"] == hf_greedy(tiny_llama_dir, PROMPT, LONG)[0]
+
+
+def test_sglang_abort_request_by_rid(trainer):
+    last = run_midway(
+        trainer, "sgl-abort", lambda: trainer.post("/abort_request", json={"rid": "sgl-abort"})
+    )
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    response = trainer.post("/abort_request", json={})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "rid"
+
+
+def test_sglang_health_generate_loads_and_flush(trainer):
+    assert trainer.get("/health_generate").status_code == 200
+    loads = trainer.get("/v1/loads").json()
+    assert loads["dp_rank_count"] == 1 and loads["loads"][0]["dp_rank"] == 0
+    for method in ("GET", "POST"):
+        assert trainer.request(method, "/flush_cache").status_code == 200
+
+
+def test_generate_answers_sglang_types_with_the_trainer_api(trainer, tiny_llama_dir):
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    }
+    item = trainer.post("/generate", json=body).json()
+    ids, logprobs = hf_greedy(tiny_llama_dir, PROMPT, 6)
+    meta = item["meta_info"]
+    assert item["output_ids"] == ids and meta["weight_version"] == "0"
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == ids
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(logprobs, abs=1e-4)
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(PROMPT), 6)
+
+
+# --- TRL's former vllm-serve routes ----------------------------------------------------------
+
+
+def test_trl_trailing_slash_routes(trainer):
+    assert trainer.get("/health/").json() == {"status": "ok"}
+    assert trainer.get("/get_world_size/").json() == {"world_size": 1}
+    assert trainer.get("/get_tensor_parallel_size/").json() == {"tensor_parallel_size": 1}
+    assert "resetting prefix cache" in trainer.post("/reset_prefix_cache/").json()["message"]
+
+
+def test_requests_queued_while_paused_run_after_resume(trainer):
+    trainer.post("/pause", params={"mode": "keep"})
+    answers: list = []
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    waiter = threading.Thread(target=lambda: answers.append(trainer.post("/generate", json=body)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not answers
+    trainer.post("/resume")
+    waiter.join(30)
+    assert answers[0].status_code == 200
