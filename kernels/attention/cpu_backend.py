@@ -7,7 +7,6 @@ It runs every row of a step, prefill chunks and decodes alike, from the metadata
 from __future__ import annotations
 
 import raylane.kernels.attention.cpu_kernel as cpu_kernel
-import torch
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.attention.torch_ref import store_kv
 
@@ -17,7 +16,7 @@ class CpuPagedAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])  # [T, H, Dv]
         return cpu_kernel.paged_attention(
             q,
             k_cache,

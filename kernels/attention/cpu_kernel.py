@@ -56,8 +56,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context; writes and returns out.
 
-    q, out [T, H, D] (last dim contiguous; any row and head strides, e.g. q sliced from a fused
-    qkv); k_cache, v_cache [num_slots, KVH, D] contiguous, slot = block * block_size + offset;
+    q [T, H, D], out [T, H, Dv] (last dim contiguous; any row and head strides, e.g. q sliced
+    from a fused qkv); k_cache [num_slots, KVH, D] contiguous, slot = block * block_size +
+    offset; v_cache [num_slots, KVH, Dv] with Dv <= D, heads contiguous, any slot stride (MLA
+    passes the latent part of its key cache, a view);
     block_tables [B, W] int32; seq_lens [B] int32, context length after this step;
     query_start_loc [B + 1] int32, sequence i owns rows [qsl[i], qsl[i + 1]). Query j of
     sequence i sits at position seq_lens[i] - q_len + j and sees keys 0..that position, read
@@ -114,20 +116,31 @@ def _checked_sizes(
     if not all(t.is_cpu for t in tensors):
         raise ValueError("paged_attention: every tensor must be on the CPU")
     q_shape, q_stride, out_stride, cache_shape = q.shape, q.stride(), out.stride(), k_cache.shape
-    if len(q_shape) != 3 or out.shape != q_shape or q_stride[2] != 1 or out_stride[2] != 1:
+    v_shape, v_stride = v_cache.shape, v_cache.stride()
+    if (
+        len(q_shape) != 3
+        or len(v_shape) != 3
+        or out.shape != (*q_shape[:2], v_shape[2])
+        or q_stride[2] != 1
+        or out_stride[2] != 1
+    ):
         raise ValueError(
-            f"paged_attention: q and out must be [T, H, D] with contiguous D; "
-            f"got {tuple(q_shape)} and {tuple(out.shape)}"
+            f"paged_attention: q must be [T, H, D] and out [T, H, Dv] with contiguous D and "
+            f"Dv; got {tuple(q_shape)} and {tuple(out.shape)}"
         )
     if (
         len(cache_shape) != 3
-        or v_cache.shape != cache_shape
         or cache_shape[2] != q_shape[2]
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or not k_cache.is_contiguous()
+        or v_shape[:2] != cache_shape[:2]
+        or v_shape[2] > cache_shape[2]
+        or v_stride[2] != 1
+        or (v_shape[1] > 1 and v_stride[1] != v_shape[2])
     ):
         raise ValueError(
-            f"paged_attention: k_cache and v_cache must be contiguous "
-            f"[num_slots, KVH, {q_shape[2]}]; got {tuple(cache_shape)}"
+            f"paged_attention: k_cache must be contiguous [num_slots, KVH, {q_shape[2]}] and "
+            f"v_cache [num_slots, KVH, Dv <= {q_shape[2]}] with contiguous heads; got "
+            f"{tuple(cache_shape)} and {tuple(v_shape)}"
         )
     (batch,), table_shape, table_stride = seq_lens.shape, block_tables.shape, block_tables.stride()
     if (
@@ -157,6 +170,8 @@ def _checked_sizes(
         q_shape[1],
         cache_shape[1],
         q_shape[2],
+        v_stride[0],
+        v_shape[2],
     )
 
 
@@ -178,6 +193,7 @@ def _library() -> ctypes.CDLL | None:
         [ptr] * 7
         + [i64] * 6
         + [i32] * 6
+        + [i64, i32]
         + [i32, ctypes.c_float, i32, i32, ctypes.POINTER(ctypes.c_int)]
     )
     fn.restype = ctypes.c_int

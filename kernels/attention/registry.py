@@ -75,8 +75,8 @@ _BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], Attentio
 }
 # the cache layouts (attention layer kinds, see actors/models/attention.py) each one serves
 _KINDS: dict[str, frozenset[str]] = {
-    "triton": frozenset({"full"}),
-    "cpu": frozenset({"full"}),
+    "triton": frozenset({"full", "mla"}),
+    "cpu": frozenset({"full", "mla"}),
     "torch": frozenset({"full", "mla"}),
 }
 

@@ -8,7 +8,6 @@ graph's metadata fixes at the model's maximum).
 from __future__ import annotations
 
 import raylane.kernels.attention.triton_kernels as tk
-import torch
 from raylane.kernels.attention.metadata import AttentionMetadata
 
 
@@ -17,7 +16,7 @@ class TritonAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])  # [T, H, Dv]
         split, first = meta.num_prefill_tokens, meta.num_prefills
         if meta.num_prefills:
             tk.prefill_attention(

@@ -1,6 +1,8 @@
 """Paged attention kernels in Triton: KV store, split-K decode and varlen causal prefill.
 
-Each layer's cache is `[num_slots, num_kv_heads, head_dim]` for K and for V; slot
+Each layer's cache is `[num_slots, num_kv_heads, head_dim]` for K and
+`[num_slots, num_kv_heads, v_dim]` for V, v_dim <= head_dim (MLA's absorbed form passes the
+latent part of its key cache as V, a view with the key rows' slot stride); slot
 `block * block_size + offset` holds the token at `offset` of KV block `block`, and a sequence's
 block table row lists its blocks in position order (entries past its last block are never read).
 Query head h reads KV head `h // (num_heads // num_kv_heads)`.
@@ -58,17 +60,18 @@ def _load_kv_tile(
     pos_ok,
     d,
     d_ok,
+    dv_ok,
     stride_ks,
     stride_vs,
     kv_off_k,
     kv_off_v,
     BLOCK_SIZE: tl.constexpr,
 ):
-    # the K and V rows [BLOCK_N, D_PAD] of context positions `pos`, through the block table
+    # the K and V rows [BLOCK_N, D_PAD] of context positions `pos`, through the block table;
+    # V's dims past v_dim read as 0, so the output's are 0 and never stored
     slots = _slots(table, pos, pos_ok, BLOCK_SIZE)
-    kv_ok = pos_ok[:, None] & d_ok[None, :]
-    k = _load_rows(k_cache, slots, stride_ks, kv_off_k, d, kv_ok)
-    v = _load_rows(v_cache, slots, stride_vs, kv_off_v, d, kv_ok)
+    k = _load_rows(k_cache, slots, stride_ks, kv_off_k, d, pos_ok[:, None] & d_ok[None, :])
+    v = _load_rows(v_cache, slots, stride_vs, kv_off_v, d, pos_ok[:, None] & dv_ok[None, :])
     return k, v
 
 
@@ -106,6 +109,7 @@ def _store_kv_kernel(
     stride_vch,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
@@ -119,11 +123,12 @@ def _store_kv_kernel(
     tl.store(
         k_cache + slot * stride_kcs + h * stride_kch + d, key.to(k_cache.dtype.element_ty), mask=ok
     )
-    value = tl.load(v + t * stride_vt + h * stride_vh + d, mask=ok)
+    v_ok = (h < NUM_KV_HEADS) & (d < V_DIM)
+    value = tl.load(v + t * stride_vt + h * stride_vh + d, mask=v_ok)
     tl.store(
         v_cache + slot * stride_vcs + h * stride_vch + d,
         value.to(v_cache.dtype.element_ty),
-        mask=ok,
+        mask=v_ok,
     )
 
 
@@ -152,6 +157,7 @@ def _decode_kernel(
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -166,8 +172,9 @@ def _decode_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     g, d = tl.arange(0, G_PAD), tl.arange(0, D_PAD)
-    heads, g_ok, d_ok = kvh * GROUP + g, g < GROUP, d < HEAD_DIM
+    heads, g_ok, d_ok, dv_ok = kvh * GROUP + g, g < GROUP, d < HEAD_DIM, d < V_DIM
     q_ok = g_ok[:, None] & d_ok[None, :]
+    o_ok = g_ok[:, None] & dv_ok[None, :]
     qv = tl.load(
         q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_ok, other=0.0
     )  # [G_PAD, D_PAD]; padded heads are 0 rows whose output is dropped
@@ -186,6 +193,7 @@ def _decode_kernel(
             pos_ok,
             d,
             d_ok,
+            dv_ok,
             stride_ks,
             stride_vs,
             kvh * stride_kh,
@@ -200,7 +208,7 @@ def _decode_kernel(
         tl.store(
             out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
             res.to(out.dtype.element_ty),
-            mask=q_ok,
+            mask=o_ok,
         )
     else:  # partials [2, B, H, S] (m, total), [B, H, S, D] acc; an empty split: (-inf, 0, 0)
         row = (b * NUM_HEADS + heads) * num_splits + split  # [G_PAD]
@@ -219,6 +227,7 @@ def _reduce_splits_kernel(
     stride_oh,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
 ):
@@ -240,7 +249,8 @@ def _reduce_splits_kernel(
     )  # [S_PAD, D_PAD]
     total = tl.sum(w * sums, 0)
     res = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out + b * stride_ob + h * stride_oh + d, res.to(out.dtype.element_ty), mask=d_ok)
+    o_ok = d < V_DIM
+    tl.store(out + b * stride_ob + h * stride_oh + d, res.to(out.dtype.element_ty), mask=o_ok)
 
 
 @triton.jit
@@ -264,6 +274,7 @@ def _prefill_kernel(
     stride_bt,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -282,8 +293,9 @@ def _prefill_kernel(
     context = tl.load(seq_lens + i) - q_len  # positions cached before this chunk
     r, d = tl.arange(0, BLOCK_M), tl.arange(0, D_PAD)
     tok, heads = tile * BLOCK_Q + r // GROUP, kvh * GROUP + r % GROUP
-    d_ok = d < HEAD_DIM
-    row_ok = ((r < BLOCK_Q * GROUP) & (tok < q_len))[:, None] & d_ok[None, :]
+    d_ok, dv_ok = d < HEAD_DIM, d < V_DIM
+    rows_ok = ((r < BLOCK_Q * GROUP) & (tok < q_len))[:, None]
+    row_ok, out_ok = rows_ok & d_ok[None, :], rows_ok & dv_ok[None, :]
     q_pos = context + tok  # [BLOCK_M]; padded rows sit past the chunk and still see key 0
     row_offsets = (q_start + tok).to(tl.int64)[:, None]
     qv = tl.load(
@@ -307,6 +319,7 @@ def _prefill_kernel(
             pos_ok,
             d,
             d_ok,
+            dv_ok,
             stride_ks,
             stride_vs,
             kvh * stride_kh,
@@ -319,7 +332,7 @@ def _prefill_kernel(
     tl.store(
         out + row_offsets * stride_ot + heads[:, None] * stride_oh + d[None, :],
         res.to(out.dtype.element_ty),
-        mask=row_ok,
+        mask=out_ok,
     )
 
 
@@ -332,11 +345,17 @@ def store_kv(
 ) -> None:
     """Write row t of k and v to slot `slot_mapping[t]` of the caches; a negative slot is skipped.
 
-    k, v: [T, KVH, D], any row and head strides (views of a fused qkv output); caches
-    [num_slots, KVH, D]; slot_mapping [T] int64. Values are cast to the cache dtype.
+    k [T, KVH, D], v [T, KVH, Dv <= D], any row and head strides (views of a fused qkv
+    output); caches [num_slots, KVH, D] and [num_slots, KVH, Dv]; slot_mapping [T] int64.
+    Values are cast to the cache dtype.
     """
     _require_unit_last_stride(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
-    if not (k.shape == v.shape and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:]):
+    if not (
+        k.shape[1:] == k_cache.shape[1:]
+        and v.shape[1:] == v_cache.shape[1:]
+        and v.shape[:2] == k.shape[:2]
+        and v.shape[2] <= k.shape[2]
+    ):
         raise ValueError(
             f"shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, "
             f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
@@ -360,6 +379,7 @@ def store_kv(
         v_cache.stride(1),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
+        V_DIM=v.shape[2],
         H_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
     )
@@ -391,7 +411,7 @@ def decode_attention(
     num_splits=None picks one for a context as long as the table is wide (W * block_size); pass
     `pick_num_splits(...)` for the real longest context, fixed per captured CUDA graph.
     """
-    num_heads, num_kv_heads, head_dim = _check_paged(q, k_cache, v_cache, out, block_size)
+    num_heads, num_kv_heads, head_dim, v_dim = _check_paged(q, k_cache, v_cache, out, block_size)
     batch = q.shape[0]
     if batch == 0:
         return
@@ -428,6 +448,7 @@ def decode_attention(
         GROUP=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
+        V_DIM=v_dim,
         D_PAD=d_pad,
         BLOCK_SIZE=block_size,
         DIRECT=direct,
@@ -444,6 +465,7 @@ def decode_attention(
             out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
+            V_DIM=v_dim,
             D_PAD=d_pad,
             S_PAD=triton.next_power_of_2(num_splits),
         )
@@ -468,7 +490,7 @@ def prefill_attention(
     int32 = cached context + chunk, whose K/V are already stored; block_tables [B, W] int32;
     max_query_len: host int >= the longest chunk (sizes the grid).
     """
-    num_heads, num_kv_heads, head_dim = _check_paged(q, k_cache, v_cache, out, block_size)
+    num_heads, num_kv_heads, head_dim, v_dim = _check_paged(q, k_cache, v_cache, out, block_size)
     batch = seq_lens.shape[0]
     if batch == 0 or max_query_len == 0:
         return
@@ -495,6 +517,7 @@ def prefill_attention(
         block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
+        V_DIM=v_dim,
         D_PAD=d_pad,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
@@ -525,8 +548,8 @@ def _dot_mode(q: torch.Tensor) -> dict[str, object]:
     }
 
 
-def _check_paged(q, k_cache, v_cache, out, block_size: int) -> tuple[int, int, int]:
-    """Shapes of a paged attention call -> (num_heads, num_kv_heads, head_dim)."""
+def _check_paged(q, k_cache, v_cache, out, block_size: int) -> tuple[int, int, int, int]:
+    """Shapes of a paged attention call -> (num_heads, num_kv_heads, head_dim, v_dim)."""
     _require_unit_last_stride(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
@@ -534,7 +557,13 @@ def _check_paged(q, k_cache, v_cache, out, block_size: int) -> tuple[int, int, i
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape or out.shape != q.shape:
+    v_dim = v_cache.shape[2]
+    if (
+        k_cache.shape[2] != head_dim
+        or v_cache.shape[:2] != k_cache.shape[:2]
+        or v_dim > head_dim
+        or out.shape != (*q.shape[:2], v_dim)
+    ):
         raise ValueError(
             f"shapes disagree: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
             f"v_cache {tuple(v_cache.shape)}, out {tuple(out.shape)}"
@@ -543,7 +572,7 @@ def _check_paged(q, k_cache, v_cache, out, block_size: int) -> tuple[int, int, i
         raise ValueError(
             f"q, k_cache and v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
-    return num_heads, num_kv_heads, head_dim
+    return num_heads, num_kv_heads, head_dim, v_dim
 
 
 def _require_unit_last_stride(**tensors: torch.Tensor) -> None:

@@ -332,6 +332,15 @@ class TestQwen3Moe:
                 np.testing.assert_array_equal(experts, expected)
 
 
+class TestDeepseekV3(TestQwen3Moe):
+    """The same checks on DeepSeek-V3: MLA heads split across ranks with the latent rows
+    replicated, grouped routing with shared experts (split by intermediate size)."""
+
+    @pytest.fixture(scope="class")
+    def moe(self, ray_cluster, tiny_deepseek_dir):
+        yield from _pair(tiny_deepseek_dir, enable_return_routed_experts=True)
+
+
 # --- preemption and chunked prefill ------------------------------------------------------------
 
 

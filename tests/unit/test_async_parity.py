@@ -229,7 +229,10 @@ def test_prefix_cache_hits_match_serial(tiny_llama_dir, reference):
     assert cached["b0"] > 0 and cached["a3"] > 0, cached
 
 
-def test_routed_experts_match_serial(tiny_moe_dir, reference):
+@pytest.mark.parametrize("model", ["tiny_moe_dir", "tiny_deepseek_dir"])
+def test_routed_experts_match_serial(model, reference, request):
+    model_dir = request.getfixturevalue(model)
+
     def params_for(i):
         return (
             greedy(8, return_routed_experts=True)
@@ -239,7 +242,7 @@ def test_routed_experts_match_serial(tiny_moe_dir, reference):
 
     arrivals = shared_prefix_arrivals(reference.validator.vocab_size, params_for)
     serial, ahead = run_both(
-        tiny_moe_dir, lambda e: drive(e, arrivals), enable_return_routed_experts=True
+        model_dir, lambda e: drive(e, arrivals), enable_return_routed_experts=True
     )
     assert_same(ahead, serial)  # the routed experts exactly
     assert any(o.num_cached_tokens > 0 for o in ahead.values())

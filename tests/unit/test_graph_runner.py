@@ -50,13 +50,15 @@ def test_replay_equals_eager_for_every_size(tiny_llama_dir, batch):
     assert engine.stats.graph_replays == max(4 + i for i in range(batch)) - 1
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_replay_with_routed_experts_and_async(tiny_moe_dir, async_scheduling):
+@pytest.mark.parametrize(
+    ("model", "async_scheduling"),
+    [("tiny_moe_dir", False), ("tiny_moe_dir", True), ("tiny_deepseek_dir", True)],
+)
+def test_replay_with_routed_experts_and_async(model, async_scheduling, request):
+    model_dir = request.getfixturevalue(model)  # DeepSeek: MLA's latent cache in the graphs
     kw = {"enable_return_routed_experts": True}
-    eager, _ = run(tiny_moe_dir, 5, enforce_eager=True, **kw)
-    graphs, engine = run(
-        tiny_moe_dir, 5, enforce_eager=False, async_scheduling=async_scheduling, **kw
-    )
+    eager, _ = run(model_dir, 5, enforce_eager=True, **kw)
+    graphs, engine = run(model_dir, 5, enforce_eager=False, async_scheduling=async_scheduling, **kw)
     assert_same(graphs, eager)  # routed experts exactly
     assert engine.stats.graph_replays > 0
     for out in graphs.values():

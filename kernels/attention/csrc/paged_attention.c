@@ -6,7 +6,10 @@
  * per machine and calls it through ctypes. Layouts (strides in elements, last dim contiguous):
  *   q, out           [T, H, D]            row and head strides given (q is often a slice of a
  *                                         fused qkv projection, so its rows are not H * D apart)
- *   k_cache, v_cache [num_slots, KVH, D]  contiguous; slot = block * block_size + offset
+ *   k_cache          [num_slots, KVH, D]  contiguous; slot = block * block_size + offset
+ *   v_cache          [num_slots, KVH, Dv] heads Dv apart, slots v_slot apart: Dv may be less
+ *                                         than D and v_cache a view into k_cache (MLA's
+ *                                         absorbed form: values are the keys' latent part)
  *   block_tables     [B, W] int32         row stride given; entries past a sequence's blocks
  *                                         are never read
  *   seq_lens         [B] int32            context length after this step (cached + new)
@@ -94,6 +97,8 @@ typedef struct {
     int64_t out_row, out_head;
     int num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype;
     float scale;
+    int64_t v_slot; /* elements between two slots of v_cache */
+    int v_dim;
 } Problem;
 
 typedef struct {
@@ -297,22 +302,26 @@ typedef struct {
  */
 static Chunk fetch_chunk(const Problem *p, const int32_t *table, int kv_begin, int heads,
                          int first, int n, Scratch *s) {
-    const int bs = p->block_size, d = p->head_dim, padded = s->padded;
+    const int bs = p->block_size, d = p->head_dim, dv = p->v_dim, padded = s->padded;
     const int64_t slot_stride = (int64_t)p->num_kv_heads * d;
     int block = first / bs, offset = first % bs; /* advanced by hand: no division per row */
     const size_t es = elem_size(p->dtype);
     const int64_t row = (int64_t)heads * padded;
     for (int r = 0; r < n; ++r) {
-        const int64_t at = ((int64_t)table[block] * bs + offset) * slot_stride + kv_begin * d;
-        const char *k = (const char *)p->k_cache + at * es, *v = (const char *)p->v_cache + at * es;
+        const int64_t slot = (int64_t)table[block] * bs + offset;
+        const char *k = (const char *)p->k_cache + (slot * slot_stride + kv_begin * d) * es;
+        const char *v = (const char *)p->v_cache + (slot * p->v_slot + kv_begin * dv) * es;
         if (padded == d) { /* the heads' rows are contiguous both here and in the cache */
             load_row(k, p->dtype, heads * d, 1.0f, s->k + r * row);
-            load_row(v, p->dtype, heads * d, 1.0f, s->v + r * row);
         } else {
-            for (int h = 0; h < heads; ++h) {
+            for (int h = 0; h < heads; ++h)
                 load_row(k + h * d * es, p->dtype, d, 1.0f, s->k + r * row + h * padded);
-                load_row(v + h * d * es, p->dtype, d, 1.0f, s->v + r * row + h * padded);
-            }
+        }
+        if (padded == dv) {
+            load_row(v, p->dtype, heads * dv, 1.0f, s->v + r * row);
+        } else { /* columns dv .. padded stay the zeros scratch_init wrote */
+            for (int h = 0; h < heads; ++h)
+                load_row(v + h * dv * es, p->dtype, dv, 1.0f, s->v + r * row + h * padded);
         }
         if (++offset == bs) offset = 0, ++block;
     }
@@ -476,7 +485,8 @@ static void attend_item(const Problem *p, const Item *it, Scratch *s) {
         float total = 0.0f;
         for (int j = 0; j < LANES; ++j) total += s->sum[m * LANES + j];
         const int64_t at = vector_offset(p, it, m, p->out_row, p->out_head);
-        store_row(s->acc + m * padded, 1.0f / total, p->dtype, d, (char *)p->out + at * es);
+        store_row(s->acc + m * padded, 1.0f / total, p->dtype, p->v_dim,
+                  (char *)p->out + at * es);
     }
 }
 
@@ -484,7 +494,8 @@ static void attend_item(const Problem *p, const Item *it, Scratch *s) {
 
 static int check(const Problem *p, int *bad_seq) {
     if (p->num_seqs < 0 || p->num_heads <= 0 || p->num_kv_heads <= 0 || p->head_dim <= 0 ||
-        p->block_size <= 0 || p->num_heads % p->num_kv_heads != 0)
+        p->v_dim <= 0 || p->v_dim > p->head_dim || p->block_size <= 0 ||
+        p->num_heads % p->num_kv_heads != 0)
         return PA_BAD_SHAPE;
     if (p->dtype != DTYPE_F32 && p->dtype != DTYPE_BF16 && (p->dtype != DTYPE_F16 || !HAVE_F16))
         return PA_BAD_DTYPE;
@@ -585,12 +596,13 @@ int raylane_paged_attention(const void *q, const void *k_cache, const void *v_ca
                             const int32_t *query_start_loc, void *out, int64_t q_row,
                             int64_t q_head, int64_t out_row, int64_t out_head, int64_t num_slots,
                             int64_t table_row, int table_width, int num_seqs, int num_tokens,
-                            int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            float scale, int dtype, int num_threads, int *bad_seq) {
+                            int num_heads, int num_kv_heads, int head_dim, int64_t v_slot,
+                            int v_dim, int block_size, float scale, int dtype, int num_threads,
+                            int *bad_seq) {
     const Problem p = {q, q_row, q_head, k_cache, v_cache, num_slots, block_tables, table_row,
                        table_width, seq_lens, query_start_loc, out, out_row, out_head,
                        num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size,
-                       dtype, scale};
+                       dtype, scale, v_slot, v_dim};
     *bad_seq = -1;
     const int rc = check(&p, bad_seq);
     if (rc != PA_OK) return rc;
