@@ -56,6 +56,12 @@ HISTOGRAMS = {
     "request_queue_time_seconds": "Histogram of time spent waiting in the queue in seconds.",
 }
 
+SPEC_COUNTERS = {
+    "spec_decode_num_drafts": "Number of spec decoding drafts (sequences that carried drafts).",
+    "spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+}
+
 FINISH_REASONS = frozenset({"stop", "length", "abort", "stale", "error"})
 
 router = APIRouter()
@@ -71,6 +77,7 @@ class EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._gauges()
         yield from self._counters()
+        yield from self._spec_counters()
         yield self._finished()
         for name, doc in HISTOGRAMS.items():
             yield self._histogram(name, doc)
@@ -88,6 +95,26 @@ class EngineStatsCollector(Collector):
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], sum(s["counters"][name] for s in self.snapshots))
             yield family
+
+    def _spec_counters(self) -> Iterator[Metric]:
+        """Speculative decoding, as vLLM names it (zeros where no replica speculates)."""
+        specs = [s.get("spec_decode", {}) for s in self.snapshots]
+        for name, doc in SPEC_COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], sum(s.get(name, 0) for s in specs))
+            yield family
+        per_pos: Counter[int] = Counter()
+        for s in specs:
+            for pos, count in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
+                per_pos[pos] += count
+        family = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=["model_name", "position"],
+        )
+        for pos in sorted(per_pos):
+            family.add_metric([self.model_name, str(pos)], per_pos[pos])
+        yield family
 
     def _finished(self) -> Metric:
         total: Counter[str] = Counter()

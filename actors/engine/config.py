@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raylane.actors.engine.spec.config import SpeculativeConfig
 from raylane.actors.engine.strict import check_type, strict_fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -56,6 +57,9 @@ class EngineConfig:
     # batch sizes captured; a decode batch is padded to the next one. None: 1, 2, 4, 8, then
     # steps of 8 up to max_num_seqs (and max_num_seqs itself), see `capture_sizes`
     cudagraph_capture_sizes: tuple[int, ...] | None = None
+    # speculative decoding (vLLM's name): a dict such as {"method": "ngram",
+    # "num_speculative_tokens": 4}, kept as a `SpeculativeConfig` (see actors/engine/spec)
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "dtype", "device", "attention_backend"):
@@ -89,6 +93,15 @@ class EngineConfig:
             raise ValueError("EngineConfig.kv_cache_memory_gb must be > 0")
         self._check_executor()
         self._check_graphs()
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
+
+    @property
+    def spec(self) -> SpeculativeConfig | None:
+        """`speculative_config`, parsed (None: no speculation)."""
+        assert not isinstance(self.speculative_config, dict)  # parsed in __post_init__
+        return self.speculative_config
 
     def _check_graphs(self) -> None:
         if self.enforce_eager is not None:

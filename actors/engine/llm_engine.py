@@ -18,6 +18,8 @@ from raylane.actors.engine.request import Request
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.engine.scheduler import Scheduler
 from raylane.actors.engine.setup import EngineParts, build_engine_parts
+from raylane.actors.engine.spec.drafter import Drafter
+from raylane.actors.engine.spec.metrics import SpecStats
 from raylane.actors.engine.stats import EngineStats
 from raylane.actors.engine.step_launcher import LaunchedStep, StepLauncher
 from raylane.actors.engine.validate import RequestValidator, as_params_list, as_prompt_list
@@ -79,6 +81,7 @@ class LLMEngine:
         self.launcher = StepLauncher(
             self.scheduler, self.planner, self.executor, self.grammars, self.post, self.stats
         )
+        self.drafter = self._drafter()
         self._in_flight: LaunchedStep | None = None  # launched, to be collected by a later step
         self._due: LaunchedStep | None = None  # launched, to be collected by this step
         self._held: list[EngineCoreOutput] = []  # outputs of steps drained outside step()
@@ -86,6 +89,21 @@ class LLMEngine:
         # NOTE: a weak method, so an engine that is dropped is not kept alive until exit
         self._atexit = weakref.WeakMethod(self.shutdown)
         atexit.register(_call_if_alive, self._atexit)
+
+    def _drafter(self) -> Drafter | None:
+        spec = self.config.spec
+        if spec is None:
+            return None
+        self.stats.spec = SpecStats(spec.num_speculative_tokens)
+        drafter = Drafter(
+            spec,
+            self.block_manager,
+            self.config.max_num_batched_tokens,
+            self.config.max_model_len,
+            self.stats.spec,
+        )
+        self.launcher.drafter = self.post.drafter = drafter
+        return drafter
 
     def shutdown(self) -> None:
         """Free the runners: every shard actor and the placement group (idempotent)."""
@@ -235,17 +253,24 @@ class LLMEngine:
     def plan_ahead(self) -> bool:
         """With async scheduling, launch the step after the one due while that one runs (once;
         True if it launched one). A grammar's next mask needs the token in flight, so
-        constrained batches step serially."""
+        constrained batches step serially, and so do batches that speculate: drafts need the
+        token in flight, and how many of the due step's drafts survive is unknown until it
+        returns (docs/speculative_decoding.md)."""
         if (
             self._due is None
             or self._in_flight is not None
             or not self.config.async_scheduling
             or self.launcher.constrained()
+            or self._speculating()
         ):
             return False
         self._in_flight = self.launcher.launch()
         self.stats.steps_planned_ahead += self._in_flight is not None
         return self._in_flight is not None
+
+    def _speculating(self) -> bool:
+        """The next step would draft: its batch is small enough for the adaptive switch."""
+        return self.drafter is not None and self.drafter.active(len(self.scheduler.running))
 
     def end_step(self) -> list[EngineCoreOutput]:
         """The second half of `step`: fold in the step begin_step launched (if drain has not)."""

@@ -60,11 +60,14 @@ class StepPlanner:
             step_id=next(self._step_ids),
             new_requests=tuple(new),
             cached_requests=tuple(cached),
-            scheduled=tuple((item.seq.seq_id, item.num_new) for item in batch.scheduled),
+            scheduled=tuple(
+                (item.seq.seq_id, item.num_new + len(item.drafts)) for item in batch.scheduled
+            ),
             num_prefills=len(batch.prefills),
             finished_seq_ids=tuple(self._finished),
             preempted_seq_ids=tuple(self._preempted),
             token_masks=tuple((token_masks or {}).items()),
+            draft_token_ids=tuple((i.seq.seq_id, i.drafts) for i in batch.scheduled if i.drafts),
         )
         self._known.update(known)
         self._finished, self._preempted = [], []

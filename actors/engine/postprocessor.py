@@ -22,6 +22,7 @@ from raylane.actors.engine.planner import StepPlanner
 from raylane.actors.engine.request import Request
 from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler
 from raylane.actors.engine.sequence import Sequence
+from raylane.actors.engine.spec.drafter import Drafter
 from raylane.actors.engine.stats import EngineStats
 from raylane.actors.runner.plan import StepResult
 
@@ -45,6 +46,7 @@ class Postprocessor:
         self.stats = stats
         self.requests = requests
         self.weight_version = weight_version
+        self.drafter: Drafter | None = None  # speculative decoding: folds accepted counts in
 
     def apply(self, scheduled: list[ScheduledSeq], result: StepResult) -> list[EngineCoreOutput]:
         """Fold a step's result in; returns the outputs of the requests it advanced."""
@@ -62,21 +64,24 @@ class Postprocessor:
             if token is None:
                 continue
             request = self.requests[seq.request_id]
-            self.stats.token(request, now)
-            seq.append_token(
-                token,
-                result.logprobs[i],
-                result.top_logprobs[i],
-                self.weight_version(),
-                result.kept_mass[i],
-            )
-            self.stop_checker.check(seq, request.detokenize(seq))
-            if seq.matcher is not None:
-                self._advance_grammar(seq, seq.matcher, request, token)
+            for row in _tokens(result, i):  # one, or a verify row's 1 + accepted
+                self._append(seq, request, *row, now)
+                if seq.finish_reason is not None:
+                    break  # a stop inside an accepted run: the tokens after it are dropped
+            if item.drafts and self.drafter is not None:
+                extra = result.extra[i]
+                self.drafter.accepted(item, len(extra.token_ids) if extra else 0)
             if seq.finish_reason is not None and not seq.is_finished:
                 self.release(seq)
             touched[seq.request_id] = request
         return self.outputs(list(touched.values()))
+
+    def _append(self, seq: Sequence, request: Request, token, logprob, top, kept, now) -> None:
+        self.stats.token(request, now)
+        seq.append_token(token, logprob, top, self.weight_version(), kept)
+        self.stop_checker.check(seq, request.detokenize(seq))
+        if seq.matcher is not None:
+            self._advance_grammar(seq, seq.matcher, request, token)
 
     def _advance_grammar(
         self, seq: Sequence, matcher: LLMatcher, request: Request, token: int
@@ -122,6 +127,8 @@ class Postprocessor:
             seq.routing_parts = []
         self.scheduler.finish(seq)
         self.planner.forget(seq)
+        if self.drafter is not None:
+            self.drafter.forget(seq)
 
     def outputs(self, touched: list[Request]) -> list[EngineCoreOutput]:
         """What the requests gained since their last output; finished ones are counted and
@@ -132,3 +139,12 @@ class Postprocessor:
                 self.stats.request_finished(r, time.monotonic())
                 del self.requests[r.request_id]
         return outputs
+
+
+def _tokens(result: StepResult, i: int):
+    """Entry i's tokens as (token, logprob, top logprobs, kept mass): the first, then a verify
+    row's further ones."""
+    yield (result.token_ids[i], result.logprobs[i], result.top_logprobs[i], result.kept_mass[i])
+    extra = result.extra[i] if result.extra else None
+    if extra is not None:
+        yield from zip(extra.token_ids, extra.logprobs, extra.top_logprobs, extra.kept_mass)

@@ -18,6 +18,8 @@ class ScheduledSeq:
     start: int = field(init=False)  # tokens in its KV cache before the step
     samples: bool = field(init=False)  # the chunk reaches the end: its logits give a token
     preemptions: int = field(init=False)  # its preemption count then (a later one voids it)
+    # speculative decoding: tokens to verify after its one new token (see engine/spec)
+    drafts: tuple[int, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens

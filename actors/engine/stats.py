@@ -10,6 +10,8 @@ import bisect
 import time
 from collections import Counter
 
+from raylane.actors.engine.spec.metrics import SpecStats
+
 TTFT_BUCKETS = (
     0.001,
     0.005,
@@ -169,6 +171,7 @@ class EngineStats:
         self.graph_replays = 0  # decode steps replayed from a captured graph (eager on CPU)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.spec = SpecStats()  # speculative decoding (sized by the engine's config)
         self.finished: Counter[str] = Counter()
         self.histograms = {
             "time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
@@ -179,6 +182,23 @@ class EngineStats:
 
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)
+
+    # speculative decoding, under vLLM's names
+    @property
+    def spec_decode_num_drafts(self) -> int:
+        return self.spec.num_drafts
+
+    @property
+    def spec_decode_num_draft_tokens(self) -> int:
+        return self.spec.num_draft_tokens
+
+    @property
+    def spec_decode_num_accepted_tokens(self) -> int:
+        return self.spec.num_accepted_tokens
+
+    @property
+    def spec_decode_num_accepted_tokens_per_pos(self) -> list[int]:
+        return list(self.spec.accepted_per_pos)
 
     # --- a request's milestones (`Request`: its times are stamped here) ----------------------
 
@@ -223,6 +243,7 @@ class EngineStats:
                 "prefix_cache_queries": block_manager.num_queries,
                 "prefix_cache_hits": block_manager.num_hits,
             },
+            "spec_decode": self.spec.snapshot(),
             "finished": dict(self.finished),
             "histograms": {name: h.snapshot() for name, h in self.histograms.items()},
         }

@@ -17,6 +17,7 @@ from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.planner import StepPlanner
 from raylane.actors.engine.postprocessor import Postprocessor
 from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from raylane.actors.engine.spec.drafter import Drafter
 from raylane.actors.engine.stats import EngineStats, StepTimer
 from raylane.actors.executor.base import Executor
 from raylane.actors.runner.faults import Faults
@@ -50,6 +51,7 @@ class StepLauncher:
         self.stats = stats
         self.faults = Faults()  # the "plan" stage of LLMEngine.arm_fault
         self.failed: list[EngineCoreOutput] = []  # outputs of requests whose plan raised
+        self.drafter: Drafter | None = None  # speculative decoding (EngineConfig.spec)
 
     def launch(self) -> LaunchedStep | None:
         """Schedule, plan and submit a step (None when there is nothing to run)."""
@@ -59,6 +61,8 @@ class StepLauncher:
             self.planner.preempted(batch.preempted)
             return None
         self._record_scheduled(batch)
+        if self.drafter is not None:
+            self.drafter.draft(batch)
         timer.mark("schedule")
         try:
             self.faults.check("plan")

@@ -40,7 +40,7 @@ class InputPreparer:
         for item in scheduled:
             start = item.state.num_computed_tokens
             first_row = len(ids)
-            ids.extend(item.state.token_ids[start : start + item.num_new])
+            ids.extend(item.input_token_ids())
             positions.extend(range(start, start + item.num_new))
             rows = logit_rows(item, first_row)
             logits_rows.append((len(logits_idx), len(rows)))
@@ -71,6 +71,6 @@ def logit_rows(item: ScheduledRequest, first_row: int) -> list[int]:
             for j in range(item.num_new)
             if done <= start + j + 1 < state.num_prompt_tokens
         ]
-    if item.samples:
-        rows.append(first_row + item.num_new - 1)
+    # the sampling rows: the last one, or a verify row's last 1 + drafts
+    rows.extend(range(first_row + item.num_new - item.num_sample_rows, first_row + item.num_new))
     return rows

@@ -26,9 +26,10 @@ from raylane.actors.runner.faults import Faults
 from raylane.actors.runner.graph_runner import GraphRunner
 from raylane.actors.runner.inputs import InputPreparer, StepInputs
 from raylane.actors.runner.kv_cache import KVCache
-from raylane.actors.runner.plan import StepPlan, StepResult
+from raylane.actors.runner.plan import ExtraTokens, StepPlan, StepResult
 from raylane.actors.runner.requests import RequestTable, ScheduledRequest
 from raylane.actors.runner.sampler import Sampler
+from raylane.actors.runner.spec_verify import accept, sampling_rows
 from raylane.kernels.attention import get_backend
 
 
@@ -192,13 +193,22 @@ class ModelRunner:
         masks: dict[int, object],
     ) -> StepResult:
         result = StepResult.empty(len(scheduled))
-        picks, sampled = self._draw(scheduled, step, logits, masks)
-        for k, i in enumerate(picks):
+        picks, sampled, firsts = self._draw(scheduled, step, logits, masks)
+        for k, i in zip(firsts, picks):
             result.token_ids[i] = sampled.token_ids[k]
             result.logprobs[i] = sampled.logprobs[k]
             result.top_logprobs[i] = sampled.top_logprobs[k]
             result.kept_mass[i] = sampled.kept_mass[k]
-            scheduled[i].state.last_sampled = sampled.token_ids[k]
+            last = k + scheduled[i].num_accepted
+            if last > k:  # a verify row's accepted drafts: the target's tokens after them
+                more = slice(k + 1, last + 1)
+                result.extra[i] = ExtraTokens(
+                    sampled.token_ids[more],
+                    sampled.logprobs[more],
+                    sampled.top_logprobs[more],
+                    sampled.kept_mass[more],
+                )
+            scheduled[i].state.last_sampled = sampled.token_ids[last]
         for i, item in enumerate(scheduled):
             result.prompt_logprobs[i] = self._prompt_logprobs(item, step.logits_rows[i], logits)
         self._routed_experts(scheduled, result)
@@ -212,9 +222,9 @@ class ModelRunner:
         masks: dict[int, object],
     ) -> None:
         """A rank that does not report: draw the same tokens as rank 0, to fill placeholders."""
-        picks, drawn = self._draw(scheduled, step, logits, masks, tokens_only=True)
-        for k, i in enumerate(picks):
-            scheduled[i].state.last_sampled = drawn.token_ids[k]
+        picks, drawn, firsts = self._draw(scheduled, step, logits, masks, tokens_only=True)
+        for k, i in zip(firsts, picks):
+            scheduled[i].state.last_sampled = drawn.token_ids[k + scheduled[i].num_accepted]
 
     def _draw(
         self,
@@ -225,25 +235,26 @@ class ModelRunner:
         tokens_only: bool = False,
     ):
         """Sample the rows whose chunk reaches the end of its sequence: (their indices in
-        `scheduled`, the SampleResult), or ([], None) when none does."""
+        `scheduled`, the SampleResult, each one's first position in it), or ([], None, [])
+        when none does. A verify row samples 1 + k positions (see spec_verify)."""
         picks = [i for i, item in enumerate(scheduled) if item.samples]
         if not picks:
-            return picks, None
-        rows = [step.logits_rows[i][0] + step.logits_rows[i][1] - 1 for i in picks]
-        states = [scheduled[i].state for i in picks]
-        return picks, self.sampler(
+            return picks, None, []
+        rows, states = sampling_rows(scheduled, picks, step.logits_rows)
+        sampled = self.sampler(
             logits[rows],
             states,
             tokens_only=tokens_only,
             masks=[masks.get(s.seq_id) for s in states],
         )
+        return picks, sampled, accept(scheduled, picks, sampled.token_ids)
 
     def _prompt_logprobs(
         self, item: ScheduledRequest, rows: tuple[int, int], logits: torch.Tensor
     ) -> list[dict[int, float]]:
         state = item.state
         first, count = rows
-        count -= int(item.samples)  # the sampling row is not a prompt row
+        count -= item.num_sample_rows  # sampling rows are not prompt rows
         if state.params.prompt_logprobs is None or count <= 0:
             return []
         lp = logits[first : first + count].float().log_softmax(dim=-1)  # [count, V]
@@ -266,7 +277,9 @@ class ModelRunner:
         rows, spans = [], []
         for i, item in enumerate(scheduled):
             state = item.state
-            start, end = state.num_routed_reported, item.context_len
+            # a verify row's rejected drafts are no positions of the sequence
+            start = state.num_routed_reported
+            end = item.context_len - len(item.drafts) + item.num_accepted
             # end <= start: a recompute after preemption, already reported
             if state.params.return_routed_experts and end > start:
                 state.num_routed_reported = end
@@ -280,7 +293,7 @@ class ModelRunner:
 
     def _advance(self, scheduled: list[ScheduledRequest], step: StepInputs) -> None:
         for item, (_, count) in zip(scheduled, step.logits_rows):
-            item.state.num_prompt_logprobs_done += count - int(item.samples)
+            item.state.num_prompt_logprobs_done += count - item.num_sample_rows
         RequestTable.advance(scheduled)
 
 

@@ -61,6 +61,9 @@ class StepPlan:
     # structured outputs: (seq_id, int32 bit set [ceil(vocab / 32)]) for rows whose next token
     # a grammar constrains (bit t of word t // 32 allows token t)
     token_masks: tuple[tuple[int, object], ...] = ()
+    # speculative decoding: (seq_id, draft tokens) for rows that verify drafts; such a row's
+    # `scheduled` count is 1 + len(drafts) (the last sampled token, then the drafts)
+    draft_token_ids: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +91,17 @@ class StepError:
 
 
 @dataclass
+class ExtraTokens:
+    """A verify row's tokens after its first (the accepted drafts' successors): the target's
+    own token, logprob, top logprobs and kept mass at each further position."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]
+    kept_mass: list[float | None]
+
+
+@dataclass
 class StepResult:
     """What comes back from a step, one entry per `plan.scheduled` entry, in that order."""
 
@@ -106,6 +120,9 @@ class StepResult:
     # finished_at by the runner, sent_at and received_at by the executor
     timings: dict[str, float] = field(default_factory=dict)
     graph_replayed: bool = False  # the forward replayed a captured (or, on CPU, eager) graph
+    # speculative decoding: per entry, the tokens after `token_ids[i]` when drafts were
+    # accepted (len = accepted drafts), else None
+    extra: list[ExtraTokens | None] = field(default_factory=list)
 
     @classmethod
     def empty(cls, size: int) -> StepResult:
@@ -116,6 +133,7 @@ class StepResult:
             [[] for _ in range(size)],
             [None] * size,
             [None] * size,
+            extra=[None] * size,
         )
 
     def spread(self, rows: list[int], size: int) -> StepResult:
@@ -128,6 +146,7 @@ class StepResult:
             "prompt_logprobs",
             "routed_experts",
             "kept_mass",
+            "extra",
         ):
             column = getattr(out, name)
             for row, value in zip(rows, getattr(self, name)):

@@ -98,12 +98,25 @@ class ScheduledRequest:
     """A request's part of one step."""
 
     state: RequestState
-    num_new: int  # tokens computed for it this step
+    num_new: int  # tokens computed for it this step (drafts included)
+    drafts: tuple[int, ...] = ()  # speculative decoding: tokens fed after its last one
+    num_accepted: int = 0  # of the drafts, how many the target agreed with (sampling rank)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the sequence, so its logits give a token."""
-        return self.state.num_computed_tokens + self.num_new == len(self.state)
+        return self.state.num_computed_tokens + self.num_new - len(self.drafts) == len(self.state)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logit rows that sample: the last token's, then one per draft."""
+        return 1 + len(self.drafts) if self.samples else 0
+
+    def input_token_ids(self) -> list[int]:
+        start = self.state.num_computed_tokens
+        return self.state.token_ids[start : start + self.num_new - len(self.drafts)] + list(
+            self.drafts
+        )
 
     @property
     def context_len(self) -> int:
@@ -140,8 +153,11 @@ class RequestTable:
         for delta in plan.cached_requests:
             if delta.seq_id not in self.failed:
                 self._get(delta.seq_id).update(delta)
+        drafts = dict(plan.draft_token_ids)
         return [
-            None if seq_id in self.failed else ScheduledRequest(self._get(seq_id), n)
+            None
+            if seq_id in self.failed
+            else ScheduledRequest(self._get(seq_id), n, drafts.get(seq_id, ()))
             for seq_id, n in plan.scheduled
         ]
 
@@ -159,6 +175,7 @@ class RequestTable:
 
     @staticmethod
     def advance(scheduled: list[ScheduledRequest]) -> None:
-        """After the forward pass: the step's tokens are in the KV cache."""
+        """After the forward pass: the step's tokens are in the KV cache (a verify row's
+        accepted drafts count once the engine's next plan says so)."""
         for item in scheduled:
-            item.state.num_computed_tokens += item.num_new
+            item.state.num_computed_tokens += item.num_new - len(item.drafts)

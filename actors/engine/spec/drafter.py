@@ -1,0 +1,121 @@
+"""Drafter: give a scheduled step's decoding sequences their drafts, and fold back what the
+target accepted.
+
+Drafting happens after the scheduler chose the step and before it is planned: a decode row
+with k drafts becomes a chunk of 1 + k query tokens (the last sampled token, then the drafts),
+verified by the runner in the same forward as everything else. Its blocks are allocated here
+for all 1 + k positions; the scheduler still counts one new token, so after the result only
+the accepted positions count as computed (`accepted`), the rejected slots are simply written
+over by later steps, and the prefix cache registers only blocks full of accepted tokens.
+
+Drafting needs the sequence's latest token on the host, so a sequence with a token in flight
+(async scheduling planned this step ahead) is not drafted; the engine plans speculative steps
+after the step before them returned (`LLMEngine.plan_ahead`).
+"""
+
+from __future__ import annotations
+
+from raylane.actors.engine.block_manager import BlockManager
+from raylane.actors.engine.scheduler import ScheduledSeq, SchedulerOutput
+from raylane.actors.engine.sequence import Sequence
+from raylane.actors.engine.spec.backoff import Backoff
+from raylane.actors.engine.spec.config import SpeculativeConfig
+from raylane.actors.engine.spec.metrics import SpecStats
+from raylane.actors.engine.spec.ngram import NgramProposer
+from raylane.actors.engine.spec.suffix import SuffixIndex
+
+
+class Drafter:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        blocks: BlockManager,
+        max_num_batched_tokens: int,
+        max_model_len: int | None,
+        stats: SpecStats,
+    ):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.blocks = blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.stats = stats
+        self.backoff = Backoff()
+        self.ngram = (
+            NgramProposer(config.prompt_lookup_min or 1, config.prompt_lookup_max or 1)
+            if config.method == "ngram"
+            else None
+        )
+        self.suffix = (
+            SuffixIndex(min_probability=config.suffix_min_probability)
+            if config.method == "suffix"
+            else None
+        )
+
+    def active(self, num_decoding: int) -> bool:
+        """Speculate for a batch of this many running sequences (the adaptive switch)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_decoding <= limit
+
+    def draft(self, batch: SchedulerOutput) -> None:
+        """Propose drafts for the batch's decode rows and allocate their slots; rows with
+        drafts move to the front part of the step (they are short prefill-like chunks)."""
+        if not batch.decodes or not self.active(len(batch.decodes) + len(batch.prefills)):
+            return
+        budget = self.max_num_batched_tokens - batch.num_tokens
+        drafted: list[ScheduledSeq] = []
+        for item in batch.decodes:
+            drafts = self._propose(item.seq, min(self.k, budget))
+            if drafts and self._allocate(item.seq, len(drafts)):
+                item.drafts = tuple(drafts)
+                budget -= len(drafts)
+                drafted.append(item)
+        if drafted:
+            batch.prefills += drafted
+            batch.decodes = [item for item in batch.decodes if not item.drafts]
+
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
+        if seq.num_pending or seq.matcher is not None or not self.backoff.ready(seq.seq_id):
+            return []
+        k = min(k, self._room(seq))
+        if k < 1:
+            return []
+        if self.ngram is not None:
+            return self.ngram.propose(seq.token_ids, k)
+        assert self.suffix is not None
+        if seq.seq_id not in self.suffix:
+            self.suffix.add(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
+        return self.suffix.propose(seq.seq_id, k)
+
+    def _room(self, seq: Sequence) -> int:
+        """Drafts worth verifying: the step yields at most drafts + 1 tokens, and none past
+        max_tokens or the context length."""
+        room = self.k
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - len(seq))
+        return room
+
+    def _allocate(self, seq: Sequence, num_drafts: int) -> bool:
+        need = self.blocks.blocks_needed(seq, 1 + num_drafts)
+        if not self.blocks.can_allocate(need):
+            return False
+        self.blocks.allocate(seq, 1 + num_drafts)
+        return True
+
+    def accepted(self, item: ScheduledSeq, num_accepted: int) -> None:
+        """The step's result: `num_accepted` leading drafts were right. Their positions are
+        computed KV now (the rejected ones are not); full blocks of them join the prefix cache."""
+        self.stats.record(len(item.drafts), num_accepted)
+        self.backoff.record(item.seq.seq_id, len(item.drafts), num_accepted)
+        seq = item.seq
+        if seq.num_preemptions != item.preemptions or seq.is_finished:
+            return
+        seq.num_computed_tokens += num_accepted
+        self.blocks.commit_full_blocks(seq, item.start + 1 + num_accepted)
+
+    def forget(self, seq: Sequence) -> None:
+        self.backoff.forget(seq.seq_id)
+        if self.suffix is not None:
+            self.suffix.remove(seq.seq_id)
