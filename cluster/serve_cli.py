@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import json
 import signal
 import sys
 import textwrap
@@ -123,6 +124,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "replica captures one graph per batch size in "
         "engine.cudagraph_capture_sizes at start-up; the CPU runs eager)",
     )
+    parser.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        help='speculative decoding as JSON, vLLM\'s names: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' or "suffix" (drafts from the sample\'s siblings too); '
+        "outputs are identical to decoding without it",
+    )
     parser.add_argument("--ray-address", help="join an existing Ray cluster (default: start one)")
     parser.add_argument(
         "--direct-ingress",
@@ -192,6 +200,8 @@ def config_from_args(args: argparse.Namespace):
         engine["enforce_eager"] = True
     if args.async_scheduling is not None:
         engine["async_scheduling"] = args.async_scheduling
+    if args.speculative_config is not None:
+        engine["speculative_config"] = args.speculative_config
     return dataclasses.replace(config, engine=engine, **updates)
 
 
@@ -233,3 +243,14 @@ def run(args: argparse.Namespace) -> int:
         print("shutting down Ray...", file=sys.stderr, flush=True)
         launch.shutdown()
     return code
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object option (argparse reports the ValueError as a usage error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value

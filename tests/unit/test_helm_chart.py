@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from raylane.actors.engine.spec import SpeculativeConfig
 
 helm = pytest.importorskip("helm_python")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -75,6 +76,9 @@ CONFIGS = {
     },
     "llama3-tools-serial": {
         "serving": {"toolCallParser": "llama3", "asyncScheduling": False, "trainerApi": True}
+    },
+    "speculative": {
+        "serving": {"speculativeConfig": {"method": "suffix", "num_speculative_tokens": 3}}
     },
     "sessions-and-consolidation": {
         "postgres": {"dsn": {"value": "", "secretKeyRef": {"name": "db", "key": "dsn"}}},
@@ -156,6 +160,11 @@ def test_serve_config_imports_and_its_args_load(name, monkeypatch):
     assert config.model == (values.get("model", {}).get("path") or None)
     assert not config.api_keys and config.admin_api_key is None  # keys never in the config
     assert config.engine["async_scheduling"] == serving.get("asyncScheduling", True)
+    spec = serving.get("speculativeConfig")
+    assert config.engine.get("speculative_config") == spec
+    assert config.engine_config("/m").speculative_config == (
+        SpeculativeConfig(**spec) if spec else None
+    )
     assert config.tool_call_parser == (serving.get("toolCallParser") or None)
     assert config.trainer_api == serving.get("trainerApi", False)
     assert config.sessions_dsn is None  # from RAYLANE_SESSIONS_DSN in the pods only

@@ -148,3 +148,29 @@ def test_spec_counters_reach_metrics():
     per_pos = 'raylane:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="%d"}'
     assert per_pos % 0 + " 2.0" in text and per_pos % 1 + " 2.0" in text
     assert per_pos % 2 + " 0.0" in text
+
+
+def test_speculative_config_from_yaml_and_the_serve_flag(tmp_path):
+    from raylane.cli import build_parser
+    from raylane.config import ClusterConfig
+    from raylane.serve_cli import config_from_args
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        "engine:\n  speculative_config:\n    method: suffix\n    num_speculative_tokens: 3\n"
+    )
+    argv = ["serve", "--config", str(path)]
+    yaml_config = config_from_args(build_parser(argv).parse_args(argv))
+    assert yaml_config.engine_config("/m").spec == SpeculativeConfig("suffix", 3)
+    argv += ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}']
+    flags = config_from_args(build_parser(argv).parse_args(argv))  # the flag wins
+    assert flags.engine_config("/m").spec.method == "ngram"
+    assert flags.engine_config("/m").spec.num_speculative_tokens == 5
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens"):
+        ClusterConfig.from_dict(
+            {"engine": {"speculative_config": {"method": "ngram", "num_speculative_tokens": -1}}}
+        )
+    for bad in ("{not json", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            argv = ["serve", "--speculative-config", bad]
+            build_parser(argv).parse_args(argv)

@@ -147,6 +147,7 @@ Arguments: (list $ ENV_NAME .Values.feature.dsn "chart-secret-key" "feature.swit
 {{- if gt (int .Values.model.maxModelLen) 0 -}}
 {{- $_ := set $engine "max_model_len" (int .Values.model.maxModelLen) -}}
 {{- end -}}
+{{- with .Values.serving.speculativeConfig }}{{ $_ := set $engine "speculative_config" . }}{{ end -}}
 {{- $args := dict "replicas" (int .Values.serving.replicas) "max_queue_per_replica" (int .Values.serving.maxQueuePerReplica) "max_body_bytes" (int .Values.serving.maxBodyBytes) "engine" $engine -}}
 {{- with .Values.model.path }}{{ $_ := set $args "model" . }}{{ end -}}
 {{- with .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" . }}{{ end -}}
