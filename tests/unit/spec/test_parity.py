@@ -8,31 +8,13 @@ from __future__ import annotations
 import pytest
 from raylane.actors.engine import SamplingParams
 
-from tests.unit.async_helpers import prompts_for
-from tests.unit.spec_helpers import Tap, make_loopy_llama, spec_engine
+from tests.unit.spec.helpers import Tap, spec_engine
 
 K = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": K}
 LENGTHS = (9, 17, 30, 45)
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def loopy_dir(tmp_path_factory) -> str:
-    return make_loopy_llama(tmp_path_factory.mktemp("loopy") / "model")
-
-
-@pytest.fixture(scope="module")
-def reference(loopy_dir):
-    engine = spec_engine(loopy_dir, None)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def prompts(reference) -> list[list[int]]:
-    return prompts_for(reference.validator.vocab_size, LENGTHS)
 
 
 def greedy(max_tokens: int = 40, **kw) -> SamplingParams:
