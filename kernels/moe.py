@@ -59,6 +59,27 @@ def select_experts_grouped(
     return weights * scaling, ids
 
 
+def select_experts_softmax_grouped(
+    router_logits: torch.Tensor, top_k: int, num_groups: int, topk_groups: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 routing: router_logits [T, E] float32 -> (weights [T, k], ids [T, k]).
+
+    Softmax scores; with `num_groups` > 1 ("group_limited_greedy") only experts of the
+    `topk_groups` groups with the highest best score compete; weights are the scores (no
+    renormalisation) times `scaling`.
+    """
+    scores = torch.softmax(router_logits, dim=-1, dtype=torch.float)  # [T, E]
+    if num_groups > 1:
+        num_tokens, num_experts = scores.shape
+        grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
+        groups = grouped.amax(dim=-1).topk(topk_groups, dim=-1, sorted=False).indices
+        keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=scores.device)
+        keep.scatter_(1, groups, True)
+        scores = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(num_tokens, -1)
+    weights, ids = torch.topk(scores, top_k, dim=-1, sorted=False)
+    return weights * scaling, ids
+
+
 def _grouped_mm_ready(t: torch.Tensor) -> bool:
     # torch._grouped_mm's rule: one of the two inner dims contiguous, the other's stride a
     # multiple of 16 bytes, a 16-byte aligned start. Layout only, never values: the same

@@ -104,7 +104,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, D] of each token's position."""
+    """x [T, H, D] rotated by cos/sin [T, R] of each token's position; R < D (partial rotary,
+    e.g. GLM-4.5) rotates the leading R dims of each head and passes the rest through."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary], cos, sin)
+        return torch.cat([rotated, x[..., rotary:]], dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
     return x * cos + rotate_half(x) * sin
 

@@ -16,7 +16,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.support import ray_cluster as shared_ray
-from tests.tiny_models import make_deepseek_v3, make_llama, make_qwen3, make_qwen3_moe
+from tests.tiny_models import (
+    make_deepseek_v3,
+    make_glm4_moe,
+    make_llama,
+    make_qwen3,
+    make_qwen3_moe,
+)
 
 torch.set_num_threads(min(2, torch.get_num_threads()))  # the machine's cores are shared
 shared_ray.set_env()  # also for the modules that start a Ray cluster of their own
@@ -38,6 +44,12 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """DeepSeek-V3 (MLA + grouped sigmoid routing), see tests/tiny_models.make_deepseek_v3."""
     return make_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek"))
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """GLM-4.5-style MoE (GQA, partial rotary), see tests/tiny_models.make_glm4_moe."""
+    return make_glm4_moe(tmp_path_factory.mktemp("tiny_glm4_moe"))
 
 
 @pytest.fixture(scope="session")

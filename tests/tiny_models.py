@@ -218,6 +218,58 @@ def make_deepseek_v3(path: str | os.PathLike, seed: int = 0, **overrides: Any) -
     return path
 
 
+def make_deepseek_v2(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """DeepSeek-V2: V3's tiny shape (see make_deepseek_v3) with softmax routing,
+    "group_limited_greedy" over 4 groups (top-2) and two shared experts."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    defaults = {
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "group_limited_greedy",
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 2,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.5,
+    }
+    return _save(path, DeepseekV2Config, DeepseekV2ForCausalLM, seed, overrides, **defaults)
+
+
+def make_glm4_moe(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """GLM-4.5-style MoE, 3 layers: layer 0 dense, 1 and 2 MoE (8 experts, 2 groups, top-2,
+    one shared expert) under GQA attention with q/k/v bias, q/k norm and RoPE on half of each
+    32-dim head (`partial_rotary_factor` 0.5). Random router correction biases."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    defaults = {
+        "num_hidden_layers": 3,
+        "head_dim": 32,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "n_routed_experts": 8,
+        "n_group": 2,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.5,
+        "norm_topk_prob": True,
+    }
+    path = _save(path, Glm4MoeConfig, Glm4MoeForCausalLM, seed, overrides, **defaults)
+    _randomize_router_bias(path, seed)
+    return path
+
+
 def _randomize_router_bias(path: str, seed: int) -> None:
     """Rewrite the checkpoint with seeded `e_score_correction_bias` values."""
     from safetensors.torch import load_file, save_file

@@ -1,5 +1,6 @@
 """DeepSeek-V3 / R1: MLA attention (mla.py) on every layer, and DeepSeek's MoE on every layer
-from `first_k_dense_replace` on (the first ones are dense MLPs).
+from `first_k_dense_replace` on (the first ones are dense MLPs). Also DeepSeek-V2 (the same
+MLA, softmax routing) and GLM-4.5 / 4.6 (V3's MoE under GQA attention).
 
 DeepSeek's MoE: a float32 router with sigmoid scores; the choice adds
 `e_score_correction_bias` and keeps to the `topk_group` best of `n_group` expert groups; the
@@ -15,11 +16,20 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from raylane.actors.models.layers import TPGroup
-from raylane.actors.models.llama import AttentionSpec, LlamaDecoderLayer, LlamaMLP
+from raylane.actors.models.llama import (
+    AttentionSpec,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+)
 from raylane.actors.models.llama import LlamaForCausalLM as _Llama
 from raylane.actors.models.mla import MLASpec, MLAttention
 from raylane.actors.models.qwen3_moe import FusedMoE, expert_mapping
-from raylane.kernels.moe import expert_forward, select_experts_grouped
+from raylane.kernels.moe import (
+    expert_forward,
+    select_experts_grouped,
+    select_experts_softmax_grouped,
+)
 from torch import nn
 
 
@@ -59,12 +69,39 @@ class GroupedTopkRouter(nn.Module):
         )
 
 
+class SoftmaxGroupedRouter(nn.Module):
+    """DeepSeek-V2's gate: float32 weight [E, H], softmax scores, `topk_method` "greedy" or
+    "group_limited_greedy" (select_experts_softmax_grouped)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        experts = config.n_routed_experts
+        self.weight = nn.Parameter(
+            torch.empty(experts, config.hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        method = config.topk_method
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method: {method!r} is not 'greedy' or 'group_limited_greedy'")
+        grouped = method == "group_limited_greedy"
+        self.top_k, self.scaling = config.num_experts_per_tok, float(config.routed_scaling_factor)
+        self.num_groups = (config.n_group or 1) if grouped else 1
+        self.topk_groups = config.topk_group or 1
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        return select_experts_softmax_grouped(
+            logits, self.top_k, self.num_groups, self.topk_groups, self.scaling
+        )
+
+
 class DeepseekMoE(nn.Module):
-    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, config: Any, tp: TPGroup | None = None, router: type[nn.Module] = GroupedTopkRouter
+    ) -> None:
         super().__init__()
         self.tp, self.hidden_act = tp or TPGroup(), config.hidden_act
         size = config.moe_intermediate_size
-        self.gate = GroupedTopkRouter(config)
+        self.gate = router(config)
         self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, size, tp)
         shared = config.n_shared_experts or 0
         self.shared_experts = (
@@ -86,12 +123,7 @@ class DeepseekMoE(nn.Module):
 
 
 def is_moe_layer(config: Any, layer_idx: int) -> bool:
-    freq = getattr(config, "moe_layer_freq", 1) or 1  # DeepSeek-V2's field; V3 has none
-    return (
-        bool(config.n_routed_experts)
-        and layer_idx >= (config.first_k_dense_replace or 0)
-        and layer_idx % freq == 0
-    )
+    return bool(config.n_routed_experts) and layer_idx >= (config.first_k_dense_replace or 0)
 
 
 class DeepseekV3ForCausalLM(_Llama):
@@ -103,17 +135,49 @@ class DeepseekV3ForCausalLM(_Llama):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
 
+    router: type[nn.Module] = GroupedTopkRouter
+
     def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
         super().__init__(config, tp)
         self.num_moe_layers = sum(is_moe_layer(config, i) for i in range(config.num_hidden_layers))
         self.moe_top_k = config.num_experts_per_tok if self.num_moe_layers else 0
 
+    def make_attention(self, config: Any, spec: AttentionSpec) -> nn.Module:
+        return MLAttention(MLASpec.from_config(config), self.tp)
+
     def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
-        attn = MLAttention(MLASpec.from_config(config), self.tp)
+        attn = self.make_attention(config, spec)
         if is_moe_layer(config, layer_idx):
-            return LlamaDecoderLayer(spec, DeepseekMoE(config, self.tp), True, self.tp, attn)
+            moe = DeepseekMoE(config, self.tp, self.router)
+            return LlamaDecoderLayer(spec, moe, True, self.tp, attn)
         mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=self.tp)
         return LlamaDecoderLayer(spec, mlp, False, self.tp, attn)
 
     def expert_params_mapping(self) -> list[tuple[str, str, Any]]:
         return expert_mapping(self.config.n_routed_experts, "gate_proj", "up_proj", "down_proj")
+
+
+class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.5 / 4.6: DeepSeek-V3's MoE (the same router, shared experts and dense first
+    layers) under standard GQA attention: q/k/v bias from `attention_bias` (o_proj none),
+    optional per-head q/k RMSNorm (`use_qk_norm`), RoPE on the leading
+    `partial_rotary_factor` of each head."""
+
+    stacked_params_mapping = _Llama.stacked_params_mapping
+    packed_modules_mapping = _Llama.packed_modules_mapping
+
+    @classmethod
+    def attention_spec(cls, config: Any) -> AttentionSpec:
+        qk_norm = bool(getattr(config, "use_qk_norm", False))
+        return AttentionSpec.from_config(config, o_bias=False, qk_norm=qk_norm)
+
+    def make_attention(self, config: Any, spec: AttentionSpec) -> nn.Module:
+        return LlamaAttention(spec, self.tp)
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V2 / V2-Lite: V3's MLA (its complex-number RoPE keeps each rotated pair
+    together where V3 de-interleaves them: the same permutation of q's and k's rope dims, so
+    the same scores) with softmax routing, no correction bias."""
+
+    router = SoftmaxGroupedRouter

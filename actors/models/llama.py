@@ -38,8 +38,9 @@ class AttentionSpec:
     o_bias: bool
     qk_norm: bool
     rms_norm_eps: float
-    rope_parameters: dict[str, Any] = field(hash=False)
+    rope_parameters: dict[str, Any] = field(hash=False)  # partial_rotary_factor taken out
     max_position_embeddings: int
+    rotary_dim: int = 0  # the leading dims of each head that RoPE rotates; 0: all of them
 
     @classmethod
     def from_config(
@@ -58,17 +59,21 @@ class AttentionSpec:
                 f"num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}"
             )
         bias = bool(getattr(config, "attention_bias", False))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        rope = rope_parameters_of(config)
+        partial = rope.pop("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         return cls(
             hidden_size=config.hidden_size,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            head_dim=head_dim,
             qkv_bias=bias if qkv_bias is None else qkv_bias,
             o_bias=bias if o_bias is None else o_bias,
             qk_norm=qk_norm,
             rms_norm_eps=config.rms_norm_eps,
-            rope_parameters=rope_parameters_of(config),
+            rope_parameters=rope,
             max_position_embeddings=config.max_position_embeddings,
+            rotary_dim=int(head_dim * (partial or 1.0)),
         )
 
 
@@ -175,7 +180,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
-            spec.head_dim,
+            spec.rotary_dim or spec.head_dim,
             spec.rope_parameters,
             spec.max_position_embeddings,
             dtype=torch.get_default_dtype(),
@@ -185,7 +190,7 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden = self.embed_tokens(input_ids)  # [T, D]
-        cos, sin = self.rotary_emb(positions)  # [T, head_dim] each, shared by all layers
+        cos, sin = self.rotary_emb(positions)  # [T, rotary_dim] each, shared by all layers
         residual, routed = None, []
         for layer in self.layers:
             hidden, residual, expert_ids = layer(hidden, residual, cos, sin, attn)

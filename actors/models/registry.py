@@ -12,7 +12,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("raylane.actors.models.llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("raylane.actors.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("raylane.actors.models.qwen3_moe", "MixtralForCausalLM"),
+    "DeepseekV2ForCausalLM": ("raylane.actors.models.deepseek_v3", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("raylane.actors.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "Glm4MoeForCausalLM": ("raylane.actors.models.deepseek_v3", "Glm4MoeForCausalLM"),
 }
 
 

@@ -1,31 +1,32 @@
-"""DeepSeek-V3 through the engine against Hugging Face (float32): greedy ids and raw logprobs
-of a mixed-length batch, routed experts against hooks on HF's gates, and the latent cache
-under the prefix cache, chunked prefill and preemption."""
+"""DeepSeek-V3 (and GLM-4.5's MoE) through the engine against Hugging Face (float32): greedy
+ids and raw logprobs of a mixed-length batch, routed experts against hooks on HF's gates, and
+the latent cache under the prefix cache, chunked prefill and preemption."""
 
 from __future__ import annotations
 
 import random
 
 import numpy as np
+import pytest
 from raylane.actors.models.attention import LatentAttention
 
 from tests.hf_reference import hf_router_topk
 from tests.unit.test_engine_parity import assert_matches_hf, engine_for, greedy, prompts_for
 
 
-def test_greedy_batch_and_routed_experts_match_hf(tiny_deepseek_dir):
-    engine = engine_for(
-        tiny_deepseek_dir, max_num_batched_tokens=128, enable_return_routed_experts=True
-    )
+@pytest.mark.parametrize("model", ["tiny_deepseek_dir", "tiny_glm4_moe_dir"])
+def test_greedy_batch_and_routed_experts_match_hf(model, request):
+    model_dir = request.getfixturevalue(model)
+    engine = engine_for(model_dir, max_num_batched_tokens=128, enable_return_routed_experts=True)
     prompts = prompts_for(engine.validator.vocab_size, count=6)
     outs = engine.generate(prompts, greedy(return_routed_experts=True), use_tqdm=False)
-    assert_matches_hf(tiny_deepseek_dir, prompts, outs)
+    assert_matches_hf(model_dir, prompts, outs)
     info = engine.runner_info
     assert (info.num_moe_layers, info.moe_top_k) == (2, 2)  # layer 0 is dense
     for prompt, out in zip(prompts[:3], outs):
         got = out.outputs[0]
         fed = prompt + got.token_ids[:-1]
-        ref = hf_router_topk(tiny_deepseek_dir, fed).numpy()
+        ref = hf_router_topk(model_dir, fed).numpy()
         assert got.routed_experts.shape == (len(fed), 2, 2)
         assert np.array_equal(np.sort(got.routed_experts, -1), np.sort(ref, -1))
 

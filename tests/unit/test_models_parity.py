@@ -9,7 +9,9 @@ from raylane.kernels.attention.builder import SeqSlice, build_metadata
 
 from tests.tiny_models import (
     attach_kv_cache,
+    make_deepseek_v2,
     make_deepseek_v3,
+    make_glm4_moe,
     make_llama,
     make_mixtral,
     make_qwen2,
@@ -56,6 +58,9 @@ VARIANTS = {
         {"decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": False},
     ),
     "deepseek_v3": (make_deepseek_v3, {}),
+    "glm4_moe": (make_glm4_moe, {}),
+    "deepseek_v2": (make_deepseek_v2, {}),
+    "deepseek_v2_lite_greedy": (make_deepseek_v2, {"q_lora_rank": None, "topk_method": "greedy"}),
     # no low-rank query, rotate-half rope with YaRN (softmax mscale), biases, no renormalise
     "deepseek_v3_q_proj_yarn": (
         make_deepseek_v3,
