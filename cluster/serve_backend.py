@@ -109,6 +109,9 @@ class RouterControl:
     async def weight_version(self) -> int:
         return await call_router(self.router.weight_version.remote())
 
+    async def set_weight_version(self, version: int) -> int:
+        return await call_router(self.router.set_weight_version.remote(version))
+
     async def control_state(self) -> dict[str, Any]:
         return await call_router(self.router.control_state.remote())
 

@@ -156,6 +156,9 @@ class Router:
     async def commit_update(self, update_id: str) -> int:
         return await self.control.commit_update(update_id)
 
+    async def set_weight_version(self, version: int) -> int:
+        return await self.control.set_weight_version(version)
+
     async def abort(self, request_ids: list[str] | None) -> list[RequestOutput]:
         return await self.control.abort(request_ids)
 

@@ -151,7 +151,16 @@ class ControlPlane:
         `spec_dicts` ({"name", "shape", "dtype"}, HF names, full shapes), checked on every
         replica; a `ValueError` (naming the tensor) leaves every replica as it was. Returns
         the update id. A begin replaces an update that was not committed."""
-        specs = manifest(spec_dicts)
+        return await self._begin(version, manifest(spec_dicts))
+
+    async def set_weight_version(self, version: int) -> int:
+        """Switch every replica to `version` (newer than the cluster's) with the weights they
+        hold: an update with no tensors, so it pauses, flips and resumes as any update does
+        (new prefills stop matching older chains, new tokens carry `version`)."""
+        update_id = await self._begin(version, [])
+        return await self.commit_update(update_id)
+
+    async def _begin(self, version: int, specs: list[TensorSpec]) -> str:
         async with self._lock:
             _check_version(version, self.table.weight_version())
             fresh = self.paused_mode is None

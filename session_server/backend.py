@@ -96,6 +96,10 @@ class ControlBackend(Protocol):
 
     async def weight_version(self) -> int: ...
 
+    async def set_weight_version(self, version: int) -> int:
+        """Switch every replica to `version` (newer) with the weights they hold."""
+        ...
+
     async def control_state(self) -> dict[str, Any]:
         """`{"paused": bool, "mode"?: mode, "weight_version": v}` (`ControlPlane.state`)."""
         ...

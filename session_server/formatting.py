@@ -15,6 +15,15 @@ def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _FLOOR
 
 
+class TokenIds:
+    """Stands in for the tokenizer where logprobs name their tokens, naming each
+    "token_id:<id>" (vLLM's `return_tokens_as_token_ids`): ids survive where text is ambiguous
+    (a byte-level piece that is not valid UTF-8 alone)."""
+
+    def decode(self, token_ids: list[int], **_) -> str:
+        return "".join(f"token_id:{t}" for t in token_ids)
+
+
 def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 

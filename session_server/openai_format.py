@@ -45,6 +45,9 @@ class _Formatter:
         self.body = body
         self.params = params
         self.tokenizer = tokenizer
+        # what names tokens in logprobs: their text, or "token_id:<id>" (vLLM's
+        # return_tokens_as_token_ids, which TRL's client asks for)
+        self.namer = fmt.TokenIds() if body.return_tokens_as_token_ids else tokenizer
         self.num_top = num_top
         self.cursors: dict[tuple[int, int], ChoiceCursor] = {}
         self.seen: dict[int, PromptSeen] = {}  # streaming: by prompt index
@@ -212,7 +215,7 @@ class CompletionFormatter(_Formatter):
             return "", None
         if self.params.logprobs is None:
             return self.echo.texts[i], None
-        return self.echo.texts[i], _prompt_logprobs(self.tokenizer, out)
+        return self.echo.texts[i], _prompt_logprobs(self.namer, out)
 
     def _shown(self, out):
         """`out` (a cumulative output or a delta) as the response shows it."""
@@ -221,7 +224,7 @@ class CompletionFormatter(_Formatter):
     def _logprobs(self, ids, logprobs, tops, offset: int) -> dict | None:
         if logprobs is None:
             return None
-        return fmt.completion_logprobs(self.tokenizer, ids, logprobs, tops, self.num_top, offset)
+        return fmt.completion_logprobs(self.namer, ids, logprobs, tops, self.num_top, offset)
 
 
 def _prompt_logprobs(tokenizer, out: RequestOutput | PromptSeen) -> dict:
@@ -376,4 +379,4 @@ class ChatFormatter(_Formatter):
     def _logprobs(self, ids, logprobs, tops) -> dict | None:
         if logprobs is None:
             return None
-        return fmt.chat_logprobs(self.tokenizer, ids, logprobs, tops, self.num_top)
+        return fmt.chat_logprobs(self.namer, ids, logprobs, tops, self.num_top)

@@ -90,11 +90,14 @@ def structured_outputs_of(body: OpenAISampling) -> tuple[StructuredOutputsParams
             found.append((spec, "response_format"))
     if body.structured_outputs is not None:
         found.append(
-            (_spec(dict(body.structured_outputs), "structured_outputs"), "structured_outputs")
+            (
+                structured_spec(dict(body.structured_outputs), "structured_outputs"),
+                "structured_outputs",
+            )
         )
     for name, kind in GUIDED.items():
         if getattr(body, name) is not None:
-            found.append((_spec({kind: getattr(body, name)}, name), name))
+            found.append((structured_spec({kind: getattr(body, name)}, name), name))
     if len(found) > 1:
         raise bad_request(f"give one of {[f for _, f in found]}, not several", found[1][1])
     return found[0] if found else (None, "response_format")
@@ -128,10 +131,11 @@ def _response_format(value: dict) -> StructuredOutputsParams | None:
             "response_format",
         )
     # strict or not, the output follows the schema: constrained decoding has no looser mode
-    return _spec({"json": schema}, "response_format")
+    return structured_spec({"json": schema}, "response_format")
 
 
-def _spec(fields: dict, field: str) -> StructuredOutputsParams:
+def structured_spec(fields: dict, field: str) -> StructuredOutputsParams:
+    """`{kind: value}` (StructuredOutputsParams fields) checked, errors naming `field`."""
     unknown = sorted(set(fields) - {*STRUCTURED_KINDS, "whitespace_flexible"})
     if unknown:
         raise bad_request(
@@ -170,7 +174,7 @@ def _sglang_spec(sp: SGLangSamplingParams) -> StructuredOutputsParams | None:
     if not given:
         return None
     ((name, value),) = given.items()
-    return _spec({STRUCTURED_SGLANG[name]: value}, name)
+    return structured_spec({STRUCTURED_SGLANG[name]: value}, name)
 
 
 def _or(value, default):

@@ -53,6 +53,10 @@ class OpenAISampling(_Body):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     return_routed_experts: bool = False
+    # prefix-cache blocks are shared only between requests with the same salt
+    cache_salt: str | None = None
+    # vLLM's: logprobs name tokens "token_id:<id>" instead of their text
+    return_tokens_as_token_ids: bool = False
     # structured outputs: OpenAI's response_format ({"type": "text" | "json_object" |
     # "json_schema"}), vLLM's structured_outputs {json | json_object | regex | choice | grammar},
     # or vLLM's older guided_* fields; one of them per request

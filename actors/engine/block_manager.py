@@ -62,7 +62,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         full = (len(seq) - 1) // self.block_size
-        parent = _root(seq.cache_version)
+        parent = _root(seq.cache_version, seq.params.cache_salt)
         for i in range(full):
             tokens = tuple(seq.block_tokens(i))
             h = hash((parent, tokens))
@@ -109,7 +109,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         start = seq.num_hashed_blocks
-        parent = self.blocks[seq.block_table[start - 1]].hash if start else _root(seq.cache_version)
+        parent = (
+            self.blocks[seq.block_table[start - 1]].hash
+            if start
+            else _root(seq.cache_version, seq.params.cache_salt)
+        )
         if parent is None:
             return  # the cache was reset under this sequence: its chain cannot be extended
         if num_computed is None:
@@ -140,6 +144,7 @@ class BlockManager:
             block.hash, block.tokens = None, None
 
 
-def _root(version: int) -> int:
-    """The parent hash of a chain's first block: the weight version it was computed under."""
-    return hash(("weights", version))
+def _root(version: int, salt: str | None = None) -> int:
+    """The parent hash of a chain's first block: the weight version it was computed under, and
+    the request's cache salt (`SamplingParams.cache_salt`) when it has one."""
+    return hash(("weights", version) if salt is None else ("weights", version, salt))

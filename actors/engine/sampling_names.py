@@ -41,6 +41,7 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("include_stop_str_in_output", "include_stop_str_in_output", "no_stop_trim"),
     Spelling("skip_special_tokens", "skip_special_tokens", "skip_special_tokens"),
     Spelling("max_weight_lag", None, "max_weight_lag"),
+    Spelling("cache_salt", "cache_salt", None),
     Spelling("return_kept_mass", None, "return_kept_mass"),
     # chat also takes `max_completion_tokens`; None asks for the rest of the context
     Spelling("max_tokens", "max_tokens", "max_new_tokens", copied=False),

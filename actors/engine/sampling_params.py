@@ -90,6 +90,8 @@ class SamplingParams:
     return_kept_mass: bool = False
     # constrain the output to a JSON schema, regex, choice or grammar (None: free text)
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt
+    cache_salt: str | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +122,8 @@ class SamplingParams:
             "return_kept_mass",
         ):
             check_type("SamplingParams", name, getattr(self, name), bool)
+        if self.cache_salt is not None:
+            check_type("SamplingParams", "cache_salt", self.cache_salt, str)
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "max_weight_lag"):
             if getattr(self, name) is not None:
                 check_type("SamplingParams", name, getattr(self, name), int)

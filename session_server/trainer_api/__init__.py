@@ -13,9 +13,14 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from raylane.session_server.openapi import ERRORS
-from raylane.session_server.trainer_api import sglang_routes, trl_routes, vllm_routes
+from raylane.session_server.trainer_api import (
+    sglang_routes,
+    trl_routes,
+    vllm_generate,
+    vllm_routes,
+)
 
-MODULES = (vllm_routes, sglang_routes, trl_routes)
+MODULES = (vllm_routes, vllm_generate, sglang_routes, trl_routes)
 
 
 def mount(app: FastAPI) -> frozenset[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from raylane.session_server.response_schemas import _Out
+from raylane.session_server.response_schemas import Usage, _Out
 
 
 class _Body(BaseModel):
@@ -53,6 +53,51 @@ class VersionUpdated(_Out):
     success: bool
     message: str
     new_version: str
+
+
+class TokensRequest(_Body):
+    """vLLM's /inference/v1/generate body (multimodal `features` are not taken)."""
+
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)  # vLLM's SamplingParams
+    request_id: str | None = None
+    model: str | None = None
+    stream: bool | None = False
+    cache_salt: str | None = None
+    priority: int = 0
+    routed_experts_start_len: int = Field(0, ge=0)  # raylane's: routed experts from here on
+    features: dict[str, Any] | None = None  # multimodal inputs: refused (text models only)
+
+
+class TokenLogprob(_Out):
+    token: str  # "token_id:<id>"
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobs(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class TokensLogprobs(_Out):
+    content: list[TokenLogprobs]
+
+
+class TokensChoice(_Out):
+    index: int
+    logprobs: TokensLogprobs | None
+    finish_reason: str
+    token_ids: list[int]
+    routed_experts: str | None  # base64 of a .npy int32 [tokens - 1 - start, layers, top_k]
+
+
+class TokensResponse(_Out):
+    request_id: str
+    choices: list[TokensChoice]
+    prompt_logprobs: None
+    kv_transfer_params: None
+    usage: Usage
+    weight_version: str  # raylane's: the version the tokens came from
 
 
 # --- SGLang's native API ---------------------------------------------------------------------

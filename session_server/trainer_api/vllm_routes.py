@@ -7,11 +7,13 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request, Response
+from raylane.session_server.errors import from_exception
 from raylane.session_server.openapi import ok
 from raylane.session_server.trainer_api.common import (
     control_of,
     info_of,
     is_paused,
+    version_number,
     version_text,
     world_size,
 )
@@ -20,6 +22,8 @@ from raylane.session_server.trainer_api.schemas import (
     AbortRequestsBody,
     IsPaused,
     Status,
+    UpdateWeightVersionBody,
+    VersionUpdated,
     WeightVersionText,
     WorldSize,
 )
@@ -85,3 +89,23 @@ async def abort_requests(request: Request, body: AbortRequestsBody | None = None
     ids = body.request_ids if body is not None and body.request_ids else None
     outputs = await control_of(request).abort(ids)
     return {"status": "aborted", "aborted": len({o.request_id for o in outputs})}
+
+
+@control.post("/update_weight_version", response_model=None, responses=ok(VersionUpdated))
+async def update_weight_version(body: UpdateWeightVersionBody, request: Request) -> dict:
+    """vLLM's and SGLang's (the same path): the weights every replica holds become
+    `new_version`, an integer newer than the current one in raylane (as one update with no
+    tensors). SGLang's `abort_all_requests` ends what runs first."""
+    version = version_number(body.new_version, "new_version")
+    ctl = control_of(request)
+    if body.abort_all_requests:
+        await ctl.abort(None)
+    try:
+        await ctl.set_weight_version(version)
+    except ValueError as e:
+        raise from_exception(e, {"version": "new_version"}) from None
+    return {
+        "success": True,
+        "message": f"Weight version updated to {version}",
+        "new_version": version_text(version),
+    }

@@ -3,6 +3,7 @@ on a free loopback port, with an API key; an independent engine instance as the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 
@@ -103,3 +104,36 @@ def http(server) -> Iterator[httpx.Client]:
 @pytest.fixture
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+
+# --- the trainer protocols (build_app(trainer_api=True)) -------------------------------------
+
+
+@pytest.fixture(scope="session")
+def trainer_engine(tiny_llama_dir) -> LLMEngine:
+    """The trainer server's own engine: its pauses and version bumps reach no other server."""
+    return LLMEngine(tiny_config(tiny_llama_dir))
+
+
+@pytest.fixture(scope="session")
+def trainer_backend(trainer_engine) -> LocalBackend:
+    return LocalBackend(AsyncLLMEngine(trainer_engine), MODEL)
+
+
+@pytest.fixture(scope="session")
+def trainer_server(trainer_backend) -> Iterator[ServerThread]:
+    """As trainers run it: the trainer API on, no keys (a private network)."""
+    app = build_app(trainer_backend, trainer_api=True, max_body_bytes=MAX_BODY)
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture
+def trainer(trainer_server, trainer_engine) -> Iterator[httpx.Client]:
+    """A client of the trainer server; whatever a test leaves paused is resumed after it."""
+    with httpx.Client(base_url=trainer_server.url, timeout=60) as client:
+        yield client
+        client.post("/resume")
+        deadline = time.monotonic() + 10
+        while trainer_engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.02)

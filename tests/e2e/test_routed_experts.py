@@ -91,3 +91,53 @@ def test_chat_returns_routed_experts(moe_http, moe_ref, stream):
     else:
         routed = response.json()["choices"][0]["routed_experts"]
     np.testing.assert_array_equal(decode(routed), want.routed_experts)
+
+
+# --- the trainer protocols' shapes (build_app(trainer_api=True)) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_trainer_http(tiny_moe_dir) -> Iterator[httpx.Client]:
+    engine = LLMEngine(tiny_config(tiny_moe_dir, enable_return_routed_experts=True))
+    app = build_app(LocalBackend(AsyncLLMEngine(engine), "moe"), trainer_api=True)
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+def test_sglang_generate_sends_its_base64_string_from_the_start_len(moe_trainer_http, moe_ref):
+    want = reference(moe_ref, PROMPT_IDS, 6)
+    body = {
+        "input_ids": PROMPT_IDS,
+        "return_routed_experts": True,
+        "routed_experts_start_len": 5,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    }
+    meta = moe_trainer_http.post("/generate", json=body).json()["meta_info"]
+    assert meta["routed_experts_start_len"] == 5
+    # as slime decodes it: flat int32, rows [start_len, prompt + output - 1)
+    flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+    np.testing.assert_array_equal(flat.reshape(-1, 2, 2), want.routed_experts[5:])
+    assert meta["routed_experts_shape"] == [len(PROMPT_IDS) + 6 - 1 - 5, 2, 2]
+    too_far = {**body, "routed_experts_start_len": len(PROMPT_IDS) + 1}
+    response = moe_trainer_http.post("/generate", json=too_far)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "routed_experts_start_len"
+    info = moe_trainer_http.get("/server_info").json()
+    assert info["enable_return_routed_experts"] is True
+
+
+@pytest.mark.parametrize("start", [0, 4])
+def test_vllm_tokens_route_sends_routed_experts_as_npy(moe_trainer_http, moe_ref, start):
+    import io
+
+    want = reference(moe_ref, PROMPT_IDS, 5)
+    body = {
+        "token_ids": PROMPT_IDS,
+        "sampling_params": {"max_tokens": 5, "temperature": 0, "ignore_eos": True},
+        "routed_experts_start_len": start,
+    }
+    (choice,) = moe_trainer_http.post("/inference/v1/generate", json=body).json()["choices"]
+    assert choice["token_ids"] == want.token_ids
+    routed = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
+    assert routed.dtype == np.int32
+    np.testing.assert_array_equal(routed, want.routed_experts[start:])

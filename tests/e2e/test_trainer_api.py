@@ -2,7 +2,8 @@
 API, SGLang's native routes and TRL's former vllm-serve routes, as the peers' clients call them
 (their documented request shapes, sent with httpx), with the admin key guarding what changes
 state. Pause modes are checked by their effect on a request in flight; greedy output against
-Hugging Face. The server has its own engine, so pauses do not reach the other e2e tests.
+Hugging Face. The trainer server has its own engine (tests/e2e/conftest.py), so pauses do not
+reach the other e2e tests.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from raylane.actors.engine import AsyncLLMEngine, LLMEngine
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
 
-from tests.e2e.conftest import MAX_BODY, MODEL, tiny_config
+from tests.e2e.conftest import MAX_BODY
 from tests.e2e.server import ServerThread
-from tests.e2e.test_admin import LONG, PROMPT, run_midway, wait_idle
+from tests.e2e.test_admin import LONG, PROMPT, run_midway
 from tests.hf_reference import hf_greedy
 
 ADMIN_KEY = "trainer-admin"
@@ -26,26 +25,9 @@ USER_KEY = "trainer-user"
 
 
 @pytest.fixture(scope="module")
-def trainer_engine(tiny_llama_dir) -> LLMEngine:
-    return LLMEngine(tiny_config(tiny_llama_dir))
-
-
-@pytest.fixture(scope="module")
-def backend(trainer_engine) -> LocalBackend:
-    return LocalBackend(AsyncLLMEngine(trainer_engine), MODEL)
-
-
-@pytest.fixture(scope="module")
-def open_server(backend) -> Iterator[ServerThread]:
-    """As trainers run it: no keys (a private network)."""
-    with ServerThread(build_app(backend, trainer_api=True, max_body_bytes=MAX_BODY)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def keyed_server(backend) -> Iterator[ServerThread]:
+def keyed_server(trainer_backend) -> Iterator[ServerThread]:
     app = build_app(
-        backend,
+        trainer_backend,
         trainer_api=True,
         api_keys=[USER_KEY],
         admin_api_key=ADMIN_KEY,
@@ -53,14 +35,6 @@ def keyed_server(backend) -> Iterator[ServerThread]:
     )
     with ServerThread(app) as srv:
         yield srv
-
-
-@pytest.fixture
-def trainer(open_server, trainer_engine) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=open_server.url, timeout=60) as client:
-        yield client
-        client.post("/resume")  # whatever a test left paused
-        wait_idle(trainer_engine)
 
 
 def client_of(server: ServerThread, key: str | None) -> httpx.Client:
@@ -243,3 +217,80 @@ def test_requests_queued_while_paused_run_after_resume(trainer):
     trainer.post("/resume")
     waiter.join(30)
     assert answers[0].status_code == 200
+
+
+def test_version_update_under_keep_splits_the_in_flight_tokens(trainer, tiny_llama_dir):
+    """The request frozen by `keep` carries version v before the update and v + 1 after;
+    /weight_info and /get_weight_version agree, and an older version is refused."""
+    before = int(trainer.get("/weight_info").json()["weight_version"])
+
+    def bump():
+        trainer.post("/pause", params={"mode": "keep"})
+        answer = trainer.post("/update_weight_version", json={"new_version": str(before + 1)})
+        assert answer.json() == {
+            "success": True,
+            "message": f"Weight version updated to {before + 1}",
+            "new_version": str(before + 1),
+        }
+        trainer.post("/resume")
+
+    last = run_midway(trainer, "versions-1", bump)
+    versions = last["meta_info"]["weight_versions"]
+    cut = versions.index(before + 1)
+    assert 0 < cut and versions == [before] * cut + [before + 1] * (LONG - cut)
+    assert last["output_ids"] == hf_greedy(tiny_llama_dir, PROMPT, LONG)[0]  # same weights
+    for path in ("/weight_info", "/get_weight_version"):
+        assert trainer.get(path).json() == {"weight_version": str(before + 1)}
+    for stale in (str(before), "step-7", True):
+        response = trainer.post("/update_weight_version", json={"new_version": stale})
+        assert response.status_code == 400, stale
+        assert response.json()["error"]["param"] == "new_version"
+    assert trainer.get("/weight_info").json() == {"weight_version": str(before + 1)}
+
+
+# --- vLLM's tokens-in / tokens-out route -----------------------------------------------------
+
+
+def tokens(trainer: httpx.Client, prompt: list[int], **fields) -> httpx.Response:
+    body = {
+        "token_ids": prompt,
+        "sampling_params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 2},
+        **fields,
+    }
+    return trainer.post("/inference/v1/generate", json=body)
+
+
+def test_vllm_tokens_route_equals_hf_greedy(trainer, tiny_llama_dir):
+    answer = tokens(trainer, PROMPT, request_id="tok-1").json()
+    ids, logprobs = hf_greedy(tiny_llama_dir, PROMPT, 8)
+    (choice,) = answer["choices"]
+    assert answer["request_id"] == "tok-1" and choice["token_ids"] == ids
+    assert choice["finish_reason"] == "length" and choice["routed_experts"] is None
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in ids]
+    assert [e["logprob"] for e in content] == pytest.approx(logprobs, abs=1e-4)
+    # the sampled token first, then the most likely others: greedy picks the top one itself
+    assert all(e["top_logprobs"][0]["token"] == e["token"] for e in content)
+    assert all(len(e["top_logprobs"]) == 2 for e in content)
+    usage = answer["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(PROMPT), 8)
+    assert answer["weight_version"] == trainer.get("/weight_info").json()["weight_version"]
+
+
+def test_vllm_tokens_cache_salt_separates_prefix_caches(trainer):
+    prompt = list(range(3, 3 + 40))  # two full 16-token blocks to share
+    cached = [
+        tokens(trainer, prompt, cache_salt=salt).json()["usage"]["prompt_tokens_details"]
+        for salt in ("a", "a", "b", None)
+    ]
+    assert [c["cached_tokens"] for c in cached] == [0, 32, 0, 0]
+
+
+def test_vllm_tokens_route_names_what_it_cannot_take(trainer):
+    response = tokens(trainer, PROMPT, sampling_params={"logits_processors": ["x"]})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "sampling_params.logits_processors"
+    assert tokens(trainer, PROMPT, sampling_params={"top_p": 2.0}).status_code == 400
+    assert tokens(trainer, [], sampling_params={}).status_code == 400
+    inert = {"detokenize": True, "output_kind": 0, "max_tokens": 2, "top_k": -1}
+    assert tokens(trainer, PROMPT, sampling_params=inert).status_code == 200

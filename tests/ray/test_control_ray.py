@@ -1,6 +1,7 @@
 """The control plane on a local Ray cluster: two Serve engine replicas, updated over the admin
 routes through the Router (bucket bytes put once in the object store, the Router forwarding the
-refs), in one transaction; a failed update changes no replica.
+refs), in one transaction; a failed update changes no replica. The trainer protocols' routes
+reach the same control plane through the Router.
 
 Reference: Hugging Face `generate` on the weights sent (seeded noise on the checkpoint).
 """
@@ -34,6 +35,7 @@ def cluster(ray_cluster, tiny_llama_dir):
         port=free_port(),
         torch_threads=1,
         admin_api_key=ADMIN_KEY,
+        trainer_api=True,
         engine={"num_kv_blocks": 128, "max_model_len": 256},
     )
     url = launch.deploy(config)
@@ -152,3 +154,24 @@ def test_pause_abort_and_resume_across_replicas(cluster, admin):
     assert '"abort"' in rest[-1]
     assert admin.post("/admin/resume").json()["paused"] is False
     assert len(greedy(url, PROMPTS[1], key="after")["output_ids"]) == 8
+
+
+def test_trainer_routes_reach_every_replica_through_the_router(cluster, admin):
+    url, router = cluster
+    anyone = httpx.Client(base_url=url, timeout=120)
+    assert anyone.get("/get_world_size").json() == {"world_size": 2}  # replicas x TP
+    info = anyone.get("/server_info").json()
+    assert (info["dp_size"], info["tp_size"]) == (2, 1)
+    assert anyone.get("/v1/loads").json()["dp_rank_count"] == 2
+    assert anyone.post("/pause", params={"mode": "keep"}).status_code == 401  # the admin key
+    version = int(anyone.get("/weight_info").json()["weight_version"])
+    assert admin.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+    assert anyone.get("/is_paused").json() == {"is_paused": True}
+    answer = admin.post("/update_weight_version", json={"new_version": str(version + 1)})
+    assert answer.json()["new_version"] == str(version + 1), answer.text
+    assert set(replica_versions(router).values()) == {version + 1}
+    assert admin.post("/abort_requests", json={}).json()["status"] == "aborted"
+    assert admin.post("/resume").json() == {"status": "resumed"}
+    assert anyone.get("/is_paused").json() == {"is_paused": False}
+    assert anyone.get("/get_weight_version").json() == {"weight_version": str(version + 1)}
+    anyone.close()

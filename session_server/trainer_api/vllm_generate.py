@@ -1,0 +1,128 @@
+"""vLLM's tokens-in / tokens-out route, `POST /inference/v1/generate`: token ids and vLLM's own
+`sampling_params` in; per sample the token ids, logprobs in the chat shape with
+`"token_id:<id>"` tokens, the finish reason and routed experts (base64 of a `.npy` int32
+array, as vLLM sends them) out, with usage and the weight version beside them."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from raylane.actors.engine.outputs import CompletionOutput
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.session_server import formatting as fmt
+from raylane.session_server.backend import ModelInfo
+from raylane.session_server.context import backend_of, check_model, new_id, timeout_of
+from raylane.session_server.errors import bad_request
+from raylane.session_server.openapi import ok
+from raylane.session_server.sampling import resolve_max_tokens, structured_spec
+from raylane.session_server.streaming import final_outputs, start
+from raylane.session_server.trainer_api.schemas import TokensRequest, TokensResponse
+
+router = APIRouter(tags=["vLLM RL API"])
+control = APIRouter(tags=["vLLM RL API"])
+
+_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - {
+    "return_routed_experts",  # vLLM returns them whenever the server captures them
+    "prompt_logprobs",
+    "structured_outputs",
+    "cache_salt",  # the body's
+}
+# fields vLLM's SamplingParams carries that change nothing here (a client that serializes a
+# whole vLLM SamplingParams sends them all)
+_INERT = {"detokenize", "output_kind", "spaces_between_special_tokens", "skip_clone"}
+
+
+@router.post("/inference/v1/generate", response_model=None, responses=ok(TokensResponse))
+async def generate(body: TokensRequest, request: Request) -> dict:
+    backend = backend_of(request)
+    check_model(body.model, backend.info)
+    if body.features is not None:
+        raise bad_request("features: multimodal inputs are not served here", "features")
+    if body.stream:
+        raise bad_request("stream: /inference/v1/generate answers in one piece here", "stream")
+    if body.routed_experts_start_len > len(body.token_ids):
+        raise bad_request("routed_experts_start_len: past the prompt", "routed_experts_start_len")
+    params = vllm_params(body.sampling_params, body.token_ids, backend.info)
+    params = dataclasses.replace(params, cache_salt=body.cache_salt)
+    request_id = body.request_id or new_id("generate-tokens")
+    stream = start(backend, [body.token_ids], params, request_id, None, timeout_of(request, None))
+    out = (await final_outputs(request, stream, 1))[0]
+    return {
+        "request_id": request_id,
+        "choices": [_choice(c, params, body.routed_experts_start_len) for c in out.outputs],
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+        "usage": fmt.usage([out]),
+        "weight_version": str(out.weight_version),
+    }
+
+
+def vllm_params(sp: dict[str, Any], prompt: list[int], info: ModelInfo) -> SamplingParams:
+    """vLLM's `sampling_params` (its names are raylane's) as the engine's; a field raylane
+    cannot honour is a 400 naming it, and one that changes nothing is ignored."""
+    unknown = [k for k, v in sp.items() if k not in _FIELDS | _INERT | {"structured_outputs"}]
+    unknown = [k for k in unknown if sp[k] not in (None, False, [], {}, "")]
+    if unknown:
+        name = f"sampling_params.{unknown[0]}"
+        raise bad_request(f"{name}: not supported by raylane", name)
+    fields = {k: v for k, v in sp.items() if k in _FIELDS and v is not None}
+    fields["max_tokens"] = resolve_max_tokens(
+        fields.get("max_tokens"), [prompt], info, "sampling_params.max_tokens", "token_ids"
+    )
+    structured = sp.get("structured_outputs")
+    spec = structured_spec(dict(structured), "structured_outputs") if structured else None
+    try:
+        return SamplingParams(
+            **fields, return_routed_experts=info.routed_experts, structured_outputs=spec
+        )
+    except TypeError as e:  # a wrongly typed value
+        raise bad_request(f"sampling_params: {e}", "sampling_params") from None
+
+
+def _choice(c: CompletionOutput, params: SamplingParams, start_len: int) -> dict:
+    return {
+        "index": c.index,
+        "logprobs": _logprobs(c, params.logprobs) if params.logprobs is not None else None,
+        "finish_reason": c.finish_reason or "stop",
+        "token_ids": list(c.token_ids),
+        "routed_experts": _npy(c.routed_experts[start_len:])
+        if c.routed_experts is not None
+        else None,
+    }
+
+
+def _logprobs(c: CompletionOutput, num_top: int) -> dict:
+    """vLLM's: each token as "token_id:<id>"; its top list starts with the sampled token and
+    then the most likely ones, `max(num_top, 1)` entries."""
+    content = []
+    for i, token in enumerate(c.token_ids):
+        lp = fmt.finite((c.logprobs or [])[i])
+        ranked = {token: lp, **dict(sorted((c.top_logprobs or [{}])[i].items(), key=_desc))}
+        tops = list(ranked.items())[: max(num_top, 1)]
+        content.append(
+            {
+                "token": f"token_id:{token}",
+                "logprob": lp,
+                "bytes": None,
+                "top_logprobs": [
+                    {"token": f"token_id:{t}", "logprob": fmt.finite(v), "bytes": None}
+                    for t, v in tops
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _desc(item: tuple[int, float]) -> float:
+    return -item[1]
+
+
+def _npy(array: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array, dtype=np.int32))
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
