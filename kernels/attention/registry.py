@@ -57,7 +57,8 @@ def _has_cpu_kernel(device: torch.device) -> bool:
     return cpu_kernel.is_available()  # built once per machine (about a second), then cached
 
 
-def _has_triton(device: torch.device) -> bool:
+def has_triton(device: torch.device) -> bool:
+    """Triton kernels run on CUDA devices where triton imports."""
     if device.type != "cuda":
         return False
     try:
@@ -69,7 +70,7 @@ def _has_triton(device: torch.device) -> bool:
 
 # name -> (is_available, factory), in order of preference for "auto"
 _BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], AttentionBackend]]] = {
-    "triton": (_has_triton, _triton_backend),
+    "triton": (has_triton, _triton_backend),
     "cpu": (_has_cpu_kernel, _cpu_backend),
     "torch": (lambda device: True, _torch_backend),
 }
