@@ -3,8 +3,8 @@ decodes alike), the same interface as the torch reference."""
 
 from __future__ import annotations
 
-from raylane.kernels.linear_attention.triton_kernels import causal_conv1d, gated_delta_rule
 from raylane.kernels.linear_attention.metadata import StateMetadata
+from raylane.kernels.linear_attention.triton_kernels import causal_conv1d, gated_delta_rule
 
 
 class TritonLinearAttention:
