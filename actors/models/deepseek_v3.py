@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from raylane.actors.models.attention import Attention
 from raylane.actors.models.layers import TPGroup
 from raylane.actors.models.llama import (
     AttentionSpec,
@@ -24,7 +25,9 @@ from raylane.actors.models.llama import (
 )
 from raylane.actors.models.llama import LlamaForCausalLM as _Llama
 from raylane.actors.models.mla import MLASpec, MLAttention
+from raylane.actors.models.mtp import MtpLayer, mtp_checkpoint_name
 from raylane.actors.models.qwen3_moe import FusedMoE, expert_mapping
+from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.moe import (
     expert_forward,
     select_experts_grouped,
@@ -135,12 +138,69 @@ class DeepseekV3ForCausalLM(_Llama):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
 
+    """DeepSeek-V3 / R1.
+
+    MTP layers (`num_nextn_predict_layers`, see mtp.py) are built when the config names them
+    and kept when the checkpoint has their weights (HF-saved checkpoints have none: then
+    `mtp_layers` is empty). They load, shard and take weight updates like every layer; their
+    attention layers come last in `attention_layers()`, so the runner gives them latent cache
+    rows like the main layers'. API for speculative decoding:
+
+    - `mtp_layers`: the loaded MTP layers (`len(...)` is how many draft steps they give);
+    - `mtp_forward(k, input_ids, positions, previous_hidden, attn)`: one step of MTP layer k
+      over T tokens; `input_ids` [T] are the tokens at positions p + 1 (`positions` [T] their
+      positions), `previous_hidden` [T, H] the hidden states this model's `forward` returned
+      at p (after its final norm, as vLLM feeds them) or the previous MTP layer's output;
+      `attn` is ordinary metadata for those positions (the layer writes its own cache rows at
+      `slot_mapping`). Returns (hidden [T, H], routed [T, 1, k] or None); `compute_logits`
+      turns the hidden states into the draft distribution.
+    """
+
     router: type[nn.Module] = GroupedTopkRouter
 
     def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
         super().__init__(config, tp)
         self.num_moe_layers = sum(is_moe_layer(config, i) for i in range(config.num_hidden_layers))
         self.moe_top_k = config.num_experts_per_tok if self.num_moe_layers else 0
+        num_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
+        self.mtp_layers = nn.ModuleList([self._mtp_layer(config) for _ in range(num_mtp)])
+
+    def _mtp_layer(self, config: Any) -> MtpLayer:
+        spec = self.attention_spec(config)
+        moe = DeepseekMoE(config, self.tp, self.router)  # MTP blocks are always MoE
+        block = LlamaDecoderLayer(spec, moe, True, self.tp, self.make_attention(config, spec))
+        return MtpLayer(config.hidden_size, config.rms_norm_eps, block, self.tp)
+
+    def rename_weight(self, name: str) -> str | None:
+        """Checkpoint MTP layers -> `mtp_layers.k.*`; None skips the ones this model lacks."""
+        ours = mtp_checkpoint_name(name, self.config.num_hidden_layers)
+        if ours is not None and ours.startswith("mtp_layers."):
+            return ours if int(ours.split(".")[1]) < len(self.mtp_layers) else None
+        return ours
+
+    def prune_unloaded(self, loaded: set[str]) -> bool:
+        """Drop the MTP layers when the checkpoint had none of their weights."""
+        if not len(self.mtp_layers) or any(n.startswith("mtp_layers.") for n in loaded):
+            return False
+        self.mtp_layers = nn.ModuleList()
+        return True
+
+    def attention_layers(self) -> list[Attention]:
+        mtp = [m for m in self.mtp_layers.modules() if isinstance(m, Attention)]
+        return super().attention_layers() + mtp
+
+    def mtp_forward(
+        self,
+        k: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step of MTP layer k (see the class docstring)."""
+        embeds = self.model.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.model.rotary_emb(positions)
+        return self.mtp_layers[k](embeds, previous_hidden, cos, sin, attn)
 
     def make_attention(self, config: Any, spec: AttentionSpec) -> nn.Module:
         return MLAttention(MLASpec.from_config(config), self.tp)

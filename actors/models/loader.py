@@ -108,6 +108,9 @@ def _target(
     """Checkpoint name -> (our parameter name, shard id), or None to skip the tensor."""
     if "rotary_emb.inv_freq" in name:
         return None
+    rename = getattr(model, "rename_weight", None)  # a model's own name rules (e.g. MTP layers)
+    if rename is not None and (name := rename(name)) is None:
+        return None
     for old, new in getattr(model, "weight_renames", []):
         name = name.replace(old, new)
     if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
@@ -153,6 +156,9 @@ def load_weights(
             loaded.add(ours)
     if partial:
         return loaded
+    prune = getattr(model, "prune_unloaded", None)  # optional parts the checkpoint lacks
+    if prune is not None and prune(loaded):
+        params = dict(model.named_parameters())
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
