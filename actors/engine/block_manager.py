@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from raylane.actors.engine.layer_kinds import first_live_block
 from raylane.actors.engine.sequence import Sequence
 
 
@@ -127,15 +128,31 @@ class BlockManager:
             parent = block.hash
             seq.num_hashed_blocks = i + 1
 
+    def free_outside_window(self, seq: Sequence, window: int) -> None:
+        """Release the sequence's leading blocks that the next query cannot see (every paged
+        layer slides over `window` tokens), so it holds O(window) blocks. Their table entries
+        stay, stale, for position arithmetic; the block that roots the rest of the hash chain
+        is kept while prefix caching can still extend it."""
+        end = first_live_block(seq.num_computed_tokens, window, self.block_size)
+        if self.enable_prefix_caching:
+            end = min(end, max(0, seq.num_hashed_blocks - 1))
+        for i in range(seq.num_released_blocks, end):
+            self._release(seq.block_table[i])
+        seq.num_released_blocks = max(seq.num_released_blocks, end)
+
     def free_sequence(self, seq: Sequence) -> None:
         # Tail blocks are released first so they are evicted before the shared prefix.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
+        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
+            self._release(block_id)
         seq.block_table = []
         seq.num_hashed_blocks = 0
+        seq.num_released_blocks = 0
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after new weights); blocks in use are untouched."""

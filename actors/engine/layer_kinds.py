@@ -1,0 +1,88 @@
+"""Layer kinds as data: what state each layer of a model keeps, and what it costs in memory.
+
+A model declares one `LayerKind` per layer; the engine reads those, never an architecture name:
+- "full": paged K/V for every token (MLA is "full" with a smaller row);
+- "sliding": paged K/V, but a query sees only the last `window` tokens (itself included), so
+  blocks wholly before the window are freed and the layer's memory stays O(window);
+- "linear": no paged K/V; a fixed-size recurrent + conv state per sequence (a state slot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+KINDS = ("full", "sliding", "linear")
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    kind: str
+    kv_bytes_per_token: int = 0  # paged kinds: K and V of one token in this layer
+    window: int | None = None  # sliding: keys a query sees, itself included
+    state_bytes: int = 0  # linear: conv + recurrent state of one sequence
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"layer kind: unknown {self.kind!r}; known: {KINDS}")
+        if (self.kind == "sliding") != (self.window is not None):
+            raise ValueError("layer kind: a window is given exactly for sliding layers")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"layer kind: window must be at least 1, got {self.window}")
+
+    def tokens_held(self, num_tokens: int, block_size: int) -> int:
+        """Paged tokens (whole blocks) this layer holds for a sequence of `num_tokens`."""
+        if self.kind == "linear":
+            return 0
+        end = -(-num_tokens // block_size)
+        return (end - first_live_block(num_tokens, self.window, block_size)) * block_size
+
+    def bytes_per_sequence(self, num_tokens: int, block_size: int) -> int:
+        return self.tokens_held(num_tokens, block_size) * self.kv_bytes_per_token + self.state_bytes
+
+
+def first_live_block(num_computed: int, window: int | None, block_size: int) -> int:
+    """The first block the next query (position `num_computed`) can still see; every block
+    before it is wholly outside the window. 0 without a window."""
+    if window is None:
+        return 0
+    return max(0, num_computed - window + 1) // block_size
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Every layer's kind, in order."""
+
+    layers: tuple[LayerKind, ...]
+
+    @cached_property
+    def kinds(self) -> frozenset[str]:
+        return frozenset(layer.kind for layer in self.layers)
+
+    @cached_property
+    def state_bytes(self) -> int:
+        """One state slot: every linear layer's state for one sequence."""
+        return sum(layer.state_bytes for layer in self.layers)
+
+    @cached_property
+    def window(self) -> int | None:
+        """The window shared by every paged layer when all of them slide (blocks can then be
+        freed from one shared table); None when any layer attends in full."""
+        paged = [layer for layer in self.layers if layer.kind != "linear"]
+        windows = {layer.window for layer in paged}
+        return windows.pop() if len(windows) == 1 and None not in windows else None
+
+    def bytes_per_sequence(self, num_tokens: int, block_size: int, snapshots: int = 0) -> int:
+        """KV blocks held at `num_tokens`, one state slot, and `snapshots` state snapshots."""
+        kv = sum(layer.bytes_per_sequence(num_tokens, block_size) for layer in self.layers)
+        return kv + snapshots * self.state_bytes
+
+    def max_sequences(self, kv_bytes: int, num_state_slots: int, num_tokens: int,
+                      block_size: int) -> int:  # fmt: skip
+        """How many sequences of `num_tokens` fit at once: the paged budget and the state slots
+        each bound it (for the start-up log)."""
+        paged = self.bytes_per_sequence(num_tokens, block_size) - self.state_bytes
+        by_kv = kv_bytes // paged if paged else None
+        by_state = num_state_slots if self.state_bytes else None
+        bounds = [b for b in (by_kv, by_state) if b is not None]
+        return min(bounds) if bounds else 0

@@ -1,0 +1,141 @@
+"""Hybrid-model bookkeeping without torch: layer kinds and their memory, state slots, state
+snapshots, and the block manager freeing blocks wholly outside a sliding window."""
+
+from __future__ import annotations
+
+import pytest
+from raylane.actors.engine.block_manager import BlockManager
+from raylane.actors.engine.layer_kinds import LayerKind, ModelLayout
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.sequence import Sequence
+from raylane.actors.engine.state_slots import SnapshotCache, StateSlotPool
+
+BS = 4
+
+
+def make_seq(tokens: list[int]) -> Sequence:
+    return Sequence("r", 0, tokens, SamplingParams(), BS)
+
+
+# --- layer kinds ------------------------------------------------------------------------------
+
+
+def test_layer_kinds_validate() -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        LayerKind("conv")
+    with pytest.raises(ValueError, match="window"):
+        LayerKind("sliding", 8)
+    with pytest.raises(ValueError, match="window"):
+        LayerKind("full", 8, window=4)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 8, 9, 10, 11, 12, 13, 40])
+def test_sliding_layer_holds_the_blocks_the_next_query_sees(n: int) -> None:
+    """Counted naively: the next query (position n) sees positions n-w+1 .. n-1 of the cache;
+    a block is held from the first such block to the last cached one."""
+    window = 6
+    visible = list(range(max(0, n - window + 1), n))
+    want_blocks = len(range(visible[0] // BS, -(-n // BS))) if visible else 0
+    layer = LayerKind("sliding", 10, window=window)
+    assert layer.tokens_held(n, BS) == want_blocks * BS
+    assert LayerKind("full", 10).tokens_held(n, BS) == -(-n // BS) * BS
+
+
+def test_layout_memory_and_fit() -> None:
+    full, lin = LayerKind("full", kv_bytes_per_token=100), LayerKind("linear", state_bytes=5000)
+    layout = ModelLayout((lin, lin, lin, full))
+    assert layout.kinds == {"full", "linear"} and layout.state_bytes == 15000
+    assert layout.window is None
+    # 40 tokens: 10 blocks of 4 tokens, 100 bytes each in the one full layer, + the state
+    assert layout.bytes_per_sequence(40, BS) == 4000 + 15000
+    assert layout.bytes_per_sequence(40, BS, snapshots=2) == 4000 + 3 * 15000
+    assert (
+        layout.max_sequences(kv_bytes=40000, num_state_slots=7, num_tokens=40, block_size=BS) == 7
+    )
+    assert (
+        layout.max_sequences(kv_bytes=20000, num_state_slots=7, num_tokens=40, block_size=BS) == 5
+    )
+    sliding = ModelLayout(
+        (LayerKind("sliding", 1, window=8), lin, LayerKind("sliding", 1, window=8))
+    )
+    assert sliding.window == 8
+    assert ModelLayout((LayerKind("sliding", 1, window=8), full)).window is None
+
+
+# --- state slots and snapshots ----------------------------------------------------------------
+
+
+def test_state_slots_allocate_free_preempt_restore() -> None:
+    pool = StateSlotPool(2)
+    a, b = pool.allocate(1), pool.allocate(2)
+    assert {a, b} == {0, 1} and pool.allocate(1) == a  # idempotent for a holder
+    assert not pool.can_allocate()
+    with pytest.raises(RuntimeError):
+        pool.allocate(3)
+    pool.free_sequence(2)  # preempted: its slot returns
+    assert pool.slot_of(2) is None and pool.allocate(3) == b
+    pool.free_sequence(1)
+    pool.free_sequence(1)  # twice is harmless
+    assert pool.allocate(2) == a  # restored (re-admitted) into a free slot
+    with pytest.raises(ValueError, match="num_state_slots"):
+        StateSlotPool(0)
+
+
+def test_snapshots_longest_prefix_and_lru_bound() -> None:
+    snaps = SnapshotCache(2)
+    s10, s20 = snaps.reserve(10), snaps.reserve(20)
+    assert s10 is not None and s20 is not None and snaps.reserve(20) is None
+    assert snaps.lookup([10, 20, 30]) == (2, s20)
+    assert snaps.lookup([10, 99]) == (1, s10)  # 10 is now the most recently used
+    s30 = snaps.reserve(30)  # the pool is full: 20, least recently used, goes
+    assert s30 == s20 and snaps.lookup([10, 20]) == (1, s10)
+    snaps.clear()  # new weights
+    assert snaps.lookup([10, 20, 30]) is None
+    assert SnapshotCache(0).reserve(1) is None
+
+
+# --- sliding-window block freeing -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_window_freeing_keeps_memory_bounded_and_the_window_mapped(prefix_caching: bool) -> None:
+    window, num_blocks = 6, 8
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix_caching)
+    seq = make_seq(list(range(3)))
+    for step in range(60):  # a 3-token prompt chunk, then decode one token per step
+        num_new = len(seq) - seq.num_computed_tokens
+        bm.allocate(seq, num_new)
+        seq.num_computed_tokens += num_new
+        bm.commit_full_blocks(seq)
+        bm.free_outside_window(seq, window)
+        n = seq.num_computed_tokens
+        live = seq.block_table[seq.num_released_blocks :]
+        # every position the next query sees is in a block the sequence still holds
+        for p in range(max(0, n - window + 1), n):
+            assert p // BS >= seq.num_released_blocks
+            assert bm.blocks[seq.block_table[p // BS]].ref_count == 1
+        assert len(live) <= -(-window // BS) + 2  # O(window), not O(n)
+        assert bm.num_free_blocks == num_blocks - len(live)
+        seq.append_token(1000 + step, 0.0, None)
+    assert len(seq) > num_blocks * BS  # longer than the whole pool could hold unfreed
+    bm.free_sequence(seq)
+    assert bm.num_free_blocks == num_blocks and seq.num_released_blocks == 0
+
+
+def test_window_freeing_leaves_a_shared_prefix_to_its_other_holder() -> None:
+    bm = BlockManager(16, BS)
+    tokens = list(range(4 * BS + 1))
+    first, second = make_seq(tokens), make_seq(tokens)
+    for seq in (first, second):
+        cached = bm.allocate_cached_prefix(seq)
+        seq.num_computed_tokens = cached
+        bm.allocate(seq, len(seq) - cached)
+        seq.num_computed_tokens = len(seq)
+        bm.commit_full_blocks(seq)
+    assert second.block_table[:4] == first.block_table[:4]
+    bm.free_outside_window(first, 2)
+    released = first.block_table[: first.num_released_blocks]
+    assert released and all(bm.blocks[b].ref_count == 1 for b in released)  # second's
+    bm.free_sequence(second)
+    bm.free_sequence(first)
+    assert bm.num_free_blocks == 16
