@@ -64,8 +64,8 @@ class Postprocessor:
             if token is None:
                 continue
             request = self.requests[seq.request_id]
-            for row in _tokens(result, i):  # one, or a verify row's 1 + accepted
-                self._append(seq, request, *row, now)
+            for tok, logprob, top, kept in _tokens(result, i):  # one, or 1 + accepted drafts
+                self._append(seq, request, tok, logprob, top, kept, now)
                 if seq.finish_reason is not None:
                     break  # a stop inside an accepted run: the tokens after it are dropped
             if item.drafts and self.drafter is not None:

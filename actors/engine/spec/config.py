@@ -61,6 +61,7 @@ class SpeculativeConfig:
         if low is None and high is None:
             low, high = 1, 5
         low, high = low if low is not None else high, high if high is not None else low
+        assert low is not None and high is not None  # one of them was given
         _positive("prompt_lookup_min", low)
         _positive("prompt_lookup_max", high)
         if low > high:
