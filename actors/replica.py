@@ -21,6 +21,7 @@ from typing import Any
 
 from raylane.actors.engine.outputs import RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.upkeep import CONTROL_CALLS
 from raylane.actors.output_channel import ChannelClosed, OutputChannel
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,12 @@ class EngineReplica:
 
     async def flush_cache(self) -> None:
         self.engine.flush_cache()
+
+    async def control_call(self, method: str, *args: Any) -> Any:
+        """One of the engine's `CONTROL_CALLS` (sleep, wake_up, weight checks)."""
+        if method not in CONTROL_CALLS:
+            raise ValueError(f"method: {method!r} is not one of {sorted(CONTROL_CALLS)}")
+        return getattr(self.engine, method)(*args)
 
     async def arm_fault(
         self,

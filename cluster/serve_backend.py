@@ -109,6 +109,15 @@ class RouterControl:
     async def weight_version(self) -> int:
         return await call_router(self.router.weight_version.remote())
 
+    async def sleep(self, level: int) -> dict[str, Any]:
+        return await call_router(self.router.sleep.remote(level))
+
+    async def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
+        return await call_router(self.router.wake_up.remote(tags))
+
+    async def call_replicas(self, method: str, *args: Any) -> dict[str, Any]:
+        return await call_router(self.router.call_replicas.remote(method, *args))
+
     async def set_weight_version(self, version: int) -> int:
         return await call_router(self.router.set_weight_version.remote(version))
 

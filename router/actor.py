@@ -156,6 +156,15 @@ class Router:
     async def commit_update(self, update_id: str) -> int:
         return await self.control.commit_update(update_id)
 
+    async def sleep(self, level: int) -> dict[str, Any]:
+        return await self.control.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
+        return await self.control.wake_up(tags)
+
+    async def call_replicas(self, method: str, *args: Any) -> dict[str, Any]:
+        return await self.control.call_replicas(method, *args)
+
     async def set_weight_version(self, version: int) -> int:
         return await self.control.set_weight_version(version)
 

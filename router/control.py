@@ -56,6 +56,10 @@ class ReplicaCalls(Protocol):
 
     async def flush_cache(self, replica_id: str) -> None: ...
 
+    async def call(self, replica_id: str, method: str, *args: Any) -> Any:
+        """One of `raylane.actors.engine.upkeep.CONTROL_CALLS` on the replica's engine."""
+        ...
+
 
 class ReplicaTable(Protocol):
     """The replicas a control call reaches, and their weight versions."""
@@ -257,6 +261,36 @@ class ControlPlane:
     async def flush_cache(self) -> None:
         """Drop every replica's prefix cache."""
         await self._everywhere(self._reachable(), "flush_cache", self.calls.flush_cache)
+
+    # --- sleep and weight checks (the trainer protocols) -----------------------------------------
+
+    async def sleep(self, level: int) -> dict[str, Any]:
+        """Pause in mode "abort" (requests in flight end, new ones wait) and free every
+        replica's KV cache; `wake_up` undoes both."""
+        async with self._lock:
+            await self._pause("abort")
+            await self._call_all("sleep", level)
+            return self.state()
+
+    async def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
+        """Allocate the KV caches again and resume (tags without "kv_cache": only the no-op
+        "weights", and the cluster stays as it is)."""
+        async with self._lock:
+            await self._call_all("wake_up", tags)
+            if tags is None or "kv_cache" in tags:
+                await self._resume()
+            return self.state()
+
+    async def call_replicas(self, method: str, *args: Any) -> dict[str, Any]:
+        """A read or check (`CONTROL_CALLS`: is_sleeping, weight_checksums, reset_weights) on
+        every healthy replica; the answers by replica id."""
+        async with self._lock:
+            return await self._call_all(method, *args)
+
+    async def _call_all(self, method: str, *args: Any) -> dict[str, Any]:
+        return await self._everywhere(
+            self._reachable(), method, lambda rid: self.calls.call(rid, method, *args)
+        )
 
     # --- broadcasting ---------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from raylane.actors.engine.errors import EnginePaused, RequestFailed
+from raylane.actors.engine.upkeep import CONTROL_CALLS
 
 
 class ActorCalls:
@@ -35,6 +36,9 @@ class ActorCalls:
 
     async def flush_cache(self, replica_id: str) -> None:
         await _result(self._handle(replica_id).flush_cache.remote())
+
+    async def call(self, replica_id: str, method: str, *args: Any) -> Any:
+        return await _result(self._handle(replica_id).control_call.remote(method, *args))
 
     def _handle(self, replica_id: str) -> Any:
         handle = self.handles.get(replica_id)
@@ -90,6 +94,11 @@ class EngineCalls:
 
     async def flush_cache(self, replica_id: str) -> None:
         self.engine.flush_cache()
+
+    async def call(self, replica_id: str, method: str, *args: Any) -> Any:
+        if method not in CONTROL_CALLS:
+            raise ValueError(f"method: {method!r} is not one of {sorted(CONTROL_CALLS)}")
+        return getattr(self.engine, method)(*args)
 
 
 class EngineTable:

@@ -96,6 +96,18 @@ class ControlBackend(Protocol):
 
     async def weight_version(self) -> int: ...
 
+    async def sleep(self, level: int) -> dict[str, Any]:
+        """Pause ("abort") and free every replica's KV cache; `control_state()`."""
+        ...
+
+    async def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
+        """Allocate the KV caches again and resume; `control_state()`."""
+        ...
+
+    async def call_replicas(self, method: str, *args: Any) -> dict[str, Any]:
+        """`raylane.actors.engine.upkeep.CONTROL_CALLS` on every replica, answers by id."""
+        ...
+
     async def set_weight_version(self, version: int) -> int:
         """Switch every replica to `version` (newer) with the weights they hold."""
         ...

@@ -162,7 +162,10 @@ class AsyncLLMEngine:
 
     async def resume(self) -> None:
         """Generate again: kept requests continue, retracted ones re-prefill, queued ones are
-        admitted (idempotent). RuntimeError while a weight update is half loaded."""
+        admitted (idempotent). RuntimeError while a weight update is half loaded; ValueError
+        while asleep."""
+        if self.engine.upkeep.sleeping:
+            raise ValueError("the engine is asleep: wake it up (wake_up) before resuming")
         if self.engine.weight_update_open:
             raise RuntimeError(
                 "a weight update is half loaded: finish it (or send it again) before resuming"
@@ -191,6 +194,35 @@ class AsyncLLMEngine:
 
     def flush_cache(self) -> None:
         self.engine.flush_cache()
+
+    # --- sleep and weight checks (the trainer protocols) ----------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache of every rank; the engine must be paused with nothing running (the
+        control plane pauses it in mode "abort" first). Levels 1 and 2 both keep the weights."""
+        if level not in (1, 2):
+            raise ValueError(f"level: {level!r} is not 1 or 2")
+        if self._paused is None or self.engine.has_unfinished_requests():
+            raise ValueError("sleep: pause the engine (mode 'abort' or 'wait') first")
+        self._fan_out(self.engine.drain())
+        self.engine.upkeep.sleep()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Allocate the KV cache again ("kv_cache" among `tags`, or no tags); "weights" is a
+        no-op, as sleep keeps them. The engine stays paused until resumed."""
+        if tags is None or "kv_cache" in tags:
+            self.engine.upkeep.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.upkeep.sleeping
+
+    def weight_checksums(self) -> dict[str, str]:
+        self._fan_out(self.engine.drain())
+        return self.engine.upkeep.weight_checksums()
+
+    def reset_weights(self, seed: int = 0) -> None:
+        self._fan_out(self.engine.drain())
+        self.engine.upkeep.reset_weights(seed)
 
     async def _admitted(self) -> None:
         """Wait while paused; bounded, so a long pause cannot pile up requests without end."""

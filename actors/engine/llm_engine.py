@@ -22,6 +22,7 @@ from raylane.actors.engine.spec.drafter import Drafter
 from raylane.actors.engine.spec.metrics import SpecStats
 from raylane.actors.engine.stats import EngineStats
 from raylane.actors.engine.step_launcher import LaunchedStep, StepLauncher
+from raylane.actors.engine.upkeep import EngineUpkeep
 from raylane.actors.engine.validate import RequestValidator, as_params_list, as_prompt_list
 from raylane.actors.engine.weight_sync import WeightSync, too_stale
 from raylane.actors.executor.base import StepFailed
@@ -70,6 +71,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.weights = WeightSync(self.executor, self.block_manager)
+        self.upkeep = EngineUpkeep(self.executor, self.block_manager)  # sleep, weight checks
         self.post = Postprocessor(
             self.scheduler,
             self.planner,

@@ -45,11 +45,19 @@ class KVCache:
 
     @classmethod
     def allocate(
-        cls, config: RunnerConfig, layers, model, dtype: torch.dtype, device: torch.device
+        cls,
+        config: RunnerConfig,
+        layers,
+        model,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_blocks: int | None = None,
     ) -> KVCache:
+        """`num_blocks`: that many (a KV cache restored after sleep); None: from the config."""
         bytes_per_block = bytes_per_token(layers, dtype) * config.block_size
-        num_blocks = config.num_kv_blocks or max(
-            1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block
+        num_blocks = num_blocks or (
+            config.num_kv_blocks
+            or max(1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
         )
         routing = None
         if config.enable_return_routed_experts:

@@ -21,6 +21,7 @@ from raylane.actors.models import TPGroup, load_model, load_weights
 from raylane.actors.models.loader import check_weights
 from raylane.actors.models.packing import repack_changed
 from raylane.actors.models.weights import Payload, decode_bucket, torch_dtype
+from raylane.actors.runner import weight_checks
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
 from raylane.actors.runner.faults import Faults
 from raylane.actors.runner.graph_runner import GraphRunner
@@ -182,6 +183,27 @@ class ModelRunner:
 
     def finish_weight_update(self) -> None:
         """The last bucket is in (its packs rebuilt with it): nothing is left to derive."""
+
+    # --- weight checks and sleep (the trainer protocols; runner/weight_checks.py) -------------
+
+    def weight_checksums(self) -> dict[str, str]:
+        return weight_checks.weight_checksums(self.model)
+
+    def reset_weights(self, seed: int) -> None:
+        weight_checks.reset_weights(self.model, seed)
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache (and the routing record); `restore_kv_cache` brings it back."""
+        weight_checks.release_kv_cache(self.model.attention_layers(), self.dtype, self.device)
+        self.kv.routing, self.graphs = None, None  # the graphs captured the old tensors
+
+    def restore_kv_cache(self) -> None:
+        """A zeroed KV cache of the same number of blocks (the engine's block table is kept)."""
+        layers = self.model.attention_layers()
+        self.kv = KVCache.allocate(
+            self.config, layers, self.model, self.dtype, self.device, self.kv.num_blocks
+        )
+        self.graphs = self._graph_runner(self.config)
 
     # --- results (sampling rank) --------------------------------------------------------------
 

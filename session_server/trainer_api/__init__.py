@@ -14,13 +14,15 @@ from __future__ import annotations
 from fastapi import FastAPI
 from raylane.session_server.openapi import ERRORS
 from raylane.session_server.trainer_api import (
+    disk_update,
     sglang_routes,
     trl_routes,
+    upkeep_routes,
     vllm_generate,
     vllm_routes,
 )
 
-MODULES = (vllm_routes, vllm_generate, sglang_routes, trl_routes)
+MODULES = (vllm_routes, vllm_generate, upkeep_routes, sglang_routes, disk_update, trl_routes)
 
 
 def mount(app: FastAPI) -> frozenset[str]:

@@ -100,6 +100,22 @@ class TokensResponse(_Out):
     weight_version: str  # raylane's: the version the tokens came from
 
 
+class IsSleeping(_Out):
+    is_sleeping: bool
+
+
+class CheckerBody(_Body):
+    action: Literal["checksum", "reset", "compare"]
+    baseline: dict[str, str] | None = None  # "compare": the checksums to compare against
+
+
+class CheckerResult(_Out):
+    checksums: dict[str, str] | None = None  # "checksum"
+    status: str | None = None  # "reset"
+    match: bool | None = None  # "compare"
+    mismatches: list[str] | None = None  # "compare"
+
+
 # --- SGLang's native API ---------------------------------------------------------------------
 
 
@@ -163,3 +179,14 @@ class UpdateResult(_Out):
     success: bool
     message: str
     num_paused_requests: int = 0
+
+
+class SGLangCheckerBody(_Body):
+    action: Literal["snapshot", "reset_tensors", "compare", "checksum"]
+
+
+class SGLangCheckerResult(_Out):
+    success: bool
+    message: str
+    checksums: dict[str, str] | None = None  # "checksum"
+    mismatches: list[str] | None = None  # "compare"

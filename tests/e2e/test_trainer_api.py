@@ -294,3 +294,100 @@ def test_vllm_tokens_route_names_what_it_cannot_take(trainer):
     assert tokens(trainer, [], sampling_params={}).status_code == 400
     inert = {"detokenize": True, "output_kind": 0, "max_tokens": 2, "top_k": -1}
     assert tokens(trainer, PROMPT, sampling_params=inert).status_code == 200
+
+
+# --- SGLang's update from disk: one transaction --------------------------------------------
+
+
+def test_update_from_disk_is_one_transaction(trainer, tiny_llama_dir, tiny_qwen3_dir, tmp_path):
+    from tests.hf_reference import perturbed_model
+
+    v1_dir, _ = perturbed_model(tiny_llama_dir, str(tmp_path / "v1"), 31)
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    before = int(trainer.get("/get_weight_version").json()["weight_version"])
+    old = trainer.post("/generate", json=body).json()["output_ids"]
+    # another architecture's checkpoint: refused by every rank's check before any byte moves
+    wrong = trainer.post("/update_weights_from_disk", json={"model_path": tiny_qwen3_dir})
+    assert wrong.status_code == 400 and wrong.json()["error"]["message"]
+    missing = trainer.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "model_path"
+    assert trainer.get("/get_weight_version").json()["weight_version"] == str(before)
+    assert trainer.post("/generate", json=body).json()["output_ids"] == old
+    assert trainer.get("/is_paused").json() == {"is_paused": False}  # the failed begin resumed
+    answer = trainer.post(
+        "/update_weights_from_disk",
+        json={"model_path": v1_dir, "weight_version": str(before + 5)},
+    ).json()
+    assert answer["success"] is True, answer
+    new = trainer.post("/generate", json=body).json()
+    assert new["output_ids"] == hf_greedy(v1_dir, PROMPT, 6)[0] != old
+    assert new["meta_info"]["weight_version"] == str(before + 5)
+    # back to the checkpoint the other tests expect
+    trainer.post("/update_weights_from_disk", json={"model_path": tiny_llama_dir})
+    assert trainer.post("/generate", json=body).json()["output_ids"] == old
+
+
+# --- sleep and the weight checkers -----------------------------------------------------------
+
+
+def kv_elements(engine) -> int:
+    layers = engine.executor.runner.model.attention_layers()
+    return sum(layer.k_cache.numel() + layer.v_cache.numel() for layer in layers)
+
+
+def test_sleep_frees_the_kv_cache_and_wake_up_serves_again(trainer, trainer_engine, tiny_llama_dir):
+    held = kv_elements(trainer_engine)
+    last = run_midway(trainer, "sleep-1", lambda: trainer.post("/sleep", params={"level": 1}))
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert trainer.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert kv_elements(trainer_engine) == 0 and held > 0
+    resumed = trainer.post("/resume")
+    assert resumed.status_code == 400 and "wake" in resumed.json()["error"]["message"]
+    answers: list = []
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    waiter = threading.Thread(target=lambda: answers.append(trainer.post("/generate", json=body)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # waits for the wake-up
+    assert trainer.post("/wake_up", params={"tags": ["weights"]}).status_code == 200
+    assert trainer.get("/is_sleeping").json() == {"is_sleeping": True}  # weights: no-op
+    assert trainer.post("/wake_up", params={"tags": ["bogus"]}).status_code == 400
+    assert trainer.post("/wake_up").status_code == 200
+    waiter.join(30)
+    assert answers[0].json()["output_ids"] == hf_greedy(tiny_llama_dir, PROMPT, 5)[0]
+    assert kv_elements(trainer_engine) == held
+    assert trainer.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
+def test_vllm_weight_checker_proves_a_transfer_restores_the_weights(trainer, tiny_llama_dir):
+    baseline = trainer.post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
+    assert "lm_head.weight" in baseline
+    compare = {"action": "compare", "baseline": baseline}
+    assert trainer.post("/weight_checker", json=compare).json() == {
+        "match": True,
+        "mismatches": [],
+    }
+    assert trainer.post("/weight_checker", json={"action": "reset"}).json() == {"status": "reset"}
+    after = trainer.post("/weight_checker", json=compare).json()
+    assert after["match"] is False and set(after["mismatches"]) == set(baseline)
+    trainer.post("/update_weights_from_disk", json={"model_path": tiny_llama_dir})
+    assert trainer.post("/weight_checker", json=compare).json()["match"] is True
+    trainer.post("/pause", params={"mode": "keep"})
+    assert trainer.post("/weight_checker", json={"action": "checksum"}).status_code == 409
+
+
+def test_sglang_weights_checker_snapshot_reset_compare(trainer, tiny_llama_dir):
+    def check(action: str) -> dict:
+        return trainer.post("/weights_checker", json={"action": action}).json()
+
+    assert check("snapshot")["success"] is True
+    assert check("compare") == {
+        "success": True,
+        "message": "the weights equal the snapshot",
+        "mismatches": [],
+    }
+    assert check("reset_tensors")["success"] is True
+    assert check("compare")["success"] is False
+    trainer.post("/update_weights_from_disk", json={"model_path": tiny_llama_dir})
+    assert check("compare")["success"] is True
+    assert "lm_head.weight" in check("checksum")["checksums"]

@@ -174,4 +174,12 @@ def test_trainer_routes_reach_every_replica_through_the_router(cluster, admin):
     assert admin.post("/resume").json() == {"status": "resumed"}
     assert anyone.get("/is_paused").json() == {"is_paused": False}
     assert anyone.get("/get_weight_version").json() == {"weight_version": str(version + 1)}
+    # the generic replica calls: both replicas hash the same weights; sleep reaches both
+    checksums = admin.post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
+    assert "lm_head.weight" in checksums
+    assert admin.post("/sleep", params={"level": 2}).status_code == 200
+    assert anyone.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert admin.post("/wake_up").status_code == 200
+    assert anyone.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert len(greedy(url, PROMPTS[2], key="woken")["output_ids"]) == 8
     anyone.close()
