@@ -37,8 +37,9 @@ GAUGES = {
     "num_requests_waiting": "Number of requests waiting to be processed.",
     "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
     "weight_version": "Version of the weights the engines serve (the newest, across replicas).",
+    "kv_cache_bytes_per_token": "KV-cache bytes one token takes in a replica (all its ranks).",
 }
-AVERAGED = {"kv_cache_usage_perc"}
+AVERAGED = {"kv_cache_usage_perc", "kv_cache_bytes_per_token"}
 HIGHEST = {"weight_version"}
 COUNTERS = {
     "prompt_tokens": "Number of prefill tokens processed.",

@@ -319,7 +319,9 @@ class LLMEngine:
     # --- statistics ---------------------------------------------------------------------------
 
     def stats_snapshot(self, paused: bool = False) -> dict:
-        return self.stats.snapshot(self.scheduler, self.block_manager, self.weight_version, paused)
+        snap = self.stats.snapshot(self.scheduler, self.block_manager, self.weight_version, paused)
+        snap["gauges"]["kv_cache_bytes_per_token"] = self.runner_info.kv_bytes_per_token
+        return snap
 
     # --- batch helpers ------------------------------------------------------------------------
 

@@ -46,3 +46,4 @@ class RunnerInfo:
     moe_top_k: int
     dtype: str  # e.g. "float32"
     device: str  # e.g. "cpu", "cuda:0"
+    kv_bytes_per_token: int = 0  # KV cache bytes a token takes, summed over the TP ranks

@@ -26,7 +26,7 @@ from raylane.actors.runner.config import RunnerConfig, RunnerInfo
 from raylane.actors.runner.faults import Faults
 from raylane.actors.runner.graph_runner import GraphRunner
 from raylane.actors.runner.inputs import InputPreparer, StepInputs
-from raylane.actors.runner.kv_cache import KVCache
+from raylane.actors.runner.kv_cache import KVCache, bytes_per_token
 from raylane.actors.runner.plan import ExtraTokens, StepPlan, StepResult
 from raylane.actors.runner.requests import RequestTable, ScheduledRequest
 from raylane.actors.runner.sampler import Sampler
@@ -90,6 +90,8 @@ class ModelRunner:
             moe_top_k=getattr(self.model, "moe_top_k", 0),
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
+            kv_bytes_per_token=self.tp.world_size
+            * bytes_per_token(self.model.attention_layers(), self.dtype),
         )
 
     @torch.inference_mode()

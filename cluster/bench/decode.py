@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 DEFAULT_LABEL = "SmolLM2-135M-Instruct (embedded)"
 # random-weight stand-ins, built offline: name -> (transformers config class, its fields);
 # decode speed depends on the shapes alone, and these need no download (GPU machines are offline)
-RANDOM_MODELS = {
+RANDOM_MODELS: dict[str, tuple[str, dict[str, object]]] = {
     "qwen3-0.6b": (
         "Qwen3Config",
         {
@@ -50,6 +50,33 @@ RANDOM_MODELS = {
             "tie_word_embeddings": True,
             "rope_theta": 1e5,
             "rms_norm_eps": 1e-5,
+        },
+    ),
+    # DeepSeek-V3's architecture (MLA latent cache, grouped sigmoid routing, shared experts,
+    # a dense first layer) at a size two CPU cores run
+    "deepseek-v3-tiny": (
+        "DeepseekV3Config",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "moe_intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "q_lora_rank": 128,
+            "kv_lora_rank": 128,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+            "n_routed_experts": 16,
+            "n_group": 4,
+            "topk_group": 2,
+            "num_experts_per_tok": 4,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "num_nextn_predict_layers": 0,
+            "vocab_size": 4096,
+            "max_position_embeddings": 4096,
         },
     ),
 }

@@ -31,7 +31,20 @@ class Workload:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2)")
+    from raylane.bench.decode import RANDOM_MODELS
+
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2)")
+    model.add_argument(
+        "--random-model",
+        choices=sorted(RANDOM_MODELS),
+        help="random weights in this model's shape (e.g. deepseek-v3-tiny), built in a temp dir",
+    )
+    parser.add_argument(
+        "--capture",
+        action="store_true",
+        help="also run serial with routed-expert capture on (MoE models): its cost",
+    )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument(
         "--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX")
@@ -108,6 +121,7 @@ def run_engines(
     repeats: int = 1,
     warm: bool = True,
     dtype: str = "float32",
+    capture: bool = False,
 ) -> list[dict[bool, float]]:
     """Seconds per timed pass, one engine per async_scheduling mode, the modes alternating
     pass by pass so drift on a shared machine hits them alike. `warm`: a whole untimed pass
@@ -122,12 +136,16 @@ def run_engines(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 async_scheduling=on,
+                enable_return_routed_experts=capture,
             )
         )
         for on in modes
     }
     params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in work.output_lens
+        SamplingParams(
+            temperature=0.0, max_tokens=n, ignore_eos=True, return_routed_experts=capture
+        )
+        for n in work.output_lens
     ]
     try:
         for engine in engines.values():
@@ -183,7 +201,16 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = args.model or default_model_path()
+    if args.random_model:
+        import tempfile
+
+        from raylane.bench.decode import build_random_model
+
+        model_dir = build_random_model(
+            args.random_model, tempfile.mkdtemp(prefix="raylane-throughput-"), "float32", "cpu"
+        )
+    else:
+        model_dir = args.model or default_model_path()
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     work = make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed
@@ -240,6 +267,19 @@ def engine_rows(
             rows.append(
                 Row(f"raylane, max_num_seqs={size}, {mode}", dtype, min(p[on] for p in passes))
             )
+        if args.capture:
+            captured = run_engines(
+                model_dir,
+                work,
+                args.max_num_batched_tokens,
+                size,
+                (False,),
+                args.repeats,
+                dtype=dtype,
+                capture=True,
+            )
+            name = f"raylane, max_num_seqs={size}, serial, capture"
+            rows.append(Row(name, dtype, min(p[False] for p in captured)))
     return rows
 
 

@@ -11,6 +11,7 @@ FAMILIES = {
     "raylane:num_requests_waiting": "gauge",
     "raylane:kv_cache_usage_perc": "gauge",
     "raylane:weight_version": "gauge",
+    "raylane:kv_cache_bytes_per_token": "gauge",
     "raylane:prompt_tokens": "counter",
     "raylane:generation_tokens": "counter",
     "raylane:num_preemptions": "counter",
@@ -19,6 +20,10 @@ FAMILIES = {
     "raylane:steps_planned_ahead": "counter",
     "raylane:request_success": "counter",
     "raylane:graph_replays": "counter",
+    "raylane:spec_decode_num_drafts": "counter",
+    "raylane:spec_decode_num_draft_tokens": "counter",
+    "raylane:spec_decode_num_accepted_tokens": "counter",
+    "raylane:spec_decode_num_accepted_tokens_per_pos": "counter",
     "raylane:time_to_first_token_seconds": "histogram",
     "raylane:inter_token_latency_seconds": "histogram",
     "raylane:e2e_request_latency_seconds": "histogram",
@@ -67,6 +72,8 @@ def test_counters_move_with_requests(http, engine):
         assert moved(f"raylane:{hist}_bucket", le="+Inf") == 1
     assert moved("raylane:inter_token_latency_seconds_count") == 4
     assert value(after, "raylane:num_requests_running") == 0
+    kv_bytes = value(after, "raylane:kv_cache_bytes_per_token")
+    assert kv_bytes == engine.runner_info.kv_bytes_per_token > 0
     # async scheduling (the default) planned the steps after the first one ahead: the 4
     # decodes, and possibly one more before the 5th token's result showed it was the last
     assert engine.config.async_scheduling

@@ -67,3 +67,6 @@ def test_cache_holds_one_latent_row_per_token(tiny_deepseek_dir):
     # kv_lora_rank 32 + rope 8 floats per token per layer, against 2 * 4 heads * (16 + 8) / 16
     assert [tuple(layer.k_cache.shape) for layer in layers] == [(9 * 16, 1, 40)] * 3
     assert all(layer.v_cache.data_ptr() == layer.k_cache.data_ptr() for layer in layers)
+    # float32: 3 layers x (32 + 8) x 4 bytes, against 3 x 4 heads x (24 + 16) x 4 expanded
+    assert engine.runner_info.kv_bytes_per_token == 480
+    assert engine.stats_snapshot()["gauges"]["kv_cache_bytes_per_token"] == 480
