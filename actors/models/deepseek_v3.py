@@ -126,6 +126,9 @@ class DeepseekMoE(nn.Module):
 
 
 def is_moe_layer(config: Any, layer_idx: int) -> bool:
+    kinds = getattr(config, "mlp_layer_types", None)  # V3.2: "dense" / "sparse" per layer
+    if kinds is not None:
+        return kinds[layer_idx] == "sparse"
     return bool(config.n_routed_experts) and layer_idx >= (config.first_k_dense_replace or 0)
 
 

@@ -99,11 +99,6 @@ class MLAttention(nn.Module):
             self.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.scale
         )
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.spec.q_lora_rank is None:
-            return self.q_proj(hidden)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))  # [T, H * qk]
-
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rotate = apply_rotary_interleaved if self.spec.rope_interleave else apply_rotary
         return rotate(x, cos, sin)
@@ -111,19 +106,42 @@ class MLAttention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
+        query, row, _ = self.project(hidden, cos, sin)
+        return self.output(self.attn(query, row, attn))
+
+    def project(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """hidden [T, D] -> (absorbed query [T, H, L + R], cache row [T, 1, L + R], the
+        low-rank query q_a_layernorm(q_a_proj(hidden)) [T, q_lora_rank] or None)."""
         s, t, h = self.spec, hidden.shape[0], self.num_heads
-        q = self._query(hidden).view(t, h, s.qk_head_dim)
+        if s.q_lora_rank is None:
+            q_resid, q = None, self.q_proj(hidden)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
+        q = q.view(t, h, s.qk_head_dim)
         q_nope, q_rope = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split(
             [s.kv_lora_rank, s.qk_rope_head_dim], dim=-1
         )
         latent = self.kv_a_layernorm(latent)  # [T, L]
         k_rope = self._rotate(k_rope.unsqueeze(1), cos, sin)  # [T, 1, R]
-        w = self.kv_b_proj.weight.view(h, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
-        w_uk, w_uv = w[:, : s.qk_nope_head_dim], w[:, s.qk_nope_head_dim :]  # [H, nope | v, L]
+        w_uk = self._kv_b()[:, : s.qk_nope_head_dim]  # [H, nope, L]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
         query = torch.cat([q_latent, self._rotate(q_rope, cos, sin)], dim=-1)  # [T, H, L + R]
         row = torch.cat([latent.unsqueeze(1), k_rope], dim=-1)  # [T, 1, L + R]
-        out = self.attn(query, row, attn)  # [T, H, L]
+        return query, row, q_resid
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention output in the latent space [T, H, L] -> W_UV, o_proj -> [T, D]."""
+        s, t, h = self.spec, out.shape[0], self.num_heads
+        w_uv = self._kv_b()[:, s.qk_nope_head_dim :]  # [H, v, L]
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
         return self.o_proj(out.transpose(0, 1).reshape(t, h * s.v_head_dim))
+
+    def _kv_b(self) -> torch.Tensor:
+        s = self.spec
+        return self.kv_b_proj.weight.view(
+            self.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank
+        )

@@ -14,6 +14,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("raylane.actors.models.qwen3_moe", "MixtralForCausalLM"),
     "DeepseekV2ForCausalLM": ("raylane.actors.models.deepseek_v3", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("raylane.actors.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("raylane.actors.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "Glm4MoeForCausalLM": ("raylane.actors.models.deepseek_v3", "Glm4MoeForCausalLM"),
 }
 

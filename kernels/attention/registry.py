@@ -78,7 +78,8 @@ _BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], Attentio
 _KINDS: dict[str, frozenset[str]] = {
     "triton": frozenset({"full", "mla"}),
     "cpu": frozenset({"full", "mla"}),
-    "torch": frozenset({"full", "mla"}),
+    # "dsa" layers run their own torch ops (kernels/attention/sparse.py) and need no backend
+    "torch": frozenset({"full", "mla", "dsa"}),
 }
 
 

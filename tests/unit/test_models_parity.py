@@ -11,6 +11,7 @@ from tests.tiny_models import (
     attach_kv_cache,
     make_deepseek_v2,
     make_deepseek_v3,
+    make_deepseek_v32,
     make_glm4_moe,
     make_llama,
     make_mixtral,
@@ -59,6 +60,7 @@ VARIANTS = {
     ),
     "deepseek_v3": (make_deepseek_v3, {}),
     "glm4_moe": (make_glm4_moe, {}),
+    "deepseek_v32": (make_deepseek_v32, {}),
     "deepseek_v2": (make_deepseek_v2, {}),
     "deepseek_v2_lite_greedy": (make_deepseek_v2, {"q_lora_rank": None, "topk_method": "greedy"}),
     # no low-rank query, rotate-half rope with YaRN (softmax mscale), biases, no renormalise

@@ -1,0 +1,40 @@
+"""DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention on every layer (dsa.py).
+
+`indexer_topk()` after a forward gives each token's selection per layer, [T, num_dsa_layers,
+index_topk] int32 (ascending positions, -1 padded), which the runner records per KV slot
+for `CompletionOutput.indexer_topk`. transformers' GLM-5 (`GlmMoeDsaForCausalLM`) shares one
+layer's selection across the next ("shared" indexer layers); it is not served yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from raylane.actors.models.deepseek_v3 import DeepseekV3ForCausalLM
+from raylane.actors.models.dsa import DSAttention
+from raylane.actors.models.layers import TPGroup
+from raylane.actors.models.llama import AttentionSpec
+from torch import nn
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    index_interleaved = False  # V3.2's indexer rotates half-split; its MLA interleaved
+
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+        super().__init__(config, tp)
+        self.num_dsa_layers = config.num_hidden_layers
+        self.index_topk = config.index_topk
+
+    def make_attention(self, config: Any, spec: AttentionSpec) -> nn.Module:
+        return DSAttention(config, self.index_interleaved, self.tp)
+
+    def indexer_topk(self) -> torch.Tensor:
+        """The last forward's selections: [T, num_dsa_layers, index_topk] int32."""
+        picks = [self._attention(i).indexer_topk for i in range(self.num_dsa_layers)]
+        return torch.stack(picks, dim=1).to(torch.int32)  # type: ignore[arg-type]
+
+    def _attention(self, i: int) -> DSAttention:
+        attn = self.model.layers[i].self_attn
+        assert isinstance(attn, DSAttention)
+        return attn

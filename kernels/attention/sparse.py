@@ -1,0 +1,90 @@
+"""DeepSeek Sparse Attention (DSA) in plain torch: the lightning indexer's top-k selection over
+a paged key cache, and MLA attention over the selected positions only.
+
+Every token finds its sequence and position from the metadata's tensors alone (no host sync),
+so a decode step replays from a captured graph. The reference gathers each token's whole
+context of indexer keys ([T, context, D]): fine for tests and small contexts, not for 128k.
+
+Tie rule: a token keeps the `topk` highest index scores among the positions it sees; between
+equal scores the earlier position wins (a stable descending sort), so the selection is a
+function of the scores alone. transformers takes `torch.topk`'s pick, which agrees unless
+scores tie exactly at the boundary (e.g. positions where every head's ReLU is zero).
+"""
+
+from __future__ import annotations
+
+import torch
+from raylane.kernels.attention.metadata import AttentionMetadata
+
+
+def token_positions(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index [T] int64, position [T] int64) of every token of the step."""
+    qsl, num_tokens = meta.query_start_loc, meta.num_tokens
+    tokens = torch.arange(num_tokens, device=qsl.device, dtype=qsl.dtype)
+    seq = torch.searchsorted(qsl[1:], tokens, right=True).long()  # [T]
+    ends = qsl[1:].long().index_select(0, seq)  # one past the sequence's last token
+    return seq, meta.seq_lens.long().index_select(0, seq) - (ends - tokens.long())
+
+
+def context_slots(meta: AttentionMetadata, seq: torch.Tensor) -> torch.Tensor:
+    """[T, W * block_size] cache slots of every position of each token's sequence table."""
+    tables = meta.block_tables.long().index_select(0, seq)  # [T, W]
+    offsets = torch.arange(meta.block_size, device=tables.device)
+    return (tables.unsqueeze(-1) * meta.block_size + offsets).flatten(1)
+
+
+def select_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    """The indexer's choice: q [T, nh, D], weights [T, nh] float32, key_cache [slots, 1, D]
+    -> [T, topk] int64 positions, ascending, -1 where fewer than topk are visible.
+
+    score(t, s) = sum_h weights[t, h] * relu(scale * q[t, h] . k[s]) over positions s <= t."""
+    seq, pos = token_positions(meta)
+    slots = context_slots(meta, seq)  # [T, C]
+    keys = key_cache[:, 0].index_select(0, slots.flatten()).view(*slots.shape, -1)  # [T, C, D]
+    scores = torch.bmm(q.float(), keys.float().transpose(1, 2)) * scale  # [T, nh, C]
+    scores = torch.bmm(weights.unsqueeze(1), scores.relu()).squeeze(1)  # [T, C]
+    ctx = torch.arange(slots.shape[1], device=q.device)
+    visible = ctx.unsqueeze(0) <= pos.unsqueeze(1)  # [T, C]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+    chosen = order.masked_fill(~visible.gather(1, order), -1)
+    if chosen.shape[1] < topk:  # a context shorter than topk: pad the width
+        chosen = torch.nn.functional.pad(chosen, (0, topk - chosen.shape[1]), value=-1)
+    return _ascending(chosen)
+
+
+def _ascending(chosen: torch.Tensor) -> torch.Tensor:
+    # positions ascending, the -1 padding last
+    big = torch.iinfo(chosen.dtype).max
+    ordered = torch.sort(chosen.masked_fill(chosen < 0, big), dim=-1).values
+    return ordered.masked_fill(ordered == big, -1)
+
+
+def sparse_latent_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    kv_lora_rank: int,
+    chosen: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """MLA's absorbed form over the chosen positions only: q [T, H, L + R], latent_cache
+    [slots, 1, L + R], chosen [T, k] positions (-1 = none) -> [T, H, L]."""
+    seq, _ = token_positions(meta)
+    tables = meta.block_tables.long().index_select(0, seq)  # [T, W]
+    valid = chosen >= 0
+    pos = chosen.clamp(min=0)
+    blocks = tables.gather(1, pos // meta.block_size)
+    slots = blocks * meta.block_size + pos % meta.block_size  # [T, k]
+    rows = latent_cache[:, 0].index_select(0, slots.flatten()).view(*slots.shape, -1)
+    scores = torch.einsum("thd,tkd->thk", q, rows) * scale  # [T, H, k]
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("thk,tkl->thl", probs, rows[..., :kv_lora_rank])
