@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import raylane.actors.engine.weight_transfer as weight_transfer
 from raylane.actors.engine.outputs import RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.engine.upkeep import CONTROL_CALLS
@@ -164,11 +165,13 @@ class EngineReplica:
 
     async def begin_weight_update(
         self,
-        specs: list[dict],
+        specs: list[dict] | None,
     ) -> None:
         from raylane.actors.models.weights import TensorSpec
 
-        self.engine.begin_weight_update([TensorSpec.from_dict(d) for d in specs])
+        self.engine.begin_weight_update(
+            None if specs is None else [TensorSpec.from_dict(d) for d in specs]
+        )
 
     async def load_weight_bucket(self, bucket) -> int:
         """`bucket`: safetensors bytes, or `[ObjectRef]` of them (stored once for every
@@ -179,6 +182,26 @@ class EngineReplica:
 
     async def finish_weight_update(self, version: int | None = None) -> int:
         return self.engine.finish_weight_update(version)
+
+    # the trainer's collective group (actors/engine/weight_transfer.py)
+
+    async def weight_ranks(self) -> int:
+        return weight_transfer.num_ranks(self.engine)
+
+    async def join_weight_group(self, info: dict, rank_base: int) -> int:
+        return weight_transfer.join_group(self.engine, info, rank_base)
+
+    async def check_weight_receive(self, specs: list[dict]) -> None:
+        weight_transfer.check_receive(self.engine, specs)
+
+    async def receive_weights(self, group_name: str, specs: list[dict], packing: dict) -> int:
+        return await weight_transfer.receive(self.engine, group_name, specs, **packing)
+
+    async def abort_weight_update(self) -> None:
+        weight_transfer.abort_update(self.engine)
+
+    async def leave_weight_group(self, group_name: str | None) -> None:
+        weight_transfer.leave_group(self.engine, group_name)
 
     async def abort(
         self,

@@ -20,6 +20,7 @@ the channel. Every call that touches the model thus runs on one thread, one at a
 from __future__ import annotations
 
 import datetime
+import functools
 import hmac
 import os
 import secrets
@@ -87,8 +88,10 @@ class ModelShard:
         return reply
 
     def rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a ModelRunner method on this rank (the executor's `collective_rpc`)."""
-        return getattr(self._runner(), method)(*args, **kwargs)
+        """Call a ModelRunner method on this rank (the executor's `collective_rpc`); a dotted
+        name reaches a part of it ("weights.receive")."""
+        call: Any = functools.reduce(getattr, method.split("."), self._runner())
+        return call(*args, **kwargs)
 
     def ping(self) -> int:
         return self.rank

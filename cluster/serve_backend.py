@@ -91,7 +91,7 @@ class RouterControl:
     async def resume(self) -> dict[str, Any]:
         return await call_router(self.router.resume.remote())
 
-    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
+    async def begin_update(self, version: int | None, spec_dicts: list[dict] | None) -> str:
         return await call_router(self.router.begin_update.remote(version, spec_dicts))
 
     async def load_bucket(self, update_id: str, payload: bytes) -> int:
@@ -103,8 +103,24 @@ class RouterControl:
         ref = await asyncio.to_thread(ray.put, np.frombuffer(payload, dtype=np.uint8))
         return await call_router(self.router.load_bucket.remote(update_id, [ref]))
 
-    async def commit_update(self, update_id: str) -> int:
-        return await call_router(self.router.commit_update.remote(update_id))
+    async def commit_update(self, update_id: str | None, version: int | None = None) -> int:
+        return await call_router(self.router.commit_update.remote(update_id, version))
+
+    async def init_weight_group(self, info: dict[str, Any]) -> dict[str, Any]:
+        return await call_router(self.router.init_weight_group.remote(info))
+
+    async def receive_weights(
+        self,
+        update_id: str | None,
+        group_name: str,
+        spec_dicts: list[dict],
+        packing: dict[str, Any] | None = None,
+    ) -> int:
+        ref = self.router.receive_weights.remote(update_id, group_name, spec_dicts, packing)
+        return await call_router(ref)
+
+    async def destroy_weight_group(self, group_name: str | None = None) -> None:
+        await call_router(self.router.destroy_weight_group.remote(group_name))
 
     async def weight_version(self) -> int:
         return await call_router(self.router.weight_version.remote())

@@ -145,7 +145,7 @@ class Router:
     async def resume(self) -> dict[str, Any]:
         return await self.control.resume()
 
-    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
+    async def begin_update(self, version: int | None, spec_dicts: list[dict] | None) -> str:
         return await self.control.begin_update(version, spec_dicts)
 
     async def load_bucket(self, update_id: str, bucket: list) -> int:
@@ -153,8 +153,23 @@ class Router:
         bytes here, so each replica reads them from the object store itself."""
         return await self.control.load_bucket(update_id, bucket)
 
-    async def commit_update(self, update_id: str) -> int:
-        return await self.control.commit_update(update_id)
+    async def commit_update(self, update_id: str | None, version: int | None = None) -> int:
+        return await self.control.commit_update(update_id, version)
+
+    async def init_weight_group(self, info: dict[str, Any]) -> dict[str, Any]:
+        return await self.control.init_weight_group(info)
+
+    async def receive_weights(
+        self,
+        update_id: str | None,
+        group_name: str,
+        spec_dicts: list[dict],
+        packing: dict[str, Any] | None = None,
+    ) -> int:
+        return await self.control.receive_weights(update_id, group_name, spec_dicts, packing)
+
+    async def destroy_weight_group(self, group_name: str | None = None) -> None:
+        await self.control.destroy_weight_group(group_name)
 
     async def sleep(self, level: int) -> dict[str, Any]:
         return await self.control.sleep(level)

@@ -22,74 +22,29 @@ those behind included: an update with every weight brings them back.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from raylane.actors.models.weights import TensorSpec
+from raylane.actors.runner.weight_group import GroupInfo
+from raylane.router.control_parts import (
+    ReplicaCalls,
+    ReplicaTable,
+    Update,
+    all_or_none,
+    check_version,
+    commit_version,
+    manifest,
+)
 from raylane.router.errors import ControlConflict, ReplicasFailed, UpdateNotFound
 
 log = logging.getLogger(__name__)
 
 # NOTE: actors.engine.async_engine.PAUSE_MODES, which imports torch; the Router does not
 PAUSE_MODES = ("abort", "wait", "keep", "retract")
-
-
-class ReplicaCalls(Protocol):
-    """Calls one engine replica's control methods (those of `raylane.actors.replica.EngineReplica`).
-    Each raises what the replica raised: `ValueError` for bad input; anything else means the
-    replica failed."""
-
-    async def pause(self, replica_id: str, mode: str) -> None: ...
-
-    async def resume(self, replica_id: str) -> None: ...
-
-    async def begin_weight_update(self, replica_id: str, spec_dicts: list[dict]) -> None: ...
-
-    async def load_weight_bucket(self, replica_id: str, bucket: Any) -> int: ...
-
-    async def finish_weight_update(self, replica_id: str, version: int) -> int: ...
-
-    async def abort(self, replica_id: str, request_ids: list[str] | None) -> list: ...
-
-    async def flush_cache(self, replica_id: str) -> None: ...
-
-    async def call(self, replica_id: str, method: str, *args: Any) -> Any:
-        """One of `raylane.actors.engine.upkeep.CONTROL_CALLS` on the replica's engine."""
-        ...
-
-
-class ReplicaTable(Protocol):
-    """The replicas a control call reaches, and their weight versions."""
-
-    def reachable(self) -> list[str]:
-        """The ids of the healthy replicas."""
-        ...
-
-    def weight_version(self) -> int:
-        """The cluster's version: the highest any replica reports."""
-        ...
-
-    def set_version(self, replica_id: str, version: int) -> None: ...
-
-    def report_failure(self, replica_id: str) -> None:
-        """A control call failed on this replica: stop routing to it until it recovers."""
-        ...
-
-
-@dataclass
-class Update:
-    """A weight update in progress: where it goes and what it has loaded so far."""
-
-    update_id: str
-    version: int
-    replica_ids: list[str]
-    num_tensors: int  # in the manifest
-    paused_here: bool  # the update paused the cluster, so its commit resumes it
-    loaded: int = 0  # tensors applied so far (on every replica of the update)
-    failed: list[str] = field(default_factory=list)  # replicas that left the update
 
 
 class ControlPlane:
@@ -99,6 +54,7 @@ class ControlPlane:
         self.paused_mode: str | None = None
         self._update: Update | None = None
         self._committed: tuple[str, int] | None = None  # the last commit, for a retried one
+        self._groups: dict[str, list[str]] = {}  # the trainer's groups -> replicas in them
         self._lock = asyncio.Lock()
 
     async def weight_version(self) -> int:
@@ -150,12 +106,14 @@ class ControlPlane:
 
     # --- the update transaction ---------------------------------------------------------------
 
-    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
-        """Open an update to `version` (newer than the cluster's) of the tensors in
-        `spec_dicts` ({"name", "shape", "dtype"}, HF names, full shapes), checked on every
-        replica; a `ValueError` (naming the tensor) leaves every replica as it was. Returns
-        the update id. A begin replaces an update that was not committed."""
-        return await self._begin(version, manifest(spec_dicts))
+    async def begin_update(self, version: int | None, spec_dicts: list[dict] | None) -> str:
+        """Open an update to `version` (newer than the cluster's; None: the commit's, or the
+        next) of the tensors in `spec_dicts` ({"name", "shape", "dtype"}, HF names, full
+        shapes), checked on every replica; a `ValueError` (naming the tensor) leaves every
+        replica as it was. `spec_dicts` None: an open-ended update, each `receive_weights`
+        checking its own tensors. Returns the update id. A begin replaces an update that was
+        not committed."""
+        return await self._begin(version, None if spec_dicts is None else manifest(spec_dicts))
 
     async def set_weight_version(self, version: int) -> int:
         """Switch every replica to `version` (newer than the cluster's) with the weights they
@@ -164,14 +122,15 @@ class ControlPlane:
         update_id = await self._begin(version, [])
         return await self.commit_update(update_id)
 
-    async def _begin(self, version: int, specs: list[TensorSpec]) -> str:
+    async def _begin(self, version: int | None, specs: list[TensorSpec] | None) -> str:
+        dicts = None if specs is None else [s.to_dict() for s in specs]
         async with self._lock:
-            _check_version(version, self.table.weight_version())
+            if version is not None:
+                check_version(version, self.table.weight_version())
             fresh = self.paused_mode is None
             if fresh:
                 await self._pause("keep")
             try:
-                dicts = [s.to_dict() for s in specs]
                 ok = await self._everywhere(
                     self._reachable(),
                     "begin_weight_update",
@@ -183,7 +142,7 @@ class ControlPlane:
                 raise
             paused_here = fresh or (self._update is not None and self._update.paused_here)
             self._update = Update(
-                f"upd-{secrets.token_hex(8)}", version, list(ok), len(specs), paused_here
+                f"upd-{secrets.token_hex(8)}", version, list(ok), len(specs or []), paused_here
             )
             return self._update.update_id
 
@@ -203,9 +162,10 @@ class ControlPlane:
             update.loaded += count
             return count
 
-    async def commit_update(self, update_id: str) -> int:
-        """Switch every replica of the update to its version, and resume the cluster if the
-        update paused it. Returns the version; committing it again returns it again."""
+    async def commit_update(self, update_id: str | None, version: int | None = None) -> int:
+        """Switch every replica of the update (None: the open one) to `version` (default:
+        the begin's, or the next), and resume the cluster if the update paused it. Returns
+        the version; committing it again returns it again."""
         async with self._lock:
             if self._committed is not None and self._committed[0] == update_id:
                 return self._committed[1]
@@ -215,18 +175,19 @@ class ControlPlane:
                     f"only {update.loaded} of the update's {update.num_tensors} "
                     "tensors were loaded; send the rest before committing"
                 )
+            version = commit_version(update, version, self.table.weight_version())
             ok = await self._everywhere(
                 update.replica_ids,
                 "finish_weight_update",
-                lambda rid: self.calls.finish_weight_update(rid, update.version),
+                lambda rid: self.calls.finish_weight_update(rid, version),
                 update=update,
             )
             for rid in ok:
-                self.table.set_version(rid, update.version)
-            self._update, self._committed = None, (update_id, update.version)
+                self.table.set_version(rid, version)
+            self._update, self._committed = None, (update.update_id, version)
             if update.paused_here:
                 await self._resume_after_commit()
-            return update.version
+            return version
 
     async def _resume_after_commit(self) -> None:
         """The commit stands even if no replica resumes: a later resume retries."""
@@ -235,14 +196,115 @@ class ControlPlane:
         except ReplicasFailed as e:
             log.warning("no engine replica resumed after the weight update: %s", e)
 
-    def _open(self, update_id: str) -> Update:
-        if self._update is None or self._update.update_id != update_id:
+    def _open(self, update_id: str | None) -> Update:
+        if self._update is None or update_id not in (None, self._update.update_id):
             raise UpdateNotFound(
                 f"no weight update {update_id!r} is open (never begun, "
                 "committed, or replaced by a newer begin)",
                 param="update_id",
             )
         return self._update
+
+    # --- the trainer's collective group: its receives are loads of the open update ----------
+
+    async def init_weight_group(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Every rank of every healthy replica joins the trainer's group (`GroupInfo`'s
+        fields), replica i's ranks after replica i-1's, from `rank_offset`; `world_size` must
+        count them exactly. All join or none stays in. Returns the group's ranks."""
+        group = GroupInfo(**info) if isinstance(info, dict) else None
+        if group is None:
+            raise ValueError("init_info: give {master_address, master_port, rank_offset, ...}")
+        async with self._lock:
+            ids = self._reachable()
+            counts = await all_or_none(ids, self.calls.weight_ranks)
+            bases = dict(zip(ids, itertools.accumulate([0, *counts.values()])))
+            total = sum(counts.values())
+            if group.world_size != group.rank_offset + total:
+                raise ValueError(
+                    f"world_size: {group.world_size} != rank_offset {group.rank_offset} + "
+                    f"the {total} inference ranks ({len(ids)} replicas)"
+                )
+            self._groups.pop(group.group_name, None)
+            rank_of = {rid: group.rank_offset + bases[rid] for rid in ids}
+            try:
+                await all_or_none(
+                    ids, lambda rid: self.calls.join_weight_group(rid, info, rank_of[rid])
+                )
+            except BaseException:
+                await self._leave(ids, group.group_name)
+                raise
+            self._groups[group.group_name] = ids
+            return {
+                "group_name": group.group_name,
+                "ranks": rank_of,
+                "world_size": group.world_size,
+            }
+
+    async def receive_weights(
+        self,
+        update_id: str | None,
+        group_name: str,
+        spec_dicts: list[dict],
+        packing: dict[str, Any] | None = None,
+    ) -> int:
+        """Receive tensors the trainer broadcasts over `group_name` into every replica of the
+        update (None: the open one). Every rank checks them first: a `ValueError` changes no
+        weight and leaves the update open, but the group is left (the trainer's broadcast
+        for it fails at once instead of hanging; init it again). A failure while receiving
+        rolls the whole update back on every replica and leaves the group."""
+        dicts = [s.to_dict() for s in manifest(spec_dicts)]
+        async with self._lock:
+            update = self._open(update_id)
+            members = self._groups.get(group_name)
+            if members is None:
+                raise ValueError(f"group_name: no weight update group {group_name!r}; init one")
+            if sorted(members) != sorted(update.replica_ids):
+                raise ControlConflict("the group's replicas are not the update's: init it again")
+            try:
+                await all_or_none(members, lambda rid: self.calls.check_weight_receive(rid, dicts))
+            except BaseException:
+                await self._leave(members, group_name)
+                raise
+            try:
+                await all_or_none(
+                    members,
+                    lambda rid: self.calls.receive_weights(rid, group_name, dicts, packing or {}),
+                )
+            except BaseException as e:
+                await self._abort_update(update, group_name)
+                raise ReplicasFailed(
+                    f"receiving over {group_name!r} failed, so the update was rolled back on "
+                    f"every replica and the group left (init it again): {e}"
+                ) from e
+            update.loaded += len(dicts)
+            return len(dicts)
+
+    async def destroy_weight_group(self, group_name: str | None = None) -> None:
+        """Every replica leaves the group (None: every group)."""
+        async with self._lock:
+            names = list(self._groups) if group_name is None else [group_name]
+            for name in names:
+                members = self._groups.pop(name, None)
+                if members is not None:
+                    await self._leave(members, name)
+
+    async def _abort_update(self, update: Update, group_name: str) -> None:
+        await asyncio.gather(
+            *(self.calls.abort_weight_update(rid) for rid in update.replica_ids),
+            return_exceptions=True,
+        )
+        await self._leave(update.replica_ids, group_name)
+        self._update = None
+        if update.paused_here:
+            await self._resume_after_commit()
+
+    async def _leave(self, ids: list[str], group_name: str) -> None:
+        """Best effort: a replica that cannot answer is not in any group any more either."""
+        self._groups.pop(group_name, None)
+        await asyncio.gather(
+            *(self.calls.leave_weight_group(rid, group_name) for rid in ids),
+            return_exceptions=True,
+        )
 
     # --- requests and the cache ---------------------------------------------------------------
 
@@ -333,22 +395,3 @@ class ControlPlane:
                 f"{method} failed on every engine replica: {type(first).__name__}: {first}"
             ) from first
         return ok
-
-
-def manifest(spec_dicts: list[dict]) -> list[TensorSpec]:
-    """The update's tensors, checked for form (names and shapes are checked by the replicas)."""
-    if not isinstance(spec_dicts, list) or not spec_dicts:
-        raise ValueError("tensors: give a non-empty list of {'name', 'shape', 'dtype'}")
-    specs = [TensorSpec.from_dict(d) for d in spec_dicts]
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"tensors: {twice[:3]} appear more than once")
-    return specs
-
-
-def _check_version(version: int, current: int) -> None:
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ValueError(f"version: must be an integer, got {version!r}")
-    if version <= current:
-        raise ValueError(f"version: {version} is not newer than the cluster's {current}")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from raylane.actors.engine.errors import EnginePaused, RequestFailed
+import raylane.actors.engine.weight_transfer as weight_transfer
+from raylane.actors.engine.errors import EnginePaused, RequestFailed, WeightTransferFailed
 from raylane.actors.engine.upkeep import CONTROL_CALLS
 
 
@@ -22,7 +23,7 @@ class ActorCalls:
     async def resume(self, replica_id: str) -> None:
         await _result(self._handle(replica_id).resume.remote())
 
-    async def begin_weight_update(self, replica_id: str, spec_dicts: list[dict]) -> None:
+    async def begin_weight_update(self, replica_id: str, spec_dicts: list[dict] | None) -> None:
         await _result(self._handle(replica_id).begin_weight_update.remote(spec_dicts))
 
     async def load_weight_bucket(self, replica_id: str, bucket: Any) -> int:
@@ -30,6 +31,27 @@ class ActorCalls:
 
     async def finish_weight_update(self, replica_id: str, version: int) -> int:
         return await _result(self._handle(replica_id).finish_weight_update.remote(version))
+
+    async def weight_ranks(self, replica_id: str) -> int:
+        return await _result(self._handle(replica_id).weight_ranks.remote())
+
+    async def join_weight_group(self, replica_id: str, info: dict, rank_base: int) -> int:
+        return await _result(self._handle(replica_id).join_weight_group.remote(info, rank_base))
+
+    async def check_weight_receive(self, replica_id: str, spec_dicts: list[dict]) -> None:
+        await _result(self._handle(replica_id).check_weight_receive.remote(spec_dicts))
+
+    async def receive_weights(
+        self, replica_id: str, group_name: str, spec_dicts: list[dict], packing: dict
+    ) -> int:
+        handle = self._handle(replica_id)
+        return await _result(handle.receive_weights.remote(group_name, spec_dicts, packing))
+
+    async def abort_weight_update(self, replica_id: str) -> None:
+        await _result(self._handle(replica_id).abort_weight_update.remote())
+
+    async def leave_weight_group(self, replica_id: str, group_name: str | None) -> None:
+        await _result(self._handle(replica_id).leave_weight_group.remote(group_name))
 
     async def abort(self, replica_id: str, request_ids: list[str] | None) -> list:
         return await _result(self._handle(replica_id).abort.remote(request_ids))
@@ -63,6 +85,8 @@ def unwrapped(error: Exception) -> Exception:
         return EnginePaused(str(cause))
     if isinstance(cause, RequestFailed):
         return RequestFailed(str(cause))
+    if isinstance(cause, WeightTransferFailed):
+        return WeightTransferFailed(str(cause))
     return error
 
 
@@ -78,16 +102,37 @@ class EngineCalls:
     async def resume(self, replica_id: str) -> None:
         await self.engine.resume()
 
-    async def begin_weight_update(self, replica_id: str, spec_dicts: list[dict]) -> None:
+    async def begin_weight_update(self, replica_id: str, spec_dicts: list[dict] | None) -> None:
         from raylane.actors.models.weights import TensorSpec
 
-        self.engine.begin_weight_update([TensorSpec.from_dict(d) for d in spec_dicts])
+        specs = None if spec_dicts is None else [TensorSpec.from_dict(d) for d in spec_dicts]
+        self.engine.begin_weight_update(specs)
 
     async def load_weight_bucket(self, replica_id: str, bucket: bytes) -> int:
         return self.engine.load_weight_bucket(bucket)
 
     async def finish_weight_update(self, replica_id: str, version: int) -> int:
         return self.engine.finish_weight_update(version)
+
+    async def weight_ranks(self, replica_id: str) -> int:
+        return weight_transfer.num_ranks(self.engine)
+
+    async def join_weight_group(self, replica_id: str, info: dict, rank_base: int) -> int:
+        return weight_transfer.join_group(self.engine, info, rank_base)
+
+    async def check_weight_receive(self, replica_id: str, spec_dicts: list[dict]) -> None:
+        weight_transfer.check_receive(self.engine, spec_dicts)
+
+    async def receive_weights(
+        self, replica_id: str, group_name: str, spec_dicts: list[dict], packing: dict
+    ) -> int:
+        return await weight_transfer.receive(self.engine, group_name, spec_dicts, **packing)
+
+    async def abort_weight_update(self, replica_id: str) -> None:
+        weight_transfer.abort_update(self.engine)
+
+    async def leave_weight_group(self, replica_id: str, group_name: str | None) -> None:
+        weight_transfer.leave_group(self.engine, group_name)
 
     async def abort(self, replica_id: str, request_ids: list[str] | None) -> list:
         return await self.engine.abort(request_ids)

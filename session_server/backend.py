@@ -82,17 +82,35 @@ class ControlBackend(Protocol):
         """`{"paused": False, "weight_version": v}`."""
         ...
 
-    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
-        """Open a weight update of these tensors ({"name", "shape", "dtype"}); its id."""
+    async def begin_update(self, version: int | None, spec_dicts: list[dict] | None) -> str:
+        """Open a weight update of these tensors ({"name", "shape", "dtype"}; None: each
+        receive brings its own) to `version` (None: the commit's, or the next); its id."""
         ...
 
     async def load_bucket(self, update_id: str, payload: bytes) -> int:
         """Apply one bucket of safetensors bytes; how many tensors it held."""
         ...
 
-    async def commit_update(self, update_id: str) -> int:
-        """Switch every replica to the update's version, which is returned."""
+    async def commit_update(self, update_id: str | None, version: int | None = None) -> int:
+        """Switch every replica to the update's (None: the open one's) version, or `version`,
+        which is returned."""
         ...
+
+    async def init_weight_group(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Every rank joins the trainer's collective group (`GroupInfo`'s fields)."""
+        ...
+
+    async def receive_weights(
+        self,
+        update_id: str | None,
+        group_name: str,
+        spec_dicts: list[dict],
+        packing: dict[str, Any] | None = None,
+    ) -> int:
+        """Receive broadcast tensors into the update (`ControlPlane.receive_weights`)."""
+        ...
+
+    async def destroy_weight_group(self, group_name: str | None = None) -> None: ...
 
     async def weight_version(self) -> int: ...
 

@@ -175,7 +175,7 @@ class AsyncLLMEngine:
         if self.engine.has_unfinished_requests():
             self._start()
 
-    def begin_weight_update(self, specs: list[TensorSpec]) -> None:
+    def begin_weight_update(self, specs: list[TensorSpec] | None) -> None:
         """Check an update's manifest on every rank; the engine must be paused with nothing
         running (any pause mode; "wait" once it returned)."""
         if self._paused is None or (

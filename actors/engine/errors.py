@@ -9,3 +9,8 @@ class EnginePaused(RuntimeError):
 
 class RequestFailed(RuntimeError):
     """A step the request was in raised; the engine ended it and serves on (HTTP 500)."""
+
+
+class WeightTransferFailed(RuntimeError):
+    """Receiving over the trainer's group failed (the trainer left, a timeout): the update was
+    rolled back on every rank, which left their groups (the trainer must init one again)."""

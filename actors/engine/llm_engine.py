@@ -135,7 +135,7 @@ class LLMEngine:
             self.load_weight_bucket(dict(bucket))
         return self.finish_weight_update(version)
 
-    def begin_weight_update(self, specs: list[TensorSpec]) -> None:
+    def begin_weight_update(self, specs: list[TensorSpec] | None) -> None:
         """Check an update's manifest on every rank (ValueError naming the first tensor that
         would not load); no weight changes. A second begin replaces an unfinished update."""
         self._quiesce()

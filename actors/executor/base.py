@@ -46,7 +46,7 @@ class Executor(Protocol):
 
     def load_weight_bucket(self, bucket: Payload | dict[str, Any]) -> None:
         """One bucket of a weight update (safetensors bytes, or a uint8 array of them, or
-        named tensors) into every rank's slices (`ModelRunner.load_weight_bucket`)."""
+        named tensors) into every rank's slices (`RunnerWeights.load_bucket`)."""
 
     def check_health(self, ping: bool = True) -> None:
         """Raise ExecutorError when the runners cannot serve; `ping=False` skips asking each

@@ -167,7 +167,7 @@ class RayExecutor:
     def load_weight_bucket(self, bucket: Payload | dict[str, Any]) -> None:
         import ray
 
-        self.collective_rpc("load_weight_bucket", ray.put(bucket))  # stored once, read by all
+        self.collective_rpc("weights.load_bucket", ray.put(bucket))  # stored once, read by all
 
     def check_health(self, ping: bool = True) -> None:
         """Raise ExecutorError when the group is down; with `ping`, unless every rank answers

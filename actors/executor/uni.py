@@ -9,6 +9,7 @@ work of its own during a step, so the two threads' OpenMP teams do not compete).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,14 +53,14 @@ class UniExecutor:
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         self.check_health()
-        call = getattr(self.runner, method)
+        call: Any = functools.reduce(getattr, method.split("."), self.runner)  # "weights.x"
         return [self._worker.submit(call, *args, **kwargs).result()]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         self.collective_rpc("load_weights", weights)
 
     def load_weight_bucket(self, bucket: Payload | dict[str, Any]) -> None:
-        self.collective_rpc("load_weight_bucket", bucket)
+        self.collective_rpc("weights.load_bucket", bucket)
 
     def check_health(self, ping: bool = True) -> None:
         if self._closed:

@@ -125,6 +125,15 @@ def _target(
     return name, None
 
 
+def param_targets(model: nn.Module, names: Iterable[str]) -> set[str]:
+    """The names of the parameters these checkpoint tensors would write (`load_weights`'s own
+    mapping), so a caller can save them first."""
+    mapping = getattr(model, "expert_params_mapping", None)
+    experts = mapping() if mapping is not None else []
+    targets = (_target(model, experts, name) for name in names)
+    return {t[0] for t in targets if t is not None}
+
+
 def _plain_loader(param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
     copy_checked(param.data, loaded, "parameter")  # e.g. norm weights, whole on every rank
 
@@ -152,7 +161,10 @@ def load_weights(
             if ours not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
             param = params[ours]
-            getattr(param, "weight_loader", _plain_loader)(param, tensor, shard)
+            try:
+                getattr(param, "weight_loader", _plain_loader)(param, tensor, shard)
+            except ValueError as e:  # the loader's message names our parameter, not theirs
+                raise ValueError(f"{name!r}: {e}") from None
             loaded.add(ours)
     if partial:
         return loaded

@@ -83,6 +83,7 @@ class WeightUpdate:
     """An update in progress on one engine: its manifest, and whether a bucket went in."""
 
     manifest: dict[str, TensorSpec]
+    open_ended: bool = False  # begun without a manifest: each receive brings its tensors
     loaded: set[str] = field(default_factory=set)
     dirty: bool = False  # some weights are new, some maybe old: the engine must not step
 
@@ -235,3 +236,33 @@ def iter_buckets(
         size += nbytes
     if bucket:
         yield bucket
+
+
+# vLLM's default packed buffer (its `packed_buffer_size_bytes`)
+DEFAULT_PACKED_BUFFER_BYTES = 1 << 30  # NOTE: also in actors/engine/weight_transfer.py
+
+
+def nbytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape) * _ITEM_SIZES[spec.dtype]
+
+
+def broadcast_chunks(
+    specs: list[TensorSpec], packed: bool, buffer_bytes: int = DEFAULT_PACKED_BUFFER_BYTES
+) -> list[list[TensorSpec]]:
+    """How a trainer's broadcasts split the tensors: one per tensor, or (vLLM's `packed`) the
+    tensors in order, each chunk closed by the tensor that takes its byte count past
+    `buffer_bytes` (so a chunk may exceed it), the rest in a last chunk. A chunk travels as
+    its tensors' bytes back to back, with no padding."""
+    if not packed:
+        return [[spec] for spec in specs]
+    if buffer_bytes <= 0:
+        raise ValueError("packed_buffer_size_bytes: must be > 0")
+    chunks: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        chunks[-1].append(spec)
+        size += nbytes(spec)
+        if size > buffer_bytes:
+            chunks.append([])
+            size = 0
+    return [c for c in chunks if c]

@@ -18,9 +18,6 @@ from typing import Any, cast
 
 import torch
 from raylane.actors.models import TPGroup, load_model, load_weights
-from raylane.actors.models.loader import check_weights
-from raylane.actors.models.packing import repack_changed
-from raylane.actors.models.weights import Payload, decode_bucket, torch_dtype
 from raylane.actors.runner import weight_checks
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
 from raylane.actors.runner.faults import Faults
@@ -31,6 +28,7 @@ from raylane.actors.runner.plan import ExtraTokens, StepPlan, StepResult
 from raylane.actors.runner.requests import RequestTable, ScheduledRequest
 from raylane.actors.runner.sampler import Sampler
 from raylane.actors.runner.spec_verify import accept, sampling_rows
+from raylane.actors.runner.weight_updates import RunnerWeights
 from raylane.kernels.attention import get_backend
 
 
@@ -50,6 +48,7 @@ class ModelRunner:
         self.model: Any = cast(Any, model)
         self.hf_config = hf_config
         self.dtype = next(model.parameters()).dtype
+        self.weights = RunnerWeights(self.model, hf_config, self.tp, self.device)
         layers = self.model.attention_layers()
         kinds = {layer.kind for layer in layers}
         backend = get_backend(config.attention_backend, self.device, kinds)
@@ -160,31 +159,7 @@ class ModelRunner:
         """Load (full, HF-named) checkpoint tensors; each parameter takes its rank's slice."""
         load_weights(self.model, weights)
 
-    # --- weight updates: check every name and shape first, then buckets, then re-pack ---------
-
-    def check_weight_update(self, specs: list[tuple[str, tuple[int, ...], str]]) -> None:
-        """ValueError naming the tensor if any (name, full shape, dtype) would not load here;
-        changes nothing (the loaders run on a shape-only twin of the model)."""
-        check_weights(
-            type(self.model),
-            self.hf_config,
-            self.tp,
-            self.dtype,
-            [(name, tuple(shape), torch_dtype(dtype)) for name, shape, dtype in specs],
-        )
-
-    def load_weight_bucket(self, bucket: Payload | dict[str, torch.Tensor]) -> int:
-        """Copy a bucket (safetensors bytes or a uint8 array of them, read in place; or named
-        tensors) into this rank's slices; the caller checked its names and shapes first.
-        Returns the number of tensors."""
-        tensors = bucket if isinstance(bucket, dict) else decode_bucket(bucket)
-        # packs are rebuilt per bucket, for what it changed: the work overlaps the sender
-        # preparing the next bucket, instead of all of it waiting for the commit
-        repack_changed(self.model, load_weights(self.model, tensors.items(), partial=True))
-        return len(tensors)
-
-    def finish_weight_update(self) -> None:
-        """The last bucket is in (its packs rebuilt with it): nothing is left to derive."""
+    # weight updates (RL): `self.weights` (RunnerWeights), reached as "weights.<method>"
 
     # --- weight checks and sleep (the trainer protocols; runner/weight_checks.py) -------------
 

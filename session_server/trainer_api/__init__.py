@@ -16,13 +16,24 @@ from raylane.session_server.openapi import ERRORS
 from raylane.session_server.trainer_api import (
     disk_update,
     sglang_routes,
+    sglang_weights,
     trl_routes,
     upkeep_routes,
     vllm_generate,
     vllm_routes,
+    vllm_weights,
 )
 
-MODULES = (vllm_routes, vllm_generate, upkeep_routes, sglang_routes, disk_update, trl_routes)
+MODULES = (
+    vllm_routes,
+    vllm_generate,
+    vllm_weights,
+    upkeep_routes,
+    sglang_routes,
+    sglang_weights,
+    disk_update,
+    trl_routes,
+)
 
 
 def mount(app: FastAPI) -> frozenset[str]:

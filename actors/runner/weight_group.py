@@ -1,0 +1,130 @@
+"""A collective group through which a trainer broadcasts weights to the inference ranks.
+
+The trainer is rank 0; every rank of every engine replica joins as `rank_offset + its global
+index`. The group is its own world, built from its own store: it never touches the shards'
+tensor-parallel group (the default `torch.distributed` group in a shard).
+
+gloo (CPU): SGLang's scheme, which its trainers (slime, AReaL) build with
+`init_custom_process_group`: a TCPStore at `tcp://master_address:master_port` hosted by the
+trainer, the keys under `group_name`, then `{group_name}/`, then `{device}/` for the first device
+torch maps the gloo backend to ("cpu": torch's helper makes one context when every device maps
+to the same backend).
+
+nccl (GPU): vLLM's scheme (`StatelessProcessGroup` + `PyNcclCommunicator`), see nccl_group.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+GROUP_BACKENDS = ("gloo", "nccl")
+DEFAULT_GROUP_NAME = "weight_update_group"
+GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """Where the trainer's group is and who is in it (`rank_offset`: the first inference rank;
+    `world_size`: the trainer's ranks and every inference rank)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.master_address, str) or not self.master_address:
+            raise ValueError("master_address: give the trainer's host name or address")
+        for name in ("master_port", "rank_offset", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port: {self.master_port} is not a TCP port")
+        if self.rank_offset < 1:
+            raise ValueError("rank_offset: the trainer is rank 0, so inference ranks start at 1")
+        if not isinstance(self.group_name, str) or not self.group_name:
+            raise ValueError("group_name: give a non-empty name")
+        if self.backend not in GROUP_BACKENDS:
+            raise ValueError(f"backend: {self.backend!r} is not one of {list(GROUP_BACKENDS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class WeightGroup(Protocol):
+    """One rank's membership: receive a broadcast from the trainer (rank 0) into `tensor`."""
+
+    def broadcast(self, tensor: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class GlooGroup:
+    def __init__(self, info: GroupInfo, rank: int, timeout: datetime.timedelta = GROUP_TIMEOUT):
+        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+        from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+        self.rank = rank
+        # a client of the trainer's store; world_size so the trainer's wait for workers counts us
+        self._store = TCPStore(
+            info.master_address,
+            info.master_port,
+            info.world_size,
+            False,
+            timeout,
+        )
+        group_store = PrefixStore(f"{info.group_name}/", PrefixStore(info.group_name, self._store))
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._timeout = timeout
+        options._devices = [ProcessGroupGloo.create_device(hostname=_local_address(info))]
+        # NOTE: the key prefix must be the trainer's to the byte, or both sides wait forever
+        device = next(iter(BackendConfig(Backend("gloo")).get_device_backend_map()))
+        self._context = ProcessGroupGloo(
+            PrefixStore(f"{device}/", group_store), rank, info.world_size, options
+        )
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        from torch.distributed import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        self._context.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        try:
+            self._context.abort()  # a peer stuck in a broadcast with us fails at once
+        except RuntimeError:
+            pass
+
+
+def join_group(info: GroupInfo, rank: int, device: torch.device) -> WeightGroup:
+    """Join the trainer's group as `rank` (blocks until every rank has joined)."""
+    if info.backend == "nccl":
+        if device.type != "cuda":
+            raise ValueError("backend: 'nccl' needs the engine on a GPU; use 'gloo' on the CPU")
+        from raylane.actors.runner.nccl_group import NcclGroup
+
+        return NcclGroup(info, rank, device)
+    if device.type != "cpu":
+        raise ValueError("backend: 'gloo' receives into CPU memory; use 'nccl' on a GPU")
+    return GlooGroup(info, rank)
+
+
+def _local_address(info: GroupInfo) -> str:
+    """This host's address on the route to the trainer (gloo binds there: the shards' own
+    GLOO_SOCKET_IFNAME is loopback, which a trainer on another node cannot reach)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((info.master_address, info.master_port))  # UDP: nothing is sent
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostname()

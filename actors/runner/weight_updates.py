@@ -1,0 +1,146 @@
+"""`RunnerWeights`: one rank's side of a weight update, whichever way the bytes arrive.
+
+`check` opens the rank's transaction (the names and full shapes run through the loaders of a
+shape-only twin: nothing changes). Every load after it (a bucket, or tensors received over the
+trainer's collective group) first saves the parameters it is about to write, on the CPU, once
+per transaction, then copies the new tensors in through the loader's own mapping (fused QKV,
+gate/up, experts; each parameter keeps its rank's slice). `rollback` puts the saved
+parameters back, so a failed update leaves the old weights; `finish` drops them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from raylane.actors.models import TPGroup, load_weights
+from raylane.actors.models.loader import check_weights, param_targets
+from raylane.actors.models.packing import repack_changed
+from raylane.actors.models.weights import (
+    DEFAULT_PACKED_BUFFER_BYTES,
+    Payload,
+    TensorSpec,
+    broadcast_chunks,
+    decode_bucket,
+    nbytes,
+    torch_dtype,
+)
+from raylane.actors.runner.weight_group import GroupInfo, WeightGroup, join_group
+
+
+class RunnerWeights:
+    def __init__(self, model: Any, hf_config: Any, tp: TPGroup, device: torch.device) -> None:
+        self.model, self.hf_config, self.tp, self.device = model, hf_config, tp, device
+        self.dtype = next(model.parameters()).dtype
+        self._saved: dict[str, torch.Tensor] | None = None  # None: no transaction is open
+        self.groups: dict[str, WeightGroup] = {}
+        self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
+
+    # --- the transaction ----------------------------------------------------------------------
+
+    def check(self, specs: list[tuple[str, tuple[int, ...], str]], begin: bool = True) -> None:
+        """ValueError naming the tensor if any (name, full shape, dtype) would not load here.
+        `begin`: this opens a transaction (a second begin keeps what the first one saved)."""
+        check_weights(
+            type(self.model),
+            self.hf_config,
+            self.tp,
+            self.dtype,
+            [(name, tuple(shape), torch_dtype(dtype)) for name, shape, dtype in specs],
+        )
+        if begin and self._saved is None:
+            self._saved = {}
+
+    def load_bucket(self, bucket: Payload | dict[str, torch.Tensor]) -> int:
+        """Copy a bucket (safetensors bytes or a uint8 array of them, read in place; or named
+        tensors) into this rank's slices; the caller checked its names and shapes first."""
+        tensors = bucket if isinstance(bucket, dict) else decode_bucket(bucket)
+        self._load(list(tensors.items()))
+        return len(tensors)
+
+    def rollback(self) -> None:
+        """Put back every parameter the open transaction wrote (idempotent)."""
+        saved, self._saved = self._saved, None
+        if not saved:
+            return
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, old in saved.items():
+                params[name].data.copy_(old)
+        repack_changed(self.model, set(saved))
+
+    def finish(self) -> None:
+        """The update stands: drop what was saved."""
+        self._saved = None
+
+    def _load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self._save(param_targets(self.model, (name for name, _ in tensors)))
+        # packs are rebuilt per load, for what it changed: the work overlaps the sender
+        # preparing the next one, instead of all of it waiting for the commit
+        repack_changed(self.model, load_weights(self.model, tensors, partial=True))
+
+    def _save(self, names: set[str]) -> None:
+        if self._saved is None:
+            return  # no transaction (a plain load): nothing to roll back to
+        params = dict(self.model.named_parameters())
+        for name in names - self._saved.keys():
+            self._saved[name] = params[name].detach().to("cpu", copy=True)
+
+    # --- the trainer's collective group -------------------------------------------------------
+
+    def join_group(self, info: dict[str, Any], rank_base: int) -> int:
+        """Join the trainer's group as rank `rank_base + tp rank` (every rank of every replica
+        at once: it blocks until the whole group is in). Returns the rank."""
+        group = GroupInfo(**info)
+        self.close_group(group.group_name)
+        rank = rank_base + self.tp.rank
+        self.groups[group.group_name] = join_group(group, rank, self.device)
+        return rank
+
+    def receive(
+        self,
+        group_name: str,
+        specs: list[tuple[str, tuple[int, ...], str]],
+        packed: bool = False,
+        buffer_bytes: int = DEFAULT_PACKED_BUFFER_BYTES,
+    ) -> int:
+        """Receive the tensors the trainer broadcasts (whole, in order; one per broadcast, or
+        vLLM's packed chunks) and load each chunk as it lands. The caller checked the specs on
+        every rank first. A failure raises as it is; the caller rolls back."""
+        group = self.groups.get(group_name)
+        if group is None:
+            raise ValueError(f"group_name: no weight update group {group_name!r} was joined")
+        wanted = [TensorSpec(n, tuple(s), d) for n, s, d in specs]
+        chunks = broadcast_chunks(wanted, packed, buffer_bytes)
+        for chunk in chunks:
+            buffer = self._buffer(sum(nbytes(s) for s in chunk))
+            group.broadcast(buffer)
+            self._load(_unpack(buffer, chunk))
+        return len(specs)
+
+    def close_group(self, group_name: str | None = None) -> None:
+        """Leave one group (None: every group); a peer waiting on us fails at once."""
+        names = list(self.groups) if group_name is None else [group_name]
+        for name in names:
+            group = self.groups.pop(name, None)
+            if group is not None:
+                group.close()
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        """A receive buffer of `size` bytes, reused (fresh memory page-faults every time)."""
+        if self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self._scratch[:size]
+
+
+def _unpack(buffer: torch.Tensor, chunk: list[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    """The chunk's tensors, as views of `buffer` (their bytes back to back)."""
+    out, offset = [], 0
+    for spec in chunk:
+        size = nbytes(spec)
+        flat = buffer[offset : offset + size]
+        if offset % flat.new_empty(0, dtype=torch_dtype(spec.dtype)).element_size():
+            flat = flat.clone()  # a dtype view needs an aligned start
+        out.append((spec.name, flat.view(torch_dtype(spec.dtype)).view(spec.shape)))
+        offset += size
+    return out

@@ -1,0 +1,233 @@
+"""Collective weight transfer into an in-process engine (TP=1 executor), through the control
+plane that the trainer routes drive: a trainer process (tests/weight_trainer.py, SGLang's
+group scheme) broadcasts the perturbed weights; greedy output must then equal HF on those
+weights (loaded by HF from their own directory), and a bad or broken update must leave the old
+weights and version everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from raylane.actors.engine import EngineConfig, SamplingParams
+from raylane.actors.engine.async_engine import AsyncLLMEngine
+from raylane.router.errors import ReplicasFailed
+from raylane.session_server.backend import LocalBackend
+from safetensors import safe_open
+
+from tests.hf_reference import hf_greedy, perturbed_model
+
+TRAINER = Path(__file__).resolve().parents[1] / "weight_trainer.py"
+GROUP = "weight_update_group"
+
+
+@pytest.fixture(scope="module")
+def v1(tiny_llama_dir, tmp_path_factory) -> tuple[str, list[dict]]:
+    """The new weights' directory, and their specs as a trainer announces them (file order)."""
+    out, _ = perturbed_model(tiny_llama_dir, str(tmp_path_factory.mktemp("v1")), 7)
+    with safe_open(f"{out}/model.safetensors", "pt") as f:
+        specs = [
+            {"name": n, "shape": list(f.get_slice(n).get_shape()), "dtype": "float32"}
+            for n in f.keys()  # noqa: SIM118
+        ]
+    return out, specs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Trainer:
+    """Rank 0 in its own process; `send()` makes it broadcast the update once."""
+
+    def __init__(self, v1_dir: str, specs: list[dict], **plan) -> None:
+        self.port = free_port()
+        plan = {"port": self.port, "world_size": 2, "group": GROUP, **plan}
+        plan.update(file=f"{v1_dir}/model.safetensors", names=[s["name"] for s in specs])
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TRAINER), json.dumps(plan)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def info(self, **extra) -> dict:
+        return {"master_address": "127.0.0.1", "master_port": self.port, "rank_offset": 1,
+                "world_size": 2, "group_name": GROUP, "backend": "gloo", **extra}  # fmt: skip
+
+    def send(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def prompts() -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 200 + 5 for j in range(12 + 5 * i)] for i in range(3)]
+
+
+async def greedy(engine: AsyncLLMEngine, prompt: list[int], rid: str) -> tuple[list[int], set]:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    async for out in engine.generate(prompt, params, rid):
+        last = out
+    return last.outputs[0].token_ids, {last.weight_version}
+
+
+async def update(backend: LocalBackend, trainer: Trainer, specs, packing=None) -> int:
+    """vLLM's sequence: pause(keep), start_weight_update, update_weights while the trainer
+    broadcasts, finish_weight_update, resume."""
+    control = backend.control
+    await control.pause("keep")
+    await control.begin_update(None, None)  # an open-ended update: its receives bring specs
+    trainer.send()
+    await control.receive_weights(None, GROUP, specs, packing)
+    version = await control.commit_update(None)
+    await control.resume()
+    return version
+
+
+async def outputs(backend: LocalBackend) -> list:
+    return [await greedy(backend.engine, p, f"r{i}") for i, p in enumerate(prompts())]
+
+
+def with_backend(model_dir: str, test) -> None:
+    """Run `test(backend)` on one event loop, which the async engine lives on."""
+
+    async def go():
+        config = EngineConfig(model=model_dir, max_num_batched_tokens=256, num_kv_blocks=64)
+        backend = LocalBackend(AsyncLLMEngine.from_config(config), "tiny")
+        try:
+            await test(backend)
+        finally:
+            await backend.engine.shutdown()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("packing", [None, {"packed": True, "buffer_bytes": 3000}])
+def test_broadcast_update_equals_hf_on_the_new_weights(tiny_llama_dir, v1, packing):
+    v1_dir, specs = v1
+
+    async def test(backend):
+        trainer = Trainer(v1_dir, specs, packed=bool(packing), buffer=3000)
+        try:
+            joined = await backend.control.init_weight_group(trainer.info())
+            assert joined == {"group_name": GROUP, "ranks": {"local": 1}, "world_size": 2}
+            assert await update(backend, trainer, specs, packing) == 1
+        finally:
+            trainer.close()
+        got = await outputs(backend)
+        assert [ids for ids, _ in got] == [hf_greedy(v1_dir, p, 6)[0] for p in prompts()]
+        assert all(versions == {1} for _, versions in got)
+
+    with_backend(tiny_llama_dir, test)
+
+
+def test_a_mismatch_changes_nothing_and_a_broken_update_rolls_back(tiny_llama_dir, v1):
+    v1_dir, specs = v1
+    i = next(i for i, s in enumerate(specs) if "q_proj" in s["name"])
+    bad = [*specs[:i], dict(specs[i], shape=[s + 1 for s in specs[i]["shape"]]), *specs[i + 1 :]]
+
+    async def test(backend):
+        control = backend.control
+        before = await outputs(backend)
+        hf = [hf_greedy(tiny_llama_dir, p, 6)[0] for p in prompts()]
+        assert [ids for ids, _ in before] == hf
+        trainer = Trainer(v1_dir, specs)
+        try:
+            await control.init_weight_group(trainer.info())
+            await control.pause("keep")
+            await control.begin_update(None, None)
+            with pytest.raises(ValueError, match="q_proj"):
+                await control.receive_weights(None, GROUP, bad)  # refused before a byte moved
+            await control.resume()
+        finally:
+            trainer.close()
+        assert await outputs(backend) == before
+        trainer = Trainer(v1_dir, specs, stop_after=len(specs) // 2)
+        try:
+            await control.init_weight_group(trainer.info())
+            with pytest.raises(ReplicasFailed, match="rolled back"):
+                await update(backend, trainer, specs)  # the trainer dies halfway
+        finally:
+            trainer.close()
+        await control.resume()
+        assert await control.weight_version() == 0
+        assert await outputs(backend) == before  # the old weights, at version 0
+
+    with_backend(tiny_llama_dir, test)
+
+
+def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v1):
+    """vLLM: pause(keep) -> start_weight_update -> update_weights || broadcast (packed) ->
+    finish_weight_update -> resume; SGLang: pause_generation -> init group ->
+    update_weights_from_distributed || per-tensor broadcast -> continue_generation. A request
+    kept in flight across the vLLM update carries version 0 before it and 1 after."""
+    import httpx
+    from raylane.session_server.app import build_app
+
+    v1_dir, specs = v1
+    names = [s["name"] for s in specs]
+    meta = {"dtype_names": ["float32"] * len(specs), "shapes": [s["shape"] for s in specs]}
+
+    async def test(backend):
+        app = build_app(backend, trainer_api=True)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            trainer = Trainer(v1_dir, specs, packed=True, buffer=3000)
+            try:
+                r = await http.post("/init_weight_transfer_engine", json={"init_info": {
+                    **trainer.info(), "backend": "gloo"}})  # fmt: skip
+                assert r.status_code == 200, r.text
+                params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+                stream = backend.engine.generate(prompts()[0], params, "inflight")
+                first = await anext(stream)  # in flight when the pause comes
+                assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
+                assert (await http.post("/start_weight_update", json={})).status_code == 200
+                trainer.send()
+                info = {"names": names, **meta, "packed": True, "packed_buffer_size_bytes": 3000}
+                r = await http.post("/update_weights", json={"update_info": info})
+                assert r.status_code == 200, r.text
+                r = await http.post("/finish_weight_update", json={"weight_version": "1"})
+                assert r.status_code == 200, r.text
+                assert (await http.post("/resume")).status_code == 200
+                async for last in stream:
+                    pass
+            finally:
+                trainer.close()
+            versions = last.outputs[0].weight_versions
+            assert first.weight_version == 0 and versions[0] == 0 and versions[-1] == 1
+            assert versions == sorted(versions)  # 0..0 then 1..1
+            weight_info = (await http.get("/weight_info")).json()
+            assert weight_info["weight_version"] == "1"
+            assert (await http.get("/get_weight_version")).json()["weight_version"] == "1"
+
+            trainer = Trainer(v1_dir, specs)  # SGLang: the same weights again, as version 2
+            try:
+                await http.post("/pause_generation", json={"mode": "abort"})
+                r = await http.post("/init_weights_update_group", json=trainer.info())
+                assert r.status_code == 200, r.text
+                trainer.send()
+                r = await http.post("/update_weights_from_distributed", json={
+                    "names": names, "dtypes": meta["dtype_names"], "shapes": meta["shapes"],
+                    "group_name": GROUP, "weight_version": "2"})  # fmt: skip
+                assert r.status_code == 200, r.text
+                await http.post("/continue_generation", json={})
+                assert (await http.post("/destroy_weights_update_group", json={})).json()["success"]
+            finally:
+                trainer.close()
+            assert (await http.get("/get_weight_version")).json()["weight_version"] == "2"
+        got = await outputs(backend)
+        assert [ids for ids, _ in got] == [hf_greedy(v1_dir, p, 6)[0] for p in prompts()]
+
+    with_backend(tiny_llama_dir, test)

@@ -1,0 +1,74 @@
+"""A trainer process for the collective weight-transfer tests: rank 0 of a gloo group built the
+way SGLang's trainers build it (`init_custom_process_group`: a TCPStore rendezvous at
+tcp://host:port, the keys under the group name, torch's own process-group helper), then the
+peer's broadcasts of HF-named tensors read from a safetensors file, in order.
+
+    python tests/weight_trainer.py '{"port", "world_size", "group", "file", "names",
+                                     "packed", "buffer", "stop_after"}'
+
+Prints "joined" once in the group; waits for a line on stdin before broadcasting (so a test
+can make its HTTP call first, as a trainer does); `stop_after`: exit after that many
+broadcasts (a trainer that dies mid-update).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import load_file
+from torch.distributed.distributed_c10d import (
+    Backend,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
+
+
+def join(port: int, world_size: int, group: str):
+    timeout = datetime.timedelta(seconds=60)
+    store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(
+        world_size, 0, [], Backend("gloo"), PrefixStore(group, store),
+        group_name=group, backend_options=None, timeout=timeout,
+    )  # fmt: skip
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def chunks(tensors: list[torch.Tensor], packed: bool, buffer: int) -> list[torch.Tensor]:
+    """vLLM's packing: tensors appended until the byte count first exceeds `buffer`."""
+    if not packed:
+        return tensors
+    out, part, size = [], [], 0
+    for t in tensors:
+        part.append(t.contiguous().view(torch.uint8).view(-1))
+        size += part[-1].numel()
+        if size > buffer:
+            out.append(torch.cat(part))
+            part, size = [], 0
+    return out + ([torch.cat(part)] if part else [])
+
+
+def main() -> None:
+    plan = json.loads(sys.argv[1])
+    pg = join(plan["port"], plan["world_size"], plan["group"])
+    print("joined", flush=True)
+    weights = load_file(plan["file"])
+    tensors = [weights[name] for name in plan["names"]]
+    for _ in sys.stdin:  # one update per line
+        for i, t in enumerate(chunks(tensors, plan.get("packed", False), plan.get("buffer", 1))):
+            if i == plan.get("stop_after"):
+                os._exit(0)  # dies mid-update, the group left half sent
+            torch.distributed.broadcast(t, src=0, group=pg)
+        print("sent", flush=True)
+    os._exit(0)  # NOTE: gloo aborts on a normal exit with its group alive
+
+
+if __name__ == "__main__":
+    main()
