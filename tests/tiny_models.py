@@ -300,6 +300,25 @@ def make_glm4_moe(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> s
     return path
 
 
+def make_gemma3(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Gemma 3 text: sliding (window 8), full, sliding layers with their own RoPE bases."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    defaults = {
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    }
+    return _save(path, Gemma3TextConfig, Gemma3ForCausalLM, seed, overrides, **defaults)
+
+
 def _randomize_router_bias(path: str, seed: int) -> None:
     """Rewrite the checkpoint with seeded `e_score_correction_bias` values."""
     from safetensors.torch import load_file, save_file

@@ -27,15 +27,33 @@ class Attention(nn.Module):
 
     kind = "full"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        window: int | None = None,
+        sinks: bool = False,
+    ):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # a sliding layer: each query sees its last `window` keys (itself included)
+        self.window = window
+        if window is not None:
+            self.kind = "sliding"
+        # learned per-head logits joining each softmax's denominator (gpt-oss), [num_heads]
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.backend: AttentionBackend = get_backend("torch")
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def backend_kinds(self) -> set[str]:
+        """What the attention backend must serve for this layer."""
+        return {self.kind} | ({"sinks"} if self.sinks is not None else set())
 
     def cache_shapes(self) -> list[tuple[int, ...]]:
         """The per-slot shape of each cache tensor this layer keeps."""
@@ -51,7 +69,11 @@ class Attention(nn.Module):
         # q [T, H, D], k/v [T, KVH, D] -> [T, H, D]
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("Attention.k_cache is not attached; the runner allocates it")
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
+        if self.window is None and self.sinks is None:
+            return self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
+        return self.backend.forward(
+            q, k, v, self.k_cache, self.v_cache, attn, self.scale, self.window, self.sinks
+        )
 
 
 class LatentAttention(Attention):

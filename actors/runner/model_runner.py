@@ -50,7 +50,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.weights = RunnerWeights(self.model, hf_config, self.tp, self.device)
         layers = self.model.attention_layers()
-        kinds = {layer.kind for layer in layers}
+        kinds = set().union(*(layer.backend_kinds() for layer in layers))
         backend = get_backend(config.attention_backend, self.device, kinds)
         for layer in layers:
             layer.backend = backend

@@ -27,6 +27,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # a query sees its last `window` keys (itself included)
+        sinks: torch.Tensor | None = None,  # [num_heads] logits joining each denominator
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
@@ -79,7 +81,7 @@ _KINDS: dict[str, frozenset[str]] = {
     "triton": frozenset({"full", "mla"}),
     "cpu": frozenset({"full", "mla"}),
     # "dsa" layers run their own torch ops (kernels/attention/sparse.py) and need no backend
-    "torch": frozenset({"full", "mla", "dsa"}),
+    "torch": frozenset({"full", "mla", "dsa", "sliding", "sinks"}),
 }
 
 

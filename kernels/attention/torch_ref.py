@@ -8,7 +8,7 @@ captured graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,19 @@ class PrefillPlan:
     allowed: torch.Tensor  # [batch, 1, max_q, max_ctx] bool: query may attend key
     # every chunk starts at position 0: causal attention over the step's own K/V, no gather
     fresh: bool
+    q_pos: torch.Tensor | None = None  # [batch, max_q] int64 each query's position
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its `allowed`
+
+    def allowed_in(self, window: int | None) -> torch.Tensor:
+        """`allowed`, narrowed to the last `window` keys of each query (itself included)."""
+        if window is None:
+            return self.allowed
+        if window not in self.windowed:
+            assert self.q_pos is not None
+            k_pos = torch.arange(self.allowed.shape[-1], device=self.allowed.device)
+            recent = k_pos.view(1, 1, -1) > (self.q_pos - window).unsqueeze(-1)
+            self.windowed[window] = self.allowed & recent.unsqueeze(1)
+        return self.windowed[window]
 
     @property
     def batch(self) -> int:
@@ -45,7 +58,12 @@ class TorchAttention:
             meta.seqs[: meta.num_prefills], meta.block_size, meta.slot_mapping.device
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+        window: int | None = None, sinks: torch.Tensor | None = None,
+    ):  # fmt: skip
+        """`window`: a query sees only its last `window` keys (itself included); `sinks` [H]:
+        one learned logit per head that joins each softmax's denominator (gpt-oss)."""
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])  # [T, H, Dv]
         split = meta.num_prefill_tokens
@@ -54,10 +72,10 @@ class TorchAttention:
                 meta.plan = self.plan(meta)
             prefill: PrefillPlan = meta.plan
             rows = slice(0, split)
-            if prefill.fresh:
+            if prefill.fresh and window is None and sinks is None:
                 out[rows] = attend_fresh(q[rows], k[rows], v[rows], prefill, scale)
             else:
-                out[rows] = attend_prefill(q[rows], k_cache, v_cache, prefill, scale)
+                out[rows] = attend_prefill(q[rows], k_cache, v_cache, prefill, scale, window, sinks)
         if meta.num_decodes:
             first = meta.num_prefills
             out[split:] = attend_decode(
@@ -68,6 +86,8 @@ class TorchAttention:
                 meta.seq_lens[first:],
                 meta.block_size,
                 scale,
+                window,
+                sinks,
             )
         return out
 
@@ -102,10 +122,13 @@ def plan_prefill(seqs: list[SeqSlice], block_size: int, device) -> PrefillPlan:
         gather.contiguous().to(device),
         allowed.unsqueeze(1).to(device),
         fresh,
+        q_pos.to(device),
     )
 
 
-def attend_prefill(q, k_cache, v_cache, plan: PrefillPlan, scale: float) -> torch.Tensor:
+def attend_prefill(
+    q, k_cache, v_cache, plan: PrefillPlan, scale: float, window=None, sinks=None
+) -> torch.Tensor:
     num_heads, v_dim = q.shape[1], v_cache.shape[2]
     qp = _pad(q, plan, q.new_empty)  # padded query rows are never read back
     # index_select on the flat slot list is several times faster than advanced indexing on CPU
@@ -114,14 +137,7 @@ def attend_prefill(q, k_cache, v_cache, plan: PrefillPlan, scale: float) -> torc
     # [batch, max_ctx, num_kv_heads, D] -> [batch, num_kv_heads, max_ctx, D]
     kp = k_cache.index_select(0, slots).view(ctx_shape).transpose(1, 2)
     vp = v_cache.index_select(0, slots).view(ctx_shape).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2),
-        kp,
-        vp,
-        attn_mask=plan.allowed,
-        scale=scale,
-        enable_gqa=kp.shape[1] != num_heads,
-    )  # [batch, num_heads, max_q, head_dim]
+    out = attend(qp.transpose(1, 2), kp, vp, plan.allowed_in(window), scale, sinks)
     out = out.transpose(1, 2).reshape(plan.batch * plan.max_q, num_heads, v_dim)
     return out.index_select(0, plan.flat_index)
 
@@ -154,9 +170,12 @@ def attend_decode(
     seq_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its whole context, from device tensors only (capturable):
-    every block of the table is gathered, positions past `seq_lens` masked out."""
+    every block of the table is gathered, positions past `seq_lens` (and, with a window,
+    before its start) masked out."""
     batch, width = block_tables.shape
     num_heads, kv_heads, v_dim = q.shape[1], k_cache.shape[1], v_cache.shape[2]
     blocks = block_tables.reshape(-1).long()
@@ -169,16 +188,36 @@ def attend_decode(
 
     kp, vp = gather(k_cache), gather(v_cache)
     positions = torch.arange(width * block_size, device=q.device)
-    allowed = (positions.unsqueeze(0) < seq_lens.unsqueeze(1)).view(batch, 1, 1, -1)
-    out = F.scaled_dot_product_attention(
+    allowed = positions.unsqueeze(0) < seq_lens.unsqueeze(1)
+    if window is not None:  # the query sits at seq_len - 1
+        allowed &= positions.unsqueeze(0) >= (seq_lens - window).unsqueeze(1)
+    out = attend(
         q.unsqueeze(1).transpose(1, 2),
         kp.transpose(1, 2),
         vp.transpose(1, 2),
-        attn_mask=allowed,
-        scale=scale,
-        enable_gqa=kv_heads != num_heads,
+        allowed.view(batch, 1, 1, -1),
+        scale,
+        sinks,
     )  # [batch, num_heads, 1, Dv]
     return out.view(batch, num_heads, v_dim)
+
+
+def attend(q, k, v, allowed, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, KVH, K, D], allowed [B, 1, Q, K] -> [B, H, Q, Dv]. A sink adds
+    exp(sink_h) to the softmax's denominator and nothing to the sum (so a row may weigh its
+    keys at less than 1)."""
+    gqa = k.shape[1] != q.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa
+        )
+    if gqa:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    logits = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, -torch.inf)
+    sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+    probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 def _pad(x: torch.Tensor, plan: PrefillPlan, alloc) -> torch.Tensor:

@@ -8,13 +8,17 @@ graph's metadata fixes at the model's maximum).
 from __future__ import annotations
 
 import raylane.kernels.attention.triton_kernels as tk
-from raylane.kernels.attention.metadata import AttentionMetadata
+from raylane.kernels.attention.metadata import AttentionMetadata, require_full
 
 
 class TritonAttention:
     name = "triton"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+        window: int | None = None, sinks=None,
+    ):  # fmt: skip
+        require_full(self.name, window, sinks)  # the registry never picks it for those
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])  # [T, H, Dv]
         split, first = meta.num_prefill_tokens, meta.num_prefills

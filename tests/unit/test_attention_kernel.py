@@ -50,8 +50,10 @@ def make_seqs(shapes: list[tuple[int, int]], block_size: int, gen: torch.Generat
     return seqs, num_blocks
 
 
-def naive_attention(s: SeqData) -> torch.Tensor:
-    """softmax(q k^T * scale) v for each new query over positions <= its own, head by head."""
+def naive_attention(s: SeqData, window: int | None = None, sinks=None) -> torch.Tensor:
+    """softmax(q k^T * scale) v for each new query over positions <= its own, head by head;
+    with `window` only the last `window` positions; with `sinks` [H] exp(sink) joins each
+    denominator."""
     q, k, v = (t.double() for t in (s.q, s.k, s.v))
     out = torch.empty_like(q)
     group = HEADS // KV_HEADS
@@ -59,11 +61,13 @@ def naive_attention(s: SeqData) -> torch.Tensor:
         pos = s.context_len - s.num_new + i
         for h in range(HEADS):
             kv = h // group  # GQA: consecutive query heads share a KV head
-            scores = [float(q[i, h] @ k[j, kv]) * SCALE for j in range(pos + 1)]
+            first = 0 if window is None else max(0, pos - window + 1)
+            keys = range(first, pos + 1)
+            scores = [float(q[i, h] @ k[j, kv]) * SCALE for j in keys]
             top = max(scores)
             weights = [math.exp(x - top) for x in scores]
-            total = sum(weights)
-            out[i, h] = sum(w / total * v[j, kv] for j, w in enumerate(weights))
+            total = sum(weights) + (0.0 if sinks is None else math.exp(float(sinks[h]) - top))
+            out[i, h] = sum(w / total * v[j, kv] for j, w in zip(keys, weights))
     return out
 
 
@@ -74,6 +78,7 @@ def run_backend(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     backend=None,
+    **opts,
 ):
     gen = torch.Generator().manual_seed(seed)
     seqs, num_blocks = make_seqs(prefills + decodes, block_size, gen)
@@ -92,7 +97,7 @@ def run_backend(
     v = torch.cat([s.v[s.context_len - s.num_new :] for s in seqs])
     slices = [SeqSlice(s.num_new, s.context_len, s.block_table) for s in seqs]
     meta = build_metadata(slices[: len(prefills)], slices[len(prefills) :], block_size)
-    out = (backend or TorchAttention()).forward(q, k, v, k_cache, v_cache, meta, SCALE)
+    out = (backend or TorchAttention()).forward(q, k, v, k_cache, v_cache, meta, SCALE, **opts)
     return seqs, out, k_cache, v_cache
 
 
@@ -122,6 +127,18 @@ def test_matches_naive_causal_attention(case, block_size):
             out[start : start + s.num_new].double(), naive_attention(s), atol=1e-5, rtol=1e-5
         )
         start += s.num_new
+
+
+@pytest.mark.parametrize("window", [None, 1, 5])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_sliding_window_and_sinks_match_naive(window, with_sinks):
+    """Prefill chunks (fresh and over cached context) and decodes longer than the window."""
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]) if with_sinks else None
+    opts = {"window": window, "sinks": sinks}
+    for block_size in (4, 16):
+        seqs, out, _, _ = run_backend(*CASES["mixed"], block_size, seed=block_size, **opts)
+        want = torch.cat([naive_attention(s, window, sinks) for s in seqs])
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.bfloat16, 3e-2)])

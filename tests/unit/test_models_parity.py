@@ -12,6 +12,7 @@ from tests.tiny_models import (
     make_deepseek_v2,
     make_deepseek_v3,
     make_deepseek_v32,
+    make_gemma3,
     make_glm4_moe,
     make_llama,
     make_mixtral,
@@ -62,6 +63,11 @@ VARIANTS = {
     "glm4_moe": (make_glm4_moe, {}),
     "deepseek_v32": (make_deepseek_v32, {}),
     "deepseek_v2": (make_deepseek_v2, {}),
+    "gemma3": (make_gemma3, {}),
+    "gemma3_tied_softcap": (
+        make_gemma3,
+        {"tie_word_embeddings": True, "final_logit_softcapping": 3.0},
+    ),
     "deepseek_v2_lite_greedy": (make_deepseek_v2, {"q_lora_rank": None, "topk_method": "greedy"}),
     # no low-rank query, rotate-half rope with YaRN (softmax mscale), biases, no renormalise
     "deepseek_v3_q_proj_yarn": (
