@@ -91,3 +91,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     if shared_ray.starts:
         terminalreporter.write_line(f"shared Ray cluster started {shared_ray.starts} time(s)")
+
+
+@pytest.fixture(scope="session")
+def tiny_dsa_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """DeepSeek-V3.2 (DSA, index_topk 12), see tests/tiny_models.make_deepseek_v32."""
+    from tests.tiny_models import make_deepseek_v32
+
+    return make_deepseek_v32(tmp_path_factory.mktemp("tiny_dsa"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 
@@ -82,3 +83,28 @@ def perturbed_model(
             p.add_(scale * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out_dir)
     return out_dir, [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
+@torch.inference_mode()
+def hf_indexer_topk(model_dir: str, token_ids: list[int]) -> np.ndarray:
+    """The positions HF's DSA indexers pick for each token, read with forward hooks on the
+    indexer modules: [len(token_ids), num_layers, index_topk] int32, each row the visible
+    picks ascending, -1 padded (HF's topk also returns masked future positions while fewer
+    than index_topk are visible; those are dropped here)."""
+    model = hf_model(model_dir)
+    topk = model.config.index_topk
+    picks: list[torch.Tensor] = []
+    indexers = [m for name, m in model.named_modules() if name.endswith("self_attn.indexer")]
+    handles = [m.register_forward_hook(lambda _m, _i, out: picks.append(out[0])) for m in indexers]
+    try:
+        model(torch.tensor([token_ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    n = len(token_ids)
+    out = np.full((n, len(picks), topk), -1, dtype=np.int32)
+    for layer, chosen in enumerate(picks):  # [n, k]
+        for pos, row in enumerate(chosen.tolist()):
+            visible = sorted(p for p in row if p <= pos)
+            out[pos, layer, : len(visible)] = visible
+    return out

@@ -39,6 +39,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
     enable_return_routed_experts: bool = False
+    enable_return_indexer_topk: bool = False  # DSA models: record each token's indexer top-k
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "uni" | "ray"; None picks by TP size
     # Ray resources of each ModelShard (Ray executor): None is {"GPU": 1} on GPUs, else a
@@ -66,7 +67,12 @@ class EngineConfig:
             check_type("EngineConfig", name, getattr(self, name), str)
         if self.tokenizer is not None:
             check_type("EngineConfig", "tokenizer", self.tokenizer, str)
-        for name in ("enable_prefix_caching", "enable_return_routed_experts", "async_scheduling"):
+        for name in (
+            "enable_prefix_caching",
+            "enable_return_routed_experts",
+            "enable_return_indexer_topk",
+            "async_scheduling",
+        ):
             check_type("EngineConfig", name, getattr(self, name), bool)
         check_type("EngineConfig", "seed", self.seed, int)
         check_type("EngineConfig", "kv_cache_memory_gb", self.kv_cache_memory_gb, (int, float))

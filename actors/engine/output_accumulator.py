@@ -64,6 +64,7 @@ class OutputAccumulator:
                 finish_reason=d.finish_reason,
                 stop_reason=d.stop_reason,
                 routed_experts=d.routed_experts,
+                indexer_topk=d.indexer_topk,
                 weight_versions=list(d.weight_versions),
                 kept_mass_logprobs=_copy(d.kept_mass_logprobs),
                 constrained=d.constrained,
@@ -77,6 +78,8 @@ class OutputAccumulator:
         c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
         if d.routed_experts is not None:
             c.routed_experts = d.routed_experts
+        if d.indexer_topk is not None:
+            c.indexer_topk = d.indexer_topk
 
     def output(self) -> RequestOutput:
         """The cumulative output after the deltas added so far (fresh lists)."""

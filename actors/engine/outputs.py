@@ -20,6 +20,9 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     routed_experts: np.ndarray | None = None  # int32 [prompt + output - 1, moe_layers, top_k]
+    # DSA models: the positions each fed position's indexer chose per layer, ascending, -1
+    # padded; int32 [prompt + output - 1, dsa_layers, index_topk]
+    indexer_topk: np.ndarray | None = None
     weight_versions: list[int] = field(default_factory=list)  # one per token in token_ids
     kept_mass_logprobs: list[float] | None = None  # when SamplingParams.return_kept_mass
     # its tokens were drawn under a grammar's mask (structured outputs); `logprobs` are still
@@ -69,6 +72,7 @@ class SampleDelta:
     stop_reason: str | int | None = None
     # the whole array, once: on the delta that finishes the sample (it is trimmed then)
     routed_experts: np.ndarray | None = None
+    indexer_topk: np.ndarray | None = None  # likewise, once
     constrained: bool = False
     # the text held back so far (a few characters, with stop strings only): a caller that ends
     # the request itself (a deadline) shows it, as the engine's own final delta would

@@ -60,6 +60,8 @@ class Postprocessor:
             seq.prompt_logprobs.extend(result.prompt_logprobs[i])
             if result.routed_experts[i] is not None:
                 seq.routing_parts.append(result.routed_experts[i])
+            if result.indexer_topk and result.indexer_topk[i] is not None:
+                seq.indexer_parts.append(result.indexer_topk[i])
             token = result.token_ids[i]
             if token is None:
                 continue
@@ -125,6 +127,9 @@ class Postprocessor:
             # every position but the last sampled token was fed through the model
             seq.routed_experts = np.concatenate(seq.routing_parts)[: len(seq.token_ids) - 1]
             seq.routing_parts = []
+        if keep_routing and seq.params.return_indexer_topk and seq.indexer_parts:
+            seq.indexer_topk = np.concatenate(seq.indexer_parts)[: len(seq.token_ids) - 1]
+            seq.indexer_parts = []
         self.scheduler.finish(seq)
         self.planner.forget(seq)
         if self.drafter is not None:

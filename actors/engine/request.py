@@ -105,6 +105,7 @@ class Request:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             routed_experts=seq.routed_experts if finished else None,
+            indexer_topk=seq.indexer_topk if finished else None,
             constrained=self.params.structured_outputs is not None,
             held_text=seq.text[end:],
         )
@@ -139,6 +140,7 @@ class Request:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             routed_experts=seq.routed_experts,
+            indexer_topk=seq.indexer_topk,
             weight_versions=list(seq.weight_versions),
             kept_mass_logprobs=list(seq.kept_mass) if self.params.return_kept_mass else None,
             constrained=self.params.structured_outputs is not None,

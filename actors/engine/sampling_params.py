@@ -86,6 +86,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     return_routed_experts: bool = False
+    return_indexer_topk: bool = False  # DSA models: CompletionOutput.indexer_topk
     max_weight_lag: int | None = None
     return_kept_mass: bool = False
     # constrain the output to a JSON schema, regex, choice or grammar (None: free text)
@@ -119,6 +120,7 @@ class SamplingParams:
             "include_stop_str_in_output",
             "skip_special_tokens",
             "return_routed_experts",
+            "return_indexer_topk",
             "return_kept_mass",
         ):
             check_type("SamplingParams", name, getattr(self, name), bool)

@@ -67,6 +67,8 @@ class Sequence:
         # routed expert ids as the runner reports them, in position order; joined at the end
         self.routing_parts: list = []
         self.routed_experts: np.ndarray | None = None  # [len - 1, moe_layers, top_k] once finished
+        self.indexer_parts: list = []  # likewise, the DSA indexer's top-k positions
+        self.indexer_topk: np.ndarray | None = None  # [len - 1, dsa_layers, index_topk]
         self.siblings: list[Sequence] = []  # n > 1: started once this one's prompt is computed
         self.matcher: LLMatcher | None = None  # structured outputs: its grammar's state
 

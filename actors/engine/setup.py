@@ -77,6 +77,7 @@ def runner_config(
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory_gb=config.kv_cache_memory_gb,
         enable_return_routed_experts=config.enable_return_routed_experts,
+        enable_return_indexer_topk=config.enable_return_indexer_topk,
         seed=config.seed,
         attention_backend=config.attention_backend,
         tensor_parallel_size=config.tensor_parallel_size,

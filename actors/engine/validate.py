@@ -11,6 +11,7 @@ class RequestValidator:
         self.config = parts.config
         self.vocab_size = parts.vocab_size
         self.num_moe_layers = parts.num_moe_layers
+        self.num_dsa_layers = parts.runner_info.num_dsa_layers
         self.grammars = parts.grammars
 
     def check(self, prompt, params: SamplingParams) -> list[int]:
@@ -73,6 +74,14 @@ class RequestValidator:
                 raise ValueError(
                     "return_routed_experts: start the engine with "
                     "EngineConfig(enable_return_routed_experts=True)"
+                )
+        if params.return_indexer_topk:
+            if not self.num_dsa_layers:
+                raise ValueError("return_indexer_topk: the model has no sparse-attention layers")
+            if not self.config.enable_return_indexer_topk:
+                raise ValueError(
+                    "return_indexer_topk: start the engine with "
+                    "EngineConfig(enable_return_indexer_topk=True)"
                 )
         if params.structured_outputs is not None:
             self.grammars.grammar(params.structured_outputs)  # compiles once; ValueError if bad

@@ -21,6 +21,7 @@ class RunnerConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     enable_return_routed_experts: bool = False
+    enable_return_indexer_topk: bool = False
     seed: int = 0
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
@@ -47,3 +48,5 @@ class RunnerInfo:
     dtype: str  # e.g. "float32"
     device: str  # e.g. "cpu", "cuda:0"
     kv_bytes_per_token: int = 0  # KV cache bytes a token takes, summed over the TP ranks
+    num_dsa_layers: int = 0  # sparse-attention layers (indexer top-k capture)
+    index_topk: int = 0

@@ -1,4 +1,5 @@
-"""The paged KV cache tensors of one rank, plus the per-slot routed-expert record for MoE."""
+"""The paged KV cache tensors of one rank, plus the per-slot replay records: routed experts
+(MoE) and the indexer's top-k positions (DSA)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ class KVCache:
 
     For MoE models with routing capture, `routing[slot]` holds the experts that the token in that
     slot was routed to ([num_moe_layers, top_k]), so a prefix-cache hit returns the routing of
-    the computation that filled the block.
+    the computation that filled the block. `indexer[slot]` likewise holds the positions a DSA
+    model's indexer chose for that token ([num_dsa_layers, index_topk]).
 
     One block more than `num_blocks` is allocated: the scratch block, never handed out, where
     the padding rows of a graph-replayed batch write their K/V and read their context.
@@ -32,6 +34,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.routing = routing
+        self.indexer: torch.Tensor | None = None  # [num_slots, dsa_layers, index_topk] int32
         self.scratch_block = num_blocks
         num_slots = (num_blocks + 1) * block_size
         for layer in layers:
@@ -60,10 +63,16 @@ class KVCache:
             or max(1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
         )
         routing = None
+        slots = (num_blocks + 1) * config.block_size
         if config.enable_return_routed_experts:
-            shape = ((num_blocks + 1) * config.block_size, model.num_moe_layers, model.moe_top_k)
+            shape = (slots, model.num_moe_layers, model.moe_top_k)
             routing = torch.zeros(shape, dtype=torch.int32, device=device)
-        return cls(num_blocks, config.block_size, layers, routing, dtype, device)
+        cache = cls(num_blocks, config.block_size, layers, routing, dtype, device)
+        dsa_layers: int = getattr(model, "num_dsa_layers", 0)
+        if config.enable_return_indexer_topk and dsa_layers:
+            shape = (slots, dsa_layers, model.index_topk)
+            cache.indexer = torch.full(shape, -1, dtype=torch.int32, device=device)
+        return cache
 
     @property
     def scratch_slot(self) -> int:
@@ -75,6 +84,11 @@ class KVCache:
             # routed [T, num_moe_layers, top_k]
             self.routing[slot_mapping] = routed.to(torch.int32)
 
+    def store_indexer(self, slot_mapping: torch.Tensor, chosen: torch.Tensor) -> None:
+        """Record a step's indexer top-k on the device; chosen [T, dsa_layers, index_topk]."""
+        if self.indexer is not None:
+            self.indexer[slot_mapping] = chosen
+
     def read_routing(self, spans: list[tuple[list[int], int, int]]) -> list[np.ndarray]:
         """Routing of positions [start, end) of each (block table, start, end), copied to the
         host in one transfer after the step: [end - start, layers, k] int32 each."""
@@ -82,9 +96,20 @@ class KVCache:
             raise ValueError(
                 "routed experts: this KV cache records none (enable_return_routed_experts)"
             )
+        return self._read(self.routing, spans)
+
+    def read_indexer(self, spans: list[tuple[list[int], int, int]]) -> list[np.ndarray]:
+        """Like read_routing, for the indexer's top-k: [end - start, dsa_layers, topk] each."""
+        if self.indexer is None:
+            raise ValueError("indexer top-k: this KV cache records none")
+        return self._read(self.indexer, spans)
+
+    def _read(
+        self, record: torch.Tensor, spans: list[tuple[list[int], int, int]]
+    ) -> list[np.ndarray]:
         slots = [_slots(table, start, end, self.block_size) for table, start, end in spans]
-        flat = torch.from_numpy(np.concatenate(slots)).to(self.routing.device)
-        rows = self.routing.index_select(0, flat).cpu().numpy()
+        flat = torch.from_numpy(np.concatenate(slots)).to(record.device)
+        rows = record.index_select(0, flat).cpu().numpy()
         return np.split(rows, np.cumsum([len(s) for s in slots])[:-1])
 
 

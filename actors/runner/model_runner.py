@@ -86,6 +86,8 @@ class ModelRunner:
             num_kv_blocks=self.kv.num_blocks,
             vocab_size=self.vocab_size,
             num_moe_layers=getattr(self.model, "num_moe_layers", 0),
+            num_dsa_layers=getattr(self.model, "num_dsa_layers", 0),
+            index_topk=getattr(self.model, "index_topk", 0),
             moe_top_k=getattr(self.model, "moe_top_k", 0),
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
@@ -122,6 +124,9 @@ class ModelRunner:
         )
         if routed is not None:
             self.kv.store_routing(step.attn.slot_mapping, routed)
+        if self.kv.indexer is not None:  # DSA: the step's selections, per KV slot
+            chosen = self.model.indexer_topk()[: step.attn.num_tokens]
+            self.kv.store_indexer(step.attn.slot_mapping, chosen)
         computed = time.perf_counter()
         masks = dict(plan.token_masks)
         result = self._result(scheduled, step, logits, masks) if self.samples else None
@@ -269,24 +274,32 @@ class ModelRunner:
         return entries
 
     def _routed_experts(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
-        """Positions newly in each asking sequence's record (a cache hit's prefix, then this
-        chunk), read from the device record in one copy after the step."""
-        if self.kv.routing is None:
-            return
+        """The per-slot replay records (routed experts; a DSA model's indexer top-k) of the
+        positions newly in each asking sequence's record."""
+        if self.kv.routing is not None:
+            self._report(scheduled, result.routed_experts, "routed", self.kv.read_routing)
+        if self.kv.indexer is not None:
+            self._report(scheduled, result.indexer_topk, "indexer", self.kv.read_indexer)
+
+    def _report(self, scheduled: list[ScheduledRequest], column: list, kind: str, read) -> None:
+        """Positions newly in each asking sequence's `kind` record (a cache hit's prefix, then
+        this chunk), read from the device record in one copy after the step."""
+        asked = "return_routed_experts" if kind == "routed" else "return_indexer_topk"
+        counter = f"num_{kind}_reported"
         rows, spans = [], []
         for i, item in enumerate(scheduled):
             state = item.state
             # a verify row's rejected drafts are no positions of the sequence
-            start = state.num_routed_reported
+            start = getattr(state, counter)
             end = item.context_len - len(item.drafts) + item.num_accepted
             # end <= start: a recompute after preemption, already reported
-            if state.params.return_routed_experts and end > start:
-                state.num_routed_reported = end
+            if getattr(state.params, asked) and end > start:
+                setattr(state, counter, end)
                 rows.append(i)
                 spans.append((state.block_ids, start, end))
         if spans:
-            for i, routing in zip(rows, self.kv.read_routing(spans)):
-                result.routed_experts[i] = routing
+            for i, record in zip(rows, read(spans)):
+                column[i] = record
 
     # --- bookkeeping (every rank) -------------------------------------------------------------
 

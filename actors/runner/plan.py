@@ -123,6 +123,9 @@ class StepResult:
     # speculative decoding: per entry, the tokens after `token_ids[i]` when drafts were
     # accepted (len = accepted drafts), else None
     extra: list[ExtraTokens | None] = field(default_factory=list)
+    # DSA models: the indexer's top-k positions (int32 [positions, dsa_layers, index_topk]),
+    # reported like routed_experts
+    indexer_topk: list[object | None] = field(default_factory=list)
 
     @classmethod
     def empty(cls, size: int) -> StepResult:
@@ -134,6 +137,7 @@ class StepResult:
             [None] * size,
             [None] * size,
             extra=[None] * size,
+            indexer_topk=[None] * size,
         )
 
     def spread(self, rows: list[int], size: int) -> StepResult:
@@ -145,6 +149,7 @@ class StepResult:
             "top_logprobs",
             "prompt_logprobs",
             "routed_experts",
+            "indexer_topk",
             "kept_mass",
             "extra",
         ):

@@ -32,6 +32,7 @@ class RequestState:
         "last_sampled",
         "num_prompt_logprobs_done",
         "num_routed_reported",
+        "num_indexer_reported",
     )
 
     def __init__(
@@ -54,6 +55,7 @@ class RequestState:
         # prompt positions whose logprobs were reported; position 0 has none to report
         self.num_prompt_logprobs_done = 1 if params.prompt_logprobs is not None else 0
         self.num_routed_reported = 0  # positions whose routed experts were reported
+        self.num_indexer_reported = 0  # likewise, indexer top-k (DSA)
 
     @classmethod
     def from_plan(cls, new: NewRequest) -> RequestState:
