@@ -22,6 +22,15 @@ def act_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
     return _ACTIVATIONS[act](x[..., :half]).mul_(x[..., half:])  # in place: one buffer less
 
 
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation, x [T, 2 * I] laid out [gate | up] -> [T, I]: gate clamped
+    above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    half = x.shape[-1] // 2
+    gate = x[..., :half].clamp(max=limit)
+    up = x[..., half:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class SiluAndMul(nn.Module):
     """`act(gate) * up` for a gated MLP; `hidden_act` picks the activation (default silu)."""
 

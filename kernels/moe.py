@@ -11,6 +11,8 @@ each token sums its k results in ascending expert order, as HF's per-expert loop
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from raylane.kernels.activation import act_and_mul
 
@@ -26,6 +28,15 @@ def select_experts(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype), ids
+
+
+def select_experts_topk_softmax(
+    router_logits: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing: top-k of the logits, softmax over those k in the logits' dtype
+    -> (weights [T, k], ids [T, k] int64)."""
+    top, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
 
 
 def select_experts_grouped(
@@ -116,11 +127,15 @@ def expert_forward(
     weights: torch.Tensor,
     ids: torch.Tensor,
     hidden_act: str = "silu",
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Weighted sum of each token's experts.
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
-    weights / ids [T, k] -> [T, H].
+    weights / ids [T, k] -> [T, H]. Optional per-expert biases b13 [E, 2I], b2 [E, H], and
+    `act` ([S, 2I] -> [S, I]) in place of `act_and_mul(., hidden_act)` (gpt-oss).
     """
     num_tokens = ids.shape[0]
     # S = k * T entries, slot-major (entry j * T + t is token t's slot j), stably sorted by
@@ -130,7 +145,12 @@ def expert_forward(
     # [E] = cumsum(bincount(ids)); bincount on CUDA reads max(ids) on the host, this does not
     ends = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
     h = _grouped_linear(x.index_select(0, order % num_tokens), w13, sorted_ids, ends)  # [S, 2I]
-    h = _grouped_linear(act_and_mul(h, hidden_act), w2, sorted_ids, ends)  # [S, H]
+    if b13 is not None:
+        h = h + b13.index_select(0, sorted_ids)
+    h = act(h) if act is not None else act_and_mul(h, hidden_act)
+    h = _grouped_linear(h, w2, sorted_ids, ends)  # [S, H]
+    if b2 is not None:
+        h = h + b2.index_select(0, sorted_ids)
     h = h * weights.t().reshape(-1).index_select(0, order).unsqueeze(1)
     return _sum_in_expert_order(h, ids, order)
 

@@ -55,7 +55,7 @@ def hf_router_topk(model_dir: str, token_ids: list[int]) -> torch.Tensor:
         else:  # an older router that returns only its logits
             picks.append(torch.softmax(output.float(), -1).topk(top_k, dim=-1).indices)
 
-    gates = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    gates = [m for name, m in model.named_modules() if name.endswith(("mlp.gate", "mlp.router"))]
     handles = [g.register_forward_hook(hook) for g in gates]
     try:
         model(torch.tensor([token_ids]))

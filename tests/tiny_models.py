@@ -319,6 +319,30 @@ def make_gemma3(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str
     return _save(path, Gemma3TextConfig, Gemma3ForCausalLM, seed, overrides, **defaults)
 
 
+def make_gpt_oss(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """gpt-oss: sliding (window 8) / full layers alternating, sinks, YaRN, 4 experts top-2."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    defaults = {
+        "head_dim": 16,
+        "intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 256,
+            "truncate": False,
+        },
+    }
+    return _save(path, GptOssConfig, GptOssForCausalLM, seed, overrides, **defaults)
+
+
 def _randomize_router_bias(path: str, seed: int) -> None:
     """Rewrite the checkpoint with seeded `e_score_correction_bias` values."""
     from safetensors.torch import load_file, save_file

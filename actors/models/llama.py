@@ -49,8 +49,10 @@ class AttentionSpec:
         qkv_bias: bool | None = None,
         o_bias: bool | None = None,
         qk_norm: bool = False,
+        sliding_ok: bool = False,
     ) -> AttentionSpec:
-        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        """`sliding_ok`: the model builds its sliding-window layers itself."""
+        if not sliding_ok and "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise ValueError("layer_types: sliding-window attention layers are not supported")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads

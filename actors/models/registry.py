@@ -17,6 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV32ForCausalLM": ("raylane.actors.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "Glm4MoeForCausalLM": ("raylane.actors.models.deepseek_v3", "Glm4MoeForCausalLM"),
     "Gemma3ForCausalLM": ("raylane.actors.models.gemma3", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("raylane.actors.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

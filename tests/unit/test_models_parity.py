@@ -14,6 +14,7 @@ from tests.tiny_models import (
     make_deepseek_v32,
     make_gemma3,
     make_glm4_moe,
+    make_gpt_oss,
     make_llama,
     make_mixtral,
     make_qwen2,
@@ -64,6 +65,7 @@ VARIANTS = {
     "deepseek_v32": (make_deepseek_v32, {}),
     "deepseek_v2": (make_deepseek_v2, {}),
     "gemma3": (make_gemma3, {}),
+    "gpt_oss": (make_gpt_oss, {}),
     "gemma3_tied_softcap": (
         make_gemma3,
         {"tie_word_embeddings": True, "final_logit_softcapping": 3.0},

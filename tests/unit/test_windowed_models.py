@@ -3,9 +3,11 @@ with prompts longer than the window and than a prefill chunk, in mixed batches."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from tests.tiny_models import make_gemma3
+from tests.hf_reference import hf_router_topk
+from tests.tiny_models import make_gemma3, make_gpt_oss
 from tests.unit.test_engine_parity import assert_matches_hf, engine_for, greedy, prompts_for
 
 
@@ -24,3 +26,17 @@ def test_gemma3_chunked_batch_matches_hf(tiny_gemma3_dir: str) -> None:
     again = engine.generate(prompts, greedy(), use_tqdm=False)
     assert engine.block_manager.num_hits > 0
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_gpt_oss_chunked_batch_matches_hf_with_routing(tmp_path_factory) -> None:
+    model_dir = make_gpt_oss(tmp_path_factory.mktemp("tiny_gpt_oss"))  # window 8, sinks
+    engine = engine_for(model_dir, max_num_batched_tokens=16, enable_return_routed_experts=True)
+    prompts = prompts_for(engine.validator.vocab_size, seed=1, count=4)
+    outs = engine.generate(prompts, greedy(return_routed_experts=True), use_tqdm=False)
+    assert_matches_hf(model_dir, prompts, outs)
+    for prompt, out in zip(prompts, outs):
+        got = out.outputs[0]
+        fed = prompt + got.token_ids[:-1]  # the last sampled token is never fed to the model
+        ref = hf_router_topk(model_dir, fed).numpy()
+        assert got.routed_experts.shape == (len(fed), 2, 2)
+        assert np.array_equal(np.sort(got.routed_experts, -1), np.sort(ref, -1))
