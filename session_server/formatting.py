@@ -102,7 +102,8 @@ def _best(top: dict[int, float], num: int) -> list[tuple[int, float]]:
 
 
 def routed_experts(array: np.ndarray | None) -> dict | None:
-    """Routed expert ids as base64 of little-endian int32 plus the array's shape."""
+    """Routed expert ids (or a DSA model's indexer top-k positions) as base64 of
+    little-endian int32 plus the array's shape."""
     if array is None:
         return None
     data = np.ascontiguousarray(array, dtype="<i4")

@@ -117,6 +117,8 @@ class NativeFormatter:
         }
         if self.body.return_routed_experts:
             meta.update(self._routing(c))
+        if self.body.return_indexer_topk:
+            meta["indexer_topk"] = fmt.routed_experts(c.indexer_topk)
         if self.params.return_kept_mass:
             meta["kept_mass_logprobs"] = [fmt.finite(x) for x in c.kept_mass_logprobs or []]
         if self.body.return_logprob and c.logprobs is not None:

@@ -50,6 +50,7 @@ async def generate(body: GenerateRequest, request: Request):
             max_tokens,
             body.top_logprobs_num if body.return_logprob else None,
             body.return_routed_experts,
+            body.return_indexer_topk,
         )
         _check_routing_start(body.routed_experts_start_len, prompts)
         formatter = NativeFormatter(

@@ -73,6 +73,8 @@ class _Formatter:
             choice["token_ids"] = token_ids
         if self.body.return_routed_experts and c.finished:
             choice["routed_experts"] = fmt.routed_experts(c.routed_experts)
+        if self.body.return_indexer_topk and c.finished:
+            choice["indexer_topk"] = fmt.routed_experts(c.indexer_topk)
         return choice
 
     def _deltas(self, i: int, out: EngineCoreOutput) -> list[tuple[int, SampleDelta, Delta]]:

@@ -79,6 +79,7 @@ class _Choice(_Out):
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     token_ids: list[int] | None = None  # return_token_ids
     routed_experts: RoutedExperts | None = None  # return_routed_experts (MoE models)
+    indexer_topk: RoutedExperts | None = None  # return_indexer_topk (DSA models)
 
 
 class CompletionChoice(_Choice):
@@ -173,6 +174,7 @@ class MetaInfo(_Out):
     routed_experts: RoutedExperts | str | None = None
     routed_experts_shape: list[int] | None = None  # with SGLang's string
     routed_experts_start_len: int | None = None  # with SGLang's string
+    indexer_topk: RoutedExperts | None = None  # return_indexer_topk (DSA models)
     kept_mass_logprobs: list[float] | None = None  # return_kept_mass
     output_token_logprobs: list[SGLangLogprob] | None = None  # return_logprob
     output_top_logprobs: list[list[SGLangLogprob]] | None = None  # and top_logprobs_num > 0

@@ -76,6 +76,7 @@ def openai_params(
         max_tokens=max_tokens,
         logprobs=logprobs,
         return_routed_experts=body.return_routed_experts,
+        return_indexer_topk=body.return_indexer_topk,
         structured_outputs=spec,
     )
 
@@ -152,6 +153,7 @@ def sglang_params(
     max_tokens: int | None,
     logprobs: int | None,
     return_routed_experts: bool,
+    return_indexer_topk: bool = False,
 ) -> SamplingParams:
     fields = {name: getattr(sp, key) for name, key in _SGLANG.items()}
     for alias, name in ALIASES["sglang"].items():
@@ -162,6 +164,7 @@ def sglang_params(
         max_tokens=max_tokens,
         logprobs=logprobs,
         return_routed_experts=return_routed_experts,
+        return_indexer_topk=return_indexer_topk,
         structured_outputs=_sglang_spec(sp),
     )
 

@@ -53,6 +53,7 @@ class OpenAISampling(_Body):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     return_routed_experts: bool = False
+    return_indexer_topk: bool = False  # DSA models: the indexer's top-k positions
     # prefix-cache blocks are shared only between requests with the same salt
     cache_salt: str | None = None
     # vLLM's: logprobs name tokens "token_id:<id>" instead of their text
@@ -165,6 +166,7 @@ class GenerateRequest(_Body):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     return_routed_experts: bool = False
+    return_indexer_topk: bool = False  # DSA models: base64 int32 with its shape, like routing
     # SGLang's: routed experts from this position on (in [0, prompt tokens])
     routed_experts_start_len: int = Field(0, ge=0)
     stream: bool = False

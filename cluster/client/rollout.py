@@ -32,6 +32,8 @@ class Rollout:
     kept_mass_logprobs: list[float] | None = None  # log of the mass truncation kept, per token
     routed_experts: np.ndarray | None = None  # int32 [prompt + output - 1, moe_layers, top_k]
     num_cached_tokens: int = 0
+    # DSA models: int32 [prompt + output - 1, dsa_layers, index_topk], ascending, -1 padded
+    indexer_topk: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -58,6 +60,7 @@ def _from_completion(out: RequestOutput, c: CompletionOutput) -> Rollout:
         kept_mass_logprobs=None if c.kept_mass_logprobs is None else list(c.kept_mass_logprobs),
         routed_experts=c.routed_experts,
         num_cached_tokens=out.num_cached_tokens,
+        indexer_topk=c.indexer_topk,
     )
 
 
@@ -84,6 +87,7 @@ def from_generate_item(
             meta.get("routed_experts"), meta.get("routed_experts_shape")
         ),
         num_cached_tokens=int(meta.get("cached_tokens") or 0),
+        indexer_topk=decode_routed_experts(meta.get("indexer_topk")),
     )
 
 
