@@ -343,6 +343,43 @@ def make_gpt_oss(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> st
     return _save(path, GptOssConfig, GptOssForCausalLM, seed, overrides, **defaults)
 
 
+def make_qwen3_5(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Qwen3.5 text: linear, linear, full layers; grouped linear heads (2 key / 4 value),
+    partial rotary; A_log and dt_bias randomised (HF initialises them to constants)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    defaults = {
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+        },
+    }
+    path = _save(path, Qwen3_5TextConfig, Qwen3_5ForCausalLM, seed, overrides, **defaults)
+    _randomize(path, seed, ("A_log", "dt_bias"))
+    return path
+
+
+def _randomize(path: str, seed: int, suffixes: tuple[str, ...]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(suffixes)]:
+        tensors[name] = torch.randn(tensors[name].shape, generator=gen).clamp(-2, 2)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
 def _randomize_router_bias(path: str, seed: int) -> None:
     """Rewrite the checkpoint with seeded `e_score_correction_bias` values."""
     from safetensors.torch import load_file, save_file

@@ -7,6 +7,7 @@ size that does not split the model) is a ValueError before a single process or a
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from raylane.actors.engine.block_manager import BlockManager
@@ -16,6 +17,8 @@ from raylane.actors.engine.grammar import GrammarCompiler
 from raylane.actors.engine.limits import model_limits
 from raylane.actors.executor import Executor, create_executor
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,6 +55,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     info = executor.info
     config = dataclasses.replace(config, num_kv_blocks=info.num_kv_blocks)
+    if info.num_state_slots:
+        config = _with_state_slots(config, info)
     return EngineParts(
         config=config,
         tokenizer=tokenizer,
@@ -64,6 +69,20 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_moe_layers=info.num_moe_layers,
         grammars=GrammarCompiler(tokenizer, info.vocab_size),
     )
+
+
+def _with_state_slots(config: EngineConfig, info: RunnerInfo) -> EngineConfig:
+    """A model with linear-attention layers: say how many sequences its state slots hold, and
+    turn prefix caching off (a cached prefix would skip tokens whose recurrent state the
+    runner does not have: state snapshots are not kept yet)."""
+    logger.info(
+        "linear-attention state: %d slots of %.2f MiB, so %d sequences run at once "
+        "(max_num_seqs); prefix caching off for this model",
+        info.num_state_slots,
+        info.state_bytes_per_seq / 2**20,
+        info.num_state_slots,
+    )
+    return dataclasses.replace(config, enable_prefix_caching=False)
 
 
 def runner_config(
@@ -86,6 +105,7 @@ def runner_config(
         enforce_eager=config.enforce_eager,
         cudagraph_capture_sizes=config.capture_sizes,
         max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
     )
 
 

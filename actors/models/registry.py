@@ -18,6 +18,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Glm4MoeForCausalLM": ("raylane.actors.models.deepseek_v3", "Glm4MoeForCausalLM"),
     "Gemma3ForCausalLM": ("raylane.actors.models.gemma3", "Gemma3ForCausalLM"),
     "GptOssForCausalLM": ("raylane.actors.models.gpt_oss", "GptOssForCausalLM"),
+    "Qwen3_5ForCausalLM": ("raylane.actors.models.qwen3_5", "Qwen3_5ForCausalLM"),
 }
 
 

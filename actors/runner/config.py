@@ -35,6 +35,7 @@ class RunnerConfig:
     enforce_eager: bool | None = None
     cudagraph_capture_sizes: tuple[int, ...] = (1,)
     max_model_len: int = 2048  # the longest context a captured graph's block tables hold
+    max_num_seqs: int = 128  # linear-attention models: one state slot per running sequence
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,5 @@ class RunnerInfo:
     kv_bytes_per_token: int = 0  # KV cache bytes a token takes, summed over the TP ranks
     num_dsa_layers: int = 0  # sparse-attention layers (indexer top-k capture)
     index_topk: int = 0
+    num_state_slots: int = 0  # linear-attention models: sequences whose state fits at once
+    state_bytes_per_seq: int = 0  # one sequence's conv + recurrent state, all layers

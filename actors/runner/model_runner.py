@@ -28,6 +28,7 @@ from raylane.actors.runner.plan import ExtraTokens, StepPlan, StepResult
 from raylane.actors.runner.requests import RequestTable, ScheduledRequest
 from raylane.actors.runner.sampler import Sampler
 from raylane.actors.runner.spec_verify import accept, sampling_rows
+from raylane.actors.runner.state_cache import StateCache
 from raylane.actors.runner.weight_updates import RunnerWeights
 from raylane.kernels.attention import get_backend
 
@@ -55,6 +56,10 @@ class ModelRunner:
         for layer in layers:
             layer.backend = backend
         self.kv = KVCache.allocate(config, layers, model, self.dtype, self.device)
+        linear: list[Any] = getattr(self.model, "linear_layers", list)()
+        self.state = (
+            StateCache(linear, config.max_num_seqs, self.dtype, self.device) if linear else None
+        )
         self.inputs = InputPreparer(config.block_size, self.device)
         self.graphs = self._graph_runner(config)
         self.sampler = Sampler(
@@ -66,6 +71,8 @@ class ModelRunner:
 
     def _graph_runner(self, config: RunnerConfig) -> GraphRunner | None:
         eager = config.enforce_eager
+        if self.state is not None:  # NOTE: graphs do not carry state slots yet
+            eager = True
         if eager is None:
             eager = self.device.type != "cuda"
         if eager:
@@ -88,6 +95,8 @@ class ModelRunner:
             num_moe_layers=getattr(self.model, "num_moe_layers", 0),
             num_dsa_layers=getattr(self.model, "num_dsa_layers", 0),
             index_topk=getattr(self.model, "index_topk", 0),
+            num_state_slots=self.state.num_slots if self.state is not None else 0,
+            state_bytes_per_seq=self.state.bytes_per_seq if self.state is not None else 0,
             moe_top_k=getattr(self.model, "moe_top_k", 0),
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
@@ -107,14 +116,17 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepResult | None:
         start = time.perf_counter()
+        if self.state is not None:
+            self.state.release(plan.finished_seq_ids + plan.preempted_seq_ids)
         entries = self.requests.apply(plan)
         scheduled = [item for item in entries if item is not None]
         if not scheduled:
             return StepResult.empty(len(entries)) if self.samples else None
         self.faults.check("prepare")
-        step = self.inputs.prepare(
-            scheduled, sum(1 for item in entries[: plan.num_prefills] if item is not None)
-        )
+        num_prefills = sum(1 for item in entries[: plan.num_prefills] if item is not None)
+        step = self.inputs.prepare(scheduled, num_prefills)
+        if self.state is not None:
+            step.attn.linear = self.state.metadata(scheduled, num_prefills)
         prepared = time.perf_counter()
         self.faults.check("forward")
         graphs = self.graphs

@@ -42,6 +42,8 @@ class AttentionMetadata:
     seqs: list[SeqSlice] | None = None
     # a backend's own per-step data (`AttentionBackend.plan`), shared by every layer
     plan: Any = None
+    # linear-attention layers' state slots (kernels/linear_attention StateMetadata), if any
+    linear: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,161 @@
+"""Qwen3.5 (text): Gated DeltaNet linear-attention layers and gated full-attention layers
+(three to one by default), a dense gated MLP, zero-centred (1 + w) RMSNorms.
+
+A linear-attention layer keeps no paged K/V: per sequence, a causal-conv state [C, W - 1] and a
+recurrent state [Hv, Dk, Dv] (float32), in rows of fixed pools the runner attaches
+(`state_shapes`, `attach_state`); the step's `AttentionMetadata.linear` says which row each
+sequence uses. A full-attention layer gates its output with sigmoid(gate), the gate projected
+with the query. Tensor parallelism is not supported for these models yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from raylane.actors.models.attention import Attention
+from raylane.actors.models.layers import ReplicatedLinear, TPGroup
+from raylane.actors.models.llama import (
+    AttentionSpec,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
+from raylane.kernels.attention.metadata import AttentionMetadata
+from raylane.kernels.linear_attention import LinearAttentionBackend, get_linear_backend
+from raylane.kernels.norm import GemmaRMSNorm
+from raylane.kernels.rotary import apply_rotary
+from torch import nn
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def gated_rms_norm(x, gate, weight, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x) * silu(gate), as HF's Qwen3_5RMSNormGated: x, gate [..., D]."""
+    h = x.float()
+    h = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).float()
+    return (h * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention token mixer; called like an attention module (cos/sin unused)."""
+
+    def __init__(self, config: Any, tp: TPGroup) -> None:
+        super().__init__()
+        self.hk, self.hv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim, self.width = 2 * key_dim + value_dim, config.linear_conv_kernel_dim
+        h = config.hidden_size
+        self.in_proj_qkv = ReplicatedLinear(h, self.conv_dim, False, tp)
+        self.in_proj_z = ReplicatedLinear(h, value_dim, False, tp)
+        self.in_proj_b = ReplicatedLinear(h, self.hv, False, tp)
+        self.in_proj_a = ReplicatedLinear(h, self.hv, False, tp)
+        self.conv1d = nn.Conv1d(  # only its weight [C, 1, W] is used
+            self.conv_dim, self.conv_dim, self.width, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.dv))
+        self.eps = config.rms_norm_eps
+        self.out_proj = ReplicatedLinear(value_dim, h, False, tp)
+        self.activation = config.hidden_act
+        self.backend: LinearAttentionBackend = get_linear_backend("torch")
+        self.conv_state: torch.Tensor | None = None  # [num_slots, C, W - 1]
+        self.recurrent_state: torch.Tensor | None = None  # [num_slots, Hv, Dk, Dv] float32
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
+        """Per-slot (shape, dtype) of each state tensor; None: the model's dtype."""
+        return [
+            ((self.conv_dim, self.width - 1), None),
+            ((self.hv, self.dk, self.dv), torch.float32),
+        ]
+
+    def attach_state(self, tensors: list[torch.Tensor]) -> None:
+        self.conv_state, self.recurrent_state = tensors
+
+    def forward(self, hidden, cos, sin, attn: AttentionMetadata) -> torch.Tensor:
+        if self.conv_state is None or self.recurrent_state is None or attn.linear is None:
+            raise RuntimeError("GatedDeltaNet: state pools and metadata come from the runner")
+        t, meta = hidden.shape[0], attn.linear
+        weight = self.conv1d.weight[:, 0]  # [C, W]
+        mixed = self.backend.conv(
+            self.in_proj_qkv(hidden), weight, None, self.conv_state, meta, self.activation
+        )  # [T, C]
+        q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+        beta = self.in_proj_b(hidden).sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        core = self.backend.delta_rule(
+            q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
+            v.reshape(t, self.hv, self.dv), g, beta, self.recurrent_state, meta,
+        )  # fmt: skip
+        z = self.in_proj_z(hidden).view(t, self.hv, self.dv)
+        out = gated_rms_norm(core, z, self.norm.weight, self.eps)
+        return self.out_proj(out.reshape(t, self.hv * self.dv))
+
+
+class GatedAttention(nn.Module):
+    """Full attention whose output is gated by sigmoid(gate); q/k (1 + w) RMSNorm."""
+
+    def __init__(self, spec: AttentionSpec, tp: TPGroup) -> None:
+        super().__init__()
+        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.h, self.kvh, self.d = h, kvh, d
+        self.q_proj = ReplicatedLinear(spec.hidden_size, 2 * h * d, spec.qkv_bias, tp)
+        self.k_proj = ReplicatedLinear(spec.hidden_size, kvh * d, spec.qkv_bias, tp)
+        self.v_proj = ReplicatedLinear(spec.hidden_size, kvh * d, spec.qkv_bias, tp)
+        self.o_proj = ReplicatedLinear(h * d, spec.hidden_size, spec.o_bias, tp)
+        self.q_norm = GemmaRMSNorm(d, spec.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(d, spec.rms_norm_eps)
+        self.attn = Attention(h, kvh, d, d**-0.5)
+
+    def forward(self, hidden, cos, sin, attn: AttentionMetadata) -> torch.Tensor:
+        t, h, kvh, d = hidden.shape[0], self.h, self.kvh, self.d
+        q, gate = self.q_proj(hidden).view(t, h, 2 * d).split(d, dim=-1)  # per head [q | gate]
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(hidden).view(t, kvh, d)), cos, sin)
+        v = self.v_proj(hidden).view(t, kvh, d)
+        out = self.attn(q, k, v, attn).reshape(t, h * d)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(t, h * d)))
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """Qwen3.5's text model (`Qwen3_5ForCausalLM`, model type qwen3_5_text)."""
+
+    stacked_params_mapping: ClassVar[list[tuple[str, str, Any]]] = [
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "gate_up_proj": ["gate_proj", "up_proj"]
+    }
+    weight_renames: ClassVar[list[tuple[str, str]]] = [(".linear_attn.", ".self_attn.")]
+
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+        if tp is not None and tp.world_size > 1:
+            raise ValueError(
+                "tensor_parallel_size: linear-attention models (Qwen3.5) run at 1 for now"
+            )
+        unknown = set(config.layer_types) - {LINEAR, FULL}
+        if unknown:
+            raise ValueError(f"layer_types: unknown {sorted(unknown)}; known: {LINEAR}, {FULL}")
+        super().__init__(config, tp)
+        self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @classmethod
+    def attention_spec(cls, config: Any) -> AttentionSpec:
+        return AttentionSpec.from_config(config, qk_norm=True)
+
+    def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
+        linear = config.layer_types[layer_idx] == LINEAR
+        mixer = GatedDeltaNet(config, self.tp) if linear else GatedAttention(spec, self.tp)
+        mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=self.tp)
+        layer = LlamaDecoderLayer(spec, mlp, is_moe=False, tp=self.tp, self_attn=mixer)
+        layer.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        layer.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        return layer
+
+    def linear_layers(self) -> list[GatedDeltaNet]:
+        return [m for m in self.model.layers.modules() if isinstance(m, GatedDeltaNet)]
