@@ -43,8 +43,9 @@ class Ingress:
         from raylane.session_server.app import build_app
         from raylane.session_server.backend import ModelInfo
 
-        tokenizer, max_len, vocab, moe = _model_facts(model_dir, config)
+        tokenizer, max_len, vocab, moe, dsa = _model_facts(model_dir, config)
         capture = moe and bool(config.engine.get("enable_return_routed_experts"))
+        picks = dsa and bool(config.engine.get("enable_return_indexer_topk"))
         engine = config.engine_config(model_dir)
         info = ModelInfo(
             served_model_name(config),
@@ -58,7 +59,7 @@ class Ingress:
         )
         router = get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
         # the Router hosts the sessions and runs their turns on these replicas
-        setup = SessionSetup(model_dir, return_routed_experts=capture)
+        setup = SessionSetup(model_dir, return_routed_experts=capture, return_indexer_topk=picks)
         # each refresh of its replica table hands the Router this app's spec, so a Router that
         # restarted runs the replicas again
         backend = ServeBackend(router, tokenizer, info, setup, spec, config.max_queue_per_replica)
@@ -163,6 +164,7 @@ def _model_facts(model_dir: str, config: ClusterConfig):
         lim.max_model_len,
         lim.vocab_size,
         lim.is_moe,
+        lim.is_dsa,
     )
 
 

@@ -53,7 +53,9 @@ class ServeBackend:
         self.info = info
         self.view = router_view(router, capacity, spec)
         self.requests = ReplicaRequests(self.view)
-        turns = ReplicaTurnGenerator(self.requests, setup.return_routed_experts)
+        turns = ReplicaTurnGenerator(
+            self.requests, setup.return_routed_experts, setup.return_indexer_topk
+        )
         # typed as the protocols: EngineBackend's attributes are mutable, so invariant
         self.sessions: SessionBackend = RouterSessions(router, setup, turns)
         self.control: ControlBackend = RouterControl(router)

@@ -105,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="record MoE routing so requests can ask for routed experts",
     )
     parser.add_argument(
+        "--enable-return-indexer-topk",
+        action="store_true",
+        help="record the sparse-attention indexer's top-k (DeepSeek-V3.2) so requests can "
+        "ask for it (return_indexer_topk)",
+    )
+    parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         help="plan each engine step while the one before runs (default on; "
@@ -196,6 +202,8 @@ def config_from_args(args: argparse.Namespace):
             engine[name] = getattr(args, name)
     if args.enable_return_routed_experts:
         engine["enable_return_routed_experts"] = True
+    if args.enable_return_indexer_topk:
+        engine["enable_return_indexer_topk"] = True
     if args.enforce_eager:
         engine["enforce_eager"] = True
     if args.async_scheduling is not None:

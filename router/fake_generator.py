@@ -38,8 +38,10 @@ class FakeTurnGenerator:
         gate: asyncio.Event | None = None,
         keep_prompts: bool = True,
         weight_version: int = 0,
+        picks: BlobFn | None = None,  # an indexer top-k blob (DSA), as `blob` is routing
     ) -> None:
         self.reply = reply
+        self.picks = picks
         self.weight_version = weight_version
         self.blob = blob
         self.gate = gate
@@ -65,6 +67,8 @@ class FakeTurnGenerator:
             out.finish_reason = out.finish_reason or "stop"
             if self.blob is not None and out.finish_reason != "abort":
                 out.routed_experts = self.blob(prompt_ids, out.token_ids)
+            if self.picks is not None and out.finish_reason != "abort":
+                out.indexer_topk = self.picks(prompt_ids, out.token_ids)
             yield self._output(prompt_ids, out)
         finally:
             self.in_flight -= 1

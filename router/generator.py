@@ -37,14 +37,17 @@ class EngineTurnGenerator:
     `EngineConfig(enable_return_routed_experts=True)`.
     """
 
-    def __init__(self, engine: Any, return_routed_experts: bool = False) -> None:
+    def __init__(
+        self, engine: Any, return_routed_experts: bool = False, return_indexer_topk: bool = False
+    ) -> None:
         self.engine = engine
         self.return_routed_experts = return_routed_experts
+        self.return_indexer_topk = return_indexer_topk
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, routing_key: str
     ) -> AsyncGenerator[RequestOutput, None]:
-        params = turn_params(params, self.return_routed_experts)
+        params = turn_params(params, self.return_routed_experts, self.return_indexer_topk)
         return self._outputs(prompt_ids, params, turn_request_id(routing_key), routing_key)
 
     def _outputs(
@@ -53,12 +56,15 @@ class EngineTurnGenerator:
         return self.engine.generate(prompt_ids, params, request_id)
 
 
-def turn_params(params: SamplingParams, return_routed_experts: bool) -> SamplingParams:
+def turn_params(
+    params: SamplingParams, return_routed_experts: bool, return_indexer_topk: bool = False
+) -> SamplingParams:
     """The engine request for a turn: logprobs always (training needs them), routed experts
-    as the engine is set up to capture them."""
+    and indexer top-k as the engine is set up to capture them."""
     return dataclasses.replace(
         params,
         return_routed_experts=return_routed_experts,
+        return_indexer_topk=return_indexer_topk,
         logprobs=0 if params.logprobs is None else params.logprobs,
     )
 

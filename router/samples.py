@@ -6,6 +6,8 @@ rollout_logprobs  the sampled token's raw logprob where the mask is 1, else 0.0
 routed_experts    the last turn's blob, int32 [len(tokens) - 1, moe_layers, top_k], or None:
                   routing at a position depends only on the ids before it, so the last turn's
                   forward pass covers the whole trajectory (and any cut of it)
+indexer_topk      DSA models: likewise the last turn's indexer top-k blob, int32
+                  [len(tokens) - 1, dsa_layers, index_topk], or None
 weight_versions   one per turn, so a trainer can drop or reweight off-policy turns
 status            "aborted" when the last turn was, "truncated" when it hit max_tokens or
                   `max_seq_len` cut turns off, else "completed"
@@ -32,24 +34,21 @@ class TrainingSample:
     routed_experts: np.ndarray | None
     weight_versions: list[int]
     status: str
+    indexer_topk: np.ndarray | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready: lists, and the routed experts as base64 int32 plus their shape."""
-        experts = None
-        if self.routed_experts is not None:
-            data = np.ascontiguousarray(self.routed_experts, dtype=np.int32)
-            experts = {
-                "data": base64.b64encode(data.tobytes()).decode("ascii"),
-                "shape": list(data.shape),
-            }
-        return {
+        out = {
             "tokens": self.tokens,
             "loss_mask": self.loss_mask,
             "rollout_logprobs": self.rollout_logprobs,
-            "routed_experts": experts,
+            "routed_experts": _blob(self.routed_experts),
             "weight_versions": self.weight_versions,
             "status": self.status,
         }
+        if self.indexer_topk is not None:
+            out["indexer_topk"] = _blob(self.indexer_topk)
+        return out
 
     def to_safetensors(self) -> bytes:
         """tokens int64, loss_mask int8, rollout_logprobs float32, routed_experts int32 (absent
@@ -62,8 +61,10 @@ class TrainingSample:
             "rollout_logprobs": np.asarray(self.rollout_logprobs, dtype=np.float32),
             "weight_versions": np.asarray(self.weight_versions, dtype=np.int64),
         }
-        if self.routed_experts is not None:
-            tensors["routed_experts"] = np.ascontiguousarray(self.routed_experts, dtype=np.int32)
+        for name in ("routed_experts", "indexer_topk"):
+            blob = getattr(self, name)
+            if blob is not None:
+                tensors[name] = np.ascontiguousarray(blob, dtype=np.int32)
         return save(tensors, metadata={"status": self.status})
 
     @classmethod
@@ -80,6 +81,7 @@ class TrainingSample:
             routed_experts=tensors.get("routed_experts"),
             weight_versions=tensors["weight_versions"].tolist(),
             status=header["__metadata__"]["status"],
+            indexer_topk=tensors.get("indexer_topk"),
         )
 
 
@@ -106,7 +108,7 @@ def merge_trajectory(
         if cut or last.finish_reason == "length"
         else "completed"
     )
-    experts = records[-1].routed_experts
+    experts, picks = records[-1].routed_experts, records[-1].indexer_topk
     return TrainingSample(
         tokens,
         mask,
@@ -114,7 +116,16 @@ def merge_trajectory(
         None if experts is None else experts[: len(tokens) - 1],
         [r.weight_version for r in kept],
         status,
+        None if picks is None else picks[: len(tokens) - 1],
     )
+
+
+def _blob(array: np.ndarray | None) -> dict[str, Any] | None:
+    """An int32 array as base64 plus its shape (None stays None)."""
+    if array is None:
+        return None
+    data = np.ascontiguousarray(array, dtype=np.int32)
+    return {"data": base64.b64encode(data.tobytes()).decode("ascii"), "shape": list(data.shape)}
 
 
 def _check_records(records: Sequence[TurnRecord]) -> None:
@@ -140,6 +151,12 @@ def _check_records(records: Sequence[TurnRecord]) -> None:
             f"the last turn's routed experts have shape "
             f"{list(experts.shape)}; expected [{last.end - 1}, layers, "
             f"top_k] (one row per token but the last)"
+        )
+    picks = last.indexer_topk
+    if picks is not None and (picks.ndim != 3 or picks.shape[0] != last.end - 1):
+        raise MalformedTrajectory(
+            f"the last turn's indexer top-k has shape {list(picks.shape)}; expected "
+            f"[{last.end - 1}, layers, index_topk] (one row per token but the last)"
         )
 
 

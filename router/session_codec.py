@@ -72,6 +72,7 @@ def _encode_record(r: TurnRecord) -> dict[str, Any]:
         "weight_version": r.weight_version,
         "routed_experts": experts,
         "blobs_dropped": r.blobs_dropped,
+        "indexer_topk": _encode_blob(r.indexer_topk),
     }
 
 
@@ -93,7 +94,18 @@ def _decode_record(d: dict[str, Any]) -> TurnRecord:
         routed_experts=experts,
         tools=d["tools"],
         blobs_dropped=d["blobs_dropped"],
+        indexer_topk=_decode_blob(d.get("indexer_topk")),  # absent in records stored before
     )
+
+
+def _encode_blob(blob: np.ndarray | None) -> dict[str, Any] | None:
+    return None if blob is None else {"data": _b64(blob, "<i4"), "shape": list(blob.shape)}
+
+
+def _decode_blob(blob: dict[str, Any] | None) -> np.ndarray | None:
+    if blob is None:
+        return None
+    return _unb64(blob["data"], "<i4").astype(np.int32).reshape(blob["shape"])
 
 
 def _encode_params(params: SamplingParams) -> dict[str, Any]:

@@ -38,10 +38,11 @@ class SessionSetup:
     model_dir: str  # its tokenizer's chat template builds the prompt ids; sessions record it
     return_routed_experts: bool = False  # the engines capture routed experts (MoE)
     config: SessionConfig = field(default_factory=SessionConfig)
+    return_indexer_topk: bool = False  # the engines capture indexer top-k (DSA)
 
     @property
     def key(self) -> tuple:
-        return (self.model_dir, self.return_routed_experts, self.config)
+        return (self.model_dir, self.return_routed_experts, self.config, self.return_indexer_topk)
 
 
 def auto_tokenizer(model_dir: str) -> Any:

@@ -55,8 +55,9 @@ class _Turn:
         self, out: RequestOutput, message: Message | None = None, index: int | None = None
     ) -> TurnResult:
         choice = out.outputs[0]
-        if choice.routed_experts is not None:  # the record keeps the blob; the reply does not
-            choice = dataclasses.replace(choice, routed_experts=None)
+        if choice.routed_experts is not None or choice.indexer_topk is not None:
+            # the record keeps the blobs; the reply does not
+            choice = dataclasses.replace(choice, routed_experts=None, indexer_topk=None)
         return TurnResult(
             choice, out.weight_version, len(self.full_prompt), self.plan.discarded, message, index
         )
@@ -313,6 +314,7 @@ class SessionRegistry:
             weight_version=out.weight_version,
             routed_experts=choice.routed_experts,
             tools=turn.tools,
+            indexer_topk=choice.indexer_topk,
         )
         session.trajectory.commit(turn.plan.keep, record, self.config.blob_window)
         return reply, len(session.trajectory) - 1

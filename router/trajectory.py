@@ -31,6 +31,8 @@ class TurnRecord:
     routed_experts: np.ndarray | None  # int32 [prompt_end + len(output_ids) - 1, layers, top_k]
     tools: list[dict] | None = None  # as the turn's request passed them to the template
     blobs_dropped: bool = False
+    # DSA models: int32 [prompt_end + len(output_ids) - 1, dsa_layers, index_topk]
+    indexer_topk: np.ndarray | None = None
 
     @property
     def prompt_end(self) -> int:
@@ -42,11 +44,12 @@ class TurnRecord:
 
     @property
     def blob_bytes(self) -> int:
-        return 0 if self.routed_experts is None else int(self.routed_experts.nbytes)
+        blobs = (self.routed_experts, self.indexer_topk)
+        return sum(int(b.nbytes) for b in blobs if b is not None)
 
     def drop_blobs(self) -> None:
         """Free the per-token replay blobs; ids and logprobs stay."""
-        self.routed_experts = None
+        self.routed_experts = self.indexer_topk = None
         self.blobs_dropped = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,7 +69,12 @@ class TurnRecord:
             "weight_version": self.weight_version,
             "routed_experts_shape": None if experts is None else list(experts.shape),
             "routed_experts_dropped": self.blobs_dropped,
+            "indexer_topk_shape": _shape(self.indexer_topk),
         }
+
+
+def _shape(blob: np.ndarray | None) -> list[int] | None:
+    return None if blob is None else list(blob.shape)
 
 
 class Trajectory:

@@ -195,7 +195,11 @@ class LocalBackend:
             dtype=cfg.dtype,
             routed_experts=capture,
         )
-        generator = EngineTurnGenerator(engine, return_routed_experts=capture)
+        # likewise a DSA model's indexer top-k
+        picks = cfg.enable_return_indexer_topk and validator.num_dsa_layers > 0
+        generator = EngineTurnGenerator(
+            engine, return_routed_experts=capture, return_indexer_topk=picks
+        )
         # sessions record the model by its path, as the Router's do (`SessionSetup.model_dir`)
         self.sessions = SessionRegistry(
             TemplateSplicer(self.tokenizer), generator, session_config, model=cfg.model

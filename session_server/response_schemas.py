@@ -225,7 +225,8 @@ class TurnRecord(_Out):
     finish_reason: str
     weight_version: int
     routed_experts_shape: list[int] | None
-    routed_experts_dropped: bool
+    routed_experts_dropped: bool  # the record's blobs (routed experts, indexer top-k) dropped
+    indexer_topk_shape: list[int] | None = None
 
 
 class SessionDescription(_Out):
@@ -248,6 +249,7 @@ class TrainingSample(_Out):
     routed_experts: RoutedExperts | None
     weight_versions: list[int]
     status: Literal["completed", "truncated", "aborted"]
+    indexer_topk: RoutedExperts | None = None  # DSA models
 
 
 # --- admin -----------------------------------------------------------------------------------

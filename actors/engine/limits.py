@@ -17,6 +17,7 @@ class ModelLimits:
     max_model_len: int  # prompt + output tokens per sequence
     vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
     is_moe: bool  # routes tokens to experts, so routed experts can be returned
+    is_dsa: bool = False  # sparse attention (an indexer), so indexer top-k can be returned
 
 
 def model_limits(hf_config, config: EngineConfig) -> ModelLimits:
@@ -25,7 +26,8 @@ def model_limits(hf_config, config: EngineConfig) -> ModelLimits:
     if max_len is None:
         max_len = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
     is_moe = bool(getattr(hf_config, "num_experts_per_tok", 0))  # Qwen3-MoE, Mixtral
-    return ModelLimits(max_len, hf_config.vocab_size, is_moe)
+    is_dsa = bool(getattr(hf_config, "index_topk", 0))  # DeepSeek-V3.2
+    return ModelLimits(max_len, hf_config.vocab_size, is_moe, is_dsa)
 
 
 def read_model_limits(config: EngineConfig) -> ModelLimits:

@@ -32,6 +32,7 @@ class RayTransport:
         model: str | None = None,
         return_routed_experts: bool = False,
         capacity: int = 256,
+        return_indexer_topk: bool = False,
     ):
         from raylane.serve_backend import router_view
 
@@ -41,13 +42,19 @@ class RayTransport:
         self.sessions = (
             None
             if model is None
-            else _router_sessions(router, model, return_routed_experts, self.requests)
+            else _router_sessions(
+                router, model, return_routed_experts, self.requests, return_indexer_topk
+            )
         )
         self._tokenizer = None
 
     @classmethod
     def connect(
-        cls, app_name: str, model: str | None = None, return_routed_experts: bool = False
+        cls,
+        app_name: str,
+        model: str | None = None,
+        return_routed_experts: bool = False,
+        return_indexer_topk: bool = False,
     ) -> RayTransport:
         """The Router of a running app (`ray.init(address=...)` first when outside the
         cluster). `model`: the HF directory the app serves (its chat template builds session
@@ -56,7 +63,7 @@ class RayTransport:
         from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
         router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-        return cls(router, model, return_routed_experts)
+        return cls(router, model, return_routed_experts, return_indexer_topk=return_indexer_topk)
 
     async def generate(
         self,
@@ -184,14 +191,16 @@ class RayTransport:
         self.requests.view.close()  # the handles belong to the cluster
 
 
-def _router_sessions(router: Any, model: str, routed: bool, requests: ReplicaRequests):
+def _router_sessions(
+    router: Any, model: str, routed: bool, requests: ReplicaRequests, picks: bool = False
+):
     from raylane.router.session_host import SessionSetup
     from raylane.serve_backend import RouterSessions
 
     # NOTE: must equal the ingress's setup (same model dir, same routed-experts flag), else
     # the Router takes it for a redeployed model and rebuilds its registry
-    setup = SessionSetup(model, return_routed_experts=routed)
-    return RouterSessions(router, setup, ReplicaTurnGenerator(requests, routed))
+    setup = SessionSetup(model, return_routed_experts=routed, return_indexer_topk=picks)
+    return RouterSessions(router, setup, ReplicaTurnGenerator(requests, routed, picks))
 
 
 async def _unwrap(ref):

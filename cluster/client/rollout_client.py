@@ -68,14 +68,17 @@ class RolloutClient:
         return_routed_experts: bool = False,
         timeout: float | None = None,
         busy_timeout_s: float = 300.0,
+        return_indexer_topk: bool = False,
     ) -> RolloutClient:
         """A client over Ray handles (call `ray.init(address=..., namespace="raylane")` first
         when not already inside the cluster). `model`: the served HF directory, needed only
-        by `session()` (with the app's `return_routed_experts`)."""
+        by `session()` (with the app's `return_routed_experts` and `return_indexer_topk`)."""
         from raylane.client.ray_transport import RayTransport
         from raylane.launch import APP_NAME
 
-        transport = RayTransport.connect(app_name or APP_NAME, model, return_routed_experts)
+        transport = RayTransport.connect(
+            app_name or APP_NAME, model, return_routed_experts, return_indexer_topk
+        )
         return cls(timeout=timeout, busy_timeout_s=busy_timeout_s, transport=transport)
 
     async def __aenter__(self) -> RolloutClient:

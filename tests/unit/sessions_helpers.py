@@ -23,6 +23,7 @@ def make_registry(
     gate: asyncio.Event | None = None,
     finish_reason: str | None = None,
     canonical: bool = True,
+    picks=None,
 ) -> tuple[SessionRegistry, FakeTurnGenerator]:
     """Replies are "reply N" (N counts calls), as canonical ids + eos, or one id per character
     (a valid but non-canonical tokenization, as a sampled model may produce)."""
@@ -38,7 +39,7 @@ def make_registry(
             ids = ids + [tok.eos_token_id]
         return CompletionOutput(0, text, ids, logprobs_for(ids), finish_reason=finish_reason)
 
-    gen = FakeTurnGenerator(reply, gate=gate, weight_version=7)
+    gen = FakeTurnGenerator(reply, gate=gate, weight_version=7, picks=picks)
     return SessionRegistry(TemplateSplicer(tok), gen, config), gen
 
 
