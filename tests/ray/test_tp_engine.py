@@ -341,6 +341,24 @@ class TestDeepseekV3(TestQwen3Moe):
         yield from _pair(tiny_deepseek_dir, enable_return_routed_experts=True)
 
 
+@pytest.fixture(scope="class")
+def dsa(ray_cluster, tiny_dsa_dir):
+    yield from _pair(tiny_dsa_dir, enable_return_indexer_topk=True)
+
+
+class TestDeepseekV32:
+    def test_greedy_and_indexer_topk_match_tp1(self, dsa):
+        """DSA at TP=2: heads split, latent rows and indexer (weights, keys) replicated, so
+        every rank picks the same positions as TP=1."""
+        prompts = prompts_for(dsa.tp1.validator.vocab_size, LENGTHS)
+        params = greedy(8, logprobs=1, return_indexer_topk=True)
+        ref = dsa.tp1.generate(prompts, params, use_tqdm=False)
+        got = dsa.tp2.generate(prompts, params, use_tqdm=False)
+        assert_same_outputs(got, ref, ATOL)
+        for g, r in zip(got, ref):
+            np.testing.assert_array_equal(g.outputs[0].indexer_topk, r.outputs[0].indexer_topk)
+
+
 # --- preemption and chunked prefill ------------------------------------------------------------
 
 
