@@ -154,9 +154,11 @@ def _exponentials(key: torch.Tensor, ctr: torch.Tensor, first: int, count: int) 
 def unpack_token_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """A grammar's int32 bit sets [R, W] (bit t of word t // 32 allows token t) as bool [R,
     vocab]. Plain tensor ops: no host sync, any device."""
-    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
-    bits = (words.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]; >> keeps the sign bit: & 1 drops it
-    return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
+    bits = torch.ones(32, dtype=torch.int64, device=words.device) << torch.arange(
+        32, device=words.device
+    )
+    bits = bits.to(torch.int32)  # bit 31 wraps to the sign bit, as in the words
+    return ((words.unsqueeze(-1) & bits) != 0).view(words.shape[0], -1)[:, :vocab]
 
 
 def top_logprobs(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,7 @@ COUNTERS = {
     "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
     "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
     "steps_planned_ahead": "Engine steps planned while the step before ran (async scheduling).",
+    "grammar_skips": "Constrained rows that sat out a step: their grammar mask was not ready.",
     "graph_replays": "Decode steps replayed from a captured CUDA graph (an eager replay on CPU).",
 }
 HISTOGRAMS = {

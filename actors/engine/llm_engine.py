@@ -110,6 +110,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Free the runners: every shard actor and the placement group (idempotent)."""
         self.executor.shutdown()
+        if self.launcher.masks is not None:
+            self.launcher.masks.shutdown()
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
         """Load HF-named (full, unsharded) tensors into every rank, then drop the prefix cache,
@@ -248,14 +250,17 @@ class LLMEngine:
         if self._in_flight is None:
             self._in_flight = self.launcher.launch()
         self._due, self._in_flight = self._in_flight, None
+        self.launcher.post_masks(self._due)  # every step before it was collected
         if plan_ahead:
             self.plan_ahead()
         return None if self._due is None else self._due.future
 
     def plan_ahead(self) -> bool:
         """With async scheduling, launch the step after the one due while that one runs (once;
-        True if it launched one). A grammar's next mask needs the token in flight, so
-        constrained batches step serially, and so do batches that speculate: drafts need the
+        True if it launched one). Constrained batches plan ahead too where the executor takes
+        grammar masks after the plan (in-process: see StepLauncher); elsewhere a grammar's
+        next mask needs the token in flight, so they step serially. So do batches that
+        speculate: drafts need the
         token in flight, and how many of the due step's drafts survive is unknown until it
         returns (docs/speculative_decoding.md)."""
         if (
@@ -304,7 +309,9 @@ class LLMEngine:
         self._held = self.drain()
 
     def _collect(self, step: LaunchedStep) -> list[EngineCoreOutput]:
-        """Wait for a launched step and fold its result in."""
+        """Wait for a launched step and fold its result in, then send the grammar masks of
+        the step after it (its forward is running)."""
+        self.launcher.post_masks(step)
         try:
             result = step.future.result()
         except StepFailed as e:  # the runners dropped its requests and serve on
@@ -314,6 +321,7 @@ class LLMEngine:
         step.timer.mark("postprocess")
         self.stats.step_times.add(step.timer, result.timings)
         self.stats.graph_replays += result.graph_replayed
+        self.launcher.post_masks(self._in_flight)
         return outputs
 
     # --- statistics ---------------------------------------------------------------------------

@@ -85,6 +85,13 @@ class StepPlanner:
         if self._known.pop(seq.seq_id, None) is not None:
             self._finished.append(seq.seq_id)
 
+    def rolled_back(self, seq: Sequence, num_tokens: int) -> None:
+        """The runners hold only `num_tokens` of the sequence's tokens (a grammar skip dropped
+        the placeholder of a token that was never sampled)."""
+        known = self._known.get(seq.seq_id)
+        if known is not None:
+            known.num_tokens = min(known.num_tokens, num_tokens)
+
     @property
     def num_known(self) -> int:
         return len(self._known)

@@ -64,6 +64,8 @@ class Postprocessor:
                 seq.indexer_parts.append(result.indexer_topk[i])
             token = result.token_ids[i]
             if token is None:
+                if seq.seq_id in result.skipped_seq_ids:
+                    self._skipped(item)
                 continue
             request = self.requests[seq.request_id]
             for tok, logprob, top, kept in _tokens(result, i):  # one, or 1 + accepted drafts
@@ -77,6 +79,18 @@ class Postprocessor:
                 self.release(seq)
             touched[seq.request_id] = request
         return self.outputs(list(touched.values()))
+
+    def _skipped(self, item: ScheduledSeq) -> None:
+        """Its grammar mask was late (actors/runner/mask_board.py): it sampled nothing, and
+        its last position is computed again. The runners now hold exactly its known tokens:
+        a step in flight planned before this skip carries a placeholder for the token never
+        sampled, which they drop."""
+        seq = item.seq
+        seq.num_pending = max(0, seq.num_pending - 1)
+        self.stats.grammar_skips += 1
+        if seq.num_preemptions == item.preemptions:
+            seq.num_computed_tokens -= 1
+            self.planner.rolled_back(seq, len(seq.token_ids))
 
     def _append(self, seq: Sequence, request: Request, token, logprob, top, kept, now) -> None:
         self.stats.token(request, now)

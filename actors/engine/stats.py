@@ -168,6 +168,7 @@ class EngineStats:
     def __init__(self):
         self.step_times = StepTimes()
         self.steps_planned_ahead = 0  # launched while the step before was in flight (async)
+        self.grammar_skips = 0  # rows that sat out a step: their grammar mask was late
         self.graph_replays = 0  # decode steps replayed from a captured graph (eager on CPU)
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -236,6 +237,7 @@ class EngineStats:
             "counters": {
                 "steps": self.step_times.steps,
                 "steps_planned_ahead": self.steps_planned_ahead,
+                "grammar_skips": self.grammar_skips,
                 "graph_replays": self.graph_replays,
                 "prompt_tokens": self.prompt_tokens,
                 "generation_tokens": self.generation_tokens,

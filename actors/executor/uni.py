@@ -18,6 +18,7 @@ from typing import Any
 from raylane.actors.executor.base import ExecutorError, StepFailed, result_or_step_failed
 from raylane.actors.models.weights import Payload
 from raylane.actors.runner.config import RunnerConfig
+from raylane.actors.runner.mask_board import MaskBoard
 from raylane.actors.runner.model_runner import ModelRunner
 from raylane.actors.runner.plan import StepPlan, StepResult
 
@@ -32,6 +33,8 @@ class UniExecutor:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="raylane-runner")
         self.runner = self._worker.submit(ModelRunner, config).result()
         self.info = self.runner.info()
+        # grammar masks reach the runner after its plan (async scheduling of constrained steps)
+        self.mask_board = self.runner.mask_board = MaskBoard()
         self._closed = False
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
@@ -40,6 +43,10 @@ class UniExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.submit(plan).result()
+
+    def post_masks(self, step_id: int, masks: dict[int, Future]) -> None:
+        """The grammar masks of a submitted plan's `late_masks` rows (see MaskBoard)."""
+        self.mask_board.post(step_id, masks)
 
     def _step(self, plan: StepPlan, sent: float) -> StepResult:
         try:

@@ -24,6 +24,7 @@ from raylane.actors.runner.faults import Faults
 from raylane.actors.runner.graph_runner import GraphRunner
 from raylane.actors.runner.inputs import InputPreparer, StepInputs
 from raylane.actors.runner.kv_cache import KVCache, bytes_per_token
+from raylane.actors.runner.mask_board import SKIP, MaskBoard, roll_back_skipped, step_masks
 from raylane.actors.runner.plan import ExtraTokens, StepPlan, StepResult
 from raylane.actors.runner.requests import RequestTable, ScheduledRequest
 from raylane.actors.runner.sampler import Sampler
@@ -68,6 +69,7 @@ class ModelRunner:
         self.requests = RequestTable()
         self.faults = Faults()
         self.vocab_size = hf_config.vocab_size
+        self.mask_board: MaskBoard | None = None  # late grammar masks (in-process executor)
 
     def _graph_runner(self, config: RunnerConfig) -> GraphRunner | None:
         eager = config.enforce_eager
@@ -140,13 +142,15 @@ class ModelRunner:
             chosen = self.model.indexer_topk()[: step.attn.num_tokens]
             self.kv.store_indexer(step.attn.slot_mapping, chosen)
         computed = time.perf_counter()
-        masks = dict(plan.token_masks)
+        masks = step_masks(self.mask_board, plan, scheduled)
         result = self._result(scheduled, step, logits, masks) if self.samples else None
         if not self.samples and self.config.sample_on_every_rank:
             self._draw_only(scheduled, step, logits, masks)
         self._advance(scheduled, step)
+        skipped = roll_back_skipped(scheduled, masks)
         if result is None:
             return None
+        result.skipped_seq_ids = tuple(skipped)
         if len(scheduled) < len(entries):  # entries of failed requests come back empty
             result = result.spread(
                 [i for i, item in enumerate(entries) if item is not None], len(entries)
@@ -253,7 +257,11 @@ class ModelRunner:
         """Sample the rows whose chunk reaches the end of its sequence: (their indices in
         `scheduled`, the SampleResult, each one's first position in it), or ([], None, [])
         when none does. A verify row samples 1 + k positions (see spec_verify)."""
-        picks = [i for i, item in enumerate(scheduled) if item.samples]
+        picks = [
+            i
+            for i, item in enumerate(scheduled)
+            if item.samples and masks.get(item.state.seq_id) is not SKIP
+        ]
         if not picks:
             return picks, None, []
         rows, states = sampling_rows(scheduled, picks, step.logits_rows)

@@ -61,6 +61,9 @@ class StepPlan:
     # structured outputs: (seq_id, int32 bit set [ceil(vocab / 32)]) for rows whose next token
     # a grammar constrains (bit t of word t // 32 allows token t)
     token_masks: tuple[tuple[int, object], ...] = ()
+    # structured outputs, in-process runner: rows whose masks follow the plan (the engine posts
+    # them on the executor's MaskBoard once their grammars have taken every earlier token)
+    late_masks: tuple[int, ...] = ()
     # speculative decoding: (seq_id, draft tokens) for rows that verify drafts; such a row's
     # `scheduled` count is 1 + len(drafts) (the last sampled token, then the drafts)
     draft_token_ids: tuple[tuple[int, tuple[int, ...]], ...] = ()
@@ -120,6 +123,8 @@ class StepResult:
     # finished_at by the runner, sent_at and received_at by the executor
     timings: dict[str, float] = field(default_factory=dict)
     graph_replayed: bool = False  # the forward replayed a captured (or, on CPU, eager) graph
+    # rows whose grammar mask was late: they sampled nothing and recompute their last position
+    skipped_seq_ids: tuple[int, ...] = ()
     # speculative decoding: per entry, the tokens after `token_ids[i]` when drafts were
     # accepted (len = accepted drafts), else None
     extra: list[ExtraTokens | None] = field(default_factory=list)
@@ -157,4 +162,5 @@ class StepResult:
             for row, value in zip(rows, getattr(self, name)):
                 column[row] = value
         out.timings, out.graph_replayed = self.timings, self.graph_replayed
+        out.skipped_seq_ids = self.skipped_seq_ids
         return out

@@ -33,6 +33,7 @@ class RequestState:
         "num_prompt_logprobs_done",
         "num_routed_reported",
         "num_indexer_reported",
+        "skipped",
     )
 
     def __init__(
@@ -56,6 +57,8 @@ class RequestState:
         self.num_prompt_logprobs_done = 1 if params.prompt_logprobs is not None else 0
         self.num_routed_reported = 0  # positions whose routed experts were reported
         self.num_indexer_reported = 0  # likewise, indexer top-k (DSA)
+        # its grammar mask was late (mask_board.py): it sampled nothing at its last step
+        self.skipped = False
 
     @classmethod
     def from_plan(cls, new: NewRequest) -> RequestState:
@@ -79,8 +82,19 @@ class RequestState:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def skip_last(self) -> None:
+        """Its last step sampled nothing: compute its last position again."""
+        self.num_computed_tokens -= 1
+        self.last_sampled, self.skipped = None, True
+
     def update(self, delta: CachedRequest) -> None:
-        for token in delta.new_token_ids:
+        new_tokens, num_computed = delta.new_token_ids, delta.num_computed_tokens
+        if self.skipped and PLACEHOLDER in new_tokens:
+            # planned before the engine saw the skip (async scheduling): it assumed a token
+            # that was not sampled, one position further on; this step redoes the skipped one
+            new_tokens, num_computed = new_tokens[:-1], num_computed - 1
+        self.skipped = False
+        for token in new_tokens:
             if token == PLACEHOLDER:
                 if self.last_sampled is None:
                     raise RuntimeError(
@@ -92,7 +106,7 @@ class RequestState:
         if delta.resumed:
             self.block_ids = []
         self.block_ids.extend(delta.new_block_ids)
-        self.num_computed_tokens = delta.num_computed_tokens
+        self.num_computed_tokens = num_computed
 
 
 @dataclass

@@ -98,13 +98,16 @@ class Sampler:
         return tokens, kept
 
     def _apply_grammar(self, logits: torch.Tensor, masks: list) -> torch.Tensor:
-        """Tokens a row's grammar does not allow get -inf (rows without a mask unchanged)."""
-        rows = [i for i, m in enumerate(masks) if m is not None]
-        words = torch.from_numpy(np.stack([masks[i] for i in rows])).to(self.device)
-        allowed = sampling.unpack_token_bitmask(words, logits.shape[1])  # [R, V] bool
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-        return logits
+        """Tokens a row's grammar does not allow get -inf, in place, for the whole batch in
+        one pass (a row without a mask gets an all-ones bit set)."""
+        words = np.full((len(masks), -(-logits.shape[1] // 32)), -1, dtype=np.int32)
+        for i, mask in enumerate(masks):
+            if mask is not None:
+                words[i] = mask
+        allowed = sampling.unpack_token_bitmask(
+            torch.from_numpy(words).to(self.device), logits.shape[1]
+        )
+        return logits.masked_fill_(~allowed, float("-inf"))
 
     def _mask_stop_tokens(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         """Before min_tokens are out, EOS and stop_token_ids cannot be sampled."""

@@ -198,8 +198,8 @@ def free(seed: int | None, max_tokens: int = 24) -> SamplingParams:
 
 
 def test_async_scheduling_matches_serial_for_a_mixed_workload(tiny_llama_dir):
-    """Free requests run ahead until constrained ones arrive, step serially beside them, and
-    run ahead again once they are done: every token as in the serial engine."""
+    """Free and constrained requests run ahead together (grammar masks follow their plans):
+    every token as in the serial engine."""
     vocab = VOCAB_SIZE
     arrivals = {
         0: [
