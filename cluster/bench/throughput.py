@@ -84,6 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "vs unconstrained, at the first --batch-sizes value, float32 (e.g. "
         "cluster/examples/bench_schema.json)",
     )
+    parser.add_argument(
+        "--json-object",
+        action="store_true",
+        help="instead: open-ended json_object answers and a required tool call with a "
+        "free-text argument, each beside free text of the same lengths (time per output "
+        "token, p99 token gap), at every --batch-sizes value, up to the --output-len MAX "
+        "tokens, float32",
+    )
 
 
 def _dtype_list(text: str) -> list[str]:
@@ -216,6 +224,14 @@ def run(args: argparse.Namespace) -> int:
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed
     )
     dtypes = chosen_dtypes(args)
+    if args.json_object:
+        from raylane.bench.open_ended import print_gap_table, run_open_ended
+
+        rows = []
+        for size in (int(x) for x in args.batch_sizes.split(",")):
+            rows += run_open_ended(model_dir, size, args.output_len[1])
+        print_gap_table(rows, args.output_len[1])
+        return 0
     if args.json_schema:
         if dtypes != ["float32"]:
             raise SystemExit("--json-schema runs in float32; drop --dtype")
