@@ -5,8 +5,10 @@ Backed by llguidance (Rust, on PyPI, CPU-only, no torch dependency). Chosen over
 measurement and weight on this machine: a SmolLM2 (49k vocab) JSON-schema mask takes ~30 us per
 row on average (32 rows in ~0.2 ms with its thread pool, ~1 ms on one thread), and the wheel is
 3 MB with no dependencies, where xgrammar pulls torch, triton and a TVM runtime. Masks are
-int32 bit sets (bit t of word t // 32 allows token t) that travel in the step plan; the runner
-applies them to the logits after the raw logprobs are taken.
+int32 bit sets (bit t of word t // 32 allows token t); the runner applies them to the logits
+after the raw logprobs are taken. In-process they follow the plan, computed per row on the
+MaskWorker's threads while the forward runs (mask_worker.py); to shard executors they travel
+in the plan (`masks` here), computed when the step is planned.
 """
 
 from __future__ import annotations

@@ -315,6 +315,7 @@ class LLMEngine:
         try:
             result = step.future.result()
         except StepFailed as e:  # the runners dropped its requests and serve on
+            self.launcher.post_masks(self._in_flight)
             return self.post.fail(step.scheduled, e)
         step.timer.mark("execute")
         outputs = self.post.apply(step.scheduled, result)

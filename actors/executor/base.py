@@ -30,7 +30,9 @@ class Executor(Protocol):
     ExecutorError when the runners are gone. `execute` is `submit(plan).result()`.
     `collective_rpc` calls a method of the `ModelRunner` on every rank and returns their
     answers in rank order: the hook for weight updates and anything else that must reach every
-    shard. After an `ExecutorError` the engine
+    shard. An executor may also offer `post_masks(step_id, masks)`: the grammar masks of a
+    submitted plan's `late_masks` rows, as futures (the in-process one does; see
+    actors/runner/mask_board.py). After an `ExecutorError` the engine
     reports itself unhealthy; `check_health` raises from then on.
     """
 
