@@ -17,16 +17,17 @@ import time
 from dataclasses import dataclass
 
 PROMPT = [{"role": "user", "content": "Tell me a joke."}]
+JOKE_PARAMETERS = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}},
+    "required": ["text"],
+}
 JOKE_TOOL = {
     "type": "function",
     "function": {
         "name": "tell_joke",
         "description": "Tell the user a joke.",
-        "parameters": {
-            "type": "object",
-            "properties": {"text": {"type": "string"}},
-            "required": ["text"],
-        },
+        "parameters": JOKE_PARAMETERS,
     },
 }
 # what tool_choice="required" constrains the output to (session_server/tool_calls/choice.py)
@@ -39,7 +40,7 @@ TOOL_CALL_SCHEMA = {
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": ["tell_joke"]},
-                    "arguments": {"type": "object", **JOKE_TOOL["function"]["parameters"]},
+                    "arguments": JOKE_PARAMETERS,
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
