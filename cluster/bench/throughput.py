@@ -227,10 +227,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json_object:
         from raylane.bench.open_ended import print_gap_table, run_open_ended
 
-        rows = []
+        gap_rows = []
         for size in (int(x) for x in args.batch_sizes.split(",")):
-            rows += run_open_ended(model_dir, size, args.output_len[1])
-        print_gap_table(rows, args.output_len[1])
+            gap_rows += run_open_ended(model_dir, size, args.output_len[1])
+        print_gap_table(gap_rows, args.output_len[1])
         return 0
     if args.json_schema:
         if dtypes != ["float32"]:
