@@ -18,6 +18,7 @@ FAMILIES = {
     "raylane:prefix_cache_queries": "counter",
     "raylane:prefix_cache_hits": "counter",
     "raylane:steps_planned_ahead": "counter",
+    "raylane:grammar_skips": "counter",
     "raylane:request_success": "counter",
     "raylane:graph_replays": "counter",
     "raylane:spec_decode_num_drafts": "counter",
