@@ -80,6 +80,16 @@ RANDOM_MODELS: dict[str, tuple[str, dict[str, object]]] = {
         },
     ),
 }
+# DeepSeek-V3.2: the same shape with sparse attention (an indexer choosing 64 positions)
+RANDOM_MODELS["deepseek-v32-tiny"] = (
+    "DeepseekV32Config",
+    {
+        **RANDOM_MODELS["deepseek-v3-tiny"][1],
+        "index_n_heads": 8,
+        "index_head_dim": 32,
+        "index_topk": 64,
+    },
+)
 SYSTEMS = {"graphs": False, "eager": True}  # name -> EngineConfig.enforce_eager
 
 

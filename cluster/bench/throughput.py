@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capture",
         action="store_true",
-        help="also run serial with routed-expert capture on (MoE models): its cost",
+        help="also run serial with routed-expert capture on (MoE models; and indexer top-k "
+        "on sparse-attention models): its cost",
     )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument(
@@ -135,7 +136,9 @@ def run_engines(
     pass by pass so drift on a shared machine hits them alike. `warm`: a whole untimed pass
     first (the first pass pays one-time costs per new batch shape, up to 40% of it)."""
     from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
+    from transformers import AutoConfig
 
+    picks = capture and bool(getattr(AutoConfig.from_pretrained(model_dir), "index_topk", 0))
     engines = {
         on: LLMEngine(
             EngineConfig(
@@ -145,13 +148,18 @@ def run_engines(
                 max_num_batched_tokens=max_batched,
                 async_scheduling=on,
                 enable_return_routed_experts=capture,
+                enable_return_indexer_topk=picks,
             )
         )
         for on in modes
     }
     params = [
         SamplingParams(
-            temperature=0.0, max_tokens=n, ignore_eos=True, return_routed_experts=capture
+            temperature=0.0,
+            max_tokens=n,
+            ignore_eos=True,
+            return_routed_experts=capture,
+            return_indexer_topk=picks,
         )
         for n in work.output_lens
     ]
