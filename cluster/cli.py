@@ -18,6 +18,10 @@ BENCHES = {
     "sessions": ("raylane.bench.sessions", "session registry memory with blob dropping on/off"),
     "serve": ("raylane.bench.serve", "HTTP endpoint vs the offline engine and transformers serve"),
     "step": ("raylane.bench.step", "per-step time split: in-process vs Ray executor vs TP sizes"),
+    "spec": (
+        "raylane.bench.spec",
+        "speculative decoding: decode tok/s off vs ngram vs suffix, by workload and batch size",
+    ),
     "weights": (
         "raylane.bench.weights",
         "weight update GB/s over HTTP and in-cluster vs a copy; pause -> update -> resume latency",

@@ -276,8 +276,13 @@ class LLMEngine:
         return self._in_flight is not None
 
     def _speculating(self) -> bool:
-        """The next step would draft: its batch is small enough for the adaptive switch."""
-        return self.drafter is not None and self.drafter.active(len(self.scheduler.running))
+        """The due step verifies drafts (how many tokens it adds is unknown until it returns),
+        or the next step would draft (see `Drafter.wants_serial`)."""
+        if self.drafter is None:
+            return False
+        if self._due is not None and any(item.drafts for item in self._due.scheduled):
+            return True
+        return self.drafter.wants_serial(self.scheduler.running)
 
     def end_step(self) -> list[EngineCoreOutput]:
         """The second half of `step`: fold in the step begin_step launched (if drain has not)."""
@@ -321,6 +326,8 @@ class LLMEngine:
         outputs = self.post.apply(step.scheduled, result)
         step.timer.mark("postprocess")
         self.stats.step_times.add(step.timer, result.timings)
+        if self.drafter is not None:
+            self.drafter.observe(step.scheduled, result.timings)
         self.stats.graph_replays += result.graph_replayed
         self.launcher.post_masks(self._in_flight)
         return outputs

@@ -21,6 +21,7 @@ _ALLOWED = {
     ("raylane.actors.engine.sampling_params", "SamplingParams"),
     ("raylane.actors.engine.sampling_params", "StructuredOutputsParams"),
     ("raylane.actors.runner.plan", "StepResult"),
+    ("raylane.actors.runner.plan", "ExtraTokens"),  # speculative decoding: a verify row's tokens
     ("raylane.actors.runner.plan", "ChannelCommand"),
     ("raylane.actors.runner.plan", "StepError"),
     ("numpy", "ndarray"),

@@ -1,9 +1,11 @@
 """Per-sequence backoff: a sequence whose drafts keep failing stops drafting for a while.
 
-Verifying a draft costs forward work on every row it adds; on text the proposers cannot
-predict (random text) almost every draft is rejected, so a sequence whose last draft had no
+Verifying a draft costs forward work on every row it adds, and a step that drafts is planned
+only after the step before it returned (no async overlap); on text the proposers cannot
+predict (random text) almost every draft is rejected. So a sequence whose last draft had no
 accepted token skips the next 1, 2, 4, ... steps (up to `max_skip`), and one accepted token
-resets it. Plain bookkeeping per seq_id.
+resets it. Plain bookkeeping per seq_id, on a step clock (`tick`) that runs whether or not
+the sequence could draft at a step (async steps, where its last token is in flight).
 """
 
 from __future__ import annotations
@@ -12,16 +14,16 @@ from __future__ import annotations
 class Backoff:
     def __init__(self, max_skip: int = 16):
         self.max_skip = max_skip
+        self.step = 0
         self._skip: dict[int, int] = {}  # seq_id -> steps to skip after the next failure
-        self._wait: dict[int, int] = {}  # seq_id -> steps left to skip now
+        self._resume: dict[int, int] = {}  # seq_id -> the step from which it may draft again
+
+    def tick(self) -> None:
+        """One engine step was planned."""
+        self.step += 1
 
     def ready(self, seq_id: int) -> bool:
-        """May draft this step (each call while waiting counts one skipped step)."""
-        left = self._wait.get(seq_id, 0)
-        if left > 0:
-            self._wait[seq_id] = left - 1
-            return False
-        return True
+        return self.step >= self._resume.get(seq_id, 0)
 
     def record(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:
@@ -30,9 +32,9 @@ class Backoff:
             self._skip.pop(seq_id, None)
             return
         skip = self._skip.get(seq_id, 1)
-        self._wait[seq_id] = skip
+        self._resume[seq_id] = self.step + skip + 1  # recorded before the next step's tick
         self._skip[seq_id] = min(2 * skip, self.max_skip)
 
     def forget(self, seq_id: int) -> None:
         self._skip.pop(seq_id, None)
-        self._wait.pop(seq_id, None)
+        self._resume.pop(seq_id, None)

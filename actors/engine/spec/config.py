@@ -24,6 +24,9 @@ class SpeculativeConfig:
 
     `disable_by_batch_size`: a step with more decoding sequences than this drafts nothing
     (vLLM's name); verifying a large batch costs more than the accepted tokens save.
+    `adaptive`: draft only as many positions as pay for their verify cost, by a cost model
+    of the step time measured online and the acceptance measured per position
+    (spec/cost_model.py); off, every sequence with a match drafts up to k.
     """
 
     method: str
@@ -34,6 +37,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     # suffix: a continuation is drafted only when seen with at least this probability
     suffix_min_probability: float = 0.1
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         check_type(_OWNER, "method", self.method, str)
@@ -51,6 +55,7 @@ class SpeculativeConfig:
                 raise ValueError(f"{_OWNER}.{name} applies to method 'ngram' only")
         if self.disable_by_batch_size is not None:
             _positive("disable_by_batch_size", self.disable_by_batch_size)
+        check_type(_OWNER, "adaptive", self.adaptive, bool)
         check_type(_OWNER, "suffix_min_probability", self.suffix_min_probability, (int, float))
         if not 0 <= self.suffix_min_probability <= 1:
             raise ValueError(f"{_OWNER}.suffix_min_probability must be in [0, 1]")

@@ -20,6 +20,7 @@ from raylane.actors.engine.scheduler import ScheduledSeq, SchedulerOutput
 from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.spec.backoff import Backoff
 from raylane.actors.engine.spec.config import SpeculativeConfig
+from raylane.actors.engine.spec.cost_model import CostModel
 from raylane.actors.engine.spec.metrics import SpecStats
 from raylane.actors.engine.spec.ngram import NgramProposer
 from raylane.actors.engine.spec.suffix import SuffixIndex
@@ -41,6 +42,11 @@ class Drafter:
         self.max_model_len = max_model_len
         self.stats = stats
         self.backoff = Backoff()
+        self.cost = CostModel()
+        # per draft position j: drafts that reached it, and those accepted through it
+        self._offered = [0] * self.k
+        self._hit = [0] * self.k
+        self._has_match: dict[int, bool] = {}  # seq_id -> its tokens had a draft last time
         self.ngram = (
             NgramProposer(config.prompt_lookup_min or 1, config.prompt_lookup_max or 1)
             if config.method == "ngram"
@@ -57,15 +63,48 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         return limit is None or num_decoding <= limit
 
+    def wants_serial(self, running: list[Sequence]) -> bool:
+        """The next step would draft for some running sequence, so it should be planned after
+        the step in flight returns (its last tokens known); else async planning goes on."""
+        if not self.active(len(running)) or self._worth(len(running), len(running)) == 0:
+            return False
+        return any(
+            self._has_match.get(seq.seq_id, True) and self._may_draft(seq) for seq in running
+        )
+
+    def _worth(self, num_rows: int, num_tokens: int) -> int:
+        """How many leading draft positions pay for their verify cost (CostModel), by the
+        acceptance measured at each position (optimistic until measured)."""
+        if not self.config.adaptive:
+            return self.k
+        threshold = self.cost.threshold(num_rows, num_tokens)
+        for j in range(self.k):
+            if (self._hit[j] + 1) / (self._offered[j] + 1) <= threshold:
+                return j
+        return self.k
+
+    def observe(self, scheduled: list[ScheduledSeq], timings: dict[str, float]) -> None:
+        """A decode or verify step's runner time, for the cost model (prefill chunks would
+        add attention costs the linear fit does not describe)."""
+        if scheduled and all(item.is_decode for item in scheduled) and "forward" in timings:
+            seconds = sum(timings.get(k, 0.0) for k in ("prepare", "forward", "sample"))
+            self.cost.observe(sum(1 + len(item.drafts) for item in scheduled), seconds)
+
+    def _may_draft(self, seq: Sequence) -> bool:
+        return seq.matcher is None and self.backoff.ready(seq.seq_id) and self._room(seq) > 0
+
     def draft(self, batch: SchedulerOutput) -> None:
         """Propose drafts for the batch's decode rows and allocate their slots; rows with
         drafts move to the front part of the step (they are short prefill-like chunks)."""
+        self.backoff.tick()
         if not batch.decodes or not self.active(len(batch.decodes) + len(batch.prefills)):
             return
         budget = self.max_num_batched_tokens - batch.num_tokens
+        rows = len(batch.decodes) + sum(item.samples for item in batch.prefills)
+        worth = self._worth(rows, batch.num_tokens)
         drafted: list[ScheduledSeq] = []
         for item in batch.decodes:
-            drafts = self._propose(item.seq, min(self.k, budget))
+            drafts = self._propose(item.seq, min(worth, budget))
             if drafts and self._allocate(item.seq, len(drafts)):
                 item.drafts = tuple(drafts)
                 budget -= len(drafts)
@@ -75,11 +114,18 @@ class Drafter:
             batch.decodes = [item for item in batch.decodes if not item.drafts]
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
-        if seq.num_pending or seq.matcher is not None or not self.backoff.ready(seq.seq_id):
+        if not self._may_draft(seq):
             return []
-        k = min(k, self._room(seq))
-        if k < 1:
+        if seq.num_pending:
+            # its last token is in flight (an async step): look one token behind, only to
+            # learn whether drafting is worth a serial step
+            self._has_match[seq.seq_id] = bool(self._lookup(seq, 1))
             return []
+        drafts = self._lookup(seq, min(k, self._room(seq))) if k > 0 else []
+        self._has_match[seq.seq_id] = bool(drafts)
+        return drafts
+
+    def _lookup(self, seq: Sequence, k: int) -> list[int]:
         if self.ngram is not None:
             return self.ngram.propose(seq.token_ids, k)
         assert self.suffix is not None
@@ -109,6 +155,9 @@ class Drafter:
         computed KV now (the rejected ones are not); full blocks of them join the prefix cache."""
         self.stats.record(len(item.drafts), num_accepted)
         self.backoff.record(item.seq.seq_id, len(item.drafts), num_accepted)
+        for j in range(len(item.drafts)):
+            self._offered[j] += 1
+            self._hit[j] += j < num_accepted
         seq = item.seq
         if seq.num_preemptions != item.preemptions or seq.is_finished:
             return
@@ -117,5 +166,6 @@ class Drafter:
 
     def forget(self, seq: Sequence) -> None:
         self.backoff.forget(seq.seq_id)
+        self._has_match.pop(seq.seq_id, None)
         if self.suffix is not None:
             self.suffix.remove(seq.seq_id)

@@ -1,12 +1,14 @@
 """A suffix index over groups of sibling sequences ("suffix" speculation).
 
-Siblings are the samples of one `n` group and requests with the same prompt head (an RL group
-sent as separate requests, fork branches of one conversation): their answers repeat each
-other, so each one's tokens are a draft source for the others. The index maps every n-gram
-(n <= `max_depth`) of every sibling to where it ended; a draft follows the longest suffix of
-the drafting sequence that occurs anywhere in the group, extending it token by token with the
-continuation seen most often, while that continuation's share stays above `min_probability`.
-Plain Python: the engine updates it as tokens arrive.
+Siblings are the samples of one `n` group and requests whose prompts share their first
+`GROUP_HEAD` tokens (an RL group sent as separate requests, fork branches of one conversation):
+their answers repeat each other, so each one's tokens are a draft source for the others. A
+finished sibling stays a source while its group runs, up to `MAX_FINISHED` per group (the
+oldest go first; the index is rebuilt once that many went, so the work stays amortised O(1)).
+The index maps every n-gram (n <= `max_depth`) of every sibling to where it ended; a draft
+follows the longest suffix of the drafting sequence that occurs anywhere in the group,
+extending it token by token with the continuation seen most often, while that continuation's
+share stays above `min_probability`. Plain Python: the engine updates it as tokens arrive.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence as Tokens
 
-GROUP_HEAD = 32  # requests whose prompts share this many leading tokens are siblings
+GROUP_HEAD = 256  # requests whose prompts share this many leading tokens are siblings
 MAX_OCCURRENCES = 64  # newest occurrences kept per n-gram (bounds the work per draft)
+MAX_FINISHED = 8  # finished members kept as sources per group
 
 
 class _Group:
@@ -24,6 +27,17 @@ class _Group:
         self.indexed: dict[int, int] = {}  # member id -> tokens already in the index
         self.index: defaultdict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
         self.running: set[int] = set()  # members not finished yet
+        self.finished: list[int] = []  # finished members still sources, oldest first
+        self.num_evicted = 0  # members dropped since the index was built
+
+    def evict_oldest(self) -> None:
+        member = self.finished.pop(0)
+        del self.tokens[member], self.indexed[member]
+        self.num_evicted += 1
+        if self.num_evicted >= MAX_FINISHED:  # rebuild without the evicted members
+            self.index.clear()
+            self.indexed = dict.fromkeys(self.indexed, 0)
+            self.num_evicted = 0
 
 
 class SuffixIndex:
@@ -51,6 +65,10 @@ class SuffixIndex:
         group.running.discard(member)
         if not group.running:
             del self._groups[key]
+            return
+        group.finished.append(member)
+        if len(group.finished) > MAX_FINISHED:
+            group.evict_oldest()
 
     def __contains__(self, member: int) -> bool:
         return member in self._group_of
@@ -62,9 +80,9 @@ class SuffixIndex:
         tokens = group.tokens[member]
         length = len(tokens)
         for n in range(min(self.max_depth, length), 0, -1):
-            occ = [
-                o for o in group.index.get(tuple(tokens[length - n :]), ()) if o != (member, length)
-            ]
+            grams = group.index.get(tuple(tokens[length - n :]), ())
+            # not the tail itself; not a member evicted since the index was built
+            occ = [o for o in grams if o != (member, length) and o[0] in group.tokens]
             if occ:
                 return self._follow(group, occ, k)
         return []

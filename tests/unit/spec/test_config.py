@@ -119,14 +119,27 @@ def test_suffix_takes_the_majority_continuation():
 
 def test_backoff_skips_after_failures_and_resets_on_acceptance():
     backoff = Backoff(max_skip=4)
+
+    def ready_over(steps: int) -> list[bool]:
+        out = []
+        for _ in range(steps):
+            backoff.tick()
+            out.append(backoff.ready(1))
+        return out
+
     assert backoff.ready(1)
     backoff.record(1, 3, 0)
-    assert [backoff.ready(1) for _ in range(2)] == [False, True]
+    assert ready_over(2) == [False, True]  # the step after the failure is skipped
     backoff.record(1, 3, 0)
-    assert [backoff.ready(1) for _ in range(3)] == [False, False, True]
-    backoff.record(1, 3, 1)
+    assert not backoff.ready(1)
+    assert ready_over(3) == [False, False, True]
     backoff.record(1, 3, 0)
-    assert [backoff.ready(1) for _ in range(2)] == [False, True]
+    assert ready_over(5) == [False] * 4 + [True]
+    backoff.record(1, 3, 0)  # capped at max_skip
+    assert ready_over(5) == [False] * 4 + [True]
+    backoff.record(1, 3, 1)  # an accepted token resets
+    backoff.record(1, 3, 0)
+    assert ready_over(2) == [False, True]
 
 
 def test_spec_counters_reach_metrics():
@@ -174,3 +187,57 @@ def test_speculative_config_from_yaml_and_the_serve_flag(tmp_path):
         with pytest.raises(SystemExit):
             argv = ["serve", "--speculative-config", bad]
             build_parser(argv).parse_args(argv)
+
+
+def test_suffix_keeps_a_bounded_number_of_finished_siblings():
+    from raylane.actors.engine.spec import suffix
+
+    index = SuffixIndex(max_depth=3)
+    head = [4, 4]
+    index.add(100, head + [1], 2)  # runs throughout
+    for member in range(3 * suffix.MAX_FINISHED):
+        index.add(member, head + [1, 50 + member], 2)
+        index.propose(member, 1)
+        index.remove(member)
+    group = next(iter(index._groups.values()))
+    assert len(group.tokens) == suffix.MAX_FINISHED + 1
+    # the draft continues one of the kept members, never an evicted one
+    draft = index.propose(100, 1)
+    assert draft and draft[0] - 50 >= 2 * suffix.MAX_FINISHED
+
+
+def test_cost_model_fits_step_times_and_prices_a_draft():
+    from raylane.actors.engine.spec.cost_model import MIN_STEPS, WARMUP_STEPS, CostModel
+
+    model = CostModel()
+    assert model.threshold(1, 1) == 0.0  # no data: every draft is worth trying
+    for i in range(WARMUP_STEPS + MIN_STEPS + 20):
+        tokens = 1 + i % 40
+        model.observe(tokens, 0.020 + 0.001 * tokens)
+    a, b = model.fit()
+    assert abs(a - 0.020) < 1e-9 and abs(b - 0.001) < 1e-9
+    assert abs(model.threshold(1, 1) - 0.001 / 0.021) < 1e-9  # batch 1: weights dominate
+    assert abs(model.threshold(32, 32) - 0.032 / 0.052) < 1e-9
+
+
+def test_adaptive_drafts_only_the_positions_that_pay():
+    from raylane.actors.engine.block_manager import BlockManager
+    from raylane.actors.engine.spec.drafter import Drafter
+
+    config = SpeculativeConfig("ngram", 4, prompt_lookup_min=1)
+    drafter = Drafter(config, BlockManager(8, 16), 256, None, SpecStats(4))
+    for i in range(40):  # a compute-bound runner: a token costs as much as the fixed part
+        tokens = 4 + i % 20
+        drafter.cost.observe(tokens, 0.004 + 0.004 * tokens)
+    # measured acceptance falls with the position: 90%, 60%, 30%, 10%
+    drafter._offered = [100] * 4
+    drafter._hit = [90, 60, 30, 10]
+    assert drafter._worth(1, 1) == 2  # threshold 0.004 / 0.008 = 0.5: positions 0 and 1
+    assert drafter._worth(2, 2) == 1  # threshold 0.67: position 0
+    assert drafter._worth(32, 32) == 0  # threshold 0.97: none, and no serial step for it
+    assert not drafter.wants_serial([])
+    off = Drafter(
+        SpeculativeConfig("ngram", 4, adaptive=False), BlockManager(8, 16), 256, None, SpecStats(4)
+    )
+    off.cost = drafter.cost
+    assert off._worth(32, 32) == 4

@@ -17,7 +17,7 @@ from tests.unit.spec.helpers import Tap, make_loopy_llama, spec_engine
 TEMPERATURE = 1.0
 TOP_K = 3  # 27 continuations: each one is expected often enough for the test
 NUM_SEEDS = 800
-NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "adaptive": False}
 
 
 @pytest.fixture(scope="module")

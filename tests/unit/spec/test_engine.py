@@ -105,3 +105,17 @@ def test_retract_between_speculative_steps(loopy_dir, reference, prompts):
     assert run(engine) == run(reference)
     assert engine.stats.spec_decode_num_accepted_tokens > 0
     engine.shutdown()
+
+
+def test_no_step_is_planned_ahead_of_a_verify_step(loopy_dir, reference, prompts, monkeypatch):
+    """Even when the drafter would let the next step go ahead (here: every other time it is
+    asked), a step is never planned while a step with drafts runs: its accepted count decides
+    the next positions."""
+    params = mixed_params()
+    ref = reference.generate(prompts, params, use_tqdm=False)
+    engine = spec_engine(loopy_dir, NGRAM, async_scheduling=True)
+    calls = iter(range(10**6))
+    monkeypatch.setattr(engine.drafter, "wants_serial", lambda running: next(calls) % 2 == 0)
+    assert_same(ref, engine.generate(prompts, params, use_tqdm=False))
+    assert engine.stats.spec_decode_num_accepted_tokens > 0
+    engine.shutdown()

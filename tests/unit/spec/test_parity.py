@@ -11,8 +11,10 @@ from raylane.actors.engine import SamplingParams
 from tests.unit.spec.helpers import Tap, spec_engine
 
 K = 4
-NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}
-SUFFIX = {"method": "suffix", "num_speculative_tokens": K}
+# not adaptive: whether a draft pays depends on measured step times, and these tests count
+# drafts (the adaptive path has tests of its own, on given timings)
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "adaptive": False}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": K, "adaptive": False}
 LENGTHS = (9, 17, 30, 45)
 ATOL = 1e-4
 

@@ -1,0 +1,31 @@
+"""Speculative decoding on tensor-parallel Ray shards: drafts and verification at TP=2 (async
+scheduling on) give TP=1's output without speculation, greedy and seeded."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.ray.tp_helpers import build
+from tests.unit.async_helpers import assert_same, drive, greedy, prompts_for, seeded
+from tests.unit.spec.helpers import make_loopy_llama
+
+ATOL = 1e-4  # TP splits the matmul reductions: fp32 rounding differs, not the math
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+
+
+@pytest.mark.timeout(300)
+def test_tp2_speculation_matches_tp1_without(ray_cluster, tmp_path):
+    model = make_loopy_llama(tmp_path / "loopy")
+    tp1 = build(model, async_scheduling=False)
+    tp2 = build(model, tensor_parallel_size=2, async_scheduling=True, speculative_config=SPEC)
+    try:
+        ps = prompts_for(tp1.validator.vocab_size, (9, 17, 30, 45))
+        arrivals = {
+            0: [("g0", ps[0], greedy(40)), ("s0", ps[1], seeded(5, 24))],
+            3: [("g1", ps[2], greedy(40)), ("s1", ps[3], seeded(6, 20, n=2))],
+        }
+        assert_same(drive(tp2, arrivals), drive(tp1, arrivals), ATOL)
+        assert tp2.stats.spec_decode_num_accepted_tokens > 0
+    finally:
+        tp1.shutdown()
+        tp2.shutdown()
