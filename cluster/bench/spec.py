@@ -157,8 +157,8 @@ def measure(engines, name: str, batch: int, prompts, params, repeats: int) -> li
             if method not in best or cell.tok_s > best[method].tok_s:
                 best[method] = cell
     reference = next(iter(outputs.values()))
-    for method, tokens in outputs.items():
-        if tokens != reference:
+    for method, token_ids in outputs.items():
+        if token_ids != reference:
             raise RuntimeError(f"{method} changed the output of workload {name} at batch {batch}")
     return list(best.values())
 
