@@ -1,7 +1,8 @@
-"""A trainer process for the collective weight-transfer tests: rank 0 of a gloo group built the
-way SGLang's trainers build it (`init_custom_process_group`: a TCPStore rendezvous at
-tcp://host:port, the keys under the group name, torch's own process-group helper), then the
-peer's broadcasts of HF-named tensors read from a safetensors file, in order.
+"""A trainer process for the collective weight-transfer tests (`Trainer` starts one): rank 0
+of a gloo group built the way SGLang's trainers build it (`init_custom_process_group`: a
+TCPStore rendezvous at tcp://host:port, the keys under the group name, torch's own
+process-group helper), then the peer's broadcasts of HF-named tensors read from a
+safetensors file, in order.
 
     python tests/weight_trainer.py '{"port", "world_size", "group", "file", "names",
                                      "packed", "buffer", "stop_after"}'
@@ -16,6 +17,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
+import subprocess
 import sys
 
 import torch
@@ -27,6 +30,54 @@ from torch.distributed.distributed_c10d import (
     _world,
     rendezvous,
 )
+
+GROUP = "weight_update_group"
+
+
+def trainer_specs(model_dir: str) -> list[dict]:
+    """The specs of a model's tensors as a trainer announces them (its file's order)."""
+    from safetensors import safe_open
+
+    with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
+        return [
+            {"name": n, "shape": list(f.get_slice(n).get_shape()), "dtype": "float32"}
+            for n in f.keys()  # noqa: SIM118
+        ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Trainer:
+    """Rank 0 in its own process; `send()` makes it broadcast the update once."""
+
+    def __init__(self, v1_dir: str, specs: list[dict], world_size: int = 2, **plan) -> None:
+        self.port = free_port()
+        self.world_size = world_size
+        plan = {"port": self.port, "world_size": world_size, "group": GROUP, **plan}
+        plan.update(file=f"{v1_dir}/model.safetensors", names=[s["name"] for s in specs])
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, json.dumps(plan)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def info(self) -> dict:
+        where = {"master_address": "127.0.0.1", "master_port": self.port, "rank_offset": 1}
+        return {**where, "world_size": self.world_size, "group_name": GROUP, "backend": "gloo"}
+
+    def send(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def join(port: int, world_size: int, group: str):

@@ -7,69 +7,22 @@ weights and version everywhere."""
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from raylane.actors.engine import EngineConfig, SamplingParams
 from raylane.actors.engine.async_engine import AsyncLLMEngine
 from raylane.router.errors import ReplicasFailed
 from raylane.session_server.backend import LocalBackend
-from safetensors import safe_open
 
 from tests.hf_reference import hf_greedy, perturbed_model
-
-TRAINER = Path(__file__).resolve().parents[1] / "weight_trainer.py"
-GROUP = "weight_update_group"
+from tests.weight_trainer import GROUP, Trainer, trainer_specs
 
 
 @pytest.fixture(scope="module")
 def v1(tiny_llama_dir, tmp_path_factory) -> tuple[str, list[dict]]:
     """The new weights' directory, and their specs as a trainer announces them (file order)."""
     out, _ = perturbed_model(tiny_llama_dir, str(tmp_path_factory.mktemp("v1")), 7)
-    with safe_open(f"{out}/model.safetensors", "pt") as f:
-        specs = [
-            {"name": n, "shape": list(f.get_slice(n).get_shape()), "dtype": "float32"}
-            for n in f.keys()  # noqa: SIM118
-        ]
-    return out, specs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Trainer:
-    """Rank 0 in its own process; `send()` makes it broadcast the update once."""
-
-    def __init__(self, v1_dir: str, specs: list[dict], **plan) -> None:
-        self.port = free_port()
-        plan = {"port": self.port, "world_size": 2, "group": GROUP, **plan}
-        plan.update(file=f"{v1_dir}/model.safetensors", names=[s["name"] for s in specs])
-        self.proc = subprocess.Popen(
-            [sys.executable, str(TRAINER), json.dumps(plan)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-    def info(self, **extra) -> dict:
-        return {"master_address": "127.0.0.1", "master_port": self.port, "rank_offset": 1,
-                "world_size": 2, "group_name": GROUP, "backend": "gloo", **extra}  # fmt: skip
-
-    def send(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+    return out, trainer_specs(out)
 
 
 def prompts() -> list[list[int]]:
@@ -112,25 +65,6 @@ def with_backend(model_dir: str, test) -> None:
             await backend.engine.shutdown()
 
     asyncio.run(go())
-
-
-@pytest.mark.parametrize("packing", [None, {"packed": True, "buffer_bytes": 3000}])
-def test_broadcast_update_equals_hf_on_the_new_weights(tiny_llama_dir, v1, packing):
-    v1_dir, specs = v1
-
-    async def test(backend):
-        trainer = Trainer(v1_dir, specs, packed=bool(packing), buffer=3000)
-        try:
-            joined = await backend.control.init_weight_group(trainer.info())
-            assert joined == {"group_name": GROUP, "ranks": {"local": 1}, "world_size": 2}
-            assert await update(backend, trainer, specs, packing) == 1
-        finally:
-            trainer.close()
-        got = await outputs(backend)
-        assert [ids for ids, _ in got] == [hf_greedy(v1_dir, p, 6)[0] for p in prompts()]
-        assert all(versions == {1} for _, versions in got)
-
-    with_backend(tiny_llama_dir, test)
 
 
 def test_a_mismatch_changes_nothing_and_a_broken_update_rolls_back(tiny_llama_dir, v1):
@@ -211,8 +145,11 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
             weight_info = (await http.get("/weight_info")).json()
             assert weight_info["weight_version"] == "1"
             assert (await http.get("/get_weight_version")).json()["weight_version"] == "1"
+            got = await outputs(backend)
+            assert [ids for ids, _ in got] == [hf_greedy(v1_dir, p, 6)[0] for p in prompts()]
+            assert all(versions == {1} for _, versions in got)
 
-            trainer = Trainer(v1_dir, specs)  # SGLang: the same weights again, as version 2
+            trainer = Trainer(tiny_llama_dir, specs)  # SGLang: back to the first weights, as v2
             try:
                 await http.post("/pause_generation", json={"mode": "abort"})
                 r = await http.post("/init_weights_update_group", json=trainer.info())
@@ -228,6 +165,7 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
                 trainer.close()
             assert (await http.get("/get_weight_version")).json()["weight_version"] == "2"
         got = await outputs(backend)
-        assert [ids for ids, _ in got] == [hf_greedy(v1_dir, p, 6)[0] for p in prompts()]
+        assert [ids for ids, _ in got] == [hf_greedy(tiny_llama_dir, p, 6)[0] for p in prompts()]
+        assert all(versions == {2} for _, versions in got)
 
     with_backend(tiny_llama_dir, test)
