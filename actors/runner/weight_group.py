@@ -74,12 +74,12 @@ class GlooGroup:
         from torch.distributed.distributed_c10d import Backend, BackendConfig
 
         self.rank = rank
-        # a client of the trainer's store; world_size so the trainer's wait for workers counts us
+        # rank 0 (a trainer) hosts the store; the others join it, counted by world_size
         self._store = TCPStore(
             info.master_address,
             info.master_port,
             info.world_size,
-            False,
+            rank == 0,
             timeout,
         )
         group_store = PrefixStore(f"{info.group_name}/", PrefixStore(info.group_name, self._store))
@@ -93,6 +93,7 @@ class GlooGroup:
         )
 
     def broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0 sends `tensor`; every other rank receives into its own."""
         from torch.distributed import BroadcastOptions
 
         opts = BroadcastOptions()

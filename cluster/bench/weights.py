@@ -95,9 +95,26 @@ def run(args: argparse.Namespace) -> int:
                 ("HTTP", lambda: http_client(url)),
             )
         ]
+        # last: its commits take the versions after the ones above
+        rows += collective_rows(url, model_dir, args.replicas + 1, bucket, args.repeats)
     print_table(rows, pauses, nbytes, len(named), args, torch.get_num_threads())
     print_cache_table([measure(policy) for policy in POLICIES])
     return 0
+
+
+def collective_rows(url: str, model_dir: str, world_size: int, bucket: int, repeats: int) -> list:
+    """A trainer process broadcasting over gloo (vLLM's packed chunks of `bucket` bytes): into
+    the cluster through vLLM's routes (receive, load, commit), and the raw floor into bare
+    receivers, same world size."""
+    from raylane.bench.serve_targets import free_port
+    from raylane.bench.weights_collective import time_collective, time_raw
+
+    packing = {"packed": True, "buffer": bucket}
+    raw = Row(
+        "raw gloo broadcast (ref.)", time_raw(model_dir, world_size, repeats, packing, free_port())
+    )
+    seconds = time_collective(url, ADMIN_KEY, model_dir, world_size, repeats, packing, free_port())
+    return [raw, Row("collective (gloo, vLLM routes)", seconds)]
 
 
 def load_named(model_dir: str) -> list:
@@ -183,6 +200,7 @@ class serving:
             replicas=args.replicas,
             torch_threads=args.torch_threads,
             admin_api_key=ADMIN_KEY,
+            trainer_api=True,
             engine={"dtype": "float32", "max_num_seqs": max(32, args.in_flight)},
         )
 
@@ -267,6 +285,10 @@ async def decoding(url: str, num: int, timeout_s: float = 300.0) -> None:
     raise TimeoutError(f"{num} requests were not all decoding within {timeout_s:.0f} s")
 
 
+def _row(rows: list[Row], prefix: str) -> Row:
+    return next(r for r in rows if r.name.startswith(prefix))
+
+
 def _metric(text: str, name: str) -> float:
     """The sum of a Prometheus family's samples (counters by their _total sample)."""
     names = (name, name + "_total")
@@ -299,17 +321,23 @@ def print_table(
         f"buckets, {args.replicas} replica(s), best of {args.repeats}; driver torch threads "
         f"{threads}"
     )
-    print(f"| {'path':<28} | {'seconds':>8} | {'median s':>8} | {'GB/s':>6} | {'vs copy':>7} |")
-    print(f"|{'-' * 30}|{'-' * 10}|{'-' * 10}|{'-' * 8}|{'-' * 9}|")
+    print(f"| {'path':<30} | {'seconds':>8} | {'median s':>8} | {'GB/s':>6} | {'vs copy':>7} |")
+    print(f"|{'-' * 32}|{'-' * 10}|{'-' * 10}|{'-' * 8}|{'-' * 9}|")
     for row in rows:
         gbs = nbytes / row.best / 1e9
         print(
-            f"| {row.name:<28} | {row.best:>8.3f} | {statistics.median(row.seconds):>8.3f} | "
+            f"| {row.name:<30} | {row.best:>8.3f} | {statistics.median(row.seconds):>8.3f} | "
             f"{gbs:>6.2f} | {100 * gbs / copy_gbs:>6.0f}% |"
         )
     clone_gbs = nbytes / rows[1].best / 1e9
-    cluster_gbs = nbytes / rows[-1].best / 1e9
-    put_gbs = nbytes / next(r for r in rows if r.name.startswith("object store")).best / 1e9
+    cluster_gbs = nbytes / _row(rows, "in-cluster").best / 1e9
+    raw_gbs = nbytes / _row(rows, "raw gloo").best / 1e9
+    collective_gbs = nbytes / _row(rows, "collective").best / 1e9
+    put_gbs = nbytes / _row(rows, "object store").best / 1e9
+    print(
+        f"collective update (receive, load, commit): {100 * collective_gbs / raw_gbs:.0f}% of "
+        "the raw gloo broadcast of the same bytes (target >= 50%)"
+    )
     print(
         f"in-cluster update: {100 * cluster_gbs / copy_gbs:.0f}% of the preallocated copy "
         f"(target >= 50%), {100 * cluster_gbs / clone_gbs:.0f}% of the fresh-memory copy, "
