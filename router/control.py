@@ -22,24 +22,22 @@ those behind included: an update with every weight brings them back.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from raylane.actors.models.weights import TensorSpec
-from raylane.actors.runner.weight_group import GroupInfo
 from raylane.router.control_parts import (
     ReplicaCalls,
     ReplicaTable,
     Update,
-    all_or_none,
     check_version,
     commit_version,
     manifest,
 )
 from raylane.router.errors import ControlConflict, ReplicasFailed, UpdateNotFound
+from raylane.router.weight_groups import WeightGroups
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +45,7 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep", "retract")
 
 
-class ControlPlane:
+class ControlPlane(WeightGroups):
     def __init__(self, table: ReplicaTable, calls: ReplicaCalls) -> None:
         self.table = table
         self.calls = calls
@@ -204,107 +202,6 @@ class ControlPlane:
                 param="update_id",
             )
         return self._update
-
-    # --- the trainer's collective group: its receives are loads of the open update ----------
-
-    async def init_weight_group(self, info: dict[str, Any]) -> dict[str, Any]:
-        """Every rank of every healthy replica joins the trainer's group (`GroupInfo`'s
-        fields), replica i's ranks after replica i-1's, from `rank_offset`; `world_size` must
-        count them exactly. All join or none stays in. Returns the group's ranks."""
-        group = GroupInfo(**info) if isinstance(info, dict) else None
-        if group is None:
-            raise ValueError("init_info: give {master_address, master_port, rank_offset, ...}")
-        async with self._lock:
-            ids = self._reachable()
-            counts = await all_or_none(ids, self.calls.weight_ranks)
-            bases = dict(zip(ids, itertools.accumulate([0, *counts.values()])))
-            total = sum(counts.values())
-            if group.world_size != group.rank_offset + total:
-                raise ValueError(
-                    f"world_size: {group.world_size} != rank_offset {group.rank_offset} + "
-                    f"the {total} inference ranks ({len(ids)} replicas)"
-                )
-            self._groups.pop(group.group_name, None)
-            rank_of = {rid: group.rank_offset + bases[rid] for rid in ids}
-            try:
-                await all_or_none(
-                    ids, lambda rid: self.calls.join_weight_group(rid, info, rank_of[rid])
-                )
-            except BaseException:
-                await self._leave(ids, group.group_name)
-                raise
-            self._groups[group.group_name] = ids
-            return {
-                "group_name": group.group_name,
-                "ranks": rank_of,
-                "world_size": group.world_size,
-            }
-
-    async def receive_weights(
-        self,
-        update_id: str | None,
-        group_name: str,
-        spec_dicts: list[dict],
-        packing: dict[str, Any] | None = None,
-    ) -> int:
-        """Receive tensors the trainer broadcasts over `group_name` into every replica of the
-        update (None: the open one). Every rank checks them first: a `ValueError` changes no
-        weight and leaves the update open, but the group is left (the trainer's broadcast
-        for it fails at once instead of hanging; init it again). A failure while receiving
-        rolls the whole update back on every replica and leaves the group."""
-        dicts = [s.to_dict() for s in manifest(spec_dicts)]
-        async with self._lock:
-            update = self._open(update_id)
-            members = self._groups.get(group_name)
-            if members is None:
-                raise ValueError(f"group_name: no weight update group {group_name!r}; init one")
-            if sorted(members) != sorted(update.replica_ids):
-                raise ControlConflict("the group's replicas are not the update's: init it again")
-            try:
-                await all_or_none(members, lambda rid: self.calls.check_weight_receive(rid, dicts))
-            except BaseException:
-                await self._leave(members, group_name)
-                raise
-            try:
-                await all_or_none(
-                    members,
-                    lambda rid: self.calls.receive_weights(rid, group_name, dicts, packing or {}),
-                )
-            except BaseException as e:
-                await self._abort_update(update, group_name)
-                raise ReplicasFailed(
-                    f"receiving over {group_name!r} failed, so the update was rolled back on "
-                    f"every replica and the group left (init it again): {e}"
-                ) from e
-            update.loaded += len(dicts)
-            return len(dicts)
-
-    async def destroy_weight_group(self, group_name: str | None = None) -> None:
-        """Every replica leaves the group (None: every group)."""
-        async with self._lock:
-            names = list(self._groups) if group_name is None else [group_name]
-            for name in names:
-                members = self._groups.pop(name, None)
-                if members is not None:
-                    await self._leave(members, name)
-
-    async def _abort_update(self, update: Update, group_name: str) -> None:
-        await asyncio.gather(
-            *(self.calls.abort_weight_update(rid) for rid in update.replica_ids),
-            return_exceptions=True,
-        )
-        await self._leave(update.replica_ids, group_name)
-        self._update = None
-        if update.paused_here:
-            await self._resume_after_commit()
-
-    async def _leave(self, ids: list[str], group_name: str) -> None:
-        """Best effort: a replica that cannot answer is not in any group any more either."""
-        self._groups.pop(group_name, None)
-        await asyncio.gather(
-            *(self.calls.leave_weight_group(rid, group_name) for rid in ids),
-            return_exceptions=True,
-        )
 
     # --- requests and the cache ---------------------------------------------------------------
 

@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             for _ in tqdm(range(args.repeats), desc=name):
                 row.seconds.append(asyncio.run(timed_update(make, named, next(versions), bucket)))
             rows.append(row)
+        rows += collective_rows(url, model_dir, args.replicas + 1, bucket, args.repeats, versions)
         pauses = [
             asyncio.run(
                 pause_update_resume(make, url, named, next(versions), bucket, args.in_flight, name)
@@ -95,14 +96,14 @@ def run(args: argparse.Namespace) -> int:
                 ("HTTP", lambda: http_client(url)),
             )
         ]
-        # last: its commits take the versions after the ones above
-        rows += collective_rows(url, model_dir, args.replicas + 1, bucket, args.repeats)
     print_table(rows, pauses, nbytes, len(named), args, torch.get_num_threads())
     print_cache_table([measure(policy) for policy in POLICIES])
     return 0
 
 
-def collective_rows(url: str, model_dir: str, world_size: int, bucket: int, repeats: int) -> list:
+def collective_rows(
+    url: str, model_dir: str, world_size: int, bucket: int, repeats: int, versions
+) -> list:
     """A trainer process broadcasting over gloo (vLLM's packed chunks of `bucket` bytes): into
     the cluster through vLLM's routes (receive, load, commit), and the raw floor into bare
     receivers, same world size."""
@@ -113,7 +114,9 @@ def collective_rows(url: str, model_dir: str, world_size: int, bucket: int, repe
     raw = Row(
         "raw gloo broadcast (ref.)", time_raw(model_dir, world_size, repeats, packing, free_port())
     )
-    seconds = time_collective(url, ADMIN_KEY, model_dir, world_size, repeats, packing, free_port())
+    seconds = time_collective(
+        url, ADMIN_KEY, model_dir, world_size, repeats, packing, free_port(), versions
+    )
     return [raw, Row("collective (gloo, vLLM routes)", seconds)]
 
 

@@ -68,6 +68,7 @@ def time_collective(
     repeats: int,
     packing: dict,
     port: int,
+    versions,
 ) -> list:
     """Seconds per update over vLLM's routes: pause(keep), start, update_weights while the
     trainer broadcasts, finish (the commit), resume; timed from the trainer's go to finish."""
@@ -92,7 +93,8 @@ def time_collective(
                 start = time.perf_counter()
                 trainer.go()
                 _ok(http.post("/update_weights", json={"update_info": update}))
-                _ok(http.post("/finish_weight_update", json={}))
+                version = str(next(versions))
+                _ok(http.post("/finish_weight_update", json={"weight_version": version}))
                 seconds.append(time.perf_counter() - start)
                 trainer.expect("done")
                 _ok(http.post("/resume"))
