@@ -58,6 +58,7 @@ class RayExecutor:
         self._serving: list | None = None  # the shards' serve_steps calls, while they run
         self._collector = ThreadPoolExecutor(1, thread_name_prefix="raylane-step-collector")
         self._last: Future | None = None  # the newest step submitted
+        self._rpcs = 0  # collective_rpc calls in flight (on another thread: a weight receive)
         self.placement: ShardPlacement | None = place_shards(bundle, self.world_size)
         self.shards = self._spawn(config, bundle)
         self.info = self._start()
@@ -155,7 +156,11 @@ class RayExecutor:
         self._raise_if_down()
         self._quiesce()
         self._release_channel()
-        return self._gather([s.rpc.remote(method, *args, **kwargs) for s in self.shards])
+        self._rpcs += 1  # a long one (a weight receive) must not read as a dead shard
+        try:
+            return self._gather([s.rpc.remote(method, *args, **kwargs) for s in self.shards])
+        finally:
+            self._rpcs -= 1
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         import ray
@@ -174,8 +179,8 @@ class RayExecutor:
         (a shard that died while idle is seen here, not only by the next step). A ping is
         answered on the shard's Ray thread, beside a step running on its channel thread."""
         self._raise_if_down()
-        if not ping or (self._last is not None and not self._last.done()):
-            return  # a step in flight reports a dead shard itself
+        if not ping or self._rpcs or (self._last is not None and not self._last.done()):
+            return  # a step or call in flight reports a dead shard itself
         if self._serving is not None:  # the shards take no Ray call while serving steps
             self._on_channel(self._channels().command, "ping")
         else:
