@@ -9,7 +9,7 @@ import asyncio
 import itertools
 from typing import Any
 
-from raylane.actors.runner.weight_group import GroupInfo
+from raylane.actors.runner.group_info import GroupInfo
 from raylane.router.control_parts import ReplicaCalls, Update, all_or_none, manifest
 from raylane.router.errors import ControlConflict, ReplicasFailed
 

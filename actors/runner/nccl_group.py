@@ -20,7 +20,7 @@ import pickle
 from typing import Any
 
 import torch
-from raylane.actors.runner.weight_group import GROUP_TIMEOUT, GroupInfo
+from raylane.actors.runner.group_info import GROUP_TIMEOUT, GroupInfo
 
 _NCCL_TYPES = {
     torch.uint8: 1,

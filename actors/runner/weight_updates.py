@@ -32,7 +32,8 @@ from raylane.actors.models.weights import (
     nbytes,
     torch_dtype,
 )
-from raylane.actors.runner.weight_group import GroupInfo, WeightGroup, join_group
+from raylane.actors.runner.group_info import GroupInfo
+from raylane.actors.runner.weight_group import WeightGroup, join_group
 
 
 class RunnerWeights:

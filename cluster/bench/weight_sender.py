@@ -17,7 +17,16 @@ import os
 import sys
 import time
 
-GROUP = "weight_update_group"
+GROUP = "weight_update_group"  # the default name
+
+
+def load_named(model_dir: str) -> list:
+    """The checkpoint's tensors in HF names, float32 (what a trainer would send)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(n, p.detach()) for n, p in model.named_parameters()]
 
 
 def chunks(tensors: list, packed: bool, buffer: int) -> list:
@@ -39,8 +48,8 @@ def chunks(tensors: list, packed: bool, buffer: int) -> list:
 
 def main() -> None:
     import torch
-    from raylane.actors.runner.weight_group import GlooGroup, GroupInfo
-    from raylane.bench.weights import load_named
+    from raylane.actors.runner.group_info import GroupInfo
+    from raylane.actors.runner.weight_group import GlooGroup
 
     plan = json.loads(sys.argv[1])
     torch.set_num_threads(1)

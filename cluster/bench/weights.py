@@ -63,6 +63,7 @@ class PauseRun:
 def run(args: argparse.Namespace) -> int:
     import torch
     from raylane.bench.cache_versions import POLICIES, measure, print_cache_table
+    from raylane.bench.weight_sender import load_named
     from raylane.models import resolve_model
     from tqdm import tqdm
 
@@ -118,15 +119,6 @@ def collective_rows(
         url, ADMIN_KEY, model_dir, world_size, repeats, packing, free_port(), versions
     )
     return [raw, Row("collective (gloo, vLLM routes)", seconds)]
-
-
-def load_named(model_dir: str) -> list:
-    """The checkpoint's tensors in HF names, float32 (what a trainer would send)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return [(n, p.detach()) for n, p in model.named_parameters()]
 
 
 def time_copy(named: list, repeats: int) -> Row:

@@ -104,7 +104,7 @@ def time_collective(
 
 
 def _update_info(model_dir: str, packing: dict) -> dict:
-    from raylane.bench.weights import load_named
+    from raylane.bench.weight_sender import load_named
 
     named = load_named(model_dir)
     return {
