@@ -99,3 +99,11 @@ def tiny_dsa_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.tiny_models import make_deepseek_v32
 
     return make_deepseek_v32(tmp_path_factory.mktemp("tiny_dsa"))
+
+
+@pytest.fixture(scope="session")
+def tiny_glm5_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """GLM-5 (GlmMoeDsa, shared indexer layers), see tests/tiny_models.make_glm_moe_dsa."""
+    from tests.tiny_models import make_glm_moe_dsa
+
+    return make_glm_moe_dsa(tmp_path_factory.mktemp("tiny_glm5"))

@@ -274,6 +274,37 @@ def make_deepseek_v32(path: str | os.PathLike, seed: int = 0, **overrides: Any) 
     return path
 
 
+def make_glm_moe_dsa(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """GLM-5 (GlmMoeDsa): make_deepseek_v32's shape, 4 layers whose indexers are full,
+    shared, full, shared (`indexer_types`): the shared ones reuse the layer before's picks."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    defaults = {
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "index_n_heads": 8,
+        "index_head_dim": 16,
+        "index_topk": 12,
+        "indexer_types": ["full", "shared", "full", "shared"],
+    }
+    path = _save(path, GlmMoeDsaConfig, GlmMoeDsaForCausalLM, seed, overrides, **defaults)
+    _randomize_router_bias(path, seed)
+    return path
+
+
 def make_glm4_moe(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
     """GLM-4.5-style MoE, 3 layers: layer 0 dense, 1 and 2 MoE (8 experts, 2 groups, top-2,
     one shared expert) under GQA attention with q/k/v bias, q/k norm and RoPE on half of each

@@ -2,8 +2,11 @@
 
 `indexer_topk()` after a forward gives each token's selection per layer, [T, num_dsa_layers,
 index_topk] int32 (ascending positions, -1 padded), which the runner records per KV slot
-for `CompletionOutput.indexer_topk`. transformers' GLM-5 (`GlmMoeDsaForCausalLM`) shares one
-layer's selection across the next ("shared" indexer layers); it is not served yet.
+for `CompletionOutput.indexer_topk`.
+
+GLM-5 (`GlmMoeDsaForCausalLM`): the same, with an interleaved-rope indexer, and layers whose
+`indexer_types` entry is "shared" reuse the last "full" layer's selection (no indexer, no
+indexer key cache); their rows in `indexer_topk` repeat that layer's.
 """
 
 from __future__ import annotations
@@ -26,8 +29,22 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         self.num_dsa_layers = config.num_hidden_layers
         self.index_topk = config.index_topk
 
+    def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int):
+        self._building = layer_idx  # make_attention reads it (layers are built in order)
+        return super().make_layer(config, spec, layer_idx)
+
     def make_attention(self, config: Any, spec: AttentionSpec) -> nn.Module:
-        return DSAttention(config, self.index_interleaved, self.tp)
+        kinds = getattr(config, "indexer_types", None)
+        i = getattr(self, "_building", 0)
+        shared = kinds is not None and i < len(kinds) and kinds[i] == "shared"
+        # the last "full" layer, in a list: an nn.Module attribute would register it twice
+        fulls: list[DSAttention] = self.__dict__.setdefault("_fulls", [])
+        if shared and not fulls:
+            raise ValueError("indexer_types: a 'shared' layer needs a 'full' layer before it")
+        attn = DSAttention(config, self.index_interleaved, self.tp, fulls[-1] if shared else None)
+        if not shared:
+            fulls.append(attn)
+        return attn
 
     def indexer_topk(self) -> torch.Tensor:
         """The last forward's selections: [T, num_dsa_layers, index_topk] int32."""
@@ -38,3 +55,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         attn = self.model.layers[i].self_attn
         assert isinstance(attn, DSAttention)
         return attn
+
+
+class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
+    index_interleaved = True  # GLM-5's indexer rotates interleaved pairs, as its MLA does

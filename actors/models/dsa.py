@@ -29,16 +29,26 @@ class SparseLatentAttention(LatentAttention):
 
     kind = "dsa"
 
-    def __init__(self, num_heads: int, spec: MLASpec, index_head_dim: int, index_topk: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        spec: MLASpec,
+        index_head_dim: int,
+        index_topk: int,
+        has_indexer: bool = True,
+    ) -> None:
         super().__init__(num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.scale)
         self.index_head_dim, self.index_topk = index_head_dim, index_topk
+        self.has_indexer = has_indexer  # False: GLM-5's "shared" layers keep no indexer keys
         self.index_cache: torch.Tensor | None = None
 
     def cache_shapes(self) -> list[tuple[int, ...]]:
-        return [(1, self.head_dim), (1, self.index_head_dim)]
+        keys = [(1, self.index_head_dim)] if self.has_indexer else []
+        return [(1, self.head_dim), *keys]
 
     def attach_cache(self, tensors: list[torch.Tensor]) -> None:
-        latent, self.index_cache = tensors
+        latent, *keys = tensors
+        self.index_cache = keys[0] if keys else None
         super().attach_cache([latent])
 
     def forward(  # type: ignore[override]
@@ -50,15 +60,23 @@ class SparseLatentAttention(LatentAttention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, L + R], latent [T, 1, L + R]; index = (indexer queries [T, nh, D], keys
         [T, 1, D], head weights [T, nh] float32) -> (out [T, H, L], chosen [T, topk])."""
-        if self.k_cache is None or self.index_cache is None:
-            raise RuntimeError("SparseLatentAttention's caches are not attached")
+        if self.index_cache is None:
+            raise RuntimeError("SparseLatentAttention's indexer cache is not attached")
         index_q, index_k, weights = index
-        self.k_cache.index_copy_(0, attn.slot_mapping, latent)
         self.index_cache.index_copy_(0, attn.slot_mapping, index_k)
         scale = self.index_head_dim**-0.5
         chosen = select_topk(index_q, weights, self.index_cache, attn, self.index_topk, scale)
-        out = sparse_latent_attention(q, self.k_cache, self.kv_lora_rank, chosen, attn, self.scale)
-        return out, chosen
+        return self.attend_chosen(q, latent, chosen, attn), chosen
+
+    def attend_chosen(
+        self, q: torch.Tensor, latent: torch.Tensor, chosen: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        """Store the step's latent rows, then attend the `chosen` [T, topk] positions only."""
+        if self.k_cache is None:
+            raise RuntimeError("SparseLatentAttention's latent cache is not attached")
+        self.k_cache.index_copy_(0, attn.slot_mapping, latent)
+        cache, rank = self.k_cache, self.kv_lora_rank
+        return sparse_latent_attention(q, cache, rank, chosen, attn, self.scale)
 
 
 class Indexer(nn.Module):
@@ -91,16 +109,28 @@ class Indexer(nn.Module):
 
 
 class DSAttention(MLAttention):
-    """MLA with the indexer; `indexer_topk` holds the last step's selection [T, topk]."""
+    """MLA with the indexer; `indexer_topk` holds the last step's selection [T, topk].
 
-    def __init__(self, config: Any, index_interleaved: bool, tp: TPGroup | None = None) -> None:
+    `shared_from`: a GLM-5 "shared" layer has no indexer and attends the positions the given
+    earlier layer picked in the same forward (layers run in order)."""
+
+    def __init__(
+        self,
+        config: Any,
+        index_interleaved: bool,
+        tp: TPGroup | None = None,
+        shared_from: DSAttention | None = None,
+    ) -> None:
         if config.q_lora_rank is None:
             raise ValueError("q_lora_rank: DSA's indexer reads the low-rank query; it is None")
         spec = MLASpec.from_config(config)
         super().__init__(spec, tp)
-        self.indexer = Indexer(config, index_interleaved, tp)
+        self.indexer: Indexer | None = (
+            None if shared_from else Indexer(config, index_interleaved, tp)
+        )
+        self.shared_from = [shared_from] if shared_from else []  # a list: not a submodule
         self.attn = SparseLatentAttention(
-            self.num_heads, spec, config.index_head_dim, config.index_topk
+            self.num_heads, spec, config.index_head_dim, config.index_topk, shared_from is None
         )
         self.indexer_topk: torch.Tensor | None = None
 
@@ -109,7 +139,13 @@ class DSAttention(MLAttention):
     ) -> torch.Tensor:
         query, row, q_resid = self.project(hidden, cos, sin)
         assert q_resid is not None  # checked in __init__
-        out, self.indexer_topk = self.attn(
-            query, row, self.indexer(hidden, q_resid, cos, sin), attn
-        )
+        sparse = self.attn
+        assert isinstance(sparse, SparseLatentAttention)  # set in __init__
+        if self.indexer is None:
+            chosen = self.shared_from[0].indexer_topk
+            assert chosen is not None  # the source layer ran earlier in this forward
+            self.indexer_topk = chosen
+            return self.output(sparse.attend_chosen(query, row, chosen, attn))
+        index = self.indexer(hidden, q_resid, cos, sin)
+        out, self.indexer_topk = sparse(query, row, index, attn)
         return self.output(out)

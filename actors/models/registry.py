@@ -15,6 +15,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("raylane.actors.models.deepseek_v3", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("raylane.actors.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("raylane.actors.models.deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("raylane.actors.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
     "Glm4MoeForCausalLM": ("raylane.actors.models.deepseek_v3", "Glm4MoeForCausalLM"),
     "Gemma3ForCausalLM": ("raylane.actors.models.gemma3", "Gemma3ForCausalLM"),
     "GptOssForCausalLM": ("raylane.actors.models.gpt_oss", "GptOssForCausalLM"),

@@ -95,3 +95,17 @@ def test_graph_replay_and_async_scheduling_equal_serial_eager(tiny_dsa_dir):
         # padded batch shapes change float32 rounding (seen: 1.6e-5), never the picks
         np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
         np.testing.assert_array_equal(x.indexer_topk, y.indexer_topk)
+
+
+def test_glm5_shared_indexer_layers_match_hf(tiny_glm5_dir):
+    """GLM-5: layers 1 and 3 reuse the picks of layers 0 and 2 (HF runs no indexer there)."""
+    engine = engine_for(tiny_glm5_dir, enable_return_indexer_topk=True)
+    prompts = prompts_for(engine.validator.vocab_size, seed=5, count=1)
+    outs = engine.generate(prompts, greedy(6, return_indexer_topk=True), use_tqdm=False)
+    assert_matches_hf(tiny_glm5_dir, prompts, outs, max_new=6)
+    for prompt, out in zip(prompts, outs):
+        got = out.outputs[0]
+        fed = prompt + got.token_ids[:-1]
+        ref = hf_indexer_topk(tiny_glm5_dir, fed)  # the two full layers
+        np.testing.assert_array_equal(got.indexer_topk[:, [0, 2]], ref)
+        np.testing.assert_array_equal(got.indexer_topk[:, [1, 3]], ref)
