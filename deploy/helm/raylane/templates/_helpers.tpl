@@ -143,7 +143,7 @@ Arguments: (list $ ENV_NAME .Values.feature.dsn "chart-secret-key" "feature.swit
 
 {{/* The arguments of raylane.serve:app_builder (ClusterConfig fields; no secrets here). */}}
 {{- define "raylane.serveArgs" -}}
-{{- $engine := dict "tensor_parallel_size" (int .Values.serving.tensorParallelSize) "max_num_seqs" (int .Values.serving.maxNumSeqs) "dtype" .Values.model.dtype "enable_prefix_caching" .Values.serving.enablePrefixCaching "enable_return_routed_experts" .Values.serving.enableReturnRoutedExperts "async_scheduling" .Values.serving.asyncScheduling -}}
+{{- $engine := dict "tensor_parallel_size" (int .Values.serving.tensorParallelSize) "max_num_seqs" (int .Values.serving.maxNumSeqs) "dtype" .Values.model.dtype "enable_prefix_caching" .Values.serving.enablePrefixCaching "enable_return_routed_experts" .Values.serving.enableReturnRoutedExperts "enable_return_indexer_topk" .Values.serving.enableReturnIndexerTopk "async_scheduling" .Values.serving.asyncScheduling -}}
 {{- if gt (int .Values.model.maxModelLen) 0 -}}
 {{- $_ := set $engine "max_model_len" (int .Values.model.maxModelLen) -}}
 {{- end -}}
