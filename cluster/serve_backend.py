@@ -124,6 +124,9 @@ class RouterControl:
     async def destroy_weight_group(self, group_name: str | None = None) -> None:
         await call_router(self.router.destroy_weight_group.remote(group_name))
 
+    async def abort_update(self, update_id: str | None = None) -> None:
+        await call_router(self.router.abort_update.remote(update_id))
+
     async def weight_version(self) -> int:
         return await call_router(self.router.weight_version.remote())
 

@@ -171,6 +171,9 @@ class Router:
     async def destroy_weight_group(self, group_name: str | None = None) -> None:
         await self.control.destroy_weight_group(group_name)
 
+    async def abort_update(self, update_id: str | None = None) -> None:
+        await self.control.abort_update(update_id)
+
     async def sleep(self, level: int) -> dict[str, Any]:
         return await self.control.sleep(level)
 

@@ -113,12 +113,20 @@ class WeightGroups:
                 if members is not None:
                     await self._leave(members, name)
 
-    async def _abort_update(self, update: Update, group_name: str) -> None:
+    async def abort_update(self, update_id: str | None = None) -> None:
+        """Drop the update (None: the open one, if any): every replica puts back the weights
+        it loaded and keeps its version; the cluster resumes if the update paused it."""
+        async with self._lock:
+            if self._update is not None and update_id in (None, self._update.update_id):
+                await self._abort_update(self._update, None)
+
+    async def _abort_update(self, update: Update, group_name: str | None) -> None:
         await asyncio.gather(
             *(self.calls.abort_weight_update(rid) for rid in update.replica_ids),
             return_exceptions=True,
         )
-        await self._leave(update.replica_ids, group_name)
+        if group_name is not None:
+            await self._leave(update.replica_ids, group_name)
         self._update = None
         if update.paused_here:
             await self._resume_after_commit()

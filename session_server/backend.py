@@ -112,6 +112,10 @@ class ControlBackend(Protocol):
 
     async def destroy_weight_group(self, group_name: str | None = None) -> None: ...
 
+    async def abort_update(self, update_id: str | None = None) -> None:
+        """Drop the update: old weights and version everywhere, resumed if it paused."""
+        ...
+
     async def weight_version(self) -> int: ...
 
     async def sleep(self, level: int) -> dict[str, Any]:

@@ -52,8 +52,13 @@ async def update_weights_from_distributed(body: UpdateBody, request: Request) ->
         else version_number(body.weight_version, "weight_version")
     )
     await ctl.begin_update(version, None)
-    await ctl.receive_weights(None, body.group_name, specs(body.names, body.dtypes, body.shapes))
-    await ctl.commit_update(None)  # the version key roots new prefix-cache chains anyway
+    try:
+        tensors = specs(body.names, body.dtypes, body.shapes)
+        await ctl.receive_weights(None, body.group_name, tensors)
+        await ctl.commit_update(None)  # the version key roots new prefix-cache chains anyway
+    except BaseException:
+        await ctl.abort_update()  # one call, one transaction: nothing of it stays open
+        raise
     return {"success": True, "message": "Succeeded to update parameter online."}
 
 

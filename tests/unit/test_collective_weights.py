@@ -164,6 +164,12 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
             finally:
                 trainer.close()
             assert (await http.get("/get_weight_version")).json()["weight_version"] == "2"
+            r = await http.post("/update_weights_from_distributed", json={  # no group any more
+                "names": names, "dtypes": meta["dtype_names"], "shapes": meta["shapes"],
+                "weight_version": "3"})  # fmt: skip
+            assert r.status_code == 400 and "group_name" in r.json()["error"]["message"]
+            assert (await http.get("/is_paused")).json() == {"is_paused": False}  # not left so
+            assert (await http.get("/get_weight_version")).json()["weight_version"] == "2"
         got = await outputs(backend)
         assert [ids for ids, _ in got] == [hf_greedy(tiny_llama_dir, p, 6)[0] for p in prompts()]
         assert all(versions == {2} for _, versions in got)
