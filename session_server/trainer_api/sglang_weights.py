@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
+from raylane.session_server.openapi import ok
 from raylane.session_server.trainer_api.common import control_of, version_number
 from raylane.session_server.trainer_api.vllm_weights import specs
 
@@ -37,13 +38,18 @@ class DestroyBody(BaseModel):
     group_name: str = "weight_update_group"
 
 
-@control.post("/init_weights_update_group")
+class Succeeded(BaseModel):
+    success: bool
+    message: str
+
+
+@control.post("/init_weights_update_group", response_model=None, responses=ok(Succeeded))
 async def init_weights_update_group(body: InitGroupBody, request: Request) -> dict:
     await control_of(request).init_weight_group(body.model_dump())
     return {"success": True, "message": "Succeeded to initialize custom process group."}
 
 
-@control.post("/update_weights_from_distributed")
+@control.post("/update_weights_from_distributed", response_model=None, responses=ok(Succeeded))
 async def update_weights_from_distributed(body: UpdateBody, request: Request) -> dict:
     ctl = control_of(request)
     version = (
@@ -62,7 +68,7 @@ async def update_weights_from_distributed(body: UpdateBody, request: Request) ->
     return {"success": True, "message": "Succeeded to update parameter online."}
 
 
-@control.post("/destroy_weights_update_group")
+@control.post("/destroy_weights_update_group", response_model=None, responses=ok(Succeeded))
 async def destroy_weights_update_group(request: Request, body: DestroyBody | None = None) -> dict:
     await control_of(request).destroy_weight_group(body.group_name if body else None)
     return {"success": True, "message": "Succeeded to destroy custom process group."}

@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
+from raylane.session_server.openapi import ok
 from raylane.session_server.trainer_api.common import control_of, version_number
 
 router = APIRouter(tags=["vLLM RL API"])
@@ -58,13 +59,17 @@ class FinishBody(BaseModel):
     weight_version: str | int | None = Field(default=None)
 
 
-@control.post("/init_weight_transfer_engine")
+class Done(BaseModel):
+    message: str
+
+
+@control.post("/init_weight_transfer_engine", response_model=None, responses=ok(Done))
 async def init_weight_transfer_engine(body: InitBody, request: Request) -> dict[str, Any]:
     await control_of(request).init_weight_group(body.init_info.model_dump())
     return {"message": "Weight transfer engine initialized"}
 
 
-@control.post("/start_weight_update")
+@control.post("/start_weight_update", response_model=None, responses=ok(Done))
 async def start_weight_update(request: Request, body: StartBody | None = None) -> dict:
     if body is not None and not body.is_checkpoint_format:
         raise ValueError("is_checkpoint_format: raylane takes Hugging Face checkpoint names only")
@@ -72,7 +77,7 @@ async def start_weight_update(request: Request, body: StartBody | None = None) -
     return {"message": "Weight update started"}
 
 
-@control.post("/update_weights")
+@control.post("/update_weights", response_model=None, responses=ok(Done))
 async def update_weights(body: UpdateBody, request: Request) -> dict:
     info = body.update_info
     packing = {"packed": info.packed, "buffer_bytes": info.packed_buffer_size_bytes}
@@ -82,7 +87,7 @@ async def update_weights(body: UpdateBody, request: Request) -> dict:
     return {"message": "Weights updated"}
 
 
-@control.post("/finish_weight_update")
+@control.post("/finish_weight_update", response_model=None, responses=ok(Done))
 async def finish_weight_update(request: Request, body: FinishBody | None = None) -> dict:
     given = body.weight_version if body is not None else None
     version = None if given is None else version_number(given, "weight_version")
