@@ -22,6 +22,10 @@ BENCHES = {
         "raylane.bench.spec",
         "speculative decoding: decode tok/s off vs ngram vs suffix, by workload and batch size",
     ),
+    "hybrid": (
+        "raylane.bench.hybrid",
+        "hybrid / windowed models: tok/s vs transformers; state memory per sequence",
+    ),
     "weights": (
         "raylane.bench.weights",
         "weight update GB/s over HTTP and in-cluster vs a copy; pause -> update -> resume latency",

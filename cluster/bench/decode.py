@@ -79,6 +79,41 @@ RANDOM_MODELS: dict[str, tuple[str, dict[str, object]]] = {
             "max_position_embeddings": 4096,
         },
     ),
+    # hybrid and windowed attention (`raylane bench hybrid`): Qwen3.5's 3:1 Gated DeltaNet /
+    # gated attention layers and gpt-oss's sliding / full layers with sinks and a top-4 MoE
+    "qwen3.5-tiny": (
+        "Qwen3_5TextConfig",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "linear_num_key_heads": 4,
+            "linear_num_value_heads": 8,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "vocab_size": 4096,
+            "max_position_embeddings": 4096,
+        },
+    ),
+    "gpt-oss-tiny": (
+        "GptOssConfig",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 256,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 4,
+            "sliding_window": 64,
+            "vocab_size": 4096,
+            "max_position_embeddings": 4096,
+        },
+    ),
 }
 # DeepSeek-V3.2: the same shape with sparse attention (an indexer choosing 64 positions)
 RANDOM_MODELS["deepseek-v32-tiny"] = (

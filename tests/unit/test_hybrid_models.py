@@ -37,3 +37,16 @@ def test_qwen3_5_preemption_under_tight_budget_matches_hf(tiny_qwen3_5_dir: str)
     outs = engine.generate(prompts, greedy(20), use_tqdm=False)
     assert engine.scheduler.num_preemptions > 0
     assert_matches_hf(tiny_qwen3_5_dir, prompts, outs, max_new=20)
+
+
+def test_layout_state_bytes_match_the_runner_pools(tiny_qwen3_5_dir: str) -> None:
+    """The config-derived layout (memory accounting) against the tensors the runner allocates."""
+    from raylane.actors.models.layer_layout import model_layout
+    from transformers import AutoConfig
+
+    engine = engine_for(tiny_qwen3_5_dir, max_num_seqs=4)
+    info = engine.runner_info
+    layout = model_layout(AutoConfig.from_pretrained(tiny_qwen3_5_dir), 4)  # float32
+    assert info.num_state_slots == 4
+    assert layout.state_bytes == info.state_bytes_per_seq > 0
+    assert layout.kinds == {"linear", "full"}
