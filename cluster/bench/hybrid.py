@@ -85,8 +85,10 @@ def print_throughput(name: str, batches: list[int], args: argparse.Namespace) ->
     for batch in batches:
         rng = random.Random(batch)
         prompts = [[rng.randrange(0, 4096) for _ in range(args.prompt_len)] for _ in range(batch)]
-        for label, gen in (("raylane", engine_timer(engine)), ("transformers", hf_timer(hf))):
-            gen(prompts[:1], 2)  # warm-up: first-call costs (weight packing, kernel builds)
+        systems = (("raylane", engine_timer(engine)), ("transformers", hf_timer(hf)))
+        for _, gen in systems:  # warm-up both before timing either (see docs/benchmarks.md)
+            gen(prompts[:1], 2)
+        for label, gen in systems:
             # best of `--repeats` pairs: the machine's other load only ever adds time
             t1 = min(gen(prompts, 1) for _ in range(args.repeats))
             tn = min(gen(prompts, args.output_len) for _ in range(args.repeats))
