@@ -9,7 +9,10 @@ from typing import Any
 
 GROUP_BACKENDS = ("gloo", "nccl")
 DEFAULT_GROUP_NAME = "weight_update_group"
-GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+GROUP_TIMEOUT = datetime.timedelta(seconds=300)  # a broadcast waits this long for the trainer
+# joining waits this long for the trainer's store and peers: the replica's event loop waits
+# with it (trainers start their side together with the init call, so it takes seconds)
+JOIN_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import pickle
 from typing import Any
 
 import torch
-from raylane.actors.runner.group_info import GROUP_TIMEOUT, GroupInfo
+from raylane.actors.runner.group_info import JOIN_TIMEOUT, GroupInfo
 
 _NCCL_TYPES = {
     torch.uint8: 1,
@@ -54,7 +54,7 @@ class NcclGroup:
         self.device = device
         self._lib = _load_nccl()
         store = TCPStore(
-            info.master_address, info.master_port, info.world_size, False, GROUP_TIMEOUT,
+            info.master_address, info.master_port, info.world_size, False, JOIN_TIMEOUT,
             use_libuv=False,
         )  # fmt: skip
         unique_id = read_unique_id(store.get("broadcast_from/0/0"))

@@ -19,7 +19,7 @@ import datetime
 import socket
 from typing import TYPE_CHECKING, Protocol
 
-from raylane.actors.runner.group_info import GROUP_TIMEOUT, GroupInfo
+from raylane.actors.runner.group_info import GROUP_TIMEOUT, JOIN_TIMEOUT, GroupInfo
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,7 @@ class GlooGroup:
             info.master_port,
             info.world_size,
             rank == 0,
-            timeout,
+            JOIN_TIMEOUT,
         )
         group_store = PrefixStore(f"{info.group_name}/", PrefixStore(info.group_name, self._store))
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
