@@ -5,6 +5,7 @@ tests/unit/test_dsa_engine.py checks against HF's indexers)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -59,6 +60,11 @@ def test_generate_and_completions_return_indexer_topk(dsa_url, dsa_ref):
         }
         choice = http.post("/v1/completions", json=body).json()["choices"][0]
         np.testing.assert_array_equal(decode(choice["indexer_topk"]), want)
+        streamed = http.post("/v1/completions", json={**body, "stream": True}).text
+        events = [json.loads(x[6:]) for x in streamed.splitlines() if x.startswith("data: {")]
+        blobs = [c["indexer_topk"] for e in events for c in e["choices"] if "indexer_topk" in c]
+        assert len(blobs) == 1  # once, on the choice's last chunk
+        np.testing.assert_array_equal(decode(blobs[0]), want)
 
 
 def test_rollout_client_returns_indexer_topk(dsa_url, dsa_ref):
