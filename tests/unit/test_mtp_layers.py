@@ -82,3 +82,29 @@ def test_checkpoint_without_mtp_weights_drops_the_layers(tiny_deepseek_dir):
     ours, config, _ = load_model(tiny_deepseek_dir, torch.float32, "cpu")
     assert config.num_nextn_predict_layers == 1  # the config names one; the checkpoint has none
     assert len(ours.mtp_layers) == 0 and len(ours.attention_layers()) == 3
+
+
+def test_weight_updates_reach_the_mtp_layers(with_mtp):
+    """A trainer's update under the checkpoint's names (`model.layers.{L}.*`) is checked by the
+    shape-only twin and lands in the MTP layer; the shared-head copy is skipped."""
+    from raylane.actors.models import load_weights
+    from raylane.actors.models.layers import TPGroup
+    from raylane.actors.models.loader import check_weights
+
+    path, main, _ = with_mtp
+    ours, config, _ = load_model(path, torch.float32, "cpu")
+    layers = config.num_hidden_layers
+    new = torch.full((config.hidden_size, 2 * config.hidden_size), 0.01)
+    head = torch.zeros(config.vocab_size, config.hidden_size)
+    update = [
+        (f"model.layers.{layers}.eh_proj.weight", new),
+        (f"model.layers.{layers}.shared_head.head.weight", head),
+    ]
+    specs = [(n, tuple(t.shape), torch.float32) for n, t in update]
+    check_weights(type(ours), config, TPGroup(), torch.float32, specs)
+    changed = load_weights(ours, update, partial=True)
+    assert changed == {"mtp_layers.0.eh_proj.weight"}
+    assert torch.equal(ours.mtp_layers[0].eh_proj.weight, new)
+    with pytest.raises(ValueError, match="shape"):
+        bad = [(f"model.layers.{layers}.eh_proj.weight", torch.zeros(3, 3))]
+        load_weights(ours, bad, partial=True)
