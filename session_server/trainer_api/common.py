@@ -3,13 +3,19 @@ layout, and weight versions as the peers spell them (strings; raylane's are inte
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import Request
+from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.session_server.admin_routes import control_of
 from raylane.session_server.backend import ControlBackend, ModelInfo
 from raylane.session_server.context import backend_of
 from raylane.session_server.errors import bad_request
 
 __all__ = ["control_of", "info_of", "world_size", "version_text", "version_number", "is_paused"]
+
+# what a peer's sampling fields may set directly (vLLM's names are raylane's)
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 
 
 def info_of(request: Request) -> ModelInfo:

@@ -4,13 +4,26 @@ vLLM's own API instead (`vllm_routes` and the OpenAI routes)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
-from raylane.session_server.context import backend_of
-from raylane.session_server.errors import APIError
+from pydantic import Field
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.session_server.context import backend_of, check_n, new_id, timeout_of
+from raylane.session_server.errors import APIError, bad_request
 from raylane.session_server.openapi import ok
+from raylane.session_server.prompts import encode, render_chat
 from raylane.session_server.response_schemas import _Out
-from raylane.session_server.trainer_api.common import control_of, info_of, world_size
-from raylane.session_server.trainer_api.schemas import WorldSize
+from raylane.session_server.sampling import resolve_max_tokens, structured_spec
+from raylane.session_server.schemas import ChatMessage, ChatTemplateFields
+from raylane.session_server.streaming import final_outputs, start
+from raylane.session_server.trainer_api.common import (
+    SAMPLING_FIELDS,
+    control_of,
+    info_of,
+    world_size,
+)
+from raylane.session_server.trainer_api.schemas import WorldSize, _Body
 
 router = APIRouter(tags=["TRL vllm-serve"])
 control = APIRouter(tags=["TRL vllm-serve"])
@@ -49,3 +62,88 @@ async def get_tensor_parallel_size(request: Request) -> dict:
 async def reset_prefix_cache(request: Request) -> dict:
     await control_of(request).flush_cache()
     return {"message": "Request received, resetting prefix cache status: True"}
+
+
+class _Sampling(_Body):
+    """The sampling fields of TRL's former server (vLLM's names and TRL's defaults)."""
+
+    n: int = Field(1, ge=1)
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 16
+    guided_decoding_regex: str | None = None
+    generation_kwargs: dict[str, Any] = Field(default_factory=dict)  # more vLLM fields
+
+
+class TRLGenerateRequest(_Sampling):
+    prompts: list[str] = Field(min_length=1)
+    images: list[Any] | None = None  # refused unless all null
+
+
+class TRLChatRequest(_Sampling):
+    messages: list[list[ChatMessage]] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class Completions(_Out):
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]  # of each completion token
+
+
+@router.post("/generate/", response_model=None, responses=ok(Completions))
+async def generate(body: TRLGenerateRequest, request: Request) -> dict:
+    if body.images and any(i is not None for i in body.images):
+        raise bad_request("images: multimodal prompts are not served here", "images")
+    tokenizer = backend_of(request).tokenizer
+    prompts = [encode(tokenizer, p, "prompts") for p in body.prompts]
+    return await _complete(request, prompts, body)
+
+
+@router.post("/chat/", response_model=None, responses=ok(Completions))
+async def chat(body: TRLChatRequest, request: Request) -> dict:
+    tokenizer = backend_of(request).tokenizer
+    prompts = [
+        render_chat(
+            tokenizer,
+            ChatTemplateFields(messages=m, chat_template_kwargs=body.chat_template_kwargs),
+        )
+        for m in body.messages
+    ]
+    return await _complete(request, prompts, body)
+
+
+async def _complete(request: Request, prompts: list[list[int]], body: _Sampling) -> dict:
+    """Every prompt's n completions, prompt-major, with the raw logprob of each token."""
+    backend = backend_of(request)
+    check_n(request, body.n)
+    params = _params(body, prompts, backend.info)
+    stream = start(backend, prompts, params, new_id("trl"), None, timeout_of(request, None))
+    finals = await final_outputs(request, stream, len(prompts))
+    samples = [(finals[i], c) for i in sorted(finals) for c in finals[i].outputs]
+    return {
+        "prompt_ids": [list(out.prompt_token_ids) for out, _ in samples],
+        "completion_ids": [list(c.token_ids) for _, c in samples],
+        "logprobs": [list(c.logprobs or []) for _, c in samples],
+    }
+
+
+def _params(body: _Sampling, prompts: list[list[int]], info) -> SamplingParams:
+    extra = dict(body.generation_kwargs)
+    unknown = sorted(set(extra) - SAMPLING_FIELDS - {"structured_outputs"})
+    if unknown:
+        raise bad_request(
+            f"generation_kwargs: {unknown} are not sampling fields", "generation_kwargs"
+        )
+    fields = body.model_dump(exclude={"prompts", "messages", "images", "chat_template_kwargs"})
+    for name in ("guided_decoding_regex", "generation_kwargs"):
+        fields.pop(name)
+    fields["max_tokens"] = resolve_max_tokens(
+        fields["max_tokens"], prompts, info, "max_tokens", "prompts"
+    )
+    regex = body.guided_decoding_regex
+    spec = structured_spec({"regex": regex}, "guided_decoding_regex") if regex else None
+    return SamplingParams(**{**fields, **extra, "logprobs": 0, "structured_outputs": spec})

@@ -21,12 +21,13 @@ from raylane.session_server.errors import bad_request
 from raylane.session_server.openapi import ok
 from raylane.session_server.sampling import resolve_max_tokens, structured_spec
 from raylane.session_server.streaming import final_outputs, start
+from raylane.session_server.trainer_api.common import SAMPLING_FIELDS
 from raylane.session_server.trainer_api.schemas import TokensRequest, TokensResponse
 
 router = APIRouter(tags=["vLLM RL API"])
 control = APIRouter(tags=["vLLM RL API"])
 
-_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - {
+_FIELDS = SAMPLING_FIELDS - {
     "return_routed_experts",  # vLLM returns them whenever the server captures them
     "prompt_logprobs",
     "structured_outputs",
@@ -76,12 +77,9 @@ def vllm_params(sp: dict[str, Any], prompt: list[int], info: ModelInfo) -> Sampl
     )
     structured = sp.get("structured_outputs")
     spec = structured_spec(dict(structured), "structured_outputs") if structured else None
-    try:
-        return SamplingParams(
-            **fields, return_routed_experts=info.routed_experts, structured_outputs=spec
-        )
-    except TypeError as e:  # a wrongly typed value
-        raise bad_request(f"sampling_params: {e}", "sampling_params") from None
+    return SamplingParams(
+        **fields, return_routed_experts=info.routed_experts, structured_outputs=spec
+    )
 
 
 def _choice(c: CompletionOutput, params: SamplingParams, start_len: int) -> dict:

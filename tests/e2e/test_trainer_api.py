@@ -391,3 +391,21 @@ def test_sglang_weights_checker_snapshot_reset_compare(trainer, tiny_llama_dir):
     trainer.post("/update_weights_from_disk", json={"model_path": tiny_llama_dir})
     assert check("compare")["success"] is True
     assert "lm_head.weight" in check("checksum")["checksums"]
+
+
+def test_trl_former_generate_and_chat_equal_hf(trainer, trainer_backend, tiny_llama_dir):
+    sampling = {"temperature": 0.0, "max_tokens": 5, "generation_kwargs": {"ignore_eos": True}}
+    out = trainer.post("/generate/", json={"prompts": ["Hi there", "Bye"], "n": 2, **sampling})
+    out = out.json()
+    encoded = [trainer_backend.tokenizer.encode(p) for p in ("Hi there", "Bye")]
+    assert out["prompt_ids"] == [encoded[0], encoded[0], encoded[1], encoded[1]]
+    for prompt, ids, logprobs in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+        want_ids, want_lps = hf_greedy(tiny_llama_dir, prompt, 5)
+        assert ids == want_ids and logprobs == pytest.approx(want_lps, abs=1e-4)
+    chat = trainer.post(
+        "/chat/", json={"messages": [[{"role": "user", "content": "Hi!"}]], **sampling}
+    ).json()
+    (prompt,) = chat["prompt_ids"]
+    assert chat["completion_ids"] == [hf_greedy(tiny_llama_dir, prompt, 5)[0]]
+    bad = trainer.post("/generate/", json={"prompts": ["x"], "generation_kwargs": {"nope": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "generation_kwargs"

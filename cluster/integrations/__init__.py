@@ -1,0 +1,1 @@
+"""Adapters that let RL frameworks drive raylane through their own contracts (verl)."""
