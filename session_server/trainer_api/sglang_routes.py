@@ -123,11 +123,17 @@ async def continue_generation(request: Request) -> dict:
     return {"message": "Generation continued successfully.", "status": "ok"}
 
 
-@control.api_route(
+@control.get(
     "/flush_cache",
-    methods=["GET", "POST"],
     response_class=Response,
     responses=ok(description="Flushed", content=TEXT),
+    operation_id="flush_cache_get",
+)
+@control.post(
+    "/flush_cache",
+    response_class=Response,
+    responses=ok(description="Flushed", content=TEXT),
+    operation_id="flush_cache_post",
 )
 async def flush_cache(request: Request) -> Response:
     await control_of(request).flush_cache()

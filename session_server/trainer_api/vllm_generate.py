@@ -12,15 +12,15 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from raylane.actors.engine.outputs import CompletionOutput
+from raylane.actors.engine.outputs import CompletionOutput, EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.session_server import formatting as fmt
 from raylane.session_server.backend import ModelInfo
 from raylane.session_server.context import backend_of, check_model, new_id, timeout_of
 from raylane.session_server.errors import bad_request
-from raylane.session_server.openapi import ok
+from raylane.session_server.openapi import EVENT_STREAM, ok
 from raylane.session_server.sampling import resolve_max_tokens, structured_spec
-from raylane.session_server.streaming import final_outputs, start
+from raylane.session_server.streaming import final_outputs, primed, sse_response, start
 from raylane.session_server.trainer_api.common import SAMPLING_FIELDS
 from raylane.session_server.trainer_api.schemas import TokensRequest, TokensResponse
 
@@ -38,20 +38,23 @@ _FIELDS = SAMPLING_FIELDS - {
 _INERT = {"detokenize", "output_kind", "spaces_between_special_tokens", "skip_clone"}
 
 
-@router.post("/inference/v1/generate", response_model=None, responses=ok(TokensResponse))
-async def generate(body: TokensRequest, request: Request) -> dict:
+@router.post(
+    "/inference/v1/generate", response_model=None, responses=ok(TokensResponse, EVENT_STREAM)
+)
+async def generate(body: TokensRequest, request: Request):
     backend = backend_of(request)
     check_model(body.model, backend.info)
     if body.features is not None:
         raise bad_request("features: multimodal inputs are not served here", "features")
-    if body.stream:
-        raise bad_request("stream: /inference/v1/generate answers in one piece here", "stream")
     if body.routed_experts_start_len > len(body.token_ids):
         raise bad_request("routed_experts_start_len: past the prompt", "routed_experts_start_len")
     params = vllm_params(body.sampling_params, body.token_ids, backend.info)
     params = dataclasses.replace(params, cache_salt=body.cache_salt)
     request_id = body.request_id or new_id("generate-tokens")
     stream = start(backend, [body.token_ids], params, request_id, None, timeout_of(request, None))
+    if body.stream:  # vLLM's chunks: each sample's new token ids (and logprobs)
+        chunks = _Chunks(request_id, params)
+        return sse_response(await primed(request, stream), chunks.of, chunks.tail)
     out = (await final_outputs(request, stream, 1))[0]
     return {
         "request_id": request_id,
@@ -80,6 +83,38 @@ def vllm_params(sp: dict[str, Any], prompt: list[int], info: ModelInfo) -> Sampl
     return SamplingParams(
         **fields, return_routed_experts=info.routed_experts, structured_outputs=spec
     )
+
+
+class _Chunks:
+    """Streamed answers: one chunk per sample with news, then usage."""
+
+    def __init__(self, request_id: str, params: SamplingParams):
+        self.request_id, self.params = request_id, params
+        self.prompt_tokens = self.completion_tokens = self.cached = 0
+
+    def of(self, _: int, out: EngineCoreOutput) -> list[dict]:
+        if out.prompt_token_ids is not None:
+            self.prompt_tokens, self.cached = len(out.prompt_token_ids), out.num_cached_tokens
+        chunks = []
+        for d in out.outputs:
+            self.completion_tokens += len(d.token_ids)
+            if not d.token_ids and not d.finished:
+                continue
+            sample = CompletionOutput(d.index, "", d.token_ids, d.logprobs, d.top_logprobs)
+            choice = {
+                "index": d.index,
+                "logprobs": _logprobs(sample, self.params.logprobs)
+                if self.params.logprobs is not None
+                else None,
+                "finish_reason": d.finish_reason,
+                "token_ids": list(d.token_ids),
+            }
+            chunks.append({"request_id": self.request_id, "choices": [choice]})
+        return chunks
+
+    def tail(self) -> list[dict]:
+        usage = fmt.usage_of(self.prompt_tokens, self.completion_tokens, self.cached)
+        return [{"request_id": self.request_id, "choices": [], "usage": usage}]
 
 
 def _choice(c: CompletionOutput, params: SamplingParams, start_len: int) -> dict:

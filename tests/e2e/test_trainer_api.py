@@ -409,3 +409,21 @@ def test_trl_former_generate_and_chat_equal_hf(trainer, trainer_backend, tiny_ll
     assert chat["completion_ids"] == [hf_greedy(tiny_llama_dir, prompt, 5)[0]]
     bad = trainer.post("/generate/", json={"prompts": ["x"], "generation_kwargs": {"nope": 1}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "generation_kwargs"
+
+
+def test_vllm_tokens_route_streams_the_same_tokens(trainer, tiny_llama_dir):
+    import json
+
+    body = {
+        "token_ids": PROMPT,
+        "stream": True,
+        "sampling_params": {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0},
+    }
+    with trainer.stream("POST", "/inference/v1/generate", json=body) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    ids = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
+    assert ids == hf_greedy(tiny_llama_dir, PROMPT, 6)[0]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 6

@@ -1,0 +1,81 @@
+"""Schemathesis over the trainer API's own operations (build_app(trainer_api=True), with the
+admin key), in process on a tiny model, as tests/e2e/test_fuzz_schema.py does for the rest: no
+5xx, every error the OpenAI error body, every response as its schema declares. Routes that pause
+or put the engine to sleep are undone after each call, so generation is never left waiting."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
+from raylane.session_server.app import build_app
+from raylane.session_server.backend import LocalBackend
+from raylane.session_server.trainer_api import MODULES
+
+from tests.e2e.conftest import MAX_BODY, MODEL
+from tests.e2e.test_fuzz_schema import AUTH, DERANDOMIZE, TIMEOUT_S, nonconformance
+
+schemathesis = pytest.importorskip("schemathesis")
+EXAMPLES = 8  # per operation and mode: the trainer routes are many and mostly small
+# generation routes: fewer, on a short context (tests/e2e/test_fuzz_schema.py fuzzes /generate)
+GENERATING = {"/generate", "/inference/v1/generate", "/generate/", "/chat/"}
+PAUSING = {"/pause", "/pause_generation", "/sleep"}
+
+
+@pytest.fixture(scope="module")
+def app(tiny_llama_dir):
+    # a 48-token context bounds every generated request
+    engine = LLMEngine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=32, max_model_len=48))
+    backend = LocalBackend(AsyncLLMEngine(engine), MODEL)
+    return build_app(
+        backend, admin_api_key="fuzz-admin", max_body_bytes=MAX_BODY, max_n=2, trainer_api=True
+    )
+
+
+def trainer_operations(app) -> list:
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    paths = {r.path for m in MODULES for r in [*m.router.routes, *m.control.routes]}
+    paths.add("/generate")  # SGLang's types while the trainer API is on
+    return [op.ok() for op in schema.get_all_operations() if op.ok().path in paths]
+
+
+def test_trainer_routes_fuzz_clean(app):
+    from schemathesis.generation import GenerationMode
+    from starlette.testclient import TestClient
+
+    undo = TestClient(app, headers=AUTH)
+    calls, failures = [], []
+    operations = trainer_operations(app)
+    for mode, operation in [(m, op) for m in ("positive", "negative") for op in operations]:
+
+        @given(case=operation.as_strategy(GenerationMode(mode)))
+        @settings(
+            max_examples=4 if operation.path in GENERATING else EXAMPLES,
+            deadline=None,
+            database=None,
+            derandomize=DERANDOMIZE,
+            suppress_health_check=list(HealthCheck),
+        )
+        def check(case):
+            response = case.call(headers=AUTH, timeout=TIMEOUT_S)
+            if case.path in PAUSING:
+                undo.post("/wake_up")
+                undo.post("/resume")
+            calls.append(response.status_code)
+            if response.status_code >= 500:
+                failures.append((case.method, case.path, case.body, response.text[:300]))
+            elif response.status_code >= 400:
+                error = response.json()["error"]
+                if set(error) != {"message", "type", "param", "code"}:
+                    failures.append((case.method, case.path, "bad error body", error))
+            for problem in nonconformance(case, response):
+                failures.append((case.method, case.path, response.status_code, problem))
+
+        try:
+            check()
+        except Unsatisfiable:  # nothing to break (negative mode on a route with no input)
+            pass
+    print(f"\n{len(calls)} requests over {len(operations)} trainer operations")
+    assert len(operations) >= 30 and len(calls) >= 200, (len(operations), len(calls))
+    assert not failures, failures[:5]
