@@ -226,6 +226,8 @@ class ControlPlane(WeightGroups):
     async def sleep(self, level: int) -> dict[str, Any]:
         """Pause in mode "abort" (requests in flight end, new ones wait) and free every
         replica's KV cache; `wake_up` undoes both."""
+        if level not in (1, 2):  # before pausing anything
+            raise ValueError(f"level: {level!r} is not 1 or 2")
         async with self._lock:
             await self._pause("abort")
             await self._call_all("sleep", level)
