@@ -55,6 +55,13 @@ SPELLINGS: tuple[Spelling, ...] = (
         copied=False,
         sglang_top=True,
     ),
+    Spelling(
+        "return_indexer_topk",
+        "return_indexer_topk",
+        "return_indexer_topk",
+        copied=False,
+        sglang_top=True,
+    ),
     # OpenAI: `response_format`, vLLM: `structured_outputs` or `guided_*` (GUIDED);
     # SGLang: STRUCTURED_SGLANG
     Spelling("structured_outputs", "structured_outputs", None, copied=False),
