@@ -379,6 +379,7 @@ def make_qwen3_5(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> st
     partial rotary; A_log and dt_bias randomised (HF initialises them to constants)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+    config_cls, model_cls = overrides.pop("_classes", (Qwen3_5TextConfig, Qwen3_5ForCausalLM))
     defaults = {
         "num_hidden_layers": 3,
         "head_dim": 16,
@@ -395,9 +396,24 @@ def make_qwen3_5(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> st
             "mrope_section": [2, 1, 1],
         },
     }
-    path = _save(path, Qwen3_5TextConfig, Qwen3_5ForCausalLM, seed, overrides, **defaults)
+    path = _save(path, config_cls, model_cls, seed, overrides, **defaults)
     _randomize(path, seed, ("A_log", "dt_bias"))
     return path
+
+
+def make_qwen3_5_moe(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Qwen3.5-MoE text: make_qwen3_5's layers, every MLP 4 experts top-2 + a gated shared one."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    moe = {
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    return make_qwen3_5(
+        path, seed, _classes=(Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM), **{**moe, **overrides}
+    )
 
 
 def _randomize(path: str, seed: int, suffixes: tuple[str, ...]) -> None:

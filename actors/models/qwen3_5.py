@@ -22,6 +22,7 @@ from raylane.actors.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
+from raylane.actors.models.qwen3_moe import SparseMoeBlock, expert_mapping
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.linear_attention import LinearAttentionBackend, get_linear_backend
 from raylane.kernels.norm import GemmaRMSNorm
@@ -148,14 +149,53 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def attention_spec(cls, config: Any) -> AttentionSpec:
         return AttentionSpec.from_config(config, qk_norm=True)
 
+    def make_mlp(self, config: Any) -> tuple[nn.Module, bool]:
+        """(the layer's MLP, whether it is an MoE block returning expert ids)."""
+        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act), False
+
     def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
         linear = config.layer_types[layer_idx] == LINEAR
         mixer = GatedDeltaNet(config, self.tp) if linear else GatedAttention(spec, self.tp)
-        mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=self.tp)
-        layer = LlamaDecoderLayer(spec, mlp, is_moe=False, tp=self.tp, self_attn=mixer)
+        mlp, is_moe = self.make_mlp(config)
+        layer = LlamaDecoderLayer(spec, mlp, is_moe=is_moe, tp=self.tp, self_attn=mixer)
         layer.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         layer.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         return layer
 
     def linear_layers(self) -> list[GatedDeltaNet]:
         return [m for m in self.model.layers.modules() if isinstance(m, GatedDeltaNet)]
+
+
+class SharedExpertMoe(SparseMoeBlock):
+    """Routed experts (softmax, top-k, renormalised) plus a shared expert whose output is
+    scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, config: Any, tp: TPGroup) -> None:
+        super().__init__(
+            config.hidden_size, config.moe_intermediate_size, config.num_experts,
+            config.num_experts_per_tok, True, config.hidden_act, tp,
+        )  # fmt: skip
+        self.shared_expert = LlamaMLP(
+            config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act, tp=tp
+        )
+        self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, False, tp)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        routed, ids = super().forward(x)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x), ids
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE's text model (`Qwen3_5MoeForCausalLM`, model type qwen3_5_moe_text): every
+    layer's MLP is a shared-expert MoE, with routed-expert capture."""
+
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+        super().__init__(config, tp)
+        self.num_moe_layers = config.num_hidden_layers
+        self.moe_top_k = config.num_experts_per_tok
+
+    def make_mlp(self, config: Any) -> tuple[nn.Module, bool]:
+        return SharedExpertMoe(config, self.tp), True
+
+    def expert_params_mapping(self) -> list[tuple[str, str, Any]]:
+        return expert_mapping(self.config.num_experts, "gate_proj", "up_proj", "down_proj")

@@ -20,6 +20,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("raylane.actors.models.gemma3", "Gemma3ForCausalLM"),
     "GptOssForCausalLM": ("raylane.actors.models.gpt_oss", "GptOssForCausalLM"),
     "Qwen3_5ForCausalLM": ("raylane.actors.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("raylane.actors.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
 }
 
 

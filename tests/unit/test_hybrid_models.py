@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 from raylane.actors.models.layer_layout import model_layout
 from transformers import AutoConfig
 
-from tests.hf_reference import hf_greedy
-from tests.tiny_models import make_qwen3_5
+from tests.hf_reference import hf_greedy, hf_router_topk
+from tests.tiny_models import make_qwen3_5, make_qwen3_5_moe
 from tests.unit.test_engine_parity import assert_matches_hf, engine_for, greedy, prompts_for
 
 
@@ -47,3 +48,18 @@ def test_qwen3_5_preemption_under_tight_budget_matches_hf(tiny_qwen3_5_dir: str)
     outs = engine.generate(prompts, greedy(20), use_tqdm=False)
     assert engine.scheduler.num_preemptions > 0
     assert_matches_hf(tiny_qwen3_5_dir, prompts, outs, max_new=20)
+
+
+def test_qwen3_5_moe_matches_hf_with_routing(tmp_path_factory) -> None:
+    model_dir = make_qwen3_5_moe(tmp_path_factory.mktemp("tiny_qwen3_5_moe"))
+    engine = engine_for(model_dir, max_num_batched_tokens=16, enable_return_routed_experts=True)
+    prompts = prompts_for(engine.validator.vocab_size, seed=2, count=3)
+    hf_greedy(model_dir, prompts[0], 1)  # HF first, as above
+    outs = engine.generate(prompts, greedy(8, return_routed_experts=True), use_tqdm=False)
+    assert_matches_hf(model_dir, prompts, outs, max_new=8)
+    for prompt, out in zip(prompts, outs):
+        got = out.outputs[0]
+        fed = prompt + got.token_ids[:-1]  # the last sampled token is never fed to the model
+        ref = hf_router_topk(model_dir, fed).numpy()
+        assert got.routed_experts.shape == (len(fed), 3, 2)
+        assert np.array_equal(np.sort(got.routed_experts, -1), np.sort(ref, -1))
