@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 from raylane.actors.models.layer_layout import model_layout
 from transformers import AutoConfig
 
-from tests.hf_reference import hf_greedy, hf_router_topk
+from tests.hf_reference import hf_greedy
 from tests.tiny_models import make_qwen3_5, make_qwen3_5_moe
 from tests.unit.test_engine_parity import assert_matches_hf, engine_for, greedy, prompts_for
+from tests.unit.test_windowed_models import assert_routing_matches_hf
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +57,4 @@ def test_qwen3_5_moe_matches_hf_with_routing(tmp_path_factory) -> None:
     hf_greedy(model_dir, prompts[0], 1)  # HF first, as above
     outs = engine.generate(prompts, greedy(8, return_routed_experts=True), use_tqdm=False)
     assert_matches_hf(model_dir, prompts, outs, max_new=8)
-    for prompt, out in zip(prompts, outs):
-        got = out.outputs[0]
-        fed = prompt + got.token_ids[:-1]  # the last sampled token is never fed to the model
-        ref = hf_router_topk(model_dir, fed).numpy()
-        assert got.routed_experts.shape == (len(fed), 3, 2)
-        assert np.array_equal(np.sort(got.routed_experts, -1), np.sort(ref, -1))
+    assert_routing_matches_hf(model_dir, prompts, outs, num_moe_layers=3, top_k=2)

@@ -34,9 +34,14 @@ def test_gpt_oss_chunked_batch_matches_hf_with_routing(tmp_path_factory) -> None
     prompts = prompts_for(engine.validator.vocab_size, seed=1, count=4)
     outs = engine.generate(prompts, greedy(return_routed_experts=True), use_tqdm=False)
     assert_matches_hf(model_dir, prompts, outs)
+    assert_routing_matches_hf(model_dir, prompts, outs, num_moe_layers=2, top_k=2)
+
+
+def assert_routing_matches_hf(model_dir: str, prompts, outs, num_moe_layers: int, top_k: int):
+    """Every input position's routed experts equal HF's router picks (order within k free)."""
     for prompt, out in zip(prompts, outs):
         got = out.outputs[0]
         fed = prompt + got.token_ids[:-1]  # the last sampled token is never fed to the model
         ref = hf_router_topk(model_dir, fed).numpy()
-        assert got.routed_experts.shape == (len(fed), 2, 2)
+        assert got.routed_experts.shape == (len(fed), num_moe_layers, top_k)
         assert np.array_equal(np.sort(got.routed_experts, -1), np.sort(ref, -1))
