@@ -119,3 +119,19 @@ def test_no_step_is_planned_ahead_of_a_verify_step(loopy_dir, reference, prompts
     assert_same(ref, engine.generate(prompts, params, use_tqdm=False))
     assert engine.stats.spec_decode_num_accepted_tokens > 0
     engine.shutdown()
+
+
+def test_sampled_groups_with_sibling_drafts(loopy_dir, reference, prompts):
+    """RL groups (n=4, temperature 0.8) with suffix drafts from siblings, async scheduling on:
+    the seeded group's samples are the non-speculative ones, beside an unseeded group (whose
+    random words are keyed by seq ids, which differ between two engines)."""
+    params = [
+        SamplingParams(n=4, temperature=0.8, seed=7, max_tokens=32, logprobs=1, ignore_eos=True),
+        SamplingParams(n=4, temperature=0.8, max_tokens=32, logprobs=1, ignore_eos=True),
+    ]
+    engine = spec_engine(loopy_dir, SUFFIX, async_scheduling=True)
+    ref = reference.generate(prompts[:2], params, use_tqdm=False)
+    got = engine.generate(prompts[:2], params, use_tqdm=False)
+    assert_same(ref[:1], got[:1])  # seeded: the same samples whatever the seq ids
+    assert engine.stats.spec_decode_num_draft_tokens > 0
+    engine.shutdown()
