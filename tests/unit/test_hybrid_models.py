@@ -58,3 +58,16 @@ def test_qwen3_5_moe_matches_hf_with_routing(tmp_path_factory) -> None:
     outs = engine.generate(prompts, greedy(8, return_routed_experts=True), use_tqdm=False)
     assert_matches_hf(model_dir, prompts, outs, max_new=8)
     assert_routing_matches_hf(model_dir, prompts, outs, num_moe_layers=3, top_k=2)
+
+
+def test_qwen3_5_async_scheduling_equals_serial(tiny_qwen3_5_dir: str) -> None:
+    prompts = prompts_for(engine_for(tiny_qwen3_5_dir).validator.vocab_size, seed=3, count=4)
+    runs = [
+        engine_for(tiny_qwen3_5_dir, max_num_batched_tokens=16, async_scheduling=mode).generate(
+            prompts, greedy(), use_tqdm=False
+        )
+        for mode in (False, True)
+    ]
+    for serial, ahead in zip(*runs):
+        assert serial.outputs[0].token_ids == ahead.outputs[0].token_ids
+        assert serial.outputs[0].logprobs == ahead.outputs[0].logprobs
