@@ -45,7 +45,7 @@ def generate_body(
         "return_logprob": params.logprobs is not None,
         BY_FIELD["logprobs"].sglang: params.logprobs or 0,
         BY_FIELD["return_routed_experts"].sglang: params.return_routed_experts,
-        "return_indexer_topk": params.return_indexer_topk,
+        BY_FIELD["return_indexer_topk"].sglang: params.return_indexer_topk,
     }
     if routing_key is not None:
         body["routing_key"] = routing_key
