@@ -11,6 +11,7 @@ import time
 
 from fastapi import APIRouter, Request, Response
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.errors import UpdateNotFound
 from raylane.session_server.context import backend_of, new_id
 from raylane.session_server.errors import APIError
 from raylane.session_server.openapi import ok
@@ -119,7 +120,12 @@ async def pause_generation(request: Request, body: PauseGenerationBody | None = 
 
 @control.post("/continue_generation", response_model=None, responses=ok(Message))
 async def continue_generation(request: Request) -> dict:
-    await control_of(request).resume()
+    """Commits the update the pause's `update_weights_from_distributed` buckets loaded, if any
+    (sglang_weights.py), then resumes."""
+    ctl = control_of(request)
+    with contextlib.suppress(UpdateNotFound):
+        await ctl.commit_update(None)
+    await ctl.resume()
     return {"message": "Generation continued successfully.", "status": "ok"}
 
 

@@ -1,15 +1,23 @@
-"""SGLang's collective weight-transfer routes, over the control plane's one transaction. Each
-`update_weights_from_distributed` is a whole update: open, receive one broadcast per tensor in
-order (checked on every rank first), commit at `weight_version` (or the next) on every
-replica at once; on a cluster the trainer did not pause, raylane pauses ("keep") around it.
+"""SGLang's collective weight-transfer routes, over the control plane's one transaction.
+
+`update_weights_from_distributed` receives one broadcast per tensor, in order (checked on every
+rank first). Where it lands depends on whether the trainer paused the cluster:
+- paused (`/pause_generation`, as slime does before it sends its buckets, each with the same
+  `weight_version`): every call of the pause loads into one open update, begun by the first at
+  its `weight_version`, and `/continue_generation` commits it on every replica at once. A call
+  that fails rolls the whole update back: the cluster stays on its old weights and version.
+- not paused: the call is a whole update of its own (raylane pauses, "keep", around it), and
+  its `weight_version` must be newer than the cluster's.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
+from raylane.router.errors import UpdateNotFound
+from raylane.session_server.backend import ControlBackend
 from raylane.session_server.openapi import ok
-from raylane.session_server.trainer_api.common import control_of, version_number
+from raylane.session_server.trainer_api.common import control_of, is_paused, version_number
 from raylane.session_server.trainer_api.vllm_weights import specs
 
 router = APIRouter(tags=["SGLang native API"])
@@ -57,13 +65,16 @@ async def update_weights_from_distributed(body: UpdateBody, request: Request) ->
         if body.weight_version is None
         else version_number(body.weight_version, "weight_version")
     )
-    await ctl.begin_update(version, None)
+    tensors = specs(body.names, body.dtypes, body.shapes)
+    held = await is_paused(ctl)  # by the trainer: its buckets are one update
     try:
-        tensors = specs(body.names, body.dtypes, body.shapes)
-        await ctl.receive_weights(None, body.group_name, tensors)
-        await ctl.commit_update(None)  # the version key roots new prefix-cache chains anyway
+        if not (held and await _into_open_update(ctl, body.group_name, tensors)):
+            await ctl.begin_update(version, None)
+            await ctl.receive_weights(None, body.group_name, tensors)
+        if not held:  # else /continue_generation commits
+            await ctl.commit_update(None)  # the version key roots new prefix-cache chains
     except BaseException:
-        await ctl.abort_update()  # one call, one transaction: nothing of it stays open
+        await ctl.abort_update()  # nothing of a failed update stays, earlier buckets included
         raise
     return {"success": True, "message": "Succeeded to update parameter online."}
 
@@ -72,3 +83,12 @@ async def update_weights_from_distributed(body: UpdateBody, request: Request) ->
 async def destroy_weights_update_group(request: Request, body: DestroyBody | None = None) -> dict:
     await control_of(request).destroy_weight_group(body.group_name if body else None)
     return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+
+async def _into_open_update(ctl: ControlBackend, group_name: str, tensors: list[dict]) -> bool:
+    """Receive into the update the pause's earlier buckets opened; False if none is open."""
+    try:
+        await ctl.receive_weights(None, group_name, tensors)
+    except UpdateNotFound:
+        return False
+    return True

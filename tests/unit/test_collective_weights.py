@@ -104,9 +104,10 @@ def test_a_mismatch_changes_nothing_and_a_broken_update_rolls_back(tiny_llama_di
 
 def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v1):
     """vLLM: pause(keep) -> start_weight_update -> update_weights || broadcast (packed) ->
-    finish_weight_update -> resume; SGLang: pause_generation -> init group ->
-    update_weights_from_distributed || per-tensor broadcast -> continue_generation. A request
-    kept in flight across the vLLM update carries version 0 before it and 1 after."""
+    finish_weight_update -> resume; SGLang (slime's buckets): pause_generation -> init group ->
+    update_weights_from_distributed x 2, the same weight_version || per-tensor broadcast ->
+    continue_generation. A request kept in flight across the vLLM update carries version 0
+    before it and 1 after."""
     import httpx
     from raylane.session_server.app import build_app
 
@@ -155,10 +156,15 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
                 r = await http.post("/init_weights_update_group", json=trainer.info())
                 assert r.status_code == 200, r.text
                 trainer.send()
-                r = await http.post("/update_weights_from_distributed", json={
-                    "names": names, "dtypes": meta["dtype_names"], "shapes": meta["shapes"],
-                    "group_name": GROUP, "weight_version": "2"})  # fmt: skip
-                assert r.status_code == 200, r.text
+                half = len(names) // 2  # slime's buckets: one pause, the same weight_version
+                for part in (slice(None, half), slice(half, None)):
+                    r = await http.post("/update_weights_from_distributed", json={
+                        "names": names[part], "dtypes": meta["dtype_names"][part],
+                        "shapes": meta["shapes"][part], "group_name": GROUP,
+                        "weight_version": "2"})  # fmt: skip
+                    assert r.status_code == 200, r.text
+                    # committed at /continue_generation, on every replica at once
+                    assert (await http.get("/get_weight_version")).json()["weight_version"] == "1"
                 await http.post("/continue_generation", json={})
                 assert (await http.post("/destroy_weights_update_group", json={})).json()["success"]
             finally:
