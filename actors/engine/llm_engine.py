@@ -103,6 +103,8 @@ class LLMEngine:
             self.config.max_num_batched_tokens,
             self.config.max_model_len,
             self.stats.spec,
+            self.validator.vocab_size,
+            self.tokenizer,
         )
         self.launcher.drafter = self.post.drafter = drafter
         return drafter

@@ -20,7 +20,9 @@ class SpeculativeConfig:
       searched in the request's own prompt and output, the tokens after the latest match drafted.
     - "suffix": the longest suffix match over the request's tokens and its siblings' (the
       other samples of its `n` group), drafting the continuation seen most often.
-    - "draft_model" / "mtp": not implemented yet (ValueError).
+    - "draft_model": `model` (a path), a small model with the target's vocabulary, proposes
+      k tokens greedily (spec/draft_model.py).
+    - "mtp": not implemented yet (ValueError).
 
     `disable_by_batch_size`: a step with more decoding sequences than this drafts nothing
     (vLLM's name); verifying a large batch costs more than the accepted tokens save.
@@ -44,10 +46,15 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"{_OWNER}.method must be one of {SPEC_METHODS}, got {self.method!r}")
         _positive("num_speculative_tokens", self.num_speculative_tokens)
-        if self.method in ("draft_model", "mtp"):
+        if self.method == "mtp":
             raise ValueError(
-                f"{_OWNER}.method={self.method!r} is not implemented yet; use 'ngram' or 'suffix'"
+                f"{_OWNER}.method='mtp' is not implemented yet; use 'ngram', 'suffix' or "
+                "'draft_model'"
             )
+        if self.method == "draft_model":
+            check_type(_OWNER, "model", self.model, str)
+        elif self.model is not None:
+            raise ValueError(f"{_OWNER}.model applies to method 'draft_model' only")
         if self.method == "ngram":
             self._check_lookup()
         for name in ("prompt_lookup_min", "prompt_lookup_max"):

@@ -21,6 +21,7 @@ from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.spec.backoff import Backoff
 from raylane.actors.engine.spec.config import SpeculativeConfig
 from raylane.actors.engine.spec.cost_model import CostModel
+from raylane.actors.engine.spec.draft_model import DraftModelProposer
 from raylane.actors.engine.spec.metrics import SpecStats
 from raylane.actors.engine.spec.ngram import NgramProposer
 from raylane.actors.engine.spec.suffix import SuffixIndex
@@ -34,6 +35,8 @@ class Drafter:
         max_num_batched_tokens: int,
         max_model_len: int | None,
         stats: SpecStats,
+        target_vocab_size: int = 0,
+        target_tokenizer=None,
     ):
         self.config = config
         self.k = config.num_speculative_tokens
@@ -55,6 +58,11 @@ class Drafter:
         self.suffix = (
             SuffixIndex(min_probability=config.suffix_min_probability)
             if config.method == "suffix"
+            else None
+        )
+        self.model = (
+            DraftModelProposer(config.model, target_vocab_size, target_tokenizer)
+            if config.method == "draft_model" and config.model is not None
             else None
         )
 
@@ -119,7 +127,8 @@ class Drafter:
         if seq.num_pending:
             # its last token is in flight (an async step): look one token behind, only to
             # learn whether drafting is worth a serial step
-            self._has_match[seq.seq_id] = bool(self._lookup(seq, 1))
+            # (a draft model always has a proposal: no forward to learn that)
+            self._has_match[seq.seq_id] = self.model is not None or bool(self._lookup(seq, 1))
             return []
         drafts = self._lookup(seq, min(k, self._room(seq))) if k > 0 else []
         self._has_match[seq.seq_id] = bool(drafts)
@@ -128,6 +137,8 @@ class Drafter:
     def _lookup(self, seq: Sequence, k: int) -> list[int]:
         if self.ngram is not None:
             return self.ngram.propose(seq.token_ids, k)
+        if self.model is not None:
+            return self.model.propose(seq.seq_id, seq.token_ids, k)
         assert self.suffix is not None
         if seq.seq_id not in self.suffix:
             self.suffix.add(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
@@ -169,3 +180,5 @@ class Drafter:
         self._has_match.pop(seq.seq_id, None)
         if self.suffix is not None:
             self.suffix.remove(seq.seq_id)
+        if self.model is not None:
+            self.model.remove(seq.seq_id)
