@@ -75,6 +75,8 @@ class Postprocessor:
             if item.drafts and self.drafter is not None:
                 extra = result.extra[i]
                 self.drafter.accepted(item, len(extra.token_ids) if extra else 0)
+            if result.mtp_drafts and self.drafter is not None:
+                self.drafter.mtp_draft(seq, result.mtp_drafts[i])
             if seq.finish_reason is not None and not seq.is_finished:
                 self.release(seq)
             touched[seq.request_id] = request

@@ -103,6 +103,7 @@ def runner_config(
         eos_token_ids=tuple(eos),
         sample_on_every_rank=config.async_scheduling and config.tensor_parallel_size > 1,
         enforce_eager=config.enforce_eager,
+        mtp=config.spec is not None and config.spec.method == "mtp",
         cudagraph_capture_sizes=config.capture_sizes,
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,

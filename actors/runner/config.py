@@ -33,6 +33,8 @@ class RunnerConfig:
     sample_on_every_rank: bool = False
     # decode batches through the graph runner (see graph_runner.py): None = on CUDA only
     enforce_eager: bool | None = None
+    # speculative_config method "mtp": run the MTP layer after each step (runner/mtp_drafts.py)
+    mtp: bool = False
     cudagraph_capture_sizes: tuple[int, ...] = (1,)
     max_model_len: int = 2048  # the longest context a captured graph's block tables hold
     max_num_seqs: int = 128  # linear-attention models: one state slot per running sequence

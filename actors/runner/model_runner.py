@@ -25,6 +25,7 @@ from raylane.actors.runner.graph_runner import GraphRunner
 from raylane.actors.runner.inputs import InputPreparer, StepInputs
 from raylane.actors.runner.kv_cache import KVCache, bytes_per_token
 from raylane.actors.runner.mask_board import SKIP, MaskBoard, roll_back_skipped, step_masks
+from raylane.actors.runner.mtp_drafts import mtp_drafts
 from raylane.actors.runner.plan import ExtraTokens, StepPlan, StepResult
 from raylane.actors.runner.requests import RequestTable, ScheduledRequest
 from raylane.actors.runner.sampler import Sampler
@@ -49,6 +50,12 @@ class ModelRunner:
         # the architecture's class (attention_layers, compute_logits), not a plain nn.Module
         self.model: Any = cast(Any, model)
         self.hf_config = hf_config
+        if config.mtp and not len(getattr(self.model, "mtp_layers", ())):
+            raise ValueError(
+                "EngineConfig.speculative_config.method='mtp': the model has no MTP layers "
+                "(num_nextn_predict_layers, with their weights in the checkpoint)"
+            )
+        self._hidden: torch.Tensor | None = None
         self.dtype = next(model.parameters()).dtype
         self.weights = RunnerWeights(self.model, hf_config, self.tp, self.device)
         layers = self.model.attention_layers()
@@ -132,7 +139,8 @@ class ModelRunner:
         prepared = time.perf_counter()
         self.faults.check("forward")
         graphs = self.graphs
-        replayed = graphs is not None and graphs.fits(step)
+        # MTP needs the hidden states, which a replayed graph does not return
+        replayed = graphs is not None and not self.config.mtp and graphs.fits(step)
         logits, routed = (
             graphs.run(step) if graphs is not None and replayed else self._forward(step)
         )
@@ -144,6 +152,9 @@ class ModelRunner:
         computed = time.perf_counter()
         masks = step_masks(self.mask_board, plan, scheduled)
         result = self._result(scheduled, step, logits, masks) if self.samples else None
+        if self.config.mtp and result is not None:
+            assert self._hidden is not None  # an eager forward ran (no graph replay)
+            result.mtp_drafts = mtp_drafts(self.model, scheduled, step, self._hidden)
         if not self.samples and self.config.sample_on_every_rank:
             self._draw_only(scheduled, step, logits, masks)
         self._advance(scheduled, step)
@@ -170,6 +181,7 @@ class ModelRunner:
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Eager: (logits [rows, vocab] of the rows that need them, routed [T, ...] or None)."""
         hidden, routed = self.model(step.input_ids, step.positions, step.attn)
+        self._hidden = hidden  # [T, H]: the MTP layer's input (mtp_drafts)
         return self.model.compute_logits(hidden.index_select(0, step.logits_indices)), routed
 
     def arm_fault(self, stage: str, times: int = 1) -> None:

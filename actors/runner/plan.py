@@ -131,6 +131,9 @@ class StepResult:
     # DSA models: the indexer's top-k positions (int32 [positions, dsa_layers, index_topk]),
     # reported like routed_experts
     indexer_topk: list[object | None] = field(default_factory=list)
+    # speculative method "mtp": per entry, the MTP layer's draft for the token after its
+    # newest one (None where it sampled nothing); empty without MTP
+    mtp_drafts: list[int | None] = field(default_factory=list)
 
     @classmethod
     def empty(cls, size: int) -> StepResult:
@@ -163,4 +166,8 @@ class StepResult:
                 column[row] = value
         out.timings, out.graph_replayed = self.timings, self.graph_replayed
         out.skipped_seq_ids = self.skipped_seq_ids
+        if self.mtp_drafts:
+            out.mtp_drafts = [None] * size
+            for row, value in zip(rows, self.mtp_drafts):
+                out.mtp_drafts[row] = value
         return out

@@ -25,12 +25,16 @@ def _hf_name(name: str, num_hidden_layers: int) -> str:
 
 @pytest.fixture(scope="module")
 def with_mtp(tmp_path_factory):
+    return make_deepseek_v3_with_mtp(tmp_path_factory.mktemp("ds_mtp"))
+
+
+def make_deepseek_v3_with_mtp(directory):
     """(model dir with one MTP layer in DeepSeek's layout, HF main model, HF MtpModel)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
 
-    path = make_deepseek_v3(tmp_path_factory.mktemp("ds_mtp"))
+    path = make_deepseek_v3(directory)
     main = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     mtp = MtpModel(main, 1).eval()
     gen = torch.Generator().manual_seed(11)

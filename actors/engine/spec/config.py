@@ -22,7 +22,8 @@ class SpeculativeConfig:
       other samples of its `n` group), drafting the continuation seen most often.
     - "draft_model": `model` (a path), a small model with the target's vocabulary, proposes
       k tokens greedily (spec/draft_model.py).
-    - "mtp": not implemented yet (ValueError).
+    - "mtp": the target's own MTP layer (DeepSeek-V3's num_nextn_predict_layers) drafts
+      one token per step on the runner (runner/mtp_drafts.py); TP=1 only.
 
     `disable_by_batch_size`: a step with more decoding sequences than this drafts nothing
     (vLLM's name); verifying a large batch costs more than the accepted tokens save.
@@ -46,10 +47,10 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"{_OWNER}.method must be one of {SPEC_METHODS}, got {self.method!r}")
         _positive("num_speculative_tokens", self.num_speculative_tokens)
-        if self.method == "mtp":
+        if self.method == "mtp" and self.num_speculative_tokens != 1:
             raise ValueError(
-                f"{_OWNER}.method='mtp' is not implemented yet; use 'ngram', 'suffix' or "
-                "'draft_model'"
+                f"{_OWNER}.num_speculative_tokens must be 1 for method 'mtp' (one MTP step; "
+                f"chained MTP steps are not built), got {self.num_speculative_tokens}"
             )
         if self.method == "draft_model":
             check_type(_OWNER, "model", self.model, str)

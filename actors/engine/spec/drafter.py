@@ -50,6 +50,8 @@ class Drafter:
         self._offered = [0] * self.k
         self._hit = [0] * self.k
         self._has_match: dict[int, bool] = {}  # seq_id -> its tokens had a draft last time
+        # mtp: seq_id -> (its token count when the runner drafted, the draft after them)
+        self._mtp: dict[int, tuple[int, int]] = {}
         self.ngram = (
             NgramProposer(config.prompt_lookup_min or 1, config.prompt_lookup_max or 1)
             if config.method == "ngram"
@@ -128,7 +130,8 @@ class Drafter:
             # its last token is in flight (an async step): look one token behind, only to
             # learn whether drafting is worth a serial step
             # (a draft model always has a proposal: no forward to learn that)
-            self._has_match[seq.seq_id] = self.model is not None or bool(self._lookup(seq, 1))
+            model_drafts = self.config.method in ("draft_model", "mtp")
+            self._has_match[seq.seq_id] = model_drafts or bool(self._lookup(seq, 1))
             return []
         drafts = self._lookup(seq, min(k, self._room(seq))) if k > 0 else []
         self._has_match[seq.seq_id] = bool(drafts)
@@ -139,6 +142,9 @@ class Drafter:
             return self.ngram.propose(seq.token_ids, k)
         if self.model is not None:
             return self.model.propose(seq.seq_id, seq.token_ids, k)
+        if self.config.method == "mtp":
+            num_tokens, token = self._mtp.get(seq.seq_id, (-1, 0))
+            return [token] if num_tokens == len(seq.token_ids) else []
         assert self.suffix is not None
         if seq.seq_id not in self.suffix:
             self.suffix.add(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
@@ -175,7 +181,13 @@ class Drafter:
         seq.num_computed_tokens += num_accepted
         self.blocks.commit_full_blocks(seq, item.start + 1 + num_accepted)
 
+    def mtp_draft(self, seq: Sequence, token: int | None) -> None:
+        """The runner's MTP draft for the token after `seq`'s newest one."""
+        if token is not None:
+            self._mtp[seq.seq_id] = (len(seq.token_ids), token)
+
     def forget(self, seq: Sequence) -> None:
+        self._mtp.pop(seq.seq_id, None)
         self.backoff.forget(seq.seq_id)
         self._has_match.pop(seq.seq_id, None)
         if self.suffix is not None:

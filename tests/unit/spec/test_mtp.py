@@ -1,0 +1,115 @@
+"""MTP drafts (method "mtp") on a tiny DeepSeek-V3 with one MTP layer: greedy output and
+logprobs identical to the engine without speculation, and every draft the runner proposed
+equal to Hugging Face's own MtpLayer run from scratch over the sequence's tokens at that
+point (so the MTP layer's cache rows, written step by step and over rejected drafts, hold
+what a full recomputation gives)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from raylane.actors.engine import SamplingParams
+
+from tests.unit.spec.helpers import Tap, spec_engine
+from tests.unit.spec.test_parity import assert_same
+from tests.unit.test_mtp_layers import make_deepseek_v3_with_mtp
+
+MTP = {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    return make_deepseek_v3_with_mtp(tmp_path_factory.mktemp("ds_mtp"))
+
+
+def record_drafts(engine) -> list[tuple[list[int], int]]:
+    """(the sequence's tokens when a plan carried its draft, the draft), from each plan."""
+    seen: list[tuple[list[int], int]] = []
+    submit = engine.executor.submit
+
+    def tapped(plan):
+        running = {seq.seq_id: seq for seq in engine.scheduler.running}
+        for seq_id, drafts in plan.draft_token_ids:
+            seen.append((list(running[seq_id].token_ids), drafts[0]))
+        return submit(plan)
+
+    engine.executor.submit = tapped
+    return seen
+
+
+@torch.inference_mode()
+def hf_mtp_draft(main, mtp, tokens: list[int]) -> int:
+    """HF: the MTP layer at the newest token's row (hidden state at m - 2, embedding of token
+    m - 1) over the whole sequence, through the main model's LM head."""
+    ids = torch.tensor(tokens)
+    m = len(tokens)
+    hidden = main.model(ids[:-1].unsqueeze(0)).last_hidden_state
+    embeds = main.model.embed_tokens(ids[1:]).unsqueeze(0)
+    position_ids = torch.arange(m - 1).unsqueeze(0)
+    cos_sin = main.model.rotary_emb(embeds, position_ids)
+    mask = torch.full((m - 1, m - 1), float("-inf")).triu(1).view(1, 1, m - 1, m - 1)
+    out = mtp.layers[0](embeds, hidden, cos_sin, mask, position_ids, cache=None)[0]
+    return int(main.lm_head(out.reshape(m - 1, -1)[-1]).argmax())
+
+
+def test_mtp_greedy_parity_and_drafts_against_hf(mtp_model):
+    path, main, mtp = mtp_model
+    prompts = [list(range(5, 5 + n)) for n in (7, 20)]
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
+    reference = spec_engine(path, None)
+    ref = reference.generate(prompts, params, use_tqdm=False)
+    reference.shutdown()
+    engine = spec_engine(path, MTP, max_num_batched_tokens=16)  # chunked prefill too
+    seen = record_drafts(engine)
+    assert_same(ref, engine.generate(prompts, params, use_tqdm=False))
+    assert len(seen) > 4
+    # random MTP weights: the drafts are rejected (the accepted path: test_mtp_accepted_drafts)
+    for tokens, draft in seen:
+        assert draft == hf_mtp_draft(main, mtp, tokens)
+    engine.shutdown()
+
+
+def test_mtp_needs_mtp_layers_and_one_token(tiny_deepseek_dir):
+    with pytest.raises(ValueError, match="speculative_config.method='mtp'"):
+        spec_engine(tiny_deepseek_dir, MTP)  # HF-saved: no MTP weights, the layers dropped
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        spec_engine(tiny_deepseek_dir, {**MTP, "num_speculative_tokens": 2})
+
+
+def biased_copy(path: str, out: str, token: int = 7) -> str:
+    """The MTP model with a residual dimension that stays large (embedding column 0, and the
+    MTP layer's input row 0 reading the hidden state's) and an LM head row that reads it:
+    the main model's and the MTP layer's argmax is often `token`, so MTP drafts get accepted
+    (random MTP weights' drafts almost never are)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    file = f"{out}/model.safetensors"
+    tensors = load_file(file)
+    layers = sum(1 for n in tensors if n.endswith("input_layernorm.weight")) - 1
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    tensors["model.embed_tokens.weight"][:, 0] = 10.0
+    tensors["lm_head.weight"][token, 0] = 9.0
+    tensors[f"model.layers.{layers}.eh_proj.weight"][0, hidden] = 200.0  # hnorm's column 0
+    save_file(tensors, file, metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}], ids=["serial", "async"])
+def test_mtp_accepted_drafts(mtp_model, tmp_path, options):
+    path = biased_copy(mtp_model[0], str(tmp_path / "biased"))
+    prompts = [list(range(5, 5 + n)) for n in (7, 20)]
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
+    reference = spec_engine(path, None)
+    ref = reference.generate(prompts, params, use_tqdm=False)
+    reference.shutdown()
+    engine = spec_engine(path, MTP, **options)
+    tap = Tap(engine, 1)
+    assert_same(ref, engine.generate(prompts, params, use_tqdm=False))
+    assert len({t for o in ref for t in o.outputs[0].token_ids}) > 2  # not one token repeated
+    stats = engine.stats
+    assert 0 < tap.num_accepted == stats.spec_decode_num_accepted_tokens
+    assert tap.num_draft_tokens == stats.spec_decode_num_draft_tokens
+    engine.shutdown()
