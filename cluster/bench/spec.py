@@ -59,10 +59,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--batch-sizes", default="1,4,16,32", metavar="N[,N...]")
     parser.add_argument("--workloads", default="copy,group,random", metavar="W[,W...]")
-    parser.add_argument("--methods", default="off,ngram,suffix", metavar="M[,M...]")
+    parser.add_argument(
+        "--methods",
+        default="off,ngram,suffix",
+        metavar="M[,M...]",
+        help="off, ngram, suffix, draft (needs --draft-model), mtp (a model with MTP weights)",
+    )
+    parser.add_argument("--draft-model", help="method 'draft': the draft model's HF directory")
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+
+
+def spec_of(method: str, args: argparse.Namespace) -> dict | None:
+    """The speculative_config of a `--methods` entry."""
+    if method == "draft":
+        return {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": 4}
+    if method == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": 1}
+    return METHODS[method]
 
 
 def copy_prompts(tokenizer, batch: int) -> list[list[int]]:
@@ -116,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     methods = args.methods.split(",")
     engines = {
-        m: LLMEngine(EngineConfig(model=model, dtype="float32", speculative_config=METHODS[m]))
+        m: LLMEngine(
+            EngineConfig(model=model, dtype="float32", speculative_config=spec_of(m, args))
+        )
         for m in methods
     }
     cells: list[Cell] = []
