@@ -75,4 +75,5 @@ class UniExecutor:
 
     def shutdown(self) -> None:
         self._closed = True
+        self.mask_board.close()
         self._worker.shutdown(wait=False, cancel_futures=True)

@@ -31,6 +31,7 @@ class MaskBoard:
         self.wait_s = wait_s  # how long past its forward a step waits for a late row
         self._posted: dict[int, dict[int, Future]] = {}
         self._changed = threading.Condition()
+        self._closed = False
 
     def post(self, step_id: int, masks: dict[int, Future]) -> None:
         """The step's masks by seq_id (futures of int32 bit sets [ceil(vocab / 32)] or None
@@ -39,12 +40,22 @@ class MaskBoard:
             self._posted[step_id] = masks
             self._changed.notify_all()
 
+    def close(self) -> None:
+        """The executor shuts down: a runner waiting for a post gives up (no hang at exit)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
     def take(self, step_id: int, skippable: set[int], num_sampling: int) -> dict[int, object]:
         """The step's masks (SKIP for a skipped row). Late rows are skipped when all of them
         are in `skippable` and some other of the step's `num_sampling` rows samples."""
         with self._changed:
-            if not self._changed.wait_for(lambda: step_id in self._posted, POST_TIMEOUT_S):
+            if not self._changed.wait_for(
+                lambda: step_id in self._posted or self._closed, POST_TIMEOUT_S
+            ):
                 raise RuntimeError(f"step {step_id}: its grammar masks were never posted")
+            if step_id not in self._posted:
+                raise RuntimeError(f"step {step_id}: the executor shut down")
             futures = self._posted.pop(step_id)
             for old in [s for s in self._posted if s < step_id]:  # steps that failed early
                 del self._posted[old]

@@ -136,6 +136,10 @@ def test_mask_board_skips_late_rows_only_when_another_row_samples():
         board.post(8, {2: late})
         threading.Timer(0.05, late.set_result, (mask,)).start()
         assert board.take(8, skippable, num_sampling)[2] is mask
+    # a runner waiting for masks that will never come (the executor shuts down) gives up
+    threading.Timer(0.05, board.close).start()
+    with pytest.raises(RuntimeError, match="shut down"):
+        board.take(9, set(), 1)
 
 
 def test_bitmask_application_matches_a_naive_one():
