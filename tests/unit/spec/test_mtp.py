@@ -97,7 +97,11 @@ def biased_copy(path: str, out: str, token: int = 7) -> str:
     return out
 
 
-@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}], ids=["serial", "async"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"async_scheduling": True}, {"num_kv_blocks": 4}],
+    ids=["serial", "async", "preemption"],
+)
 def test_mtp_accepted_drafts(mtp_model, tmp_path, options):
     path = biased_copy(mtp_model[0], str(tmp_path / "biased"))
     prompts = [list(range(5, 5 + n)) for n in (7, 20)]
@@ -112,4 +116,6 @@ def test_mtp_accepted_drafts(mtp_model, tmp_path, options):
     stats = engine.stats
     assert 0 < tap.num_accepted == stats.spec_decode_num_accepted_tokens
     assert tap.num_draft_tokens == stats.spec_decode_num_draft_tokens
+    if "num_kv_blocks" in options:
+        assert engine.scheduler.num_preemptions > 0
     engine.shutdown()
