@@ -202,6 +202,10 @@ class RayExecutor:
         try:
             return call(arg)
         except ShardFailed as e:
+            if self._error is not None:  # the other thread failed the group first (a rank's
+                # error on collect), closing the sockets this call then found closed: that
+                # error is the cause, not this call's EBADF
+                raise ExecutorError(f"a shard failed: {self._error}") from self._error
             self._fail(e)
             raise ExecutorError(f"a shard failed: {e}") from e
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
-from tests.ray.conftest import free_port, wait_for
+from tests.ray.conftest import free_port, keys_owned, wait_for
 from tests.ray.test_serve_cli import _wait_for
 
 REPLICA_CLASS = "EngineReplica"
@@ -257,7 +257,10 @@ def test_shard_killed_under_load_gives_503s_then_recovers(served_tp, ray_cluster
         return rid if loads[rid] > 0 else None
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(generate, served_tp, [5, 6, 7], f"load-{i}", 900) for i in range(8)]
+        # 4 requests owned by each replica (the Router's own hash ring), so the replica that
+        # keeps its shards has work that must succeed
+        keys = keys_owned(sorted(before), 4)
+        futures = [pool.submit(generate, served_tp, [5, 6, 7], key, 900) for key in keys]
         wait_for(lambda: busiest() is not None, 60, "requests in flight")
         time.sleep(0.5)  # mid-generation
         busy = busiest()
