@@ -161,58 +161,6 @@ def test_two_tp2_replicas_each_own_a_shard_group(served_tp, tiny_llama_dir):
         assert resp.json()["output_ids"] == ref[0].outputs[0].token_ids
 
 
-def test_a_trainer_broadcast_reaches_every_shard_of_both_replicas(
-    served_tp, tiny_llama_dir, tmp_path
-):
-    """Collective weight transfer at replicas=2, TP=2: the trainer (rank 0, its own process)
-    broadcasts into 4 shards (ranks 1-4), each keeping its slice; a mismatch is refused on
-    every rank with no change; a good update flips both replicas to version 1 at once.
-    Reference: HF `generate` on the weights sent."""
-    import ray
-
-    from tests.hf_reference import hf_greedy, perturbed_model
-    from tests.weight_trainer import GROUP, Trainer, trainer_specs
-
-    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    v1_dir, _ = perturbed_model(tiny_llama_dir, str(tmp_path / "v1"), 3)
-    specs = trainer_specs(v1_dir)
-    bad = [dict(specs[-1], shape=[s + 1 for s in specs[-1]["shape"]])]
-
-    def control(method: str, *args):
-        return ray.get(getattr(router, method).remote(*args), timeout=180)
-
-    trainer = Trainer(v1_dir, specs, world_size=5, packed=True, buffer=20000)
-    try:
-        joined = control("init_weight_group", trainer.info())
-        assert sorted(joined["ranks"].values()) == [1, 3]  # each replica's first rank
-        control("pause", "keep")
-        control("begin_update", None, None)
-        with pytest.raises(ValueError, match=specs[-1]["name"]):
-            control("receive_weights", None, GROUP, bad)  # no rank took a byte
-        control("resume")  # nothing was loaded: the update is dropped
-        assert {r["weight_version"] for r in control("replicas")} == {0}
-    finally:
-        trainer.close()
-    trainer = Trainer(v1_dir, specs, world_size=5, packed=True, buffer=20000)
-    try:
-        control("init_weight_group", trainer.info())
-        control("pause", "keep")
-        control("begin_update", None, None)
-        trainer.send()
-        packing = {"packed": True, "buffer_bytes": 20000}
-        assert control("receive_weights", None, GROUP, specs, packing) == len(specs)
-        assert control("commit_update", None) == 1
-        control("resume")
-        control("destroy_weight_group", GROUP)
-    finally:
-        trainer.close()
-    assert {r["weight_version"] for r in control("replicas") if r["healthy"]} == {1}
-    want = hf_greedy(v1_dir, [5, 6, 7], 8)[0]
-    for key in ("a", "b", "c", "d"):  # keys spread over both replicas
-        resp = generate(served_tp, [5, 6, 7], key)
-        assert resp.status_code == 200 and resp.json()["output_ids"] == want
-
-
 def _replace_and_wait(ray, victim_name: str, old_ids: set[str]) -> None:
     """Wait until the Router replaced the victim's replica: two healthy replicas, none of them the
     victim, each with a full shard group."""
@@ -275,3 +223,57 @@ def test_shard_killed_under_load_gives_503s_then_recovers(served_tp, ray_cluster
     for i in range(4):
         resp = generate(served_tp, [5, 6, 7], f"after-{i}")
         assert resp.status_code == 200 and resp.json()["output_ids"]
+
+
+def test_a_trainer_broadcast_reaches_every_shard_of_both_replicas(
+    served_tp, tiny_llama_dir, tmp_path
+):
+    """Collective weight transfer at replicas=2, TP=2: the trainer (rank 0, its own process)
+    broadcasts into 4 shards (ranks 1-4), each keeping its slice; a mismatch is refused on
+    every rank with no change; a good update flips both replicas to version 1 at once.
+    Reference: HF `generate` on the weights sent. NOTE: last in the module: a replica the Router
+    replaces afterwards starts from the checkpoint (version 0) and serves nothing until an update
+    reaches it, which would leave the tests above one replica."""
+    import ray
+
+    from tests.hf_reference import hf_greedy, perturbed_model
+    from tests.weight_trainer import GROUP, Trainer, trainer_specs
+
+    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    v1_dir, _ = perturbed_model(tiny_llama_dir, str(tmp_path / "v1"), 3)
+    specs = trainer_specs(v1_dir)
+    bad = [dict(specs[-1], shape=[s + 1 for s in specs[-1]["shape"]])]
+
+    def control(method: str, *args):
+        return ray.get(getattr(router, method).remote(*args), timeout=180)
+
+    trainer = Trainer(v1_dir, specs, world_size=5, packed=True, buffer=20000)
+    try:
+        joined = control("init_weight_group", trainer.info())
+        assert sorted(joined["ranks"].values()) == [1, 3]  # each replica's first rank
+        control("pause", "keep")
+        control("begin_update", None, None)
+        with pytest.raises(ValueError, match=specs[-1]["name"]):
+            control("receive_weights", None, GROUP, bad)  # no rank took a byte
+        control("resume")  # nothing was loaded: the update is dropped
+        assert {r["weight_version"] for r in control("replicas")} == {0}
+    finally:
+        trainer.close()
+    trainer = Trainer(v1_dir, specs, world_size=5, packed=True, buffer=20000)
+    try:
+        control("init_weight_group", trainer.info())
+        control("pause", "keep")
+        control("begin_update", None, None)
+        trainer.send()
+        packing = {"packed": True, "buffer_bytes": 20000}
+        assert control("receive_weights", None, GROUP, specs, packing) == len(specs)
+        assert control("commit_update", None) == 1
+        control("resume")
+        control("destroy_weight_group", GROUP)
+    finally:
+        trainer.close()
+    assert {r["weight_version"] for r in control("replicas") if r["healthy"]} == {1}
+    want = hf_greedy(v1_dir, [5, 6, 7], 8)[0]
+    for key in ("a", "b", "c", "d"):  # keys spread over both replicas
+        resp = generate(served_tp, [5, 6, 7], key)
+        assert resp.status_code == 200 and resp.json()["output_ids"] == want
