@@ -60,6 +60,21 @@ def operations(api_schema) -> list:
     return [result.ok() for result in api_schema.get_all_operations()]
 
 
+def findings(case, response) -> list[tuple]:
+    """What is wrong with `response`: a 5xx, a 4xx without an OpenAI error body, or a
+    disagreement with the schema (`nonconformance`)."""
+    found: list[tuple] = []
+    if response.status_code >= 500:
+        found.append((case.method, case.path, case.body, response.text[:300]))
+    elif response.status_code >= 400:
+        error = response.json()["error"]
+        if set(error) != {"message", "type", "param", "code"}:
+            found.append((case.method, case.path, "bad error body", error))
+    for problem in nonconformance(case, response):
+        found.append((case.method, case.path, response.status_code, problem))
+    return found
+
+
 def nonconformance(case, response) -> list[str]:
     """How `response` disagrees with the schema `case`'s operation declares: an undocumented
     status or media type, or a body that does not validate."""
@@ -96,14 +111,7 @@ def test_no_5xx_openai_error_bodies_and_every_response_conforms(api_schema):
         def check(case):
             response = case.call(headers=AUTH, timeout=TIMEOUT_S)
             calls.append(response.status_code)
-            if response.status_code >= 500:
-                failures.append((case.method, case.path, case.body, response.text[:300]))
-            elif response.status_code >= 400:
-                error = response.json()["error"]
-                if set(error) != {"message", "type", "param", "code"}:
-                    failures.append((case.method, case.path, "bad error body", error))
-            for problem in nonconformance(case, response):
-                failures.append((case.method, case.path, response.status_code, problem))
+            failures.extend(findings(case, response))
 
         try:
             check()

@@ -14,7 +14,7 @@ from raylane.session_server.backend import LocalBackend
 from raylane.session_server.trainer_api import MODULES
 
 from tests.e2e.conftest import MAX_BODY, MODEL
-from tests.e2e.test_fuzz_schema import AUTH, DERANDOMIZE, TIMEOUT_S, nonconformance
+from tests.e2e.test_fuzz_schema import AUTH, DERANDOMIZE, TIMEOUT_S, findings
 
 schemathesis = pytest.importorskip("schemathesis")
 EXAMPLES = 8  # per operation and mode: the trainer routes are many and mostly small
@@ -63,14 +63,7 @@ def test_trainer_routes_fuzz_clean(app):
                 undo.post("/wake_up")
                 undo.post("/resume")
             calls.append(response.status_code)
-            if response.status_code >= 500:
-                failures.append((case.method, case.path, case.body, response.text[:300]))
-            elif response.status_code >= 400:
-                error = response.json()["error"]
-                if set(error) != {"message", "type", "param", "code"}:
-                    failures.append((case.method, case.path, "bad error body", error))
-            for problem in nonconformance(case, response):
-                failures.append((case.method, case.path, response.status_code, problem))
+            failures.extend(findings(case, response))
 
         try:
             check()
