@@ -88,6 +88,7 @@ def test_an_ingress_that_dies_mid_request_leaves_no_orphans(url, ray_cluster):
     import time
 
     from raylane.actors.replica import CHANNEL_LEASE_S
+    from raylane.router.replica_view import REFRESH_S
 
     ray = ray_cluster
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
@@ -97,6 +98,7 @@ def test_an_ingress_that_dies_mid_request_leaves_no_orphans(url, ray_cluster):
     for t in streams:
         t.start()
     wait_for(lambda: in_flight(ray) == 2, 60, "two requests held")
+    time.sleep(3 * REFRESH_S)  # the ingress's replica view refreshes on its own time
     assert httpx.post(f"{url}/generate", json=body(4), timeout=60).status_code == 429  # full
     before = generated_tokens(ray)
     (pid,) = ingress_pids()
