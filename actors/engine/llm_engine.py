@@ -64,6 +64,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_model_len,
+            self.runner_info.sliding_window,
         )
         self.stop_checker = parts.stop_checker
         self.validator = RequestValidator(parts)

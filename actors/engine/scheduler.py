@@ -63,8 +63,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int | None = None,
+        sliding_window: int | None = None,
     ):
         self.blocks = block_manager
+        # every paged layer slides over this many tokens: blocks before it are freed
+        self.sliding_window = sliding_window
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -96,6 +99,10 @@ class Scheduler:
             if seq.will_finish(self.max_model_len):  # its last token is in flight
                 waiting_on_last.append(seq)
                 continue
+            if self.sliding_window is not None:
+                # NOTE: before this step's allocation, from the count before its tokens: what
+                # its queries can still see stays, so a freed block is never reused under them
+                self.blocks.free_outside_window(seq, self.sliding_window)
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_new)):
                 victim = queue.pop() if queue else seq

@@ -32,6 +32,19 @@ def model_layout(config: Any, dtype_bytes: int) -> ModelLayout:
     return ModelLayout(tuple(layers))
 
 
+def shared_window(attention_layers: list[Any]) -> int | None:
+    """The window every paged layer of a built model slides over (its blocks outside the window
+    can then be freed from the one block table all layers share); None when any attends in
+    full. Read from the layers themselves, so a layer the model runs in full never loses KV."""
+    kinds = [
+        LayerKind("sliding", window=w)
+        if (w := getattr(layer, "window", None))
+        else LayerKind("full")
+        for layer in attention_layers
+    ]
+    return ModelLayout(tuple(kinds)).window
+
+
 def full_attention_layout(config: Any, dtype_bytes: int) -> ModelLayout:
     """The same model with every layer a full-attention layer of its attention shape."""
     full = model_layout(config, dtype_bytes).layers

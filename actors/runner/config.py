@@ -55,3 +55,5 @@ class RunnerInfo:
     index_topk: int = 0
     num_state_slots: int = 0  # linear-attention models: sequences whose state fits at once
     state_bytes_per_seq: int = 0  # one sequence's conv + recurrent state, all layers
+    # every paged layer slides over this many tokens: the engine frees blocks outside it
+    sliding_window: int | None = None

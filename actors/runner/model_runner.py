@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import torch
 from raylane.actors.models import TPGroup, load_model, load_weights
+from raylane.actors.models.layer_layout import shared_window
 from raylane.actors.runner import weight_checks
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
 from raylane.actors.runner.faults import Faults
@@ -111,6 +112,7 @@ class ModelRunner:
             device=str(self.device),
             kv_bytes_per_token=self.tp.world_size
             * bytes_per_token(self.model.attention_layers(), self.dtype),
+            sliding_window=shared_window(self.model.attention_layers()),
         )
 
     @torch.inference_mode()

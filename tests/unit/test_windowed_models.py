@@ -45,3 +45,31 @@ def assert_routing_matches_hf(model_dir: str, prompts, outs, num_moe_layers: int
         ref = hf_router_topk(model_dir, fed).numpy()
         assert got.routed_experts.shape == (len(fed), num_moe_layers, top_k)
         assert np.array_equal(np.sort(got.routed_experts, -1), np.sort(ref, -1))
+
+
+def test_sliding_only_model_holds_o_window_blocks(tmp_path_factory) -> None:
+    # every layer slides (window 8): blocks wholly before the window are freed as decode goes,
+    # so a sequence holds a few 4-token blocks however long it grows, and tokens still equal HF
+    model_dir = make_gemma3(
+        tmp_path_factory.mktemp("tiny_gemma3_sliding"),
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "sliding_attention"],
+    )
+    engine = engine_for(model_dir, block_size=4, max_num_batched_tokens=16)
+    assert engine.scheduler.sliding_window == 8
+    prompts = prompts_for(engine.validator.vocab_size, seed=4, count=2)  # 17 and 33 tokens
+    blocks = engine.block_manager
+    held: list[int] = []
+    allocate = blocks.allocate
+
+    def allocate_and_count(seq, num_new):  # blocks in use right after each allocation
+        allocate(seq, num_new)
+        held.append(blocks.num_blocks - blocks.num_free_blocks)
+
+    blocks.allocate = allocate_and_count  # type: ignore[method-assign]
+    outs = engine.generate(prompts, greedy(64), use_tqdm=False)
+    assert_matches_hf(model_dir, prompts, outs, max_new=64)
+    # 97 tokens is 25 blocks for the longer sequence alone; the window (2 blocks), the block
+    # being written, a chunk's reach (16 tokens: 4 blocks) and the chain's root bound it
+    assert max(held[-20:]) <= 2 * (2 + 2)
+    assert max(held) <= 2 * (2 + 4 + 2) < 25
