@@ -9,21 +9,23 @@ import torch
 
 
 @functools.lru_cache(maxsize=4)
-def hf_model(model_dir: str):
+def hf_model(model_dir: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: str, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+def hf_greedy(
+    model_dir: str, prompt: list[int], max_new: int, device: str = "cpu"
+) -> tuple[list[int], list[float]]:
     """HF `generate(do_sample=False)` ids and the log_softmax of its logits at each chosen id."""
-    model = hf_model(model_dir)
+    model = hf_model(model_dir, device)
     # eos_token_id=None: never stop early, like ignore_eos (min_new_tokens would instead mask
     # EOS out of the logits and change the greedy choice)
     out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        torch.tensor([prompt], device=device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
         do_sample=False,
         max_new_tokens=max_new,
         eos_token_id=None,
@@ -40,12 +42,12 @@ def hf_greedy(model_dir: str, prompt: list[int], max_new: int) -> tuple[list[int
 
 
 @torch.inference_mode()
-def hf_router_topk(model_dir: str, token_ids: list[int]) -> torch.Tensor:
+def hf_router_topk(model_dir: str, token_ids: list[int], device: str = "cpu") -> torch.Tensor:
     """The experts HF's routers pick for each token: [len(token_ids), num_moe_layers, top_k].
 
     Read with forward hooks on the gate (router) modules of the HF model.
     """
-    model = hf_model(model_dir)
+    model = hf_model(model_dir, device)
     top_k = model.config.num_experts_per_tok
     picks: list[torch.Tensor] = []
 
@@ -58,11 +60,11 @@ def hf_router_topk(model_dir: str, token_ids: list[int]) -> torch.Tensor:
     gates = [m for name, m in model.named_modules() if name.endswith(("mlp.gate", "mlp.router"))]
     handles = [g.register_forward_hook(hook) for g in gates]
     try:
-        model(torch.tensor([token_ids]))
+        model(torch.tensor([token_ids], device=device))
     finally:
         for h in handles:
             h.remove()
-    return torch.stack([p.reshape(len(token_ids), top_k) for p in picks], dim=1)
+    return torch.stack([p.reshape(len(token_ids), top_k).cpu() for p in picks], dim=1)
 
 
 def perturbed_model(
@@ -86,18 +88,18 @@ def perturbed_model(
 
 
 @torch.inference_mode()
-def hf_indexer_topk(model_dir: str, token_ids: list[int]) -> np.ndarray:
+def hf_indexer_topk(model_dir: str, token_ids: list[int], device: str = "cpu") -> np.ndarray:
     """The positions HF's DSA indexers pick for each token, read with forward hooks on the
     indexer modules: [len(token_ids), num_layers, index_topk] int32, each row the visible
     picks ascending, -1 padded (HF's topk also returns masked future positions while fewer
     than index_topk are visible; those are dropped here)."""
-    model = hf_model(model_dir)
+    model = hf_model(model_dir, device)
     topk = model.config.index_topk
     picks: list[torch.Tensor] = []
     indexers = [m for name, m in model.named_modules() if name.endswith("self_attn.indexer")]
     handles = [m.register_forward_hook(lambda _m, _i, out: picks.append(out[0])) for m in indexers]
     try:
-        model(torch.tensor([token_ids]))
+        model(torch.tensor([token_ids], device=device))
     finally:
         for h in handles:
             h.remove()

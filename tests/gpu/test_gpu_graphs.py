@@ -9,10 +9,11 @@ import random
 
 import numpy as np
 import pytest
-import torch
 from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from tests.gpu.device import needs_cuda
+
+pytestmark = needs_cuda
 
 BATCHES = (1, 3, 8, 17)
 MAX_NEW = 24

@@ -11,7 +11,9 @@ from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 from raylane.kernels.attention import SeqSlice, get_backend
 from raylane.kernels.attention.builder import build_metadata
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from tests.gpu.device import needs_cuda
+
+pytestmark = needs_cuda
 
 HEADS, KV_HEADS, BLOCK = 8, 2, 16
 # (num_new, context_len) of the prefill chunks, then of the decodes

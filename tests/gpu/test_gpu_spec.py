@@ -1,0 +1,75 @@
+"""Speculative decoding on CUDA changes no token: n-gram, suffix, draft-model and MTP drafts
+against the same engine on CUDA without speculation (greedy ids, logprobs, top logprobs and
+kept mass), with the drafts verified and some accepted, so both paths ran."""
+
+from __future__ import annotations
+
+import pytest
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
+
+from tests.gpu.device import DEVICE, needs_device
+from tests.tiny_models import VOCAB_SIZE
+from tests.unit.async_helpers import prompts_for
+from tests.unit.spec.helpers import make_loopy_llama
+from tests.unit.spec.test_parity import assert_same
+from tests.unit.test_mtp_layers import make_deepseek_v3_with_mtp
+
+pytestmark = needs_device
+
+K = 4
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1},
+    "suffix": {"method": "suffix", "num_speculative_tokens": K},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": K},  # the target itself
+}
+PARAMS = SamplingParams(
+    temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=3, return_kept_mass=True
+)
+
+
+def engine_on_device(model_dir: str, spec: dict | None, **kw) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            device=DEVICE,
+            dtype="float32",
+            max_num_seqs=8,
+            speculative_config=spec,
+            **kw,
+        )
+    )
+
+
+def run(model_dir: str, spec: dict | None, prompts, **kw):
+    engine = engine_on_device(model_dir, spec, **kw)
+    try:
+        return engine.generate(prompts, PARAMS, use_tqdm=False), engine.stats
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def loopy_dir(tmp_path_factory) -> str:
+    return make_loopy_llama(tmp_path_factory.mktemp("loopy") / "model")
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+def test_spec_changes_no_token(loopy_dir, method):
+    spec = {**SPECS[method], "adaptive": False}
+    if method == "draft_model":
+        spec["model"] = loopy_dir
+    prompts = prompts_for(VOCAB_SIZE, (9, 17, 30, 45))
+    ref, _ = run(loopy_dir, None, prompts)
+    out, stats = run(loopy_dir, spec, prompts)
+    assert_same(ref, out)
+    assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+
+
+def test_mtp_changes_no_token(tmp_path_factory):
+    path = make_deepseek_v3_with_mtp(tmp_path_factory.mktemp("ds_mtp"))[0]
+    spec = {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}
+    prompts = prompts_for(VOCAB_SIZE, (9, 17, 30))
+    ref, _ = run(path, None, prompts, max_num_batched_tokens=16)
+    out, stats = run(path, spec, prompts, max_num_batched_tokens=16)
+    assert_same(ref, out)
+    assert stats.spec_decode_num_draft_tokens > 0
