@@ -14,7 +14,7 @@
 #          Triton kernels vs the torch references at real checkpoints' shapes. Set
 #          RAYLANE_GPU_TESTS_DEVICE=cpu to dry-run their logic without a GPU first.
 # decode:  `raylane bench decode` for SmolLM2 and a Qwen3-0.6B-shaped random model at batch
-#          1, 8, 32, 64. (`raylane bench throughput --dtype ...` is a CPU benchmark: not here.)
+#          1, 8, 32, 64 (DECODE_ARGS adds options, e.g. "--repeats 1" on a short lease). (`raylane bench throughput --dtype ...` is a CPU benchmark: not here.)
 #
 # Logs go to $OUT when it is set (else a temp dir, printed); the exit status is non-zero when a
 # step failed.
@@ -78,7 +78,7 @@ bench_decode() {  # $1: log name; the rest: arguments of `raylane bench decode`
     shift
     say "raylane bench decode $*"
     if ! timeout "${BENCH_BUDGET_S:-180}" "$PY" -m raylane.cli bench decode \
-            --batch-sizes 1,8,32,64 "$@" 2>&1 \
+            --batch-sizes 1,8,32,64 "$@" ${DECODE_ARGS:-} 2>&1 \
             | tee "$OUT/$name.log"; then
         FAILED+=("$name")
     fi
