@@ -38,6 +38,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
+    # linear-attention models: sequences whose recurrent state is held at once, one state slot
+    # each (the scheduler admits no more); None: max_num_seqs
+    num_state_slots: int | None = None
     enable_return_routed_experts: bool = False
     enable_return_indexer_topk: bool = False  # DSA models: record each token's indexer top-k
     tensor_parallel_size: int = 1
@@ -89,7 +92,7 @@ class EngineConfig:
             check_type("EngineConfig", name, value, int)
             if value < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {value}")
-        for name in ("max_model_len", "num_kv_blocks"):
+        for name in ("max_model_len", "num_kv_blocks", "num_state_slots"):
             value = getattr(self, name)
             if value is not None:
                 check_type("EngineConfig", name, value, int)
@@ -138,6 +141,11 @@ class EngineConfig:
         default ladder; max_num_seqs itself is always one, so every decode batch fits."""
         ladder = self.cudagraph_capture_sizes or default_capture_sizes(self.max_num_seqs)
         return tuple(sorted({n for n in ladder if n < self.max_num_seqs} | {self.max_num_seqs}))
+
+    @property
+    def state_slots(self) -> int:
+        """Linear-attention models: the state slots to allocate (see `num_state_slots`)."""
+        return self.num_state_slots or self.max_num_seqs
 
     def _check_executor(self) -> None:
         if self.shard_resources is not None:

@@ -20,6 +20,7 @@ from raylane.actors.engine.scheduler import Scheduler
 from raylane.actors.engine.setup import EngineParts, build_engine_parts
 from raylane.actors.engine.spec.drafter import Drafter
 from raylane.actors.engine.spec.metrics import SpecStats
+from raylane.actors.engine.state_slots import StateSlotPool
 from raylane.actors.engine.stats import EngineStats
 from raylane.actors.engine.step_launcher import LaunchedStep, StepLauncher
 from raylane.actors.engine.upkeep import EngineUpkeep
@@ -65,6 +66,9 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_model_len,
             self.runner_info.sliding_window,
+            StateSlotPool(self.runner_info.num_state_slots)
+            if self.runner_info.num_state_slots
+            else None,
         )
         self.stop_checker = parts.stop_checker
         self.validator = RequestValidator(parts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import cast
 
 from raylane.actors.engine.scheduler import SchedulerOutput
 from raylane.actors.engine.sequence import Sequence
@@ -68,6 +69,7 @@ class StepPlanner:
             preempted_seq_ids=tuple(self._preempted),
             token_masks=tuple((token_masks or {}).items()),
             draft_token_ids=tuple((i.seq.seq_id, i.drafts) for i in batch.scheduled if i.drafts),
+            state_slots=_state_slots(batch),
         )
         self._known.update(known)
         self._finished, self._preempted = [], []
@@ -112,3 +114,12 @@ class StepPlanner:
             return False
         known.num_blocks, known.resumed = 0, True
         return True
+
+
+def _state_slots(batch: SchedulerOutput) -> tuple[int, ...]:
+    """Each row's state slot; () for a model without linear-attention layers."""
+    slots = tuple(item.seq.state_slot for item in batch.scheduled)
+    if all(slot is None for slot in slots):
+        return ()
+    assert None not in slots, "a linear-attention model's sequence was scheduled without a slot"
+    return cast(tuple[int, ...], slots)

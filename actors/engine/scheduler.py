@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from raylane.actors.engine.block_manager import BlockManager
 from raylane.actors.engine.sequence import Sequence, SequenceStatus
+from raylane.actors.engine.state_slots import StateSlotPool
 
 
 @dataclass
@@ -54,7 +55,10 @@ class Scheduler:
     """Moves sequences between the waiting queue and the running list, first come first served.
 
     Running sequences are served first (oldest first); when blocks run out the newest running
-    sequence is preempted by recompute and goes back to the head of the queue.
+    sequence is preempted by recompute and goes back to the head of the queue. A model with
+    linear-attention layers also needs a state slot per running sequence (`states`): one is
+    taken on admission (the head of the queue waits while none is free) and given back with
+    the blocks.
     """
 
     def __init__(
@@ -64,10 +68,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int | None = None,
         sliding_window: int | None = None,
+        states: StateSlotPool | None = None,
     ):
         self.blocks = block_manager
         # every paged layer slides over this many tokens: blocks before it are freed
         self.sliding_window = sliding_window
+        self.states = states
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -119,7 +125,7 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._has_room():
             seq = self.waiting[0]
             if not seq.prefix_looked_up:
                 self._admit_cached_prefix(seq)
@@ -135,10 +141,24 @@ class Scheduler:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.blocks.allocate(seq, num_new)
+            if self.states is not None:
+                seq.state_slot = self.states.allocate(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._emit(out, ScheduledSeq(seq, num_new))
             budget -= num_new
+
+    def _has_room(self) -> bool:
+        """Another sequence may start: under max_num_seqs, and a state slot free if needed."""
+        slots = self.states is None or self.states.can_allocate()
+        return slots and len(self.running) < self.max_num_seqs
+
+    def _release(self, seq: Sequence) -> None:
+        """Its blocks and state slot go back (finished, or preempted to recompute)."""
+        self.blocks.free_sequence(seq)
+        if self.states is not None:
+            self.states.free_sequence(seq.seq_id)
+        seq.state_slot = None
 
     def _admit_cached_prefix(self, seq: Sequence) -> None:
         seq.prefix_looked_up = True
@@ -163,7 +183,7 @@ class Scheduler:
         (out.decodes if item.is_decode else out.prefills).append(item)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.blocks.free_sequence(seq)
+        self._release(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
@@ -174,7 +194,7 @@ class Scheduler:
         keeping their order at the head of the queue."""
         retracted = list(self.running)
         for seq in reversed(retracted):
-            self.blocks.free_sequence(seq)
+            self._release(seq)
             seq.reset_for_recompute()
             self.waiting.appendleft(seq)
         self.running = []
@@ -206,7 +226,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free_sequence(seq)
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.num_pending = 0  # what steps in flight sample for it is dropped
         for sibling in seq.siblings:  # aborted before its prompt finished

@@ -48,6 +48,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.num_released_blocks = 0  # leading blocks freed: wholly outside a sliding window
+        self.state_slot: int | None = None  # linear-attention models: its recurrent state's slot
         self.prefix_looked_up = False  # the scheduler checked the prefix cache on admission
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first schedule)
         self.num_preemptions = 0

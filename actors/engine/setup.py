@@ -76,11 +76,11 @@ def _with_state_slots(config: EngineConfig, info: RunnerInfo) -> EngineConfig:
     turn prefix caching off (a cached prefix would skip tokens whose recurrent state the
     runner does not have: state snapshots are not kept yet)."""
     logger.info(
-        "linear-attention state: %d slots of %.2f MiB, so %d sequences run at once "
-        "(max_num_seqs); prefix caching off for this model",
+        "linear-attention state: %d slots of %.2f MiB (num_state_slots), so %d sequences run "
+        "at once; prefix caching off for this model",
         info.num_state_slots,
         info.state_bytes_per_seq / 2**20,
-        info.num_state_slots,
+        min(info.num_state_slots, config.max_num_seqs),
     )
     return dataclasses.replace(config, enable_prefix_caching=False)
 
@@ -106,7 +106,7 @@ def runner_config(
         mtp=config.spec is not None and config.spec.method == "mtp",
         cudagraph_capture_sizes=config.capture_sizes,
         max_model_len=max_model_len,
-        max_num_seqs=config.max_num_seqs,
+        num_state_slots=config.state_slots,
     )
 
 

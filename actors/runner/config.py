@@ -37,7 +37,8 @@ class RunnerConfig:
     mtp: bool = False
     cudagraph_capture_sizes: tuple[int, ...] = (1,)
     max_model_len: int = 2048  # the longest context a captured graph's block tables hold
-    max_num_seqs: int = 128  # linear-attention models: one state slot per running sequence
+    # linear-attention models: the state slots (the engine's scheduler hands them out)
+    num_state_slots: int = 128
 
 
 @dataclass(frozen=True)

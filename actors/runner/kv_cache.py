@@ -55,13 +55,13 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         num_blocks: int | None = None,
+        reserved: int = 0,
     ) -> KVCache:
-        """`num_blocks`: that many (a KV cache restored after sleep); None: from the config."""
+        """`num_blocks`: that many (a KV cache restored after sleep); None: from the config,
+        `kv_cache_memory_gb` less `reserved` bytes (linear-attention state slots)."""
         bytes_per_block = bytes_per_token(layers, dtype) * config.block_size
-        num_blocks = num_blocks or (
-            config.num_kv_blocks
-            or max(1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
-        )
+        budget = int(config.kv_cache_memory_gb * 2**30) - reserved
+        num_blocks = num_blocks or (config.num_kv_blocks or max(1, budget // bytes_per_block))
         routing = None
         slots = (num_blocks + 1) * config.block_size
         if config.enable_return_routed_experts:

@@ -64,10 +64,14 @@ class ModelRunner:
         backend = get_backend(config.attention_backend, self.device, kinds)
         for layer in layers:
             layer.backend = backend
-        self.kv = KVCache.allocate(config, layers, model, self.dtype, self.device)
         linear: list[Any] = getattr(self.model, "linear_layers", list)()
         self.state = (
-            StateCache(linear, config.max_num_seqs, self.dtype, self.device) if linear else None
+            StateCache(linear, config.num_state_slots, self.dtype, self.device) if linear else None
+        )
+        # the state slots come out of the same memory budget as the KV blocks
+        reserved = self.state.num_bytes if self.state is not None else 0
+        self.kv = KVCache.allocate(
+            config, layers, model, self.dtype, self.device, reserved=reserved
         )
         self.inputs = InputPreparer(config.block_size, self.device)
         self.graphs = self._graph_runner(config)
@@ -127,8 +131,6 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepResult | None:
         start = time.perf_counter()
-        if self.state is not None:
-            self.state.release(plan.finished_seq_ids + plan.preempted_seq_ids)
         entries = self.requests.apply(plan)
         scheduled = [item for item in entries if item is not None]
         if not scheduled:
@@ -137,7 +139,8 @@ class ModelRunner:
         num_prefills = sum(1 for item in entries[: plan.num_prefills] if item is not None)
         step = self.inputs.prepare(scheduled, num_prefills)
         if self.state is not None:
-            step.attn.linear = self.state.metadata(scheduled, num_prefills)
+            slots = [s for item, s in zip(entries, plan.state_slots) if item is not None]
+            step.attn.linear = self.state.metadata(scheduled, num_prefills, slots)
         prepared = time.perf_counter()
         self.faults.check("forward")
         graphs = self.graphs

@@ -67,6 +67,8 @@ class StepPlan:
     # speculative decoding: (seq_id, draft tokens) for rows that verify drafts; such a row's
     # `scheduled` count is 1 + len(drafts) (the last sampled token, then the drafts)
     draft_token_ids: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # linear-attention models: each `scheduled` row's state slot (the scheduler's)
+    state_slots: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -40,13 +40,29 @@ def test_qwen3_5_chunked_batch_matches_hf(tiny_qwen3_5_dir: str, caplog) -> None
 
 
 def test_qwen3_5_preemption_under_tight_budget_matches_hf(tiny_qwen3_5_dir: str) -> None:
-    # room for ~2 sequences' KV at a time and 3 state slots: preempted sequences recompute
+    # room for ~2 sequences' KV at a time, and 3 state slots under max_num_seqs=8: the
+    # scheduler admits no more than 3 (the rest wait), and preempted sequences recompute
     engine = engine_for(
-        tiny_qwen3_5_dir, max_num_batched_tokens=32, num_kv_blocks=10, max_num_seqs=3
+        tiny_qwen3_5_dir,
+        max_num_batched_tokens=32,
+        num_kv_blocks=10,
+        max_num_seqs=8,
+        num_state_slots=3,
     )
+    assert engine.runner_info.num_state_slots == 3
+    running: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def schedule_and_count():
+        out = schedule()
+        running.append(len(engine.scheduler.running))
+        return out
+
+    engine.scheduler.schedule = schedule_and_count  # type: ignore[method-assign]
     prompts = prompts_for(engine.validator.vocab_size, seed=1, count=5)
     outs = engine.generate(prompts, greedy(20), use_tqdm=False)
     assert engine.scheduler.num_preemptions > 0
+    assert max(running) == 3
     assert_matches_hf(tiny_qwen3_5_dir, prompts, outs, max_new=20)
 
 

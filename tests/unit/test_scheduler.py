@@ -15,6 +15,7 @@ from raylane.actors.engine.block_manager import BlockManager
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from raylane.actors.engine.sequence import Sequence, SequenceStatus
+from raylane.actors.engine.state_slots import StateSlotPool
 
 
 def next_token(seq: Sequence) -> int:
@@ -31,12 +32,14 @@ class FakeEngine:
         budget: int = 64,
         caching: bool = True,
         async_: bool = False,
+        state_slots: int | None = None,
     ):
         self.async_ = async_
         self.in_flight: list[ScheduledSeq] | None = None
         self.folded = 0  # items the last step folded in
         self.bm = BlockManager(num_blocks, block_size, caching)
-        self.sched = Scheduler(self.bm, max_num_seqs, budget)
+        states = StateSlotPool(state_slots) if state_slots else None
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, states=states)
         self.block_size = block_size
         self.seqs: list[Sequence] = []
         self.kv: dict[int, tuple[int, ...]] = {}
@@ -167,6 +170,35 @@ def test_max_num_seqs_limits_running():
     assert a.is_finished and list(eng.sched.waiting) == [c]
     out = eng.step()
     assert c in {i.seq for i in out.scheduled}
+
+
+def test_state_slots_bound_running_and_pass_from_finished_to_waiting():
+    # a linear-attention model: 2 state slots under max_num_seqs=8; the third request waits
+    eng = FakeEngine(num_blocks=64, max_num_seqs=8, state_slots=2)
+    a, b, c = (eng.add(prompt_of(3, base=i), max_tokens=2 + i)[0] for i in range(3))
+    out = eng.step()
+    assert {i.seq for i in out.scheduled} == {a, b} and list(eng.sched.waiting) == [c]
+    assert {a.state_slot, b.state_slot} == {0, 1}
+    slot_a = a.state_slot
+    eng.step()  # a finishes after its second token: its slot goes to c
+    assert a.is_finished and a.state_slot is None
+    out = eng.step()
+    assert c in {i.seq for i in out.scheduled} and c.state_slot == slot_a
+    eng.run()
+    assert eng.sched.states is not None and eng.sched.states.num_free == 2
+
+
+def test_preemption_returns_the_state_slot():
+    eng = FakeEngine(num_blocks=4, block_size=2, caching=False, state_slots=2)
+    (a,) = eng.add(prompt_of(3), max_tokens=4)
+    (b,) = eng.add(prompt_of(3, base=4), max_tokens=4)
+    eng.step()
+    eng.step()
+    out = eng.step()  # a needs a third block: b is preempted, its slot freed
+    assert out.preempted == [b] and b.state_slot is None
+    assert eng.sched.states is not None and eng.sched.states.num_free == 1
+    eng.run()
+    assert b.num_output_tokens == 4 and eng.sched.states.num_free == 2
 
 
 # --- FCFS -------------------------------------------------------------------------------------
