@@ -6,6 +6,7 @@ from collections import OrderedDict
 
 from raylane.actors.engine.layer_kinds import first_live_block
 from raylane.actors.engine.sequence import Sequence
+from raylane.actors.engine.state_slots import SnapshotCache
 
 
 class Block:
@@ -31,8 +32,17 @@ class BlockManager:
     matching (and age out), with no work at update time and no race with sequences in flight.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        snapshots: SnapshotCache | None = None,
+    ):
         self.block_size = block_size
+        # linear-attention models: recurrent-state snapshots at block boundaries, by chain hash;
+        # a prefix hit then stops at the longest cached prefix that has one
+        self.snapshots = snapshots
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -64,6 +74,7 @@ class BlockManager:
             return 0
         full = (len(seq) - 1) // self.block_size
         parent = _root(seq.cache_version, seq.params.cache_salt)
+        hashes: list[int] = []
         for i in range(full):
             tokens = tuple(seq.block_tokens(i))
             h = hash((parent, tokens))
@@ -72,12 +83,34 @@ class BlockManager:
                 break
             self._take(block_id)
             seq.block_table.append(block_id)
-            parent = h
+            hashes.append(parent := h)
+        if self.snapshots is not None:
+            self._cut_to_snapshot(seq, hashes)
         seq.num_hashed_blocks = len(seq.block_table)
         cached = len(seq.block_table) * self.block_size
         self.num_queries += seq.num_prompt_tokens
         self.num_hits += min(cached, seq.num_prompt_tokens)
         return cached
+
+    def _cut_to_snapshot(self, seq: Sequence, hashes: list[int]) -> None:
+        """Keep the hit only up to the longest prefix whose recurrent state was snapshotted
+        (the state the next token needs); the blocks after it go back."""
+        assert self.snapshots is not None
+        found = self.snapshots.lookup(hashes)
+        keep, seq.restore_snapshot = found if found is not None else (0, None)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+
+    def reserve_snapshot(self, seq: Sequence, num_blocks: int) -> int | None:
+        """A snapshot slot for the sequence's state after its first `num_blocks` blocks, keyed
+        by their chain hash (None: snapshots are off, or that prefix has one)."""
+        if self.snapshots is None:
+            return None
+        parent = _root(seq.cache_version, seq.params.cache_salt)
+        for i in range(num_blocks):
+            parent = hash((parent, tuple(seq.block_tokens(i))))
+        return self.snapshots.reserve(parent)
 
     def blocks_needed(self, seq: Sequence, num_new: int) -> int:
         total = seq.num_blocks_for(seq.num_computed_tokens + num_new)
@@ -157,6 +190,8 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after new weights); blocks in use are untouched."""
         self.cached.clear()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         for block in self.blocks:
             block.hash, block.tokens = None, None
 

@@ -41,6 +41,10 @@ class EngineConfig:
     # linear-attention models: sequences whose recurrent state is held at once, one state slot
     # each (the scheduler admits no more); None: max_num_seqs
     num_state_slots: int | None = None
+    # prefix caching on such models: snapshots of that state at block boundaries, least
+    # recently used out (each costs one slot's memory); None: as many as state slots, 0: no
+    # prefix caching for them
+    num_state_snapshots: int | None = None
     enable_return_routed_experts: bool = False
     enable_return_indexer_topk: bool = False  # DSA models: record each token's indexer top-k
     tensor_parallel_size: int = 1
@@ -98,6 +102,13 @@ class EngineConfig:
                 check_type("EngineConfig", name, value, int)
                 if value < 1:
                     raise ValueError(f"EngineConfig.{name} must be >= 1 or None, got {value}")
+        if self.num_state_snapshots is not None:
+            check_type("EngineConfig", "num_state_snapshots", self.num_state_snapshots, int)
+            if self.num_state_snapshots < 0:
+                raise ValueError(
+                    f"EngineConfig.num_state_snapshots must be >= 0 or None, "
+                    f"got {self.num_state_snapshots}"
+                )
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("EngineConfig.kv_cache_memory_gb must be > 0")
         self._check_executor()
@@ -146,6 +157,13 @@ class EngineConfig:
     def state_slots(self) -> int:
         """Linear-attention models: the state slots to allocate (see `num_state_slots`)."""
         return self.num_state_slots or self.max_num_seqs
+
+    @property
+    def state_snapshots(self) -> int:
+        """Linear-attention models: the state snapshots to keep (see `num_state_snapshots`)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.state_slots if self.num_state_snapshots is None else self.num_state_snapshots
 
     def _check_executor(self) -> None:
         if self.shard_resources is not None:

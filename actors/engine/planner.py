@@ -70,6 +70,8 @@ class StepPlanner:
             token_masks=tuple((token_masks or {}).items()),
             draft_token_ids=tuple((i.seq.seq_id, i.drafts) for i in batch.scheduled if i.drafts),
             state_slots=_state_slots(batch),
+            snapshot_restores=_snapshot_ops(batch, "restore_snapshot"),
+            snapshot_saves=_snapshot_ops(batch, "save_snapshot"),
         )
         self._known.update(known)
         self._finished, self._preempted = [], []
@@ -123,3 +125,14 @@ def _state_slots(batch: SchedulerOutput) -> tuple[int, ...]:
         return ()
     assert None not in slots, "a linear-attention model's sequence was scheduled without a slot"
     return cast(tuple[int, ...], slots)
+
+
+def _snapshot_ops(batch: SchedulerOutput, name: str) -> tuple[tuple[int, int], ...]:
+    """(state slot, snapshot slot) of every row with a snapshot to restore or save."""
+    ops = []
+    for item in batch.scheduled:
+        snapshot = getattr(item, name)
+        if snapshot is not None:
+            assert item.seq.state_slot is not None
+            ops.append((item.seq.state_slot, snapshot))
+    return tuple(ops)

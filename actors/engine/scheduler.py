@@ -21,6 +21,10 @@ class ScheduledSeq:
     preemptions: int = field(init=False)  # its preemption count then (a later one voids it)
     # speculative decoding: tokens to verify after its one new token (see engine/spec)
     drafts: tuple[int, ...] = field(default=(), init=False)
+    # linear-attention models: the snapshot its state starts from (a prefix-cache hit), and
+    # the snapshot slot its state is copied to once the step ends (the chunk ends on a block)
+    restore_snapshot: int | None = field(default=None, init=False)
+    save_snapshot: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
@@ -109,7 +113,7 @@ class Scheduler:
                 # NOTE: before this step's allocation, from the count before its tokens: what
                 # its queries can still see stays, so a freed block is never reused under them
                 self.blocks.free_outside_window(seq, self.sliding_window)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_new)):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
@@ -117,7 +121,7 @@ class Scheduler:
                     break
             else:
                 self.blocks.allocate(seq, num_new)
-                self._emit(out, ScheduledSeq(seq, num_new))
+                self._emit(out, self._item(seq, num_new))
                 scheduled.append(seq)
                 budget -= num_new
         # sequences left in `queue` got no budget this step and keep their place
@@ -129,7 +133,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.prefix_looked_up:
                 self._admit_cached_prefix(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_new)):
                 if not self.running:
                     self._check_fits(seq)
@@ -145,8 +149,35 @@ class Scheduler:
                 seq.state_slot = self.states.allocate(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._emit(out, ScheduledSeq(seq, num_new))
+            item = self._item(seq, num_new)
+            item.restore_snapshot, seq.restore_snapshot = seq.restore_snapshot, None
+            self._emit(out, item)
             budget -= num_new
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute for it this step. A model with state snapshots ends a prompt's
+        chunk on its last block boundary, so the state there can be snapshotted."""
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        boundary = self._snapshot_boundary(seq)
+        if seq.num_computed_tokens < boundary:
+            num_new = min(num_new, boundary - seq.num_computed_tokens)
+        return num_new
+
+    def _snapshot_boundary(self, seq: Sequence) -> int:
+        """The last block boundary a prefix-cache hit on this prompt can reach (0: none)."""
+        if self.blocks.snapshots is None:
+            return 0
+        size = self.blocks.block_size
+        return (seq.num_prompt_tokens - 1) // size * size
+
+    def _item(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        item = ScheduledSeq(seq, num_new)
+        boundary = self._snapshot_boundary(seq)
+        if boundary and item.start + num_new == boundary:
+            item.save_snapshot = self.blocks.reserve_snapshot(
+                seq, boundary // self.blocks.block_size
+            )
+        return item
 
     def _has_room(self) -> bool:
         """Another sequence may start: under max_num_seqs, and a state slot free if needed."""

@@ -49,6 +49,8 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.num_released_blocks = 0  # leading blocks freed: wholly outside a sliding window
         self.state_slot: int | None = None  # linear-attention models: its recurrent state's slot
+        # a prefix-cache hit on such a model: the snapshot its state starts from
+        self.restore_snapshot: int | None = None
         self.prefix_looked_up = False  # the scheduler checked the prefix cache on admission
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first schedule)
         self.num_preemptions = 0

@@ -15,6 +15,7 @@ from raylane.actors.engine.config import EngineConfig
 from raylane.actors.engine.detokenizer import StopChecker
 from raylane.actors.engine.grammar import GrammarCompiler
 from raylane.actors.engine.limits import model_limits
+from raylane.actors.engine.state_slots import SnapshotCache
 from raylane.actors.executor import Executor, create_executor
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
 
@@ -62,7 +63,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         tokenizer=tokenizer,
         executor=executor,
         block_manager=BlockManager(
-            info.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            info.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            SnapshotCache(info.num_state_snapshots) if info.num_state_snapshots else None,
         ),
         stop_checker=StopChecker(eos, limits.max_model_len),
         vocab_size=limits.vocab_size,
@@ -72,17 +76,20 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 
 def _with_state_slots(config: EngineConfig, info: RunnerInfo) -> EngineConfig:
-    """A model with linear-attention layers: say how many sequences its state slots hold, and
-    turn prefix caching off (a cached prefix would skip tokens whose recurrent state the
-    runner does not have: state snapshots are not kept yet)."""
+    """A model with linear-attention layers: say how many sequences its state slots hold and
+    what prefix caching's state snapshots cost; without snapshots prefix caching is off (a
+    cached prefix would skip tokens whose recurrent state the runner does not have)."""
+    mib = info.state_bytes_per_seq / 2**20
     logger.info(
         "linear-attention state: %d slots of %.2f MiB (num_state_slots), so %d sequences run "
-        "at once; prefix caching off for this model",
+        "at once; prefix caching: %d state snapshots, %.2f MiB (num_state_snapshots)",
         info.num_state_slots,
-        info.state_bytes_per_seq / 2**20,
+        mib,
         min(info.num_state_slots, config.max_num_seqs),
+        info.num_state_snapshots,
+        info.num_state_snapshots * mib,
     )
-    return dataclasses.replace(config, enable_prefix_caching=False)
+    return dataclasses.replace(config, enable_prefix_caching=info.num_state_snapshots > 0)
 
 
 def runner_config(
@@ -107,6 +114,7 @@ def runner_config(
         cudagraph_capture_sizes=config.capture_sizes,
         max_model_len=max_model_len,
         num_state_slots=config.state_slots,
+        num_state_snapshots=config.state_snapshots,
     )
 
 

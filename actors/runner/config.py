@@ -39,6 +39,7 @@ class RunnerConfig:
     max_model_len: int = 2048  # the longest context a captured graph's block tables hold
     # linear-attention models: the state slots (the engine's scheduler hands them out)
     num_state_slots: int = 128
+    num_state_snapshots: int = 0  # and their snapshots for prefix caching
 
 
 @dataclass(frozen=True)
@@ -56,5 +57,6 @@ class RunnerInfo:
     index_topk: int = 0
     num_state_slots: int = 0  # linear-attention models: sequences whose state fits at once
     state_bytes_per_seq: int = 0  # one sequence's conv + recurrent state, all layers
+    num_state_snapshots: int = 0  # copies of such state kept for prefix caching
     # every paged layer slides over this many tokens: the engine frees blocks outside it
     sliding_window: int | None = None

@@ -66,7 +66,11 @@ class ModelRunner:
             layer.backend = backend
         linear: list[Any] = getattr(self.model, "linear_layers", list)()
         self.state = (
-            StateCache(linear, config.num_state_slots, self.dtype, self.device) if linear else None
+            StateCache(
+                linear, config.num_state_slots, self.dtype, self.device, config.num_state_snapshots
+            )
+            if linear
+            else None
         )
         # the state slots come out of the same memory budget as the KV blocks
         reserved = self.state.num_bytes if self.state is not None else 0
@@ -110,6 +114,7 @@ class ModelRunner:
             num_dsa_layers=getattr(self.model, "num_dsa_layers", 0),
             index_topk=getattr(self.model, "index_topk", 0),
             num_state_slots=self.state.num_slots if self.state is not None else 0,
+            num_state_snapshots=self.state.num_snapshots if self.state is not None else 0,
             state_bytes_per_seq=self.state.bytes_per_seq if self.state is not None else 0,
             moe_top_k=getattr(self.model, "moe_top_k", 0),
             dtype=str(self.dtype).removeprefix("torch."),
@@ -140,6 +145,7 @@ class ModelRunner:
         step = self.inputs.prepare(scheduled, num_prefills)
         if self.state is not None:
             slots = [s for item, s in zip(entries, plan.state_slots) if item is not None]
+            self.state.restore(plan.snapshot_restores)
             step.attn.linear = self.state.metadata(scheduled, num_prefills, slots)
         prepared = time.perf_counter()
         self.faults.check("forward")
@@ -154,6 +160,8 @@ class ModelRunner:
         if self.kv.indexer is not None:  # DSA: the step's selections, per KV slot
             chosen = self.model.indexer_topk()[: step.attn.num_tokens]
             self.kv.store_indexer(step.attn.slot_mapping, chosen)
+        if self.state is not None:
+            self.state.save(plan.snapshot_saves)
         computed = time.perf_counter()
         masks = step_masks(self.mask_board, plan, scheduled)
         result = self._result(scheduled, step, logits, masks) if self.samples else None

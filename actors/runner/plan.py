@@ -69,6 +69,10 @@ class StepPlan:
     draft_token_ids: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # linear-attention models: each `scheduled` row's state slot (the scheduler's)
     state_slots: tuple[int, ...] = ()
+    # (state slot, snapshot slot): copy the snapshot into the slot before the step (a
+    # prefix-cache hit resumes there) / the slot into the snapshot after it (prefix caching)
+    snapshot_restores: tuple[tuple[int, int], ...] = ()
+    snapshot_saves: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,10 @@ The engine's scheduler hands the slots out (`StateSlotPool`, with the KV blocks)
 names each scheduled row's slot; this cache only holds the tensors. A slot is zeroed whenever
 its sequence starts from token 0 (new, or resumed after preemption, which recomputes), so a slot
 a finished sequence left behind never leaks into the next one.
+
+Prefix caching keeps `num_snapshots` more rows per layer: copies of a slot taken when a prompt's
+chunk ends on its last block boundary (`save`), copied back into the slot of a request whose
+prefix-cache hit ends there (`restore`); the block manager's `SnapshotCache` says which is which.
 """
 
 from __future__ import annotations
@@ -17,20 +21,43 @@ from raylane.kernels.linear_attention import StateMetadata
 
 
 class StateCache:
-    def __init__(self, layers: list[Any], num_slots: int, dtype: torch.dtype, device) -> None:
-        self.layers, self.device, self.num_slots = layers, device, num_slots
+    def __init__(
+        self, layers: list[Any], num_slots: int, dtype: torch.dtype, device, num_snapshots: int = 0
+    ) -> None:
+        self.device = device
+        self.num_slots, self.num_snapshots = num_slots, num_snapshots
         self.bytes_per_seq = 0
+        # per layer: its state tensors [num_slots, ...] and their snapshot rows [num_snapshots, ...]
+        self.states: list[list[torch.Tensor]] = []
+        self.snapshots: list[list[torch.Tensor]] = []
         for layer in layers:
-            tensors = [
-                torch.zeros((num_slots, *shape), dtype=dt or dtype, device=device)
-                for shape, dt in layer.state_shapes()
-            ]
+            shapes = [(shape, dt or dtype) for shape, dt in layer.state_shapes()]
+            tensors = [torch.zeros((num_slots, *s), dtype=dt, device=device) for s, dt in shapes]
             layer.attach_state(tensors)
+            self.states.append(tensors)
+            self.snapshots.append(
+                [torch.zeros((num_snapshots, *s), dtype=dt, device=device) for s, dt in shapes]
+            )
             self.bytes_per_seq += sum(t[0].numel() * t.element_size() for t in tensors)
 
     @property
     def num_bytes(self) -> int:
-        return self.bytes_per_seq * self.num_slots
+        """Slots and snapshots together."""
+        return self.bytes_per_seq * (self.num_slots + self.num_snapshots)
+
+    def restore(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """(slot, snapshot): the slot starts from the snapshot (before the step)."""
+        for states, snaps in zip(self.states, self.snapshots):
+            for slot, snap in pairs:
+                for state, saved in zip(states, snaps):
+                    state[slot].copy_(saved[snap])
+
+    def save(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """(slot, snapshot): the snapshot takes the slot's state (after the step)."""
+        for states, snaps in zip(self.states, self.snapshots):
+            for slot, snap in pairs:
+                for state, saved in zip(states, snaps):
+                    saved[snap].copy_(state[slot])
 
     def metadata(
         self, scheduled: list[ScheduledRequest], num_prefills: int, slots: list[int]
@@ -53,6 +80,6 @@ class StateCache:
         )
 
     def _zero(self, slot: int) -> None:
-        for layer in self.layers:
-            layer.conv_state[slot].zero_()
-            layer.recurrent_state[slot].zero_()
+        for states in self.states:
+            for state in states:
+                state[slot].zero_()

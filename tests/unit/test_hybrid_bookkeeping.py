@@ -94,6 +94,31 @@ def test_snapshots_longest_prefix_and_lru_bound() -> None:
     assert SnapshotCache(0).reserve(1) is None
 
 
+def test_prefix_hit_stops_at_the_longest_snapshot_and_new_weights_drop_them() -> None:
+    bm = BlockManager(16, BS, snapshots=SnapshotCache(4))
+    tokens = list(range(5 * BS + 1))
+    first = make_seq(tokens)
+    bm.allocate(first, len(first))
+    first.num_computed_tokens = len(first)
+    bm.commit_full_blocks(first)  # 5 full blocks in the prefix cache
+    slot = bm.reserve_snapshot(first, 2)  # its state after 2 blocks (a chunk ended there)
+    assert slot is not None and bm.reserve_snapshot(first, 2) is None
+    second = make_seq(tokens)
+    assert bm.allocate_cached_prefix(second) == 2 * BS  # not 5 blocks: no state past 2
+    assert second.restore_snapshot == slot and second.block_table == first.block_table[:2]
+    assert all(bm.blocks[b].ref_count == 1 for b in first.block_table[2:])  # given back
+    bm.free_sequence(second)
+    other = make_seq([7] + tokens[1:])  # another first block: another chain, no snapshot
+    assert bm.allocate_cached_prefix(other) == 0 and other.restore_snapshot is None
+    bm.free_sequence(other)
+    bm.version += 1  # new weights: chains root elsewhere, the old snapshot never matches
+    newer = make_seq(tokens)
+    newer.cache_version = bm.version
+    assert bm.allocate_cached_prefix(newer) == 0
+    bm.reset_prefix_cache()  # weights loaded in place: snapshots go with the cached blocks
+    assert not bm.snapshots.by_hash
+
+
 # --- sliding-window block freeing -------------------------------------------------------------
 
 

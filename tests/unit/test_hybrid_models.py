@@ -5,9 +5,12 @@ batches, and preemption under a tight KV and state budget."""
 from __future__ import annotations
 
 import logging
+import random
 
+import numpy as np
 import pytest
 from raylane.actors.models.layer_layout import model_layout
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from tests.hf_reference import hf_greedy
@@ -36,7 +39,6 @@ def test_qwen3_5_chunked_batch_matches_hf(tiny_qwen3_5_dir: str, caplog) -> None
     hf_greedy(tiny_qwen3_5_dir, prompts[0], 1)
     outs = engine.generate(prompts, greedy(), use_tqdm=False)
     assert_matches_hf(tiny_qwen3_5_dir, prompts, outs)
-    assert engine.block_manager.num_hits == 0  # no state snapshots yet: prefix caching is off
 
 
 def test_qwen3_5_preemption_under_tight_budget_matches_hf(tiny_qwen3_5_dir: str) -> None:
@@ -87,3 +89,32 @@ def test_qwen3_5_async_scheduling_equals_serial(tiny_qwen3_5_dir: str) -> None:
     for serial, ahead in zip(*runs):
         assert serial.outputs[0].token_ids == ahead.outputs[0].token_ids
         assert serial.outputs[0].logprobs == ahead.outputs[0].logprobs
+
+
+def test_qwen3_5_prefix_cache_warm_equals_cold_and_new_weights_invalidate(
+    tiny_qwen3_5_dir: str, tmp_path_factory
+) -> None:
+    rng = random.Random(5)
+    vocab = engine_for(tiny_qwen3_5_dir).validator.vocab_size
+    shared = [rng.randrange(3, vocab) for _ in range(37)]
+    prompts = [shared + [rng.randrange(3, vocab) for _ in range(n)] for n in (5, 12, 30)]
+    cold_engine = engine_for(
+        tiny_qwen3_5_dir, max_num_batched_tokens=16, enable_prefix_caching=False
+    )
+    cold = cold_engine.generate(prompts, greedy(), use_tqdm=False)
+    assert cold_engine.block_manager.snapshots is None
+    engine = engine_for(tiny_qwen3_5_dir, max_num_batched_tokens=16)
+    engine.generate(prompts[:1], greedy(), use_tqdm=False)  # snapshots its state at 32 tokens
+    warm = engine.generate(prompts, greedy(), use_tqdm=False)
+    # the other prompts resumed from that snapshot, the first from its own
+    assert engine.block_manager.num_hits >= 3 * 32
+    for c, w in zip(cold, warm):
+        assert w.num_cached_tokens >= 32
+        assert w.outputs[0].token_ids == c.outputs[0].token_ids
+        assert np.allclose(w.outputs[0].logprobs, c.outputs[0].logprobs, atol=1e-5)
+    # new weights: the snapshots (and cached KV) of the old ones must not be used
+    other_dir = make_qwen3_5(tmp_path_factory.mktemp("tiny_qwen3_5_other"), seed=1)
+    engine.load_weights(load_file(f"{other_dir}/model.safetensors").items())
+    assert not engine.block_manager.snapshots.by_hash
+    again = engine.generate(prompts, greedy(), use_tqdm=False)
+    assert_matches_hf(other_dir, prompts, again)
