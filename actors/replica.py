@@ -189,7 +189,7 @@ class EngineReplica:
         return weight_transfer.num_ranks(self.engine)
 
     async def join_weight_group(self, info: dict, rank_base: int) -> int:
-        return weight_transfer.join_group(self.engine, info, rank_base)
+        return await weight_transfer.join_group(self.engine, info, rank_base)
 
     async def check_weight_receive(self, specs: list[dict]) -> None:
         weight_transfer.check_receive(self.engine, specs)

@@ -108,8 +108,10 @@ class RouterControl:
     async def commit_update(self, update_id: str | None, version: int | None = None) -> int:
         return await call_router(self.router.commit_update.remote(update_id, version))
 
-    async def init_weight_group(self, info: dict[str, Any]) -> dict[str, Any]:
-        return await call_router(self.router.init_weight_group.remote(info))
+    async def init_weight_group(
+        self, info: dict[str, Any], detach: bool = False
+    ) -> dict[str, Any] | None:
+        return await call_router(self.router.init_weight_group.remote(info, detach))
 
     async def receive_weights(
         self,
@@ -117,8 +119,9 @@ class RouterControl:
         group_name: str,
         spec_dicts: list[dict],
         packing: dict[str, Any] | None = None,
+        detach: bool = False,
     ) -> int:
-        ref = self.router.receive_weights.remote(update_id, group_name, spec_dicts, packing)
+        ref = self.router.receive_weights.remote(update_id, group_name, spec_dicts, packing, detach)
         return await call_router(ref)
 
     async def destroy_weight_group(self, group_name: str | None = None) -> None:

@@ -156,8 +156,10 @@ class Router:
     async def commit_update(self, update_id: str | None, version: int | None = None) -> int:
         return await self.control.commit_update(update_id, version)
 
-    async def init_weight_group(self, info: dict[str, Any]) -> dict[str, Any]:
-        return await self.control.init_weight_group(info)
+    async def init_weight_group(
+        self, info: dict[str, Any], detach: bool = False
+    ) -> dict[str, Any] | None:
+        return await self.control.init_weight_group(info, detach)
 
     async def receive_weights(
         self,
@@ -165,8 +167,11 @@ class Router:
         group_name: str,
         spec_dicts: list[dict],
         packing: dict[str, Any] | None = None,
+        detach: bool = False,
     ) -> int:
-        return await self.control.receive_weights(update_id, group_name, spec_dicts, packing)
+        return await self.control.receive_weights(
+            update_id, group_name, spec_dicts, packing, detach
+        )
 
     async def destroy_weight_group(self, group_name: str | None = None) -> None:
         await self.control.destroy_weight_group(group_name)

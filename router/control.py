@@ -53,6 +53,7 @@ class ControlPlane(WeightGroups):
         self._update: Update | None = None
         self._committed: tuple[str, int] | None = None  # the last commit, for a retried one
         self._groups: dict[str, list[str]] = {}  # the trainer's groups -> replicas in them
+        self._detached: set[asyncio.Task] = set()  # joins and receives that outlive their call
         self._lock = asyncio.Lock()
 
     async def weight_version(self) -> int:
@@ -195,6 +196,7 @@ class ControlPlane(WeightGroups):
             log.warning("no engine replica resumed after the weight update: %s", e)
 
     def _open(self, update_id: str | None) -> Update:
+        self._raise_detached_failure()
         if self._update is None or update_id not in (None, self._update.update_id):
             raise UpdateNotFound(
                 f"no weight update {update_id!r} is open (never begun, "

@@ -118,7 +118,7 @@ class EngineCalls:
         return weight_transfer.num_ranks(self.engine)
 
     async def join_weight_group(self, replica_id: str, info: dict, rank_base: int) -> int:
-        return weight_transfer.join_group(self.engine, info, rank_base)
+        return await weight_transfer.join_group(self.engine, info, rank_base)
 
     async def check_weight_receive(self, replica_id: str, spec_dicts: list[dict]) -> None:
         weight_transfer.check_receive(self.engine, spec_dicts)

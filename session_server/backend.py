@@ -96,7 +96,9 @@ class ControlBackend(Protocol):
         which is returned."""
         ...
 
-    async def init_weight_group(self, info: dict[str, Any]) -> dict[str, Any]:
+    async def init_weight_group(
+        self, info: dict[str, Any], detach: bool = False
+    ) -> dict[str, Any] | None:
         """Every rank joins the trainer's collective group (`GroupInfo`'s fields)."""
         ...
 
@@ -106,6 +108,7 @@ class ControlBackend(Protocol):
         group_name: str,
         spec_dicts: list[dict],
         packing: dict[str, Any] | None = None,
+        detach: bool = False,
     ) -> int:
         """Receive broadcast tensors into the update (`ControlPlane.receive_weights`)."""
         ...

@@ -80,12 +80,15 @@ class Trainer:
         self.proc.wait()
 
 
-def join(port: int, world_size: int, group: str):
+def join(port: int, world_size: int, group: str, rank: int = 0):
+    """The trainer's side of the group as `rank` (0 hosts the store: SGLang's scheme; TRL's
+    trainer is the last rank, and inference rank 0 hosts it)."""
     timeout = datetime.timedelta(seconds=60)
-    store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
+    url = f"tcp://127.0.0.1:{port}"
+    store, _, _ = next(rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     pg, _ = _new_process_group_helper(
-        world_size, 0, [], Backend("gloo"), PrefixStore(group, store),
+        world_size, rank, [], Backend("gloo"), PrefixStore(group, store),
         group_name=group, backend_options=None, timeout=timeout,
     )  # fmt: skip
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}

@@ -29,11 +29,11 @@ def num_ranks(engine: Any) -> int:
     return engine.engine.config.tensor_parallel_size
 
 
-def join_group(engine: Any, info: dict[str, Any], rank_base: int) -> int:
+async def join_group(engine: Any, info: dict[str, Any], rank_base: int) -> int:
     """Every rank of this engine joins the trainer's group (rank `rank_base + tp rank`);
-    blocks until the whole group is in. Returns the number of ranks that joined."""
-    weights = engine.engine.weights
-    return len(weights.executor.collective_rpc("weights.join_group", info, rank_base))
+    waits, off the event loop, until the whole group is in. Returns how many ranks joined."""
+    rpc = engine.engine.weights.executor.collective_rpc
+    return len(await asyncio.to_thread(rpc, "weights.join_group", info, rank_base))
 
 
 def leave_group(engine: Any, group_name: str | None) -> None:

@@ -10,6 +10,10 @@ trainer, the keys under `group_name`, then `{group_name}/`, then `{device}/` for
 torch maps the gloo backend to ("cpu": torch's helper makes one context when every device maps
 to the same backend).
 
+TRL's `trl vllm-serve` scheme (`GroupInfo.trainer_last`), on gloo: the same keys, but the trainer
+is the last rank, inference rank 0 hosts the store, and each broadcast ends in a barrier (TRL's
+trainer waits in one after every tensor).
+
 nccl (GPU): vLLM's scheme (`StatelessProcessGroup` + `PyNcclCommunicator`), see nccl_group.py.
 """
 
@@ -38,8 +42,8 @@ class GlooGroup:
         from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
         from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-        self.rank = rank
-        # rank 0 (a trainer) hosts the store; the others join it, counted by world_size
+        self.rank, self.source, self.barrier = rank, info.source_rank, info.trainer_last
+        # rank 0 (the trainer; TRL's scheme: the first inference rank) hosts the store
         self._store = TCPStore(
             info.master_address,
             info.master_port,
@@ -58,12 +62,14 @@ class GlooGroup:
         )
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """Rank 0 sends `tensor`; every other rank receives into its own."""
-        from torch.distributed import BroadcastOptions
+        """The trainer sends `tensor`; every other rank receives into its own."""
+        from torch.distributed import BarrierOptions, BroadcastOptions
 
         opts = BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
+        opts.rootRank, opts.rootTensor = self.source, 0
         self._context.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]
+        if self.barrier:
+            self._context.barrier(BarrierOptions()).wait()  # type: ignore[attr-defined]
 
     def close(self) -> None:
         try:

@@ -7,12 +7,22 @@ import dataclasses
 
 from fastapi import Request
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.errors import UpdateNotFound
 from raylane.session_server.admin_routes import control_of
 from raylane.session_server.backend import ControlBackend, ModelInfo
 from raylane.session_server.context import backend_of
 from raylane.session_server.errors import bad_request
 
-__all__ = ["control_of", "info_of", "world_size", "version_text", "version_number", "is_paused"]
+__all__ = [
+    "control_of",
+    "info_of",
+    "world_size",
+    "version_text",
+    "version_number",
+    "is_paused",
+    "into_open_update",
+    "commit_open_update",
+]
 
 # what a peer's sampling fields may set directly (vLLM's names are raylane's)
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
@@ -47,3 +57,22 @@ def version_number(value: str | int | None, field: str) -> int:
 
 async def is_paused(control: ControlBackend) -> bool:
     return bool((await control.control_state())["paused"])
+
+
+async def into_open_update(
+    control: ControlBackend, group_name: str, tensors: list[dict], detach: bool = False
+) -> bool:
+    """Receive the trainer's broadcast of `tensors` into the open update; False if none is."""
+    try:
+        await control.receive_weights(None, group_name, tensors, None, detach)
+    except UpdateNotFound:
+        return False
+    return True
+
+
+async def commit_open_update(control: ControlBackend) -> int | None:
+    """Commit the open update on every replica (the next version); None if none is open."""
+    try:
+        return await control.commit_update(None)
+    except UpdateNotFound:
+        return None

@@ -11,11 +11,15 @@ import time
 
 from fastapi import APIRouter, Request, Response
 from raylane.actors.engine.sampling_params import SamplingParams
-from raylane.router.errors import UpdateNotFound
 from raylane.session_server.context import backend_of, new_id
 from raylane.session_server.errors import APIError
 from raylane.session_server.openapi import ok
-from raylane.session_server.trainer_api.common import control_of, info_of, version_text
+from raylane.session_server.trainer_api.common import (
+    commit_open_update,
+    control_of,
+    info_of,
+    version_text,
+)
 from raylane.session_server.trainer_api.schemas import (
     AbortRequestBody,
     Loads,
@@ -123,8 +127,7 @@ async def continue_generation(request: Request) -> dict:
     """Commits the update the pause's `update_weights_from_distributed` buckets loaded, if any
     (sglang_weights.py), then resumes."""
     ctl = control_of(request)
-    with contextlib.suppress(UpdateNotFound):
-        await ctl.commit_update(None)
+    await commit_open_update(ctl)
     await ctl.resume()
     return {"message": "Generation continued successfully.", "status": "ok"}
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
-from raylane.router.errors import UpdateNotFound
-from raylane.session_server.backend import ControlBackend
 from raylane.session_server.openapi import ok
-from raylane.session_server.trainer_api.common import control_of, is_paused, version_number
+from raylane.session_server.trainer_api.common import (
+    control_of,
+    into_open_update,
+    is_paused,
+    version_number,
+)
 from raylane.session_server.trainer_api.vllm_weights import specs
 
 router = APIRouter(tags=["SGLang native API"])
@@ -68,7 +71,7 @@ async def update_weights_from_distributed(body: UpdateBody, request: Request) ->
     tensors = specs(body.names, body.dtypes, body.shapes)
     held = await is_paused(ctl)  # by the trainer: its buckets are one update
     try:
-        if not (held and await _into_open_update(ctl, body.group_name, tensors)):
+        if not (held and await into_open_update(ctl, body.group_name, tensors)):
             await ctl.begin_update(version, None)
             await ctl.receive_weights(None, body.group_name, tensors)
         if not held:  # else /continue_generation commits
@@ -83,12 +86,3 @@ async def update_weights_from_distributed(body: UpdateBody, request: Request) ->
 async def destroy_weights_update_group(request: Request, body: DestroyBody | None = None) -> dict:
     await control_of(request).destroy_weight_group(body.group_name if body else None)
     return {"success": True, "message": "Succeeded to destroy custom process group."}
-
-
-async def _into_open_update(ctl: ControlBackend, group_name: str, tensors: list[dict]) -> bool:
-    """Receive into the update the pause's earlier buckets opened; False if none is open."""
-    try:
-        await ctl.receive_weights(None, group_name, tensors)
-    except UpdateNotFound:
-        return False
-    return True

@@ -1,4 +1,4 @@
-"""The routes of TRL's former `trl vllm-serve` server (TRL up to 0.2x; `GRPOTrainer(vllm_mode=
+"""The routes of TRL's former `trl vllm-serve` server (TRL up to 0.29; `GRPOTrainer(vllm_mode=
 "server")` with those versions), with their trailing slashes. TRL's current `VLLMClient` speaks
 vLLM's own API instead (`vllm_routes` and the OpenAI routes)."""
 
@@ -19,6 +19,7 @@ from raylane.session_server.schemas import ChatMessage, ChatTemplateFields
 from raylane.session_server.streaming import final_outputs, start
 from raylane.session_server.trainer_api.common import (
     SAMPLING_FIELDS,
+    commit_open_update,
     control_of,
     info_of,
     world_size,
@@ -60,7 +61,11 @@ async def get_tensor_parallel_size(request: Request) -> dict:
 
 @control.post("/reset_prefix_cache/", response_model=None, responses=ok(Done))
 async def reset_prefix_cache(request: Request) -> dict:
-    await control_of(request).flush_cache()
+    """TRL's trainers call this after the last `/update_named_param/`: it commits the update
+    those opened (trl_weights.py), if one is open, then flushes."""
+    ctl = control_of(request)
+    await commit_open_update(ctl)
+    await ctl.flush_cache()
     return {"message": "Request received, resetting prefix cache status: True"}
 
 

@@ -1,0 +1,67 @@
+"""A trainer process that syncs weights the way TRL's former `VLLMClient` does (TRL <= 0.29:
+`init_communicator`, `update_model_params`, `reset_prefix_cache`, `close_communicator`), its
+HTTP calls and their order to the byte, with a gloo group in place of vLLM's NCCL helper
+(which needs CUDA): the trainer is the last rank, the server's rank 0 hosts the store, and each
+tensor is broadcast after its `/update_named_param/` answered, then a barrier.
+
+    python tests/trl_weight_trainer.py '{"url", "port", "file", "names", "bad": {name: shape}}'
+
+`names`: the tensors in the order TRL sends them (`model.named_parameters()`); `bad`: announce
+these with a wrong shape (the server must refuse before any byte moves). Prints one JSON line:
+the status code of every call, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import httpx
+import torch
+from safetensors.torch import load_file
+
+from tests.weight_trainer import GROUP, join
+
+
+def main() -> None:
+    plan = json.loads(sys.argv[1])
+    codes: list[tuple[str, int]] = []
+    with httpx.Client(base_url=plan["url"], timeout=120) as http:
+
+        def post(path: str, **kw) -> httpx.Response:
+            response = http.post(path, **kw)
+            codes.append((path, response.status_code))
+            return response
+
+        server_ranks = http.get("/get_world_size/").json()["world_size"]
+        world_size, rank = server_ranks + 1, server_ranks  # the trainer is the last rank
+        init = {"host": "0.0.0.0", "port": plan["port"], "world_size": world_size}
+        if post("/init_communicator/", json={**init, "client_device_uuid": "cpu"}).is_success:
+            time.sleep(0.1)  # as TRL's client does before joining
+            pg = join(plan["port"], world_size, GROUP, rank)
+            if _update_model_params(post, pg, rank, plan):
+                post("/reset_prefix_cache/")
+            post("/close_communicator/")
+    print(json.dumps(codes), flush=True)
+    os._exit(0)  # NOTE: gloo aborts on a normal exit with its group alive
+
+
+def _update_model_params(post, pg, rank: int, plan: dict) -> bool:
+    """One `/update_named_param/` per tensor, then its broadcast and a barrier (TRL's order);
+    False once the server refused one (TRL's client raises, and sends nothing)."""
+    weights = load_file(plan["file"])
+    for name in plan["names"]:
+        tensor = weights[name]
+        shape = plan.get("bad", {}).get(name, list(tensor.shape))
+        body = {"name": name, "dtype": str(tensor.dtype), "shape": shape}
+        if not post("/update_named_param/", json=body).is_success:
+            return False
+        torch.distributed.broadcast(tensor, src=rank, group=pg)
+        torch.distributed.barrier(group=pg)
+    return True
+
+
+if __name__ == "__main__":
+    main()
