@@ -143,6 +143,40 @@ def sample_race(
     return block * RACE_BLOCK + pick
 
 
+ACCEPT_COUNTER = 1 << 30  # the acceptance uniform's counter (the race uses [0, blocks), 2^31 +)
+
+
+def speculative_accept(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    draft: torch.Tensor,
+    key: torch.Tensor,
+    ctr0: torch.Tensor,
+    ctr1: torch.Tensor,
+) -> torch.Tensor:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) of one position per row:
+    the draft d, drawn from q, is kept with probability min(1, p(d) / q(d)); otherwise the token
+    is drawn from the residual max(0, p - q), renormalised. The result is distributed as p.
+
+    p [R, V] the target's probabilities (rows need not sum to 1); q [R, V] the distribution d
+    was drawn from (with randomness independent of the row's words); draft [R] int64; key,
+    ctr0, ctr1 [R] the position's words: the acceptance uniform is Philox at ACCEPT_COUNTER
+    under the row's draw key, the residual draw is `sample_race` of those words (counters
+    apart, so the two are independent). Returns [R] int64.
+    """
+    p = p / p.sum(dim=-1, keepdim=True)
+    row_key, row_ctr = philox2x32(key, ctr0, ctr1)
+    u = philox_uniform(row_key, row_ctr, torch.full_like(row_key, ACCEPT_COUNTER))
+    p_d = p.gather(1, draft.unsqueeze(1)).squeeze(1).double()
+    q_d = q.gather(1, draft.unsqueeze(1)).squeeze(1).double()
+    keep = u * q_d < p_d  # u < p(d) / q(d), without dividing by a q(d) of 0
+    residual = (p - q).clamp_(min=0)
+    # p == q up to rounding leaves no residual mass: any rejection then is rounding; draw p
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, p, residual)
+    return torch.where(keep, draft, sample_race(residual, key, ctr0, ctr1))
+
+
 def _exponentials(key: torch.Tensor, ctr: torch.Tensor, first: int, count: int) -> torch.Tensor:
     """Exp(1) draws [B, count] float64 at counters (ctr, first + j) under each row's key."""
     index = torch.arange(first, first + count, device=key.device).unsqueeze(0)  # [1, count]

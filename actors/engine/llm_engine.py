@@ -110,6 +110,7 @@ class LLMEngine:
             self.stats.spec,
             self.validator.vocab_size,
             self.tokenizer,
+            self.config.seed,
         )
         self.launcher.drafter = self.post.drafter = drafter
         return drafter

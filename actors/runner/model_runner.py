@@ -26,7 +26,7 @@ from raylane.actors.runner.graph_runner import GraphRunner
 from raylane.actors.runner.inputs import InputPreparer, StepInputs
 from raylane.actors.runner.kv_cache import KVCache, bytes_per_token
 from raylane.actors.runner.mask_board import SKIP, MaskBoard, roll_back_skipped, step_masks
-from raylane.actors.runner.mtp_drafts import mtp_drafts
+from raylane.actors.runner.mtp_drafts import attach_draft_probs, mtp_drafts
 from raylane.actors.runner.plan import ExtraTokens, StepPlan, StepResult
 from raylane.actors.runner.requests import RequestTable, ScheduledRequest
 from raylane.actors.runner.sampler import Sampler
@@ -140,6 +140,8 @@ class ModelRunner:
         scheduled = [item for item in entries if item is not None]
         if not scheduled:
             return StepResult.empty(len(entries)) if self.samples else None
+        if self.config.mtp:
+            attach_draft_probs(scheduled)
         self.faults.check("prepare")
         num_prefills = sum(1 for item in entries[: plan.num_prefills] if item is not None)
         step = self.inputs.prepare(scheduled, num_prefills)
@@ -167,7 +169,7 @@ class ModelRunner:
         result = self._result(scheduled, step, logits, masks) if self.samples else None
         if self.config.mtp and result is not None:
             assert self._hidden is not None  # an eager forward ran (no graph replay)
-            result.mtp_drafts = mtp_drafts(self.model, scheduled, step, self._hidden)
+            result.mtp_drafts = mtp_drafts(self.model, scheduled, step, self._hidden, self.sampler)
         if not self.samples and self.config.sample_on_every_rank:
             self._draw_only(scheduled, step, logits, masks)
         self._advance(scheduled, step)
@@ -289,12 +291,13 @@ class ModelRunner:
         ]
         if not picks:
             return picks, None, []
-        rows, states = sampling_rows(scheduled, picks, step.logits_rows)
+        rows, states, proposals = sampling_rows(scheduled, picks, step.logits_rows)
         sampled = self.sampler(
             logits[rows],
             states,
             tokens_only=tokens_only,
             masks=[masks.get(s.seq_id) for s in states],
+            proposals=proposals,
         )
         return picks, sampled, accept(scheduled, picks, sampled.token_ids)
 

@@ -73,6 +73,9 @@ class StepPlan:
     # prefix-cache hit resumes there) / the slot into the snapshot after it (prefix caching)
     snapshot_restores: tuple[tuple[int, int], ...] = ()
     snapshot_saves: tuple[tuple[int, int], ...] = ()
+    # (seq_id, float32 array [k, V]) for rows whose drafts were drawn from a distribution q
+    # (a draft model, unseeded sampled requests): verified by min(1, p/q) (spec_verify.py)
+    draft_probs: tuple[tuple[int, object], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ on all ranks). Only the rank that samples fills in `last_sampled`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.runner.plan import (
@@ -34,6 +35,7 @@ class RequestState:
         "num_routed_reported",
         "num_indexer_reported",
         "skipped",
+        "draft_proposal",
     )
 
     def __init__(
@@ -59,6 +61,9 @@ class RequestState:
         self.num_indexer_reported = 0  # likewise, indexer top-k (DSA)
         # its grammar mask was late (mask_board.py): it sampled nothing at its last step
         self.skipped = False
+        # MTP (mtp_drafts.py): (output position, draft, q [V]) of the draft drawn for the
+        # next step, where min(1, p/q) verifies it
+        self.draft_proposal: tuple[int, int, Any] | None = None
 
     @classmethod
     def from_plan(cls, new: NewRequest) -> RequestState:
@@ -117,6 +122,8 @@ class ScheduledRequest:
     num_new: int  # tokens computed for it this step (drafts included)
     drafts: tuple[int, ...] = ()  # speculative decoding: tokens fed after its last one
     num_accepted: int = 0  # of the drafts, how many the target agreed with (sampling rank)
+    # the distributions q [k, V] the drafts were drawn from (verified by min(1, p/q)), or None
+    draft_probs: Any = None
 
     @property
     def samples(self) -> bool:
@@ -169,11 +176,13 @@ class RequestTable:
         for delta in plan.cached_requests:
             if delta.seq_id not in self.failed:
                 self._get(delta.seq_id).update(delta)
-        drafts = dict(plan.draft_token_ids)
+        drafts, probs = dict(plan.draft_token_ids), dict(plan.draft_probs)
         return [
             None
             if seq_id in self.failed
-            else ScheduledRequest(self._get(seq_id), n, drafts.get(seq_id, ()))
+            else ScheduledRequest(
+                self._get(seq_id), n, drafts.get(seq_id, ()), draft_probs=probs.get(seq_id)
+            )
             for seq_id, n in plan.scheduled
         ]
 

@@ -6,8 +6,18 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.runner.requests import RequestState
 from raylane.kernels import sampling
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A draft token and the distribution q [V] it was drawn from (a tensor, or a float32
+    array from the plan)."""
+
+    token: int
+    probs: object
 
 
 @dataclass
@@ -36,10 +46,13 @@ class Sampler:
         states: list[RequestState],
         tokens_only: bool = False,
         masks: list | None = None,
+        proposals: list[Proposal | None] | None = None,
     ) -> SampleResult:
         """Sample a token per row; `tokens_only` skips logprobs and kept mass (a rank that
         only needs to know what was sampled). `masks`: per row, None or a grammar's int32 bit
-        set of the allowed tokens, applied after the raw logprobs are taken."""
+        set of the allowed tokens, applied after the raw logprobs are taken. `proposals`: per
+        row, None or a draft drawn from a distribution q, which the row's token replaces by
+        speculative sampling (kept with probability min(1, p/q), else the residual's draw)."""
         logits = logits[:, : self.vocab_size].float()  # [B, V]
         wants_logprobs = any(s.params.logprobs is not None for s in states) and not tokens_only
         raw = logits.log_softmax(dim=-1) if wants_logprobs else None
@@ -48,7 +61,7 @@ class Sampler:
         logits = self._mask_stop_tokens(logits, states)
         if any(s.params.uses_penalties for s in states):
             logits = self._penalise(logits, states)
-        tokens, kept = self._draw(logits, states, tokens_only)
+        tokens, kept = self._draw(logits, states, tokens_only, proposals)
         kept_mass: list[float | None] = [None] * len(states)
         if kept is not None:
             kept_mass = [
@@ -61,6 +74,7 @@ class Sampler:
         logits: torch.Tensor,
         states: list[RequestState],
         tokens_only: bool = False,
+        proposals: list[Proposal | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled ids, and the log kept mass of each row when any row asks for it."""
         greedy = logits.argmax(dim=-1)
@@ -68,25 +82,11 @@ class Sampler:
         if all(s.params.greedy for s in states):
             return greedy, _greedy_kept(logits, greedy) if wants_kept else None
         params = [s.params for s in states]
-        temps = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        logits = logits / temps.unsqueeze(1)
-        # a top_k past the vocabulary keeps every token (and may not fit an int64 column)
-        top_k = (
-            self._column(
-                [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params],
-                torch.long,
-            )
-            if any(p.top_k > 0 for p in params)
-            else None
-        )
-        top_p = (
-            self._column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None
-        )
-        probs = sampling.apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            probs = sampling.apply_min_p(probs, self._column([p.min_p for p in params]))
+        logits, probs = distribution(logits, params, self.vocab_size)
         words = self._column([row_words(s, self.seed) for s in states], torch.long)  # [B, 3]
         sampled = sampling.sample_race(probs, words[:, 0], words[:, 1], words[:, 2])
+        if proposals is not None and any(p is not None for p in proposals):
+            sampled = _verify(probs, sampled, proposals, words)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         tokens = torch.where(is_greedy, greedy, sampled)
         if not wants_kept:
@@ -167,17 +167,26 @@ _SEEDED, _UNSEEDED = 0x5EED_5EED_5EED_5EED, 0x0DE1_A17E_D0DE_1A17
 
 
 def row_words(state: RequestState, engine_seed: int) -> tuple[int, int, int]:
-    """The row's Philox (key, counter0, counter1): (seed, stream) hashed to 64 bits gives the key
-    and one counter word, the output position of the token being sampled the other."""
-    if state.params.seed is not None:
-        base = _mix64(_fold64(state.params.seed) ^ _SEEDED)
-        stream = state.sample_index  # the n samples of one request differ
+    """The row's Philox (key, counter0, counter1) at its output position."""
+    return position_words(
+        state.params.seed, state.sample_index, state.seq_id, engine_seed, state.num_output_tokens
+    )
+
+
+def position_words(
+    seed: int | None, sample_index: int, seq_id: int, engine_seed: int, position: int
+) -> tuple[int, int, int]:
+    """Philox (key, counter0, counter1) of a token draw: (seed, stream) hashed to 64 bits gives
+    the key and one counter word, the output position of the token being sampled the other."""
+    if seed is not None:
+        base = _mix64(_fold64(seed) ^ _SEEDED)
+        stream = sample_index  # the n samples of one request differ
     else:
         base = _mix64(_fold64(engine_seed) ^ _UNSEEDED)
-        stream = state.seq_id
+        stream = seq_id
     # _mix64 is a bijection: for one seed, distinct streams never share words
     mixed = _mix64(base ^ (stream & _MASK64))
-    return mixed & _MASK32, mixed >> 32, state.num_output_tokens & _MASK32
+    return mixed & _MASK32, mixed >> 32, position & _MASK32
 
 
 def _mix64(x: int) -> int:
@@ -200,3 +209,38 @@ def _fold64(seed: int) -> int:
 def _greedy_kept(logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """Greedy is top-k 1 at temperature 1: the kept mass is the argmax's probability."""
     return logits.log_softmax(dim=-1).gather(1, greedy.unsqueeze(1)).squeeze(1)
+
+
+def distribution(
+    logits: torch.Tensor, params: list[SamplingParams], vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits / temperature, probabilities) [B, V] of each row's sampling distribution:
+    temperature (greedy rows at 1), top-k, top-p, then min-p (rows may not sum to 1)."""
+    device = logits.device
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    logits = logits / temps.to(device).unsqueeze(1)
+    top_k = top_p = None
+    # a top_k past the vocabulary keeps every token (and may not fit an int64 column)
+    if any(p.top_k > 0 for p in params):
+        ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+        top_k = torch.tensor(ks, dtype=torch.long, device=device)
+    if any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+    probs = sampling.apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        probs = sampling.apply_min_p(probs, torch.tensor([p.min_p for p in params]).to(device))
+    return logits, probs
+
+
+def _verify(
+    probs: torch.Tensor, sampled: torch.Tensor, proposals: list, words: torch.Tensor
+) -> torch.Tensor:
+    """`sampled` with each proposal's row replaced by speculative sampling of its draft."""
+    rows = [i for i, proposal in enumerate(proposals) if proposal is not None]
+    index = torch.tensor(rows, device=probs.device)
+    q = torch.stack([torch.as_tensor(proposals[i].probs) for i in rows])
+    q = q.to(probs.device, torch.float32)
+    drafts = torch.tensor([proposals[i].token for i in rows], device=probs.device)
+    w = words[index]
+    verified = sampling.speculative_accept(probs[index], q, drafts, w[:, 0], w[:, 1], w[:, 2])
+    return sampled.index_copy(0, index, verified)

@@ -8,14 +8,18 @@ the rejected drafts is cropping the cache to the longest prefix it shares with t
 tokens now (accepted drafts are that prefix; the target's own token after them is not), so a
 preempted or retracted sequence, or one updated mid-way, needs nothing special.
 
-Drafts are argmax tokens: q is a point mass, so the runner's verification (accept while equal
-to the token sampled at that position) is exact rejection sampling and every output is the
-target's (spec_verify.py).
+Greedy requests get argmax drafts. Sampled requests get drafts drawn from q, the draft's
+distribution under the request's temperature, top-k, top-p and min-p (`DraftDraw`; penalties
+and grammars are the target's alone: q need not equal p for exactness, only the acceptance
+rate falls); runner/draft_sampling.py says which rule verifies them.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.runner.draft_sampling import draft_words, draw_drafts, verified_by_ratio
 
 _OWNER = "EngineConfig.speculative_config"
 
@@ -43,19 +47,30 @@ class DraftModelProposer:
         return seq_id in self._caches
 
     @torch.inference_mode()
-    def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
-        """k greedy tokens after `token_ids`; the cache is left holding all but the last."""
+    def propose(
+        self, seq_id: int, token_ids: list[int], k: int, draw: DraftDraw | None = None
+    ) -> tuple[list[int], np.ndarray | None]:
+        """k tokens after `token_ids`, and the distributions q [k, V] they were drawn from when
+        they are verified by min(1, p/q); greedy (argmax, q None) without `draw`. The cache
+        is left holding all but the last."""
         cache, cached = self._cached(seq_id, token_ids)
         fresh = token_ids[len(cached) :]
         drafts: list[int] = []
-        for _ in range(k):
+        qs: list[np.ndarray] = []
+        for j in range(k):
             ids = torch.tensor([fresh])
-            logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits
+            logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1:]
             cached = cached + fresh
-            drafts.append(int(logits[0, -1].argmax()))
+            if draw is None:
+                drafts.append(int(logits[0].argmax()))
+            else:
+                token, q = draw(logits, j)
+                drafts.append(token)
+                if q is not None:
+                    qs.append(q)
             fresh = drafts[-1:]
         self._caches[seq_id] = (cache, cached)
-        return drafts
+        return drafts, (np.stack(qs) if qs else None)
 
     def _cached(self, seq_id: int, token_ids: list[int]) -> tuple[object, list[int]]:
         """The sequence's cache cropped to the prefix it shares with `token_ids` (at most all
@@ -94,3 +109,26 @@ def _check_tokenizer(path: str, target_tokenizer) -> None:
         raise ValueError(
             f"{_OWNER}.model: the draft's tokenizer vocabulary differs from the target's"
         )
+
+
+class DraftDraw:
+    """Draws a sequence's drafts from the draft's logits: draft j at output position
+    `position + j`, with its words (draft_sampling.draft_words)."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        sample_index: int,
+        seq_id: int,
+        engine_seed: int,
+        position: int,
+        vocab_size: int,
+    ):
+        self.params, self.position, self.vocab_size = params, position, vocab_size
+        self._key = (sample_index, seq_id, engine_seed)
+
+    def __call__(self, logits: torch.Tensor, j: int) -> tuple[int, np.ndarray | None]:
+        """logits [1, V] -> (the draft, q [V] float32 when min(1, p/q) verifies it)."""
+        words = draft_words(self.params, *self._key, self.position + j)
+        tokens, probs = draw_drafts(logits, [self.params], [words], self.vocab_size)
+        return tokens[0], probs[0].numpy() if verified_by_ratio(self.params) else None

@@ -21,7 +21,7 @@ from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.spec.backoff import Backoff
 from raylane.actors.engine.spec.config import SpeculativeConfig
 from raylane.actors.engine.spec.cost_model import CostModel
-from raylane.actors.engine.spec.draft_model import DraftModelProposer
+from raylane.actors.engine.spec.draft_model import DraftDraw, DraftModelProposer
 from raylane.actors.engine.spec.metrics import SpecStats
 from raylane.actors.engine.spec.ngram import NgramProposer
 from raylane.actors.engine.spec.suffix import SuffixIndex
@@ -37,8 +37,10 @@ class Drafter:
         stats: SpecStats,
         target_vocab_size: int = 0,
         target_tokenizer=None,
+        engine_seed: int = 0,
     ):
         self.config = config
+        self.vocab_size, self.engine_seed = target_vocab_size, engine_seed
         self.k = config.num_speculative_tokens
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -114,38 +116,60 @@ class Drafter:
         worth = self._worth(rows, batch.num_tokens)
         drafted: list[ScheduledSeq] = []
         for item in batch.decodes:
-            drafts = self._propose(item.seq, min(worth, budget))
+            drafts, probs = self._propose(item.seq, min(worth, budget))
             if drafts and self._allocate(item.seq, len(drafts)):
-                item.drafts = tuple(drafts)
+                item.drafts, item.draft_probs = tuple(drafts), probs
                 budget -= len(drafts)
                 drafted.append(item)
         if drafted:
             batch.prefills += drafted
             batch.decodes = [item for item in batch.decodes if not item.drafts]
 
-    def _propose(self, seq: Sequence, k: int) -> list[int]:
+    def _propose(self, seq: Sequence, k: int) -> tuple[list[int], object | None]:
+        """Up to k drafts, and the q [k, V] they were drawn from where min(1, p/q) verifies
+        them (a draft model's, for unseeded sampled requests)."""
         if not self._may_draft(seq):
-            return []
+            return [], None
         if seq.num_pending:
             # its last token is in flight (an async step): look one token behind, only to
             # learn whether drafting is worth a serial step
             # (a draft model always has a proposal: no forward to learn that)
             model_drafts = self.config.method in ("draft_model", "mtp")
             self._has_match[seq.seq_id] = model_drafts or bool(self._lookup(seq, 1))
-            return []
-        drafts = self._lookup(seq, min(k, self._room(seq))) if k > 0 else []
+            return [], None
+        k = min(k, self._room(seq))
+        drafts: list[int] = []
+        probs: object | None = None
+        if k > 0 and self.model is not None:
+            drafts, probs = self._model_drafts(seq, k)
+        elif k > 0:
+            drafts = self._lookup(seq, k)
         self._has_match[seq.seq_id] = bool(drafts)
-        return drafts
+        return drafts, probs
+
+    def _model_drafts(self, seq: Sequence, k: int) -> tuple[list[int], object | None]:
+        assert self.model is not None
+        draw = None
+        if not seq.params.greedy:
+            draw = DraftDraw(
+                seq.params,
+                seq.index,
+                seq.seq_id,
+                self.engine_seed,
+                seq.num_output_tokens,
+                self.vocab_size,
+            )
+        return self.model.propose(seq.seq_id, seq.token_ids, k, draw)
 
     def _lookup(self, seq: Sequence, k: int) -> list[int]:
+        """Drafts that need no distribution: n-gram, suffix, the runner's MTP draft."""
         if self.ngram is not None:
             return self.ngram.propose(seq.token_ids, k)
-        if self.model is not None:
-            return self.model.propose(seq.seq_id, seq.token_ids, k)
         if self.config.method == "mtp":
             num_tokens, token = self._mtp.get(seq.seq_id, (-1, 0))
             return [token] if num_tokens == len(seq.token_ids) else []
-        assert self.suffix is not None
+        if self.suffix is None:
+            return []
         if seq.seq_id not in self.suffix:
             self.suffix.add(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
         return self.suffix.propose(seq.seq_id, k)

@@ -4,11 +4,14 @@ the step plans and results themselves (independently of the engine's counters)."
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
+import torch
 from raylane.actors.engine import EngineConfig, LLMEngine
 from raylane.actors.runner.plan import StepPlan
 
+from tests.hf_reference import hf_model
 from tests.tiny_models import make_llama
 
 
@@ -28,6 +31,22 @@ def make_loopy_llama(path: str | Path, attention_scale: float = 0.05) -> str:
             weights[name] = weights[name] * 0
     save_file(weights, weights_file, metadata={"format": "pt"})
     return str(path)
+
+
+def sharpened_copy(model_dir: str, out: str | Path, factor: float = 2.5) -> str:
+    """A copy of the model with its final norm scaled by `factor`: logits x factor, the same
+    order, so as a draft its q is the model's distribution made sharper (its drafts are
+    often kept and often rejected)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    weights_file = Path(out) / "model.safetensors"
+    weights = load_file(weights_file)
+    weights["model.norm.weight"] = weights["model.norm.weight"] * factor
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return str(out)
 
 
 def spec_engine(model_dir: str, spec: dict | None, **kw) -> LLMEngine:
@@ -63,3 +82,32 @@ class Tap:
                 self.num_accepted += len(extra.token_ids)
                 for pos in range(len(extra.token_ids)):
                     self.per_pos[pos] += 1
+
+
+@torch.inference_mode()
+def hf_probability(
+    model_dir: str, prompt: list[int], paths: list[tuple[int, ...]], temperature: float, top_k: int
+) -> dict:
+    """P(path | prompt) under top-k softmax(logits / T) at each position, from Hugging Face's
+    full forward of every prefix (the naive reference)."""
+    model = hf_model(model_dir)
+    probs = {}
+    for path in paths:
+        ids = torch.tensor([prompt + list(path)])
+        logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(path) - 1].float()
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        p = torch.softmax(logits.masked_fill(logits < kth, float("-inf")) / temperature, dim=-1)
+        probs[path] = float(p[torch.arange(len(path)), torch.tensor(path)].prod())
+    return probs
+
+
+def chi_square_p_value(observed: Counter, probs: dict, n: int) -> tuple[float, int]:
+    """Pearson's test over the outcomes expected >= 5 times, the rest pooled in one bin:
+    (p-value, degrees of freedom)."""
+    bins = [t for t in probs if probs[t] * n >= 5]
+    obs = [observed[t] for t in bins] + [n - sum(observed[t] for t in bins)]
+    exp = [probs[t] * n for t in bins] + [n * (1 - sum(probs[t] for t in bins))]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
+    dof = len(obs) - 1
+    p = torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)).item()
+    return p, dof

@@ -102,7 +102,7 @@ def test_rejected_drafts_are_rolled_back(other_dir, prompts):
     hf = AutoModelForCausalLM.from_pretrained(other_dir, dtype=torch.float32)
     tokens = list(prompts[1])
     for step in range(4):
-        drafts = proposer.propose(7, tokens, K)
+        drafts, _ = proposer.propose(7, tokens, K)
         ids = torch.tensor([tokens])
         want = hf.generate(ids, max_new_tokens=K, do_sample=False, min_new_tokens=K)
         assert drafts == want[0, len(tokens) :].tolist()

@@ -6,6 +6,8 @@ what a full recomputation gives)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from raylane.actors.engine import SamplingParams
@@ -119,3 +121,48 @@ def test_mtp_accepted_drafts(mtp_model, tmp_path, options):
     if "num_kv_blocks" in options:
         assert engine.scheduler.num_preemptions > 0
     engine.shutdown()
+
+
+def mtp_sampled_check(path: str, n: int = 600) -> tuple[float, int, Tap]:
+    """(chi-square p-value, dof, Tap) of n unseeded 3-token draws with MTP drafts against
+    HF's forward of the model."""
+    from tests.unit.spec.helpers import chi_square_p_value, hf_probability
+
+    prompt = list(range(5, 12))
+    engine = spec_engine(path, MTP, max_num_seqs=128)
+    tap = Tap(engine, 1)
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    outs = engine.generate([prompt] * n, params, use_tqdm=False)
+    engine.shutdown()
+    observed = Counter(tuple(o.outputs[0].token_ids) for o in outs)
+    probs = hf_probability(path, prompt, list(observed), 1.0, 3)
+    return (*chi_square_p_value(observed, probs, n), tap)
+
+
+def test_mtp_sampled_drafts(mtp_model, tmp_path, monkeypatch):
+    """Sampled requests: unseeded ones' MTP drafts, drawn from q on the runner, are verified
+    by min(1, p/q) against the q kept for them (chi-square of 3-token draws against HF's
+    forward); seeded ones' tokens are the non-speculative ones."""
+    from raylane.kernels import sampling
+
+    path = biased_copy(mtp_model[0], str(tmp_path / "biased"))
+    verified = []
+
+    def counting(p, q, draft, *words):
+        verified.append(len(draft))
+        return accept(p, q, draft, *words)
+
+    accept = sampling.speculative_accept
+    monkeypatch.setattr(sampling, "speculative_accept", counting)
+    p_value, dof, tap = mtp_sampled_check(path)
+    assert sum(verified) == tap.num_draft_tokens > 300  # every draft verified by p/q
+    assert 0 < tap.num_accepted < tap.num_draft_tokens
+    assert dof >= 8 and p_value > 1e-3, (p_value, dof)
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=16, logprobs=1, ignore_eos=True)
+    prompts = [list(range(5, 12)), list(range(5, 25))]
+    engine = spec_engine(path, MTP)
+    got = engine.generate(prompts, seeded, use_tqdm=False)
+    engine.shutdown()
+    reference = spec_engine(path, None)
+    assert_same(reference.generate(prompts, seeded, use_tqdm=False), got)
+    reference.shutdown()
