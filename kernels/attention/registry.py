@@ -78,7 +78,7 @@ _BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], Attentio
 }
 # the cache layouts (attention layer kinds, see actors/models/attention.py) each one serves
 _KINDS: dict[str, frozenset[str]] = {
-    "triton": frozenset({"full", "mla"}),
+    "triton": frozenset({"full", "mla", "sliding", "sinks"}),
     "cpu": frozenset({"full", "mla"}),
     # "dsa" layers run their own torch ops (kernels/attention/sparse.py) and need no backend
     "torch": frozenset({"full", "mla", "dsa", "sliding", "sinks"}),

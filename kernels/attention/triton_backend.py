@@ -8,7 +8,7 @@ graph's metadata fixes at the model's maximum).
 from __future__ import annotations
 
 import raylane.kernels.attention.triton_kernels as tk
-from raylane.kernels.attention.metadata import AttentionMetadata, require_full
+from raylane.kernels.attention.metadata import AttentionMetadata
 
 
 class TritonAttention:
@@ -18,7 +18,6 @@ class TritonAttention:
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
         window: int | None = None, sinks=None,
     ):  # fmt: skip
-        require_full(self.name, window, sinks)  # the registry never picks it for those
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])  # [T, H, Dv]
         split, first = meta.num_prefill_tokens, meta.num_prefills
@@ -34,6 +33,8 @@ class TritonAttention:
                 scale,
                 meta.block_size,
                 out[:split],
+                window,
+                sinks,
             )
         if meta.num_decodes:
             splits = tk.pick_num_splits(meta.num_decodes, k_cache.shape[1], meta.max_seq_len)
@@ -47,5 +48,7 @@ class TritonAttention:
                 meta.block_size,
                 out[split:],
                 num_splits=splits,
+                window=window,
+                sinks=sinks,
             )
         return out

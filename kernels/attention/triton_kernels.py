@@ -82,14 +82,33 @@ def _softmax_step(
     # online softmax over one key tile. q [M, D_PAD], k/v [N, D_PAD], visible [M, N] or [1, N];
     # m [M] running max of the base-2 scores, total [M] running sum of exp2(score - m),
     # acc [M, D_PAD] float32 running sum of weighted values.
-    # HAZARD: a row that sees no key in its first tile gets m = -inf and then nan.
+    # A row that has seen no key yet (a window starts after this tile) keeps m = -inf and sums
+    # nothing: its shift is 0, so exp2(-inf - 0) gives 0 weights, never nan.
     s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - shift[:, None])
+    alpha = tl.exp2(m - shift)  # rescales what was summed under the old max
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
     return m_new, total * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _sink_mass(sinks, heads, heads_ok, m, HAS_SINKS: tl.constexpr):
+    # exp2 of each row's sink logit (base 2, under the running max m): a sink joins the
+    # softmax's denominator and adds nothing to the sum; 0 without sinks
+    if HAS_SINKS:
+        sink = tl.load(sinks + heads, mask=heads_ok, other=float("-inf")).to(tl.float32)
+        return tl.exp2(sink * 1.4426950408889634 - m)
+    else:
+        return tl.zeros_like(m)
+
+
+@triton.jit
+def _window_start(first_query_pos, window):
+    # the first key position the earliest query sees (window 0: no window, position 0)
+    return tl.where(window > 0, tl.maximum(first_query_pos - window + 1, 0), 0)
 
 
 @triton.jit
@@ -142,7 +161,9 @@ def _decode_kernel(
     seq_lens,
     part_ml,
     part_acc,
+    sinks,
     qk_scale,
+    window,
     num_splits,
     stride_qb,
     stride_qh,
@@ -162,14 +183,17 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # one program: sequence b, the GROUP query heads of KV head kvh, one split of the context
+    # one program: sequence b, the GROUP query heads of KV head kvh, one split of the keys it
+    # sees (the last `window` of its context with a window; blocks before them are never read)
     b, kvh, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
-    chunk = tl.cdiv(seq_len, num_splits)  # per sequence, so short contexts leave splits empty
-    start = split * chunk
+    lo = _window_start(seq_len - 1, window)
+    chunk = tl.cdiv(seq_len - lo, num_splits)  # per sequence: short contexts leave splits empty
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
     g, d = tl.arange(0, G_PAD), tl.arange(0, D_PAD)
     heads, g_ok, d_ok, dv_ok = kvh * GROUP + g, g < GROUP, d < HEAD_DIM, d < V_DIM
@@ -204,6 +228,7 @@ def _decode_kernel(
             qv, k, v, pos_ok[None, :], m, total, acc, qk_scale, PRECISION, UPCAST
         )
     if DIRECT:  # one split: normalise here; seq_len 0 (graph padding) gives zeros, not nan
+        total += _sink_mass(sinks, heads, g_ok, m, HAS_SINKS)
         res = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(
             out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -222,6 +247,7 @@ def _reduce_splits_kernel(
     part_ml,
     part_acc,
     out,
+    sinks,
     num_splits,
     stride_ob,
     stride_oh,
@@ -230,6 +256,7 @@ def _reduce_splits_kernel(
     V_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s, d = tl.arange(0, S_PAD), tl.arange(0, D_PAD)
@@ -248,6 +275,8 @@ def _reduce_splits_kernel(
         other=0.0,
     )  # [S_PAD, D_PAD]
     total = tl.sum(w * sums, 0)
+    if HAS_SINKS:  # the sink joins the denominator once, under the same max
+        total += tl.exp2(tl.load(sinks + h).to(tl.float32) * 1.4426950408889634 - top)
     res = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     o_ok = d < V_DIM
     tl.store(out + b * stride_ob + h * stride_oh + d, res.to(out.dtype.element_ty), mask=o_ok)
@@ -262,7 +291,9 @@ def _prefill_kernel(
     block_tables,
     seq_lens,
     query_start_loc,
+    sinks,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -280,6 +311,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -308,7 +340,8 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     kv_end = context + tl.minimum((tile + 1) * BLOCK_Q, q_len)  # last query's position + 1
     table = block_tables + i.to(tl.int64) * stride_bt
-    for n in range(0, kv_end, BLOCK_N):
+    # with a window, keys before the first query's window are never read (freed blocks)
+    for n in range(_window_start(context + tile * BLOCK_Q, window), kv_end, BLOCK_N):
         pos = n + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
         k, v = _load_kv_tile(
@@ -327,8 +360,11 @@ def _prefill_kernel(
             BLOCK_SIZE,
         )
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
+        recent = (pos[None, :] > q_pos[:, None] - window) | (window == 0)
+        visible = visible & recent  # inside the window, if any
         m, total, acc = _softmax_step(qv, k, v, visible, m, total, acc, qk_scale, PRECISION, UPCAST)
-    res = acc / total[:, None]
+    total += _sink_mass(sinks, heads, heads >= 0, m, HAS_SINKS)
+    res = acc / tl.where(total > 0, total, 1.0)[:, None]  # padded rows may see no key
     tl.store(
         out + row_offsets * stride_ot + heads[:, None] * stride_oh + d[None, :],
         res.to(out.dtype.element_ty),
@@ -403,8 +439,12 @@ def decode_attention(
     block_size: int,
     out: torch.Tensor,
     num_splits: int | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """One query per sequence over its paged context, split-K across `num_splits` programs.
+    `window`: it sees only its last `window` keys (itself included); `sinks` [H]: per-head
+    logits joining each softmax's denominator (gpt-oss).
 
     q, out: [B, H, D] (any row and head strides); caches [num_slots, KVH, D]; block_tables
     [B, W] int32; seq_lens [B] int32, the context including the current token (0 writes zeros).
@@ -433,7 +473,9 @@ def decode_attention(
         seq_lens,
         part_ml,
         part_acc,
+        q if sinks is None else sinks,  # any pointer when there are none
         scale * LOG2E,
+        window or 0,
         num_splits,
         q.stride(0),
         q.stride(1),
@@ -452,6 +494,7 @@ def decode_attention(
         D_PAD=d_pad,
         BLOCK_SIZE=block_size,
         DIRECT=direct,
+        HAS_SINKS=sinks is not None,
         **_tiles(d_pad, q),
         **_dot_mode(q),
     )
@@ -460,6 +503,7 @@ def decode_attention(
             part_ml,
             part_acc,
             out,
+            q if sinks is None else sinks,
             num_splits,
             out.stride(0),
             out.stride(1),
@@ -468,6 +512,7 @@ def decode_attention(
             V_DIM=v_dim,
             D_PAD=d_pad,
             S_PAD=triton.next_power_of_2(num_splits),
+            HAS_SINKS=sinks is not None,
         )
 
 
@@ -482,8 +527,11 @@ def prefill_attention(
     scale: float,
     block_size: int,
     out: torch.Tensor,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Varlen causal attention of each sequence's new chunk over its paged context.
+    """Varlen causal attention of each sequence's new chunk over its paged context (a query
+    sees its last `window` keys with a window; `sinks` as for `decode_attention`).
 
     q, out: [T, H, D] (any row and head strides), sequence i's rows are
     `q[query_start_loc[i]:query_start_loc[i + 1]]`; query_start_loc [B + 1] int32; seq_lens [B]
@@ -505,7 +553,9 @@ def prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        q if sinks is None else sinks,
         scale * LOG2E,
+        window or 0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -522,6 +572,7 @@ def prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
+        HAS_SINKS=sinks is not None,
         **_tiles(d_pad, q),
         **_dot_mode(q),
     )

@@ -61,19 +61,33 @@ class Paged:
             self.k.append(k)
             self.v.append(v)
         self.seq_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+        self.spare = pool  # blocks nobody owns: NaN in every slot
+
+    def forget_before(self, first_pos: list[int], block_size: int) -> None:
+        """Point each row's blocks wholly before `first_pos[i]` at a NaN block, as a sliding
+        window's freed blocks may be reused: a kernel that reads one poisons its output."""
+        for i, first in enumerate(first_pos):
+            self.tables[i, : max(0, first) // block_size] = self.spare[0]
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [n, H, D] are the last n positions of a context with keys/values k, v [ctx, KVH, D]."""
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None, sinks=None
+) -> torch.Tensor:
+    """q [n, H, D] are the last n positions of a context with keys/values k, v [ctx, KVH, D].
+    A window keeps each query's last `window` keys; a sink logit joins each denominator."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
         pos = k.shape[0] - q.shape[0] + i
+        lo = 0 if window is None else max(0, pos - window + 1)
         for h in range(q.shape[1]):
             kv = h // group  # GQA: consecutive query heads share a KV head
-            weights = torch.softmax(k[: pos + 1, kv] @ q[i, h] * SCALE, dim=0)
-            out[i, h] = weights @ v[: pos + 1, kv]
+            logits = k[lo : pos + 1, kv] @ q[i, h] * SCALE
+            if sinks is not None:
+                logits = torch.cat([logits, sinks[h : h + 1].double()])
+            weights = torch.softmax(logits, dim=0)[: pos + 1 - lo]
+            out[i, h] = weights @ v[lo : pos + 1, kv]
     return out
 
 
@@ -307,7 +321,8 @@ def test_bad_shapes_raise_value_errors():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_equals_the_torch_reference_on_a_mixed_step(dtype):
+@pytest.mark.parametrize("window,sinks", [(None, False), (5, True)])
+def test_backend_equals_the_torch_reference_on_a_mixed_step(dtype, window, sinks):
     """The backend API over one step's metadata (prefills, one after cached context, then
     decodes) against the torch reference backend: the same outputs and the same cache."""
     from raylane.kernels.attention.builder import SeqSlice, build_metadata
@@ -333,8 +348,84 @@ def test_backend_equals_the_torch_reference_on_a_mixed_step(dtype):
     cache = torch.randn(2, 40 * block_size, kv_heads, head_dim, generator=gen).to(dtype)
     ref_k, ref_v = cache[0].clone(), cache[1].clone()
     got_k, got_v = cache[0].clone(), cache[1].clone()
-    ref = TorchAttention().forward(q, k, v, ref_k, ref_v, meta["a"], SCALE)
-    got = TritonAttention().forward(q, k, v, got_k, got_v, meta["b"], SCALE)
+    sink = _sinks(heads, 3) if sinks else None
+    ref = TorchAttention().forward(q, k, v, ref_k, ref_v, meta["a"], SCALE, window, sink)
+    got = TritonAttention().forward(q, k, v, got_k, got_v, meta["b"], SCALE, window, sink)
     torch.testing.assert_close(got_k, ref_k, atol=0, rtol=0)
     torch.testing.assert_close(got_v, ref_v, atol=0, rtol=0)
     torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# --- sliding window and sinks (gpt-oss, Gemma 3) ----------------------------------------------
+
+
+def _sinks(heads: int, seed: int) -> torch.Tensor:
+    return torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+WINDOWED_DECODE = {
+    # name: (ctx_lens, heads, kv_heads, head_dim, block_size, num_splits, window, sinks)
+    "window": ([20, 7, 1, 9], 4, 2, 24, 4, 1, 6, False),
+    "window_split_k": ([70, 33, 3], 4, 1, 32, 8, 3, 40, False),
+    "sinks": ([13, 1, 6], 6, 2, 40, 4, 1, None, True),
+    "sinks_split_k": ([70, 9], 3, 3, 24, 4, 4, None, True),
+    "window_and_sinks": ([70, 17, 4], 4, 2, 24, 4, 2, 8, True),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOWED_DECODE))
+def test_decode_with_window_and_sinks_matches_naive(case):
+    ctx_lens, heads, kv_heads, head_dim, block_size, splits, window, sinks = WINDOWED_DECODE[case]
+    gen = torch.Generator().manual_seed(len(case))
+    cache = Paged(ctx_lens, kv_heads, head_dim, block_size, torch.float32, gen)
+    if window is not None:  # the query sits at n - 1 and sees from n - window on
+        cache.forget_before([n - window for n in ctx_lens], block_size)
+    q = strided_q(len(ctx_lens), heads, head_dim, torch.float32, gen)
+    sink = _sinks(heads, len(case)) if sinks else None
+    out = torch.full_like(q, float("nan"))
+    decode_attention(
+        q, cache.k_cache, cache.v_cache, cache.tables, cache.seq_lens, SCALE, block_size, out,
+        num_splits=splits, window=window, sinks=sink,
+    )  # fmt: skip
+    want = torch.cat(
+        [
+            naive_attention(q[i : i + 1], cache.k[i], cache.v[i], window, sink)
+            for i in range(len(ctx_lens))
+        ]
+    )
+    assert_matches(out, want, torch.float32)
+
+
+WINDOWED_PREFILL = {
+    # name: (chunks as (q_len, ctx_len), heads, kv_heads, head_dim, block_size, window, sinks)
+    "window_over_cached_context": ([(5, 21), (7, 7), (2, 9)], 4, 2, 24, 4, 6, False),
+    "sinks": ([(7, 7), (5, 21)], 6, 2, 40, 8, None, True),
+    "window_and_sinks_gqa4": ([(20, 70), (17, 17)], 4, 1, 32, 8, 8, True),
+    # 32-key tiles under 64-query tiles: later rows see no key in the first tile they scan
+    "rows_with_an_empty_first_tile": ([(70, 75)], 2, 2, 128, 16, 3, True),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOWED_PREFILL))
+def test_prefill_with_window_and_sinks_matches_naive(case):
+    chunks, heads, kv_heads, head_dim, block_size, window, sinks = WINDOWED_PREFILL[case]
+    gen = torch.Generator().manual_seed(len(case))
+    cache = Paged([ctx for _, ctx in chunks], kv_heads, head_dim, block_size, torch.float32, gen)
+    if window is not None:  # the chunk's first query sits at ctx - q_len
+        cache.forget_before([ctx - n - window + 1 for n, ctx in chunks], block_size)
+    q_lens = [n for n, _ in chunks]
+    q = strided_q(sum(q_lens), heads, head_dim, torch.float32, gen)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    sink = _sinks(heads, len(case)) if sinks else None
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(
+        q, cache.k_cache, cache.v_cache, cache.tables, cache.seq_lens, qsl, max(q_lens), SCALE,
+        block_size, out, window=window, sinks=sink,
+    )  # fmt: skip
+    want = torch.cat(
+        [
+            naive_attention(q[qsl[i] : qsl[i + 1]], cache.k[i], cache.v[i], window, sink)
+            for i in range(len(chunks))
+        ]
+    )
+    assert_matches(out, want, torch.float32)
