@@ -2,8 +2,8 @@
 so a trainer's unmodified client drives raylane as it drives the server it was written for:
 vLLM's RL API (`vllm_routes`, `vllm_generate`), SGLang's native API (`sglang_routes`; its
 /generate is raylane's own, answering SGLang's exact shape while these routes are on) and TRL's
-`trl vllm-serve` routes (`trl_routes`, `trl_weights`). Off unless asked for
-(`raylane serve --trainer-api`).
+`trl vllm-serve` routes (`trl_routes`, `trl_weights`) and SkyRL's additions (`skyrl_routes`).
+Off unless asked for (`raylane serve --trainer-api`).
 
 Each module holds two routers: `router`, the routes any user may call (reads, generation), and
 `control`, those that change state, which the admin key guards when one is configured. A new
@@ -18,6 +18,7 @@ from raylane.session_server.trainer_api import (
     disk_update,
     sglang_routes,
     sglang_weights,
+    skyrl_routes,
     trl_routes,
     trl_weights,
     upkeep_routes,
@@ -34,6 +35,7 @@ MODULES = (
     sglang_routes,
     sglang_weights,
     disk_update,
+    skyrl_routes,
     trl_routes,
     trl_weights,
 )

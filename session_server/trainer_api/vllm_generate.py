@@ -42,16 +42,8 @@ _INERT = {"detokenize", "output_kind", "spaces_between_special_tokens", "skip_cl
     "/inference/v1/generate", response_model=None, responses=ok(TokensResponse, EVENT_STREAM)
 )
 async def generate(body: TokensRequest, request: Request):
-    backend = backend_of(request)
-    check_model(body.model, backend.info)
-    if body.features is not None:
-        raise bad_request("features: multimodal inputs are not served here", "features")
-    if body.routed_experts_start_len > len(body.token_ids):
-        raise bad_request("routed_experts_start_len: past the prompt", "routed_experts_start_len")
-    params = vllm_params(body.sampling_params, body.token_ids, backend.info)
-    params = dataclasses.replace(params, cache_salt=body.cache_salt)
     request_id = body.request_id or new_id("generate-tokens")
-    stream = start(backend, [body.token_ids], params, request_id, None, timeout_of(request, None))
+    params, stream = start_tokens(body, request, request_id)
     if body.stream:  # vLLM's chunks: each sample's new token ids (and logprobs)
         chunks = _Chunks(request_id, params)
         return sse_response(await primed(request, stream), chunks.of, chunks.tail)
@@ -64,6 +56,20 @@ async def generate(body: TokensRequest, request: Request):
         "usage": fmt.usage([out]),
         "weight_version": str(out.weight_version),
     }
+
+
+def start_tokens(body: TokensRequest, request: Request, request_id: str) -> tuple:
+    """Check a tokens request and start it: (its SamplingParams, the output stream)."""
+    backend = backend_of(request)
+    check_model(body.model, backend.info)
+    if body.features is not None:
+        raise bad_request("features: multimodal inputs are not served here", "features")
+    if body.routed_experts_start_len > len(body.token_ids):
+        raise bad_request("routed_experts_start_len: past the prompt", "routed_experts_start_len")
+    params = vllm_params(body.sampling_params, body.token_ids, backend.info)
+    params = dataclasses.replace(params, cache_salt=body.cache_salt)
+    timeout = timeout_of(request, None)
+    return params, start(backend, [body.token_ids], params, request_id, None, timeout)
 
 
 def vllm_params(sp: dict[str, Any], prompt: list[int], info: ModelInfo) -> SamplingParams:
