@@ -416,6 +416,25 @@ def make_qwen3_5_moe(path: str | os.PathLike, seed: int = 0, **overrides: Any) -
     )
 
 
+def make_qwen3_next(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Qwen3-Next: make_qwen3_5's layers with fused per-key-head projections; layers 0 and 2
+    a shared-expert MoE (4 experts top-2), layer 1 dense (`mlp_only_layers`)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    defaults = {
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
+        "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5
+        },
+    }  # fmt: skip
+    classes = (Qwen3NextConfig, Qwen3NextForCausalLM)
+    return make_qwen3_5(path, seed, _classes=classes, **{**defaults, **overrides})
+
+
 def _randomize(path: str, seed: int, suffixes: tuple[str, ...]) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -49,10 +49,7 @@ class GatedDeltaNet(nn.Module):
         key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim, self.width = 2 * key_dim + value_dim, config.linear_conv_kernel_dim
         h = config.hidden_size
-        self.in_proj_qkv = ReplicatedLinear(h, self.conv_dim, False, tp)
-        self.in_proj_z = ReplicatedLinear(h, value_dim, False, tp)
-        self.in_proj_b = ReplicatedLinear(h, self.hv, False, tp)
-        self.in_proj_a = ReplicatedLinear(h, self.hv, False, tp)
+        self.make_projections(h, tp)
         self.conv1d = nn.Conv1d(  # only its weight [C, 1, W] is used
             self.conv_dim, self.conv_dim, self.width, groups=self.conv_dim, bias=False
         )
@@ -66,6 +63,19 @@ class GatedDeltaNet(nn.Module):
         self.backend: LinearAttentionBackend = get_linear_backend("torch")
         self.conv_state: torch.Tensor | None = None  # [num_slots, C, W - 1]
         self.recurrent_state: torch.Tensor | None = None  # [num_slots, Hv, Dk, Dv] float32
+
+    def make_projections(self, h: int, tp: TPGroup) -> None:
+        self.in_proj_qkv = ReplicatedLinear(h, self.conv_dim, False, tp)
+        self.in_proj_z = ReplicatedLinear(h, self.hv * self.dv, False, tp)
+        self.in_proj_b = ReplicatedLinear(h, self.hv, False, tp)
+        self.in_proj_a = ReplicatedLinear(h, self.hv, False, tp)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden [T, H] -> (q|k|v [T, C] for the conv, z [T, Hv * Dv], b [T, Hv], a [T, Hv])."""
+        return (
+            self.in_proj_qkv(hidden), self.in_proj_z(hidden),
+            self.in_proj_b(hidden), self.in_proj_a(hidden),
+        )  # fmt: skip
 
     def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
         """Per-slot (shape, dtype) of each state tensor; None: the model's dtype."""
@@ -82,17 +92,16 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError("GatedDeltaNet: state pools and metadata come from the runner")
         t, meta = hidden.shape[0], attn.linear
         weight = self.conv1d.weight[:, 0]  # [C, W]
-        mixed = self.backend.conv(
-            self.in_proj_qkv(hidden), weight, None, self.conv_state, meta, self.activation
-        )  # [T, C]
+        qkv, z, b, a = self.project(hidden)
+        mixed = self.backend.conv(qkv, weight, None, self.conv_state, meta, self.activation)
         q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        beta = self.in_proj_b(hidden).sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        beta = b.sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = self.backend.delta_rule(
             q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
             v.reshape(t, self.hv, self.dv), g, beta, self.recurrent_state, meta,
         )  # fmt: skip
-        z = self.in_proj_z(hidden).view(t, self.hv, self.dv)
+        z = z.reshape(t, self.hv, self.dv)
         out = gated_rms_norm(core, z, self.norm.weight, self.eps)
         return self.out_proj(out.reshape(t, self.hv * self.dv))
 
@@ -149,14 +158,17 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def attention_spec(cls, config: Any) -> AttentionSpec:
         return AttentionSpec.from_config(config, qk_norm=True)
 
-    def make_mlp(self, config: Any) -> tuple[nn.Module, bool]:
+    def linear_mixer(self, config: Any) -> GatedDeltaNet:
+        return GatedDeltaNet(config, self.tp)
+
+    def make_mlp(self, config: Any, layer_idx: int) -> tuple[nn.Module, bool]:
         """(the layer's MLP, whether it is an MoE block returning expert ids)."""
         return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act), False
 
     def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
         linear = config.layer_types[layer_idx] == LINEAR
-        mixer = GatedDeltaNet(config, self.tp) if linear else GatedAttention(spec, self.tp)
-        mlp, is_moe = self.make_mlp(config)
+        mixer = self.linear_mixer(config) if linear else GatedAttention(spec, self.tp)
+        mlp, is_moe = self.make_mlp(config, layer_idx)
         layer = LlamaDecoderLayer(spec, mlp, is_moe=is_moe, tp=self.tp, self_attn=mixer)
         layer.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         layer.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -194,7 +206,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         self.num_moe_layers = config.num_hidden_layers
         self.moe_top_k = config.num_experts_per_tok
 
-    def make_mlp(self, config: Any) -> tuple[nn.Module, bool]:
+    def make_mlp(self, config: Any, layer_idx: int) -> tuple[nn.Module, bool]:
         return SharedExpertMoe(config, self.tp), True
 
     def expert_params_mapping(self) -> list[tuple[str, str, Any]]:

@@ -21,6 +21,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GptOssForCausalLM": ("raylane.actors.models.gpt_oss", "GptOssForCausalLM"),
     "Qwen3_5ForCausalLM": ("raylane.actors.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("raylane.actors.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("raylane.actors.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

@@ -32,6 +32,7 @@ FAMILIES = {
     "glm5": ("make_glm_moe_dsa", True, [0, 2]),
     "qwen3_5": ("make_qwen3_5", False, None),
     "qwen3_5_moe": ("make_qwen3_5_moe", True, None),
+    "qwen3_next": ("make_qwen3_next", True, None),
     "gemma3": ("make_gemma3", False, None),
     "gpt_oss": ("make_gpt_oss", True, None),
     "qwen3_moe": ("make_qwen3_moe", True, None),

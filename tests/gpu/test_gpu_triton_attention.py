@@ -52,11 +52,12 @@ def make_step(prefills, decodes, head_dim: int, dtype: torch.dtype, seed: int):
     return slices[: len(prefills)], slices[len(prefills) :], tensors
 
 
-def run_backend(name: str, prefills, decodes, tensors):
+def run_backend(name: str, prefills, decodes, tensors, window=None, sinks=None):
     q, k, v, k_cache, v_cache = (t.clone() for t in tensors)
     # metadata per backend: a backend caches its own plan on it
     meta = build_metadata(prefills, decodes, BLOCK, device="cuda")
-    out = get_backend(name, "cuda").forward(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+    scale = q.shape[-1] ** -0.5
+    out = get_backend(name, "cuda").forward(q, k, v, k_cache, v_cache, meta, scale, window, sinks)
     torch.cuda.synchronize()
     return out, k_cache, v_cache
 
@@ -70,6 +71,19 @@ def test_triton_matches_torch(case, head_dim, dtype):
     ref, ref_k, ref_v = run_backend("torch", prefills, decodes, tensors)
     out, k_cache, v_cache = run_backend("triton", prefills, decodes, tensors)
     assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 24])
+def test_triton_matches_torch_with_window_and_sinks(window, dtype):
+    # gpt-oss's shape: head_dim 64, learned sinks; sliding layers of window 24 (< the contexts)
+    pytest.importorskip("triton")
+    prefills, decodes, tensors = make_step(*CASES["mixed"], 64, dtype, seed=5)
+    sinks = torch.randn(HEADS, device="cuda") * 2
+    ref, ref_k, ref_v = run_backend("torch", prefills, decodes, tensors, window, sinks)
+    out, k_cache, v_cache = run_backend("triton", prefills, decodes, tensors, window, sinks)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 

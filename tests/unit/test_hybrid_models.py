@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from tests.hf_reference import hf_greedy
-from tests.tiny_models import make_qwen3_5, make_qwen3_5_moe
+from tests.tiny_models import make_qwen3_5, make_qwen3_5_moe, make_qwen3_next
 from tests.unit.test_engine_parity import assert_matches_hf, engine_for, greedy, prompts_for
 from tests.unit.test_windowed_models import assert_routing_matches_hf
 
@@ -68,14 +68,19 @@ def test_qwen3_5_preemption_under_tight_budget_matches_hf(tiny_qwen3_5_dir: str)
     assert_matches_hf(tiny_qwen3_5_dir, prompts, outs, max_new=20)
 
 
-def test_qwen3_5_moe_matches_hf_with_routing(tmp_path_factory) -> None:
-    model_dir = make_qwen3_5_moe(tmp_path_factory.mktemp("tiny_qwen3_5_moe"))
+# Qwen3.5-MoE: every layer MoE. Qwen3-Next: fused per-key-head projections regrouped at load,
+# MoE on layers 0 and 2, layer 1 dense (mlp_only_layers)
+@pytest.mark.parametrize(
+    "make,num_moe_layers,seed", [(make_qwen3_5_moe, 3, 2), (make_qwen3_next, 2, 6)]
+)
+def test_moe_variants_match_hf_with_routing(make, num_moe_layers, seed, tmp_path_factory) -> None:
+    model_dir = make(tmp_path_factory.mktemp("tiny_hybrid_moe"))
     engine = engine_for(model_dir, max_num_batched_tokens=16, enable_return_routed_experts=True)
-    prompts = prompts_for(engine.validator.vocab_size, seed=2, count=3)
+    prompts = prompts_for(engine.validator.vocab_size, seed=seed, count=3)
     hf_greedy(model_dir, prompts[0], 1)  # HF first, as above
     outs = engine.generate(prompts, greedy(8, return_routed_experts=True), use_tqdm=False)
     assert_matches_hf(model_dir, prompts, outs, max_new=8)
-    assert_routing_matches_hf(model_dir, prompts, outs, num_moe_layers=3, top_k=2)
+    assert_routing_matches_hf(model_dir, prompts, outs, num_moe_layers, top_k=2)
 
 
 def test_qwen3_5_async_scheduling_equals_serial(tiny_qwen3_5_dir: str) -> None:
