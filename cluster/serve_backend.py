@@ -1,28 +1,31 @@
 """The HTTP layer's `EngineBackend` over the Router actor and its engine replicas.
 
 Requests go from here straight to a replica's actor handle, chosen on this process's copy of the
-Router's replica table (`ReplicaView`); control calls and sessions go to the Router."""
+Router's replica table (`ReplicaView`); control calls (`RouterControl`) and sessions go to the
+Router."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.control import CONTROL_VERBS, ControlPlane
 from raylane.router.errors import ROUTER_DOWN, ReplicaFailed, call_router
 from raylane.router.generator import TurnGenerator
 from raylane.router.messages import Message
+from raylane.router.remote import Remote
 from raylane.router.replica_generator import ReplicaRequests, ReplicaTurnGenerator
 from raylane.router.replica_set import ReplicaSpec
 from raylane.router.replica_view import ReplicaView
 from raylane.router.samples import TrainingSample
 from raylane.router.session_host import SessionSetup
 from raylane.router.sessions import TurnResult
-from raylane.router.turn_handoff import stream_turn
+from raylane.router.turn_handoff import TurnLeases, stream_turn
 from raylane.session_server.backend import ControlBackend, ModelInfo, SessionBackend
 
 
@@ -58,7 +61,7 @@ class ServeBackend:
         )
         # typed as the protocols: EngineBackend's attributes are mutable, so invariant
         self.sessions: SessionBackend = RouterSessions(router, setup, turns)
-        self.control: ControlBackend = RouterControl(router)
+        self.control: ControlBackend = router_control(router)
 
     def generate(
         self,
@@ -80,79 +83,31 @@ class ServeBackend:
         return [r for r in results if isinstance(r, dict)]
 
 
-class RouterControl:
-    """`ControlBackend` over the Router actor, whose `ControlPlane` serializes control calls for
-    the whole cluster and calls every replica's actor handle."""
+class RouterControl(Remote):
+    """The Router's `ControlPlane` seen from another process: each verb is one call to the
+    Router (`Router.control`), whose plane serializes control calls for the whole cluster.
+    `result` awaits the call (default `call_router`: the Router's errors as themselves)."""
 
-    def __init__(self, router):
-        self.router = router
+    def __init__(self, router, result: Callable[[Any], Awaitable[Any]] = call_router):
+        super().__init__(
+            CONTROL_VERBS, lambda verb, args: result(router.control.remote(verb, *args))
+        )
 
-    async def pause(self, mode: str) -> dict[str, Any]:
-        return await call_router(self.router.pause.remote(mode))
+    async def load_bucket(self, update_id: str, bucket: Any) -> int:
+        """`bucket`: safetensors bytes, stored here once for every replica; or `[ObjectRef]`
+        of them, stored already. In a list, so the Router passes the ref on instead of
+        fetching the bytes. NOTE: the ref must live until the call returns (a uint8 array,
+        which a replica reads in place; bytes would be copied out)."""
+        if not isinstance(bucket, list):
+            import ray
 
-    async def resume(self) -> dict[str, Any]:
-        return await call_router(self.router.resume.remote())
+            bucket = [await asyncio.to_thread(ray.put, np.frombuffer(bucket, dtype=np.uint8))]
+        return await self._send("load_bucket", (update_id, bucket))
 
-    async def begin_update(self, version: int | None, spec_dicts: list[dict] | None) -> str:
-        return await call_router(self.router.begin_update.remote(version, spec_dicts))
 
-    async def load_bucket(self, update_id: str, payload: bytes) -> int:
-        import ray
-
-        # stored once, read by every replica; in a list so the Router passes the ref on
-        # instead of fetching the bytes. NOTE: the ref must live until the call returns
-        # (a uint8 array, which a replica reads in place; bytes would be copied out)
-        ref = await asyncio.to_thread(ray.put, np.frombuffer(payload, dtype=np.uint8))
-        return await call_router(self.router.load_bucket.remote(update_id, [ref]))
-
-    async def commit_update(self, update_id: str | None, version: int | None = None) -> int:
-        return await call_router(self.router.commit_update.remote(update_id, version))
-
-    async def init_weight_group(
-        self, info: dict[str, Any], detach: bool = False
-    ) -> dict[str, Any] | None:
-        return await call_router(self.router.init_weight_group.remote(info, detach))
-
-    async def receive_weights(
-        self,
-        update_id: str | None,
-        group_name: str,
-        spec_dicts: list[dict],
-        packing: dict[str, Any] | None = None,
-        detach: bool = False,
-    ) -> int:
-        ref = self.router.receive_weights.remote(update_id, group_name, spec_dicts, packing, detach)
-        return await call_router(ref)
-
-    async def destroy_weight_group(self, group_name: str | None = None) -> None:
-        await call_router(self.router.destroy_weight_group.remote(group_name))
-
-    async def abort_update(self, update_id: str | None = None) -> None:
-        await call_router(self.router.abort_update.remote(update_id))
-
-    async def weight_version(self) -> int:
-        return await call_router(self.router.weight_version.remote())
-
-    async def sleep(self, level: int) -> dict[str, Any]:
-        return await call_router(self.router.sleep.remote(level))
-
-    async def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
-        return await call_router(self.router.wake_up.remote(tags))
-
-    async def call_replicas(self, method: str, *args: Any) -> dict[str, Any]:
-        return await call_router(self.router.call_replicas.remote(method, *args))
-
-    async def set_weight_version(self, version: int) -> int:
-        return await call_router(self.router.set_weight_version.remote(version))
-
-    async def control_state(self) -> dict[str, Any]:
-        return await call_router(self.router.control_state.remote())
-
-    async def abort(self, request_ids: list[str] | None) -> list[RequestOutput]:
-        return await call_router(self.router.abort.remote(request_ids))
-
-    async def flush_cache(self) -> None:
-        await call_router(self.router.flush_cache.remote())
+def router_control(router, result: Callable[[Any], Awaitable[Any]] = call_router) -> ControlPlane:
+    """The Router's control plane, to call as if it were here (`RouterControl`)."""
+    return cast(ControlPlane, RouterControl(router, result))
 
 
 class RouterSessions:
@@ -164,6 +119,7 @@ class RouterSessions:
         # sent with every call: the Router (re)builds its registry from it, after a restart too
         self.setup = setup
         self.generator = generator  # runs a turn's tokens (a `ReplicaTurnGenerator`)
+        self.leases = TurnLeases(self._renew)  # while this process runs turns, the Router knows
 
     async def create(self, metadata: dict[str, Any] | None = None) -> str:
         return await call_router(self.router.session_create.remote(self.setup, metadata))
@@ -196,7 +152,9 @@ class RouterSessions:
             self.setup, session_id, messages, params, tools, chat_template_kwargs
         )
         committed = False
-        turn = stream_turn(_results(call), self.generator, self._hand_back, session_id, timeout_s)
+        turn = stream_turn(
+            _results(call), self.generator, self._hand_back, self.leases, session_id, timeout_s
+        )
         try:
             async with aclosing(turn):
                 async for result in turn:
@@ -210,6 +168,9 @@ class RouterSessions:
 
     async def _hand_back(self, turn_id: str, output: RequestOutput) -> None:
         await call_router(self.router.session_turn_end.remote(turn_id, output))
+
+    async def _renew(self, turn_ids: list[str]) -> None:
+        await call_router(self.router.session_turns_renew.remote(turn_ids))
 
 
 async def _results(call) -> AsyncIterator:

@@ -24,9 +24,10 @@ from typing import Any
 
 from raylane.actors.engine.outputs import RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
-from raylane.router.control import ControlPlane
+from raylane.router.control import CONTROL_VERBS, ControlPlane
 from raylane.router.messages import Message
 from raylane.router.policy import RoutingPolicy
+from raylane.router.remote import dispatch
 from raylane.router.replica_calls import ActorCalls
 from raylane.router.replica_set import ReplicaSet, ReplicaSpec
 from raylane.router.replica_view import ReplicaView
@@ -57,7 +58,7 @@ class Router:
         # in this process: the table is read before each turn's choice
         view = ReplicaView(self.table, capacity, self.report_failure, refresh_s=0)
         self.sessions = SessionHost(view, store=open_session_store(sessions_dsn))
-        self.control = ControlPlane(self, ActorCalls(self.replica_set.handles))
+        self.plane = ControlPlane(self, ActorCalls(self.replica_set.handles))
 
     # --- replicas -----------------------------------------------------------------------------
 
@@ -139,66 +140,10 @@ class Router:
 
     # --- the control plane: straight to each replica's actor handle ---------------------------
 
-    async def pause(self, mode: str) -> dict[str, Any]:
-        return await self.control.pause(mode)
-
-    async def resume(self) -> dict[str, Any]:
-        return await self.control.resume()
-
-    async def begin_update(self, version: int | None, spec_dicts: list[dict] | None) -> str:
-        return await self.control.begin_update(version, spec_dicts)
-
-    async def load_bucket(self, update_id: str, bucket: list) -> int:
-        """`bucket`: `[ObjectRef]` of safetensors bytes; the list keeps Ray from fetching the
-        bytes here, so each replica reads them from the object store itself."""
-        return await self.control.load_bucket(update_id, bucket)
-
-    async def commit_update(self, update_id: str | None, version: int | None = None) -> int:
-        return await self.control.commit_update(update_id, version)
-
-    async def init_weight_group(
-        self, info: dict[str, Any], detach: bool = False
-    ) -> dict[str, Any] | None:
-        return await self.control.init_weight_group(info, detach)
-
-    async def receive_weights(
-        self,
-        update_id: str | None,
-        group_name: str,
-        spec_dicts: list[dict],
-        packing: dict[str, Any] | None = None,
-        detach: bool = False,
-    ) -> int:
-        return await self.control.receive_weights(
-            update_id, group_name, spec_dicts, packing, detach
-        )
-
-    async def destroy_weight_group(self, group_name: str | None = None) -> None:
-        await self.control.destroy_weight_group(group_name)
-
-    async def abort_update(self, update_id: str | None = None) -> None:
-        await self.control.abort_update(update_id)
-
-    async def sleep(self, level: int) -> dict[str, Any]:
-        return await self.control.sleep(level)
-
-    async def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
-        return await self.control.wake_up(tags)
-
-    async def call_replicas(self, method: str, *args: Any) -> dict[str, Any]:
-        return await self.control.call_replicas(method, *args)
-
-    async def set_weight_version(self, version: int) -> int:
-        return await self.control.set_weight_version(version)
-
-    async def abort(self, request_ids: list[str] | None) -> list[RequestOutput]:
-        return await self.control.abort(request_ids)
-
-    async def flush_cache(self) -> None:
-        await self.control.flush_cache()
-
-    def control_state(self) -> dict[str, Any]:
-        return self.control.state()
+    async def control(self, verb: str, *args: Any) -> Any:
+        """`ControlPlane.<verb>(*args)`: every control call from another process comes here
+        (`raylane.serve_backend.RouterControl`), and its verbs are the plane's own methods."""
+        return await dispatch(self.plane, CONTROL_VERBS, verb, args)
 
     # --- the control plane's `ReplicaTable` ---------------------------------------------------
 
@@ -256,6 +201,10 @@ class Router:
     def session_turn_end(self, turn_id: str, output: RequestOutput) -> None:
         """The finished output of a turn that `session_turn` handed out."""
         self.sessions.handoff.finish(turn_id, output)
+
+    def session_turns_renew(self, turn_ids: list[str]) -> None:
+        """The caller of these turns is alive and generating them (`TurnLeases`)."""
+        self.sessions.handoff.renew(turn_ids)
 
     def _expire(self) -> None:
         now = time.monotonic()

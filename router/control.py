@@ -1,8 +1,9 @@
 """The RL control plane: pause, resume, weight updates and aborts across every engine replica.
 
 The Router actor hosts one for its replica actors, `LocalBackend` one for its in-process engine;
-either way it is the `ControlBackend` the admin routes drive (the ingress reaches the Router's
-through `RouterControl`).
+either way it is the `ControlBackend` the admin routes drive. Its public coroutines are the
+verbs (`CONTROL_VERBS`): the ingress calls the Router's plane through `RouterControl`, which
+sends each by name, so a new verb is a new method here and nothing else.
 One asyncio.Lock serializes pause, resume and each step of an update, so concurrent callers (two
 trainers, a retry racing its original) see them one after another, never interleaved; every call
 is broadcast and idempotent on the replicas, so a retry, or a Router that restarted and forgot
@@ -28,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from raylane.actors.models.weights import TensorSpec
+from raylane.actors.replica_control import ReplicaControl
 from raylane.router.control_parts import (
     ReplicaCalls,
     ReplicaTable,
@@ -37,6 +39,7 @@ from raylane.router.control_parts import (
     manifest,
 )
 from raylane.router.errors import ControlConflict, ReplicasFailed, UpdateNotFound
+from raylane.router.remote import verbs
 from raylane.router.weight_groups import WeightGroups
 
 log = logging.getLogger(__name__)
@@ -96,11 +99,11 @@ class ControlPlane(WeightGroups):
             return self.state()
 
     async def _pause(self, mode: str) -> None:
-        await self._everywhere(self._reachable(), "pause", lambda rid: self.calls.pause(rid, mode))
+        await self._everywhere(self._reachable(), "pause", lambda r: r.pause(mode))
         self.paused_mode = mode
 
     async def _resume(self) -> None:
-        await self._everywhere(self._reachable(), "resume", self.calls.resume)
+        await self._everywhere(self._reachable(), "resume", lambda r: r.resume())
         self.paused_mode = None
 
     # --- the update transaction ---------------------------------------------------------------
@@ -133,7 +136,7 @@ class ControlPlane(WeightGroups):
                 ok = await self._everywhere(
                     self._reachable(),
                     "begin_weight_update",
-                    lambda rid: self.calls.begin_weight_update(rid, dicts),
+                    lambda r: r.begin_weight_update(dicts),
                 )
             except BaseException:
                 if fresh:  # nothing was begun anywhere: undo the pause
@@ -154,7 +157,7 @@ class ControlPlane(WeightGroups):
             ok = await self._everywhere(
                 update.replica_ids,
                 "load_weight_bucket",
-                lambda rid: self.calls.load_weight_bucket(rid, bucket),
+                lambda r: r.load_weight_bucket(bucket),
                 update=update,
             )
             count = next(iter(ok.values()))
@@ -178,7 +181,7 @@ class ControlPlane(WeightGroups):
             ok = await self._everywhere(
                 update.replica_ids,
                 "finish_weight_update",
-                lambda rid: self.calls.finish_weight_update(rid, version),
+                lambda r: r.finish_weight_update(version),
                 update=update,
             )
             for rid in ok:
@@ -212,16 +215,12 @@ class ControlPlane(WeightGroups):
         request); their partial outputs (`RequestOutput`, finish reason "abort")."""
         ids = self.table.reachable()
         wanted = None if request_ids is None else list(request_ids)
-        done = (
-            await self._everywhere(ids, "abort", lambda rid: self.calls.abort(rid, wanted))
-            if ids
-            else {}
-        )
+        done = await self._everywhere(ids, "abort", lambda r: r.abort(wanted)) if ids else {}
         return [out for outs in done.values() for out in outs]
 
     async def flush_cache(self) -> None:
         """Drop every replica's prefix cache."""
-        await self._everywhere(self._reachable(), "flush_cache", self.calls.flush_cache)
+        await self._everywhere(self._reachable(), "flush_cache", lambda r: r.flush_cache())
 
     # --- sleep and weight checks (the trainer protocols) -----------------------------------------
 
@@ -252,7 +251,9 @@ class ControlPlane(WeightGroups):
 
     async def _call_all(self, method: str, *args: Any) -> dict[str, Any]:
         return await self._everywhere(
-            self._reachable(), method, lambda rid: self.calls.call(rid, method, *args)
+            self._reachable(),
+            method,
+            lambda r: r.control_call(method, *args),
         )
 
     # --- broadcasting ---------------------------------------------------------------------------
@@ -267,10 +268,10 @@ class ControlPlane(WeightGroups):
         self,
         ids: list[str],
         method: str,
-        call: Callable[[str], Awaitable[Any]],
+        call: Callable[[ReplicaControl], Awaitable[Any]],
         update: Update | None = None,
     ) -> dict[str, Any]:
-        """`call(replica_id)` (the replica's `method`) on every replica in `ids` at once;
+        """`call(replica)` (the replica's `method`) on every replica in `ids` at once;
         their results by replica id.
 
         A `ValueError` (the input's fault) raised anywhere is raised here. A replica that
@@ -278,7 +279,8 @@ class ControlPlane(WeightGroups):
         error (`ReplicasFailed`)."""
         if not ids:
             raise ReplicasFailed(f"{method}: no engine replica is left to call")
-        results = await asyncio.gather(*(call(rid) for rid in ids), return_exceptions=True)
+        calls = (call(self.calls.replica(rid)) for rid in ids)
+        results = await asyncio.gather(*calls, return_exceptions=True)
         ok = {rid: r for rid, r in zip(ids, results) if not isinstance(r, BaseException)}
         failed = {rid: r for rid, r in zip(ids, results) if isinstance(r, BaseException)}
         bad_input = next((e for e in failed.values() if isinstance(e, ValueError)), None)
@@ -296,3 +298,7 @@ class ControlPlane(WeightGroups):
                 f"{method} failed on every engine replica: {type(first).__name__}: {first}"
             ) from first
         return ok
+
+
+# what a caller in another process may ask of the plane (`Router.control`): its own methods
+CONTROL_VERBS = verbs(ControlPlane)

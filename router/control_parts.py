@@ -9,46 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from raylane.actors.models.weights import TensorSpec
+from raylane.actors.replica_control import ReplicaControl
 
 
 class ReplicaCalls(Protocol):
-    """Calls one engine replica's control methods (those of `raylane.actors.replica.EngineReplica`).
-    Each raises what the replica raised: `ValueError` for bad input; anything else means the
-    replica failed."""
+    """Reaches the engine replicas: `replica(id)` has that replica's control methods (those of
+    `raylane.actors.replica_control.ReplicaControl`). Each raises what the replica raised:
+    `ValueError` for bad input; anything else means the replica failed (a replica that is
+    gone too, when its call is awaited)."""
 
-    async def pause(self, replica_id: str, mode: str) -> None: ...
-
-    async def resume(self, replica_id: str) -> None: ...
-
-    async def begin_weight_update(self, replica_id: str, spec_dicts: list[dict] | None) -> None: ...
-
-    async def load_weight_bucket(self, replica_id: str, bucket: Any) -> int: ...
-
-    async def finish_weight_update(self, replica_id: str, version: int) -> int: ...
-
-    async def abort(self, replica_id: str, request_ids: list[str] | None) -> list: ...
-
-    async def flush_cache(self, replica_id: str) -> None: ...
-
-    async def call(self, replica_id: str, method: str, *args: Any) -> Any:
-        """One of `raylane.actors.engine.upkeep.CONTROL_CALLS` on the replica's engine."""
-        ...
-
-    # the trainer's collective group (`raylane.actors.engine.weight_transfer`)
-
-    async def weight_ranks(self, replica_id: str) -> int: ...
-
-    async def join_weight_group(self, replica_id: str, info: dict, rank_base: int) -> int: ...
-
-    async def check_weight_receive(self, replica_id: str, spec_dicts: list[dict]) -> None: ...
-
-    async def receive_weights(
-        self, replica_id: str, group_name: str, spec_dicts: list[dict], packing: dict
-    ) -> int: ...
-
-    async def abort_weight_update(self, replica_id: str) -> None: ...
-
-    async def leave_weight_group(self, replica_id: str, group_name: str | None) -> None: ...
+    def replica(self, replica_id: str) -> ReplicaControl: ...
 
 
 class ReplicaTable(Protocol):

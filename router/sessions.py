@@ -13,54 +13,24 @@ every call writes through to it and loads a session it holds when memory does no
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
-from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
+from raylane.actors.engine.outputs import RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.errors import BadSessionRequest, SessionNotFound, TooManySessions
 from raylane.router.generator import TurnGenerator
-from raylane.router.messages import Message, normalize_message, normalize_messages
-from raylane.router.rollback import TurnPlan, plan_turn
+from raylane.router.messages import Message, normalize_message
 from raylane.router.samples import TrainingSample, merge_trajectory
 from raylane.router.session import Session, SessionConfig, TurnResult
 from raylane.router.session_store import MemorySessionStore, SessionStore
+from raylane.router.session_turn import ReplyParser, SessionTurn, default_reply
 from raylane.router.tito import TemplateSplicer
-from raylane.router.trajectory import TurnRecord
 from raylane.router.turn_deadline import until_deadline
 from raylane.router.write_through import WriteThrough
-
-ReplyParser = Callable[[CompletionOutput], Message]
-
-
-def default_reply(output: CompletionOutput) -> Message:
-    return {"role": "assistant", "content": output.text}
-
-
-@dataclass(frozen=True)
-class _Turn:
-    plan: TurnPlan
-    prefix_len: int
-    prompt_ids: list[int]  # the ids this turn appends
-    full_prompt: list[int]
-    params: SamplingParams
-    tools: list[dict] | None
-
-    def result(
-        self, out: RequestOutput, message: Message | None = None, index: int | None = None
-    ) -> TurnResult:
-        choice = out.outputs[0]
-        if choice.routed_experts is not None or choice.indexer_topk is not None:
-            # the record keeps the blobs; the reply does not
-            choice = dataclasses.replace(choice, routed_experts=None, indexer_topk=None)
-        return TurnResult(
-            choice, out.weight_version, len(self.full_prompt), self.plan.discarded, message, index
-        )
 
 
 class SessionRegistry:
@@ -255,7 +225,15 @@ class SessionRegistry:
         async with session.lock:
             if session.deleted:  # deleted (or dropped) while this turn waited for the lock
                 raise SessionNotFound(session_id, self._gone.get(session_id))
-            turn = self._prepare(session, messages, params, tools, chat_template_kwargs or {})
+            turn = SessionTurn.prepare(
+                self.splicer,
+                session.trajectory,
+                messages,
+                params,
+                tools,
+                chat_template_kwargs or {},
+                self.config.max_rollback_steps,
+            )
             final = None
             outs = until_deadline(
                 self.generator.generate(turn.full_prompt, turn.params, session_id), timeout_s
@@ -275,58 +253,10 @@ class SessionRegistry:
             await self._store.save(session)
         yield turn.result(final, message, index)
 
-    def _prepare(
-        self,
-        session: Session,
-        messages: list[Message],
-        params: SamplingParams | None,
-        tools: list[dict] | None,
-        template_kwargs: dict[str, Any],
-    ) -> _Turn:
-        params = _session_params(params)
-        traj = session.trajectory
-        plan = plan_turn(traj, normalize_messages(messages), self.config.max_rollback_steps)
-        if plan.keep == 0:
-            prompt_ids = self.splicer.first_turn(plan.new_messages, tools, **template_kwargs)
-        else:
-            prompt_ids = self.splicer.next_turn(
-                plan.new_messages, traj.records[plan.keep - 1].output_ids, tools, **template_kwargs
-            )
-        full = traj.tokens(plan.keep)  # a fresh list: the stored ids stay untouched
-        prefix_len = len(full)
-        full += prompt_ids
-        return _Turn(plan, prefix_len, prompt_ids, full, params, tools)
-
-    def _commit(self, session: Session, turn: _Turn, out: RequestOutput) -> tuple[Message, int]:
-        choice = out.outputs[0]
-        assert choice.finish_reason is not None  # `out` is finished: its choice says why
+    def _commit(
+        self, session: Session, turn: SessionTurn, out: RequestOutput
+    ) -> tuple[Message, int]:
         # stored normalised, so the client's echo of it compares equal
-        reply = normalize_message(self.reply_parser(choice))
-        record = TurnRecord(
-            new_messages=turn.plan.new_messages,
-            reply=reply,
-            params=turn.params,
-            prefix_len=turn.prefix_len,
-            prompt_ids=turn.prompt_ids,
-            output_ids=list(choice.token_ids),
-            logprobs=list(choice.logprobs or []),
-            finish_reason=choice.finish_reason,
-            weight_version=out.weight_version,
-            routed_experts=choice.routed_experts,
-            tools=turn.tools,
-            indexer_topk=choice.indexer_topk,
-        )
-        session.trajectory.commit(turn.plan.keep, record, self.config.blob_window)
+        reply = normalize_message(self.reply_parser(out.outputs[0]))
+        session.trajectory.commit(turn.plan.keep, turn.record(out, reply), self.config.blob_window)
         return reply, len(session.trajectory) - 1
-
-
-def _session_params(params: SamplingParams | None) -> SamplingParams:
-    params = params or SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise BadSessionRequest(f"params must be SamplingParams, got {type(params).__name__}")
-    if params.n != 1:
-        raise BadSessionRequest(
-            "n must be 1 in a session: a session records one trajectory", param="n"
-        )
-    # training needs the logprob of every generated token
-    return params if params.logprobs is not None else dataclasses.replace(params, logprobs=0)

@@ -1,6 +1,6 @@
 """A session turn's deadline: past it the generation is aborted and the turn ends with the
 output so far, finish reason "abort" — what the OpenAI routes do with `timeout`
-(session_server/streaming.py), enforced where the turn runs so the abort reaches the engine.
+(session_server/streaming/), enforced where the turn runs so the abort reaches the engine.
 """
 
 from __future__ import annotations

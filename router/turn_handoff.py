@@ -14,9 +14,11 @@ ticket out and waits for the output. `stream_turn` is the caller's side.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +30,13 @@ from raylane.router.generator import TurnGenerator
 from raylane.router.session import TurnResult
 from raylane.router.turn_deadline import until_deadline
 
-# a caller that never hands its output back (it died) frees the session after this long
-LEASE_S = 900.0
+log = logging.getLogger(__name__)
+
+# a turn's caller renews its lease every RENEW_S while it generates (`TurnLeases`); one that
+# stops (it died: Ray does not end the Router's call of a dead caller) frees the session after
+# this long, not after the longest turn a caller could take
+LEASE_S = 15.0
+RENEW_S = 3.0
 # where `TurnHandoff.generate` puts a turn's ticket: set by the Router's call serving the turn
 _OUTBOX: ContextVar[asyncio.Queue] = ContextVar("turn_outbox")
 
@@ -49,21 +56,36 @@ class TurnHandoff:
     def __init__(self, lease_s: float = LEASE_S) -> None:
         self.lease_s = lease_s
         self._waiting: dict[str, asyncio.Future] = {}  # turn id -> its finished output
+        self._renewed: dict[str, float] = {}  # turn id -> time.monotonic() of its last renewal
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, routing_key: str
     ) -> AsyncGenerator[RequestOutput, None]:
         ticket = TurnTicket(f"{routing_key}-{secrets.token_hex(6)}", prompt_ids, params)
         final = self._waiting[ticket.turn_id] = asyncio.get_running_loop().create_future()
+        self._renewed[ticket.turn_id] = time.monotonic()
         try:
             _OUTBOX.get().put_nowait(ticket)
-            async with asyncio.timeout(self.lease_s):
-                out = await final
-        except TimeoutError:
-            raise ReplicaFailed("the turn's caller did not hand its output back") from None
+            out = await self._until_lapsed(ticket.turn_id, final)
         finally:
-            del self._waiting[ticket.turn_id]
+            del self._waiting[ticket.turn_id], self._renewed[ticket.turn_id]
         yield out
+
+    async def _until_lapsed(self, turn_id: str, final: asyncio.Future) -> RequestOutput:
+        """The output, unless the caller stops renewing the turn's lease first."""
+        while (left := self._renewed[turn_id] + self.lease_s - time.monotonic()) > 0:
+            try:
+                return await asyncio.wait_for(asyncio.shield(final), left)
+            except TimeoutError:
+                continue  # renewed meanwhile, or lapsed: the loop's test says which
+        raise ReplicaFailed("the turn's caller stopped renewing it (it died): the turn is dropped")
+
+    def renew(self, turn_ids: list[str]) -> None:
+        """Their callers are alive and still generating them."""
+        now = time.monotonic()
+        for turn_id in turn_ids:
+            if turn_id in self._renewed:
+                self._renewed[turn_id] = now
 
     def finish(self, turn_id: str, out: RequestOutput) -> None:
         """The caller's finished output of the turn (its last, finish reason set)."""
@@ -101,29 +123,64 @@ async def stream_turn(
     call: AsyncIterator[Awaitable[Any]],
     generator: TurnGenerator,
     hand_back: Callable[[str, RequestOutput], Awaitable[None]],
+    leases: TurnLeases,
     session_id: str,
     timeout_s: float | None,
 ) -> AsyncGenerator[TurnResult, None]:
     """The caller's side: `call` is the Router's `session_turn` stream (each item awaitable).
     Generates the ticket's prompt with `generator` (past `timeout_s`: aborted, partial output,
-    finish reason "abort"), yields its progress, hands the finished output back, and yields
-    the committed result. Leaving early aborts the generation; the caller then cancels `call`,
-    which leaves the session as it was."""
+    finish reason "abort"), yields its progress, hands the finished output back (renewing the
+    turn's lease in `leases` meanwhile), and yields the committed result. Leaving early aborts
+    the generation; the caller then cancels `call`, which leaves the session as it was."""
     ticket: TurnTicket = await (await anext(call))
-    outputs = until_deadline(
-        generator.generate(ticket.prompt_ids, ticket.params, session_id), timeout_s
-    )
-    final = None
-    async with aclosing(outputs):
-        async for out in outputs:
-            if out.finished:
-                final = out
-                break
-            yield _progress(out, len(ticket.prompt_ids))
-    if final is None:
-        raise ReplicaFailed("the engine stream ended before the turn finished")
-    await hand_back(ticket.turn_id, final)
+    with leases.held(ticket.turn_id):  # until the Router has the output
+        outputs = until_deadline(
+            generator.generate(ticket.prompt_ids, ticket.params, session_id), timeout_s
+        )
+        final = None
+        async with aclosing(outputs):
+            async for out in outputs:
+                if out.finished:
+                    final = out
+                    break
+                yield _progress(out, len(ticket.prompt_ids))
+        if final is None:
+            raise ReplicaFailed("the engine stream ended before the turn finished")
+        await hand_back(ticket.turn_id, final)
     yield await (await anext(call))
+
+
+class TurnLeases:
+    """The caller's side of its turns' leases: while this process generates turns, one call
+    every `renew_s` renews all of them (`renew(turn_ids)`: `Router.session_turns_renew`)."""
+
+    def __init__(
+        self, renew: Callable[[list[str]], Awaitable[None]], renew_s: float = RENEW_S
+    ) -> None:
+        self.renew = renew
+        self.renew_s = renew_s
+        self._turns: set[str] = set()
+        self._task: asyncio.Task | None = None
+
+    @contextmanager
+    def held(self, turn_id: str) -> Iterator[None]:
+        self._turns.add(turn_id)
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._task = loop.create_task(self._renew_while_held())
+        try:
+            yield
+        finally:
+            self._turns.discard(turn_id)
+
+    async def _renew_while_held(self) -> None:
+        while self._turns:
+            await asyncio.sleep(self.renew_s)
+            if self._turns:
+                try:
+                    await self.renew(sorted(self._turns))
+                except Exception as e:  # the Router restarts: the next renewal may land
+                    log.warning("could not renew the leases of this process's turns: %r", e)
 
 
 def _progress(out: RequestOutput, prompt_len: int) -> TurnResult:

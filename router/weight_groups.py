@@ -57,7 +57,7 @@ class WeightGroups:
         async with self._lock:
             self._detached_failure = None  # a new group: the old one's failure is moot
             ids = self._reachable()
-            counts = await all_or_none(ids, self.calls.weight_ranks)
+            counts = await all_or_none(ids, lambda rid: self.calls.replica(rid).weight_ranks())
             bases = dict(zip(ids, itertools.accumulate([0, *counts.values()])))
             total = sum(counts.values())
             if group.world_size != group.trainer_ranks + total:
@@ -70,7 +70,7 @@ class WeightGroups:
             _set(ready, None)
             try:
                 await all_or_none(
-                    ids, lambda rid: self.calls.join_weight_group(rid, info, rank_of[rid])
+                    ids, lambda rid: self.calls.replica(rid).join_weight_group(info, rank_of[rid])
                 )
             except BaseException:
                 await self._leave(ids, group.group_name)
@@ -121,7 +121,9 @@ class WeightGroups:
             if sorted(members) != sorted(update.replica_ids):
                 raise ControlConflict("the group's replicas are not the update's: init it again")
             try:
-                await all_or_none(members, lambda rid: self.calls.check_weight_receive(rid, dicts))
+                await all_or_none(
+                    members, lambda rid: self.calls.replica(rid).check_weight_receive(dicts)
+                )
             except BaseException:
                 await self._leave(members, group_name)
                 raise
@@ -129,7 +131,9 @@ class WeightGroups:
             try:
                 await all_or_none(
                     members,
-                    lambda rid: self.calls.receive_weights(rid, group_name, dicts, packing or {}),
+                    lambda rid: self.calls.replica(rid).receive_weights(
+                        group_name, dicts, packing or {}
+                    ),
                 )
             except BaseException as e:
                 await self._abort_update(update, group_name)
@@ -190,7 +194,7 @@ class WeightGroups:
 
     async def _abort_update(self, update: Update, group_name: str | None) -> None:
         await asyncio.gather(
-            *(self.calls.abort_weight_update(rid) for rid in update.replica_ids),
+            *(self.calls.replica(rid).abort_weight_update() for rid in update.replica_ids),
             return_exceptions=True,
         )
         if group_name is not None:
@@ -203,7 +207,7 @@ class WeightGroups:
         """Best effort: a replica that cannot answer is not in any group any more either."""
         self._groups.pop(group_name, None)
         await asyncio.gather(
-            *(self.calls.leave_weight_group(rid, group_name) for rid in ids),
+            *(self.calls.replica(rid).leave_weight_group(group_name) for rid in ids),
             return_exceptions=True,
         )
 

@@ -13,13 +13,13 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
+from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.control import ControlPlane
 from raylane.router.errors import ReplicaFailed
 from raylane.router.generator import EngineTurnGenerator
 from raylane.router.messages import Message
-from raylane.router.replica_calls import EngineCalls, EngineTable
+from raylane.router.replica_calls import LocalReplica
 from raylane.router.samples import TrainingSample
 from raylane.router.sessions import SessionConfig, SessionRegistry, TurnResult
 from raylane.router.tito import TemplateSplicer
@@ -68,85 +68,11 @@ class SessionBackend(Protocol):
     async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample: ...
 
 
-class ControlBackend(Protocol):
-    """The RL control plane over every engine replica (see `raylane.router.control.ControlPlane`,
-    whose errors — `ValueError` for bad input, `raylane.router.errors.ControlError`s with their
-    HTTP status — these raise as they are)."""
-
-    async def pause(self, mode: str) -> dict[str, Any]:
-        """Pause in mode "abort", "wait", "keep" or "retract";
-        `{"paused": True, "mode": mode, "weight_version": v}`."""
-        ...
-
-    async def resume(self) -> dict[str, Any]:
-        """`{"paused": False, "weight_version": v}`."""
-        ...
-
-    async def begin_update(self, version: int | None, spec_dicts: list[dict] | None) -> str:
-        """Open a weight update of these tensors ({"name", "shape", "dtype"}; None: each
-        receive brings its own) to `version` (None: the commit's, or the next); its id."""
-        ...
-
-    async def load_bucket(self, update_id: str, payload: bytes) -> int:
-        """Apply one bucket of safetensors bytes; how many tensors it held."""
-        ...
-
-    async def commit_update(self, update_id: str | None, version: int | None = None) -> int:
-        """Switch every replica to the update's (None: the open one's) version, or `version`,
-        which is returned."""
-        ...
-
-    async def init_weight_group(
-        self, info: dict[str, Any], detach: bool = False
-    ) -> dict[str, Any] | None:
-        """Every rank joins the trainer's collective group (`GroupInfo`'s fields)."""
-        ...
-
-    async def receive_weights(
-        self,
-        update_id: str | None,
-        group_name: str,
-        spec_dicts: list[dict],
-        packing: dict[str, Any] | None = None,
-        detach: bool = False,
-    ) -> int:
-        """Receive broadcast tensors into the update (`ControlPlane.receive_weights`)."""
-        ...
-
-    async def destroy_weight_group(self, group_name: str | None = None) -> None: ...
-
-    async def abort_update(self, update_id: str | None = None) -> None:
-        """Drop the update: old weights and version everywhere, resumed if it paused."""
-        ...
-
-    async def weight_version(self) -> int: ...
-
-    async def sleep(self, level: int) -> dict[str, Any]:
-        """Pause ("abort") and free every replica's KV cache; `control_state()`."""
-        ...
-
-    async def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
-        """Allocate the KV caches again and resume; `control_state()`."""
-        ...
-
-    async def call_replicas(self, method: str, *args: Any) -> dict[str, Any]:
-        """`raylane.actors.engine.upkeep.CONTROL_CALLS` on every replica, answers by id."""
-        ...
-
-    async def set_weight_version(self, version: int) -> int:
-        """Switch every replica to `version` (newer) with the weights they hold."""
-        ...
-
-    async def control_state(self) -> dict[str, Any]:
-        """`{"paused": bool, "mode"?: mode, "weight_version": v}` (`ControlPlane.state`)."""
-        ...
-
-    async def abort(self, request_ids: list[str] | None) -> list[RequestOutput]:
-        """The partial outputs of the requests this ended (finish reason "abort"); None
-        ends every request the replicas run."""
-        ...
-
-    async def flush_cache(self) -> None: ...
+# The RL control plane over every engine replica: the plane itself in process (`LocalBackend`),
+# or the Router's from another process (`raylane.serve_backend.RouterControl`, the same
+# methods, each run in the Router). Its errors — `ValueError` for bad input,
+# `raylane.router.errors.ControlError`s with their HTTP status — arrive as they are.
+ControlBackend = ControlPlane
 
 
 class EngineBackend(Protocol):
@@ -212,7 +138,8 @@ class LocalBackend:
             TemplateSplicer(self.tokenizer), generator, session_config, model=cfg.model
         )
         # the control plane itself, with the engine as its only replica
-        self.control = ControlPlane(EngineTable(engine), EngineCalls(engine))
+        local = LocalReplica(engine)
+        self.control = ControlPlane(local, local)
 
     async def generate(self, prompt_ids, params, request_id, routing_key=None):
         try:

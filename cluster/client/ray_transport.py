@@ -34,9 +34,10 @@ class RayTransport:
         capacity: int = 256,
         return_indexer_topk: bool = False,
     ):
-        from raylane.serve_backend import router_view
+        from raylane.serve_backend import router_control, router_view
 
         self.router = router  # the Router actor's handle
+        self.control = router_control(router, _unwrap)  # its control plane
         self.requests = ReplicaRequests(router_view(router, capacity))
         self.model = model  # the served HF directory: its tokenizer and chat template
         self.sessions = (
@@ -110,16 +111,16 @@ class RayTransport:
     # --- control (the Router's control plane) -----------------------------------------------
 
     async def pause(self, mode: str) -> None:
-        await _unwrap(self.router.pause.remote(mode))
+        await self.control.pause(mode)
 
     async def resume(self) -> None:
-        await _unwrap(self.router.resume.remote())
+        await self.control.resume()
 
     async def weight_version(self) -> int:
-        return await _unwrap(self.router.weight_version.remote())
+        return await self.control.weight_version()
 
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
-        return await _unwrap(self.router.begin_update.remote(version, spec_dicts))
+        return await self.control.begin_update(version, spec_dicts)
 
     def stage_bucket(self, payload: np.ndarray) -> Any:
         import ray
@@ -130,17 +131,17 @@ class RayTransport:
 
     async def load_bucket(self, update_id: str, staged: Any) -> int:
         # a list, so the Router forwards the reference without fetching the bytes itself
-        return await _unwrap(self.router.load_bucket.remote(update_id, [staged]))
+        return await self.control.load_bucket(update_id, [staged])
 
     async def commit_update(self, update_id: str) -> int:
-        return await _unwrap(self.router.commit_update.remote(update_id))
+        return await self.control.commit_update(update_id)
 
     async def abort(self, request_ids: list[str]) -> list[Rollout]:
-        outs = await _unwrap(self.router.abort.remote(list(request_ids)))
+        outs = await self.control.abort(list(request_ids))
         return [r for out in outs for r in from_request_output(out)]
 
     async def flush_cache(self) -> None:
-        await _unwrap(self.router.flush_cache.remote())
+        await self.control.flush_cache()
 
     # --- sessions (the Router hosts them) ---------------------------------------------------
 

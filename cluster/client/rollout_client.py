@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-from raylane.actors.models.weights import DEFAULT_BUCKET_BYTES, iter_buckets, pack_bucket, specs_of
+from raylane.actors.models.weights import DEFAULT_BUCKET_BYTES
 from raylane.client.errors import Busy
 from raylane.client.fanout import Branch, aggregate, branch_seeds, join_prompt
 from raylane.client.rollout import Rollout
 from raylane.client.session import Session
 from raylane.client.transport import Transport
+from raylane.client.weight_upload import WeightUpload
 from raylane.client.wire import sampling_params
-from tqdm import tqdm
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +55,7 @@ class RolloutClient:
         self.transport = transport
         self.timeout = timeout
         self.busy_timeout_s = busy_timeout_s
-        self._scratch: np.ndarray | None = None  # where weight buckets are packed
+        self._weights = WeightUpload(transport)
 
     @classmethod
     def in_cluster(
@@ -172,42 +170,7 @@ class RolloutClient:
         named = list(named_tensors)
         if not named:
             raise ValueError("update_weights: no tensors given")
-        specs = [s.to_dict() for s in specs_of(named)]
-        update_id = await self.transport.begin_update(version, specs)
-        with tqdm(
-            total=sum(t.numel() * t.element_size() for _, t in named),
-            unit="B",
-            unit_scale=True,
-            desc=f"weights v{version}",
-            disable=not progress,
-        ) as bar:
-            await self._send_buckets(update_id, iter_buckets(named, bucket_bytes), bar)
-        return await self.transport.commit_update(update_id)
-
-    async def _send_buckets(self, update_id: str, buckets, bar: tqdm) -> None:
-        sending: asyncio.Future | None = None
-        try:
-            for bucket in buckets:
-                staged = await asyncio.to_thread(self._stage, bucket)
-                if sending is not None:
-                    await sending
-                sending = asyncio.ensure_future(self.transport.load_bucket(update_id, staged))
-                size = sum(t.numel() * t.element_size() for _, t in bucket)
-                sending.add_done_callback(functools.partial(_advance, bar, size))
-                del staged
-            if sending is not None:
-                await sending
-        finally:
-            if sending is not None and not sending.done():
-                sending.cancel()
-
-    def _stage(self, bucket: list[tuple[str, torch.Tensor]]) -> Any:
-        # one bucket is staged at a time and staging copies it out (into the object store, or
-        # into the HTTP body), so one scratch buffer serves every bucket
-        packed = pack_bucket(bucket, self._scratch)
-        if packed.base is None:  # the scratch was too small: keep the larger buffer
-            self._scratch = packed
-        return self.transport.stage_bucket(packed)
+        return await self._weights.send(named, version, bucket_bytes, progress)
 
     # --- sessions ---------------------------------------------------------------------------
 
@@ -302,7 +265,3 @@ class RolloutClient:
         return [b.task.result()[0] for b in branches]
 
     aggregate = staticmethod(aggregate)
-
-
-def _advance(bar: tqdm, num_bytes: int, _sent: asyncio.Future) -> None:
-    bar.update(num_bytes)

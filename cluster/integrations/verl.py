@@ -50,10 +50,10 @@ class RaylaneRolloutServer:
         """Over Ray handles, inside the cluster `raylane serve` runs."""
         import ray
         from raylane.router.actor import NAMESPACE, ROUTER_NAME
-        from raylane.serve_backend import RouterControl
+        from raylane.serve_backend import router_control
 
         router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-        return cls(RolloutClient.in_cluster(), RouterControl(router), max_tokens)
+        return cls(RolloutClient.in_cluster(), router_control(router), max_tokens)
 
     async def generate(
         self,

@@ -127,7 +127,7 @@ def test_a_failed_update_leaves_every_replica_as_it_was(cluster, admin, perturbe
     assert set(replica_versions(router).values()) == {version}
     after = [greedy(url, p, key=f"b{i}")["output_ids"] for i, p in enumerate(PROMPTS)]
     assert after == before  # and not paused: the failed begin resumed what it paused
-    assert call(router, "control_state")["paused"] is False
+    assert call(router, "control", "control_state")["paused"] is False
 
 
 def test_pause_abort_and_resume_across_replicas(cluster, admin):

@@ -93,7 +93,7 @@ def test_an_ingress_that_dies_mid_request_leaves_no_orphans(url, ray_cluster):
     ray = ray_cluster
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     assert httpx.post(f"{url}/generate", json=body(4), timeout=60).status_code == 200
-    ray.get(router.pause.remote("keep"))
+    ray.get(router.control.remote("pause", "keep"))
     streams = [threading.Thread(target=stream_until_broken, args=(url,)) for _ in range(2)]
     for t in streams:
         t.start()
@@ -108,7 +108,7 @@ def test_an_ingress_that_dies_mid_request_leaves_no_orphans(url, ray_cluster):
     for t in streams:
         t.join(timeout=120)
     time.sleep(CHANNEL_LEASE_S + 3)  # the replica notices the dead caller's channel lapse
-    ray.get(router.resume.remote())
+    ray.get(router.control.remote("resume"))
 
     def serves() -> bool:
         try:

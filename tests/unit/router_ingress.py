@@ -63,6 +63,7 @@ class InProcessRouter:
         self.router = router
         self.session_turn = StreamingCall(router.session_turn)
         self.session_turn_end = Call(router.session_turn_end)
+        self.session_turns_renew = Call(router.session_turns_renew)
         self.session_create = Call(router.session_create)
         self.session_describe = Call(router.session_describe)
         self.session_delete = Call(router.session_delete)

@@ -8,6 +8,7 @@ tests run the real engines); each can be told to fail a method or to block in it
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 from raylane.router.control import ControlPlane
@@ -46,6 +47,9 @@ class Table:
 
 class Recorder:
     """`ReplicaCalls` that logs (replica, method, phase) and answers like a replica would."""
+
+    def replica(self, replica_id: str) -> On:
+        return On(self, replica_id)
 
     def __init__(self):
         self.log: list[tuple[str, str, str]] = []
@@ -89,6 +93,16 @@ class Recorder:
 
     def methods(self) -> list[str]:
         return [m for _, m, phase in self.log if phase == "start"]
+
+
+class On:
+    """One replica's `ReplicaControl` methods, as the Recorder's (each takes the replica id)."""
+
+    def __init__(self, calls: Recorder, replica_id: str):
+        self.calls, self.replica_id = calls, replica_id
+
+    def __getattr__(self, method: str):
+        return functools.partial(getattr(self.calls, method), self.replica_id)
 
 
 def run(coro):

@@ -169,7 +169,7 @@ def test_offline_generate_equals_folded_async_deltas(tiny_qwen3_dir):
 
 
 def test_a_callers_own_last_delta_keeps_what_the_engine_reported():
-    # a deadline's end (session_server/streaming.py) knows neither version nor cached tokens
+    # a deadline's end (session_server/streaming/) knows neither version nor cached tokens
     first = EngineCoreOutput(
         "r",
         [SampleDelta(0, "ab", [7, 8], weight_versions=[3, 3])],

@@ -1,4 +1,4 @@
-"""A request the ingress cuts at its deadline (session_server/streaming.py): the last delta it
+"""A request the ingress cuts at its deadline (session_server/streaming/): the last delta it
 makes itself ends every running sample with "abort" and shows the text the engine still held
 back (it could have become a stop string), so the joined text is what was generated."""
 
