@@ -244,8 +244,11 @@ def test_a_trainer_broadcast_reaches_every_shard_of_both_replicas(
     specs = trainer_specs(v1_dir)
     bad = [dict(specs[-1], shape=[s + 1 for s in specs[-1]["shape"]])]
 
-    def control(method: str, *args):
-        return ray.get(getattr(router, method).remote(*args), timeout=180)
+    def control(verb: str, *args):
+        return ray.get(router.control.remote(verb, *args), timeout=180)
+
+    def replicas() -> list[dict]:
+        return ray.get(router.replicas.remote(), timeout=180)
 
     trainer = Trainer(v1_dir, specs, world_size=5, packed=True, buffer=20000)
     try:
@@ -256,7 +259,7 @@ def test_a_trainer_broadcast_reaches_every_shard_of_both_replicas(
         with pytest.raises(ValueError, match=specs[-1]["name"]):
             control("receive_weights", None, GROUP, bad)  # no rank took a byte
         control("resume")  # nothing was loaded: the update is dropped
-        assert {r["weight_version"] for r in control("replicas")} == {0}
+        assert {r["weight_version"] for r in replicas()} == {0}
     finally:
         trainer.close()
     trainer = Trainer(v1_dir, specs, world_size=5, packed=True, buffer=20000)
@@ -272,7 +275,7 @@ def test_a_trainer_broadcast_reaches_every_shard_of_both_replicas(
         control("destroy_weight_group", GROUP)
     finally:
         trainer.close()
-    assert {r["weight_version"] for r in control("replicas") if r["healthy"]} == {1}
+    assert {r["weight_version"] for r in replicas() if r["healthy"]} == {1}
     want = hf_greedy(v1_dir, [5, 6, 7], 8)[0]
     for key in ("a", "b", "c", "d"):  # keys spread over both replicas
         resp = generate(served_tp, [5, 6, 7], key)
