@@ -1,10 +1,11 @@
 """Decode steps replayed from CUDA graphs captured at start-up, one graph per batch size.
 
 A decode batch of n sequences is padded to the next captured size: its inputs are copied into
-static buffers (ids, positions, slot mapping, sequence lengths, block tables) and the graph of
-that size replays the forward and the LM head into static outputs. Padding rows decode token 0
-at position 0 into the KV cache's scratch block, so they write nowhere that matters and never
-need a special case in a kernel.
+static buffers (ids, positions, slot mapping, sequence lengths, block tables, and for
+linear-attention layers each row's state slot) and the graph of that size replays the forward
+and the LM head into static outputs. Padding rows decode token 0 at position 0 into the KV
+cache's scratch block (and the state cache's scratch slot), so they write nowhere that matters
+and never need a special case in a kernel.
 
 On the CPU nothing is captured: `replay` runs the same forward eagerly over the same static
 buffers and padding, so everything but the capture itself is exercised without a GPU.
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 import torch
 from raylane.actors.runner.inputs import StepInputs
 from raylane.actors.runner.kv_cache import KVCache
+from raylane.actors.runner.state_cache import StateCache
 from raylane.kernels.attention import AttentionMetadata
+from raylane.kernels.linear_attention import StateMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +37,15 @@ class Captured:
 
 class GraphRunner:
     def __init__(
-        self, model, kv: KVCache, sizes: tuple[int, ...], max_model_len: int, device: torch.device
+        self,
+        model,
+        kv: KVCache,
+        sizes: tuple[int, ...],
+        max_model_len: int,
+        device: torch.device,
+        state: StateCache | None = None,
     ):
-        self.model, self.kv, self.device = model, kv, device
+        self.model, self.kv, self.device, self.state = model, kv, device, state
         self.sizes = tuple(sorted(sizes))
         self.max_blocks = -(-max_model_len // kv.block_size)
         self.max_model_len = max_model_len
@@ -52,6 +61,8 @@ class GraphRunner:
             (size, self.max_blocks), kv.scratch_block, dtype=torch.int32, device=device
         )
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
+        # linear-attention layers: each row's state slot [size] int64
+        self.state_slots = new(torch.long, state.scratch_slot if state is not None else 0)
 
     def fits(self, step: StepInputs) -> bool:
         """A pure decode batch that samples every row and fits the largest size."""
@@ -105,6 +116,8 @@ class GraphRunner:
         self.seq_lens[:n].copy_(attn.seq_lens, non_blocking=True)
         # entries past a sequence's own blocks are never read (masked by seq_lens)
         self.block_tables[:n, :width].copy_(attn.block_tables, non_blocking=True)
+        if attn.linear is not None:
+            self.state_slots[:n].copy_(attn.linear.state_slots, non_blocking=True)
         self._reset_padding(n, size)
         self.replays += 1
         captured = self.graphs.get(size)
@@ -129,6 +142,8 @@ class GraphRunner:
         self.slot_mapping[start:end] = self.kv.scratch_slot
         self.seq_lens[start:end] = 1
         self.block_tables[start:end, 0] = self.kv.scratch_block
+        if self.state is not None:
+            self.state_slots[start:end] = self.state.scratch_slot
 
     def _metadata(self, size: int, width: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -141,4 +156,15 @@ class GraphRunner:
             max_query_len=1,
             max_seq_len=max_seq_len,
             block_size=self.kv.block_size,
+            linear=None if self.state is None else self._state_metadata(size),
+        )
+
+    def _state_metadata(self, size: int) -> StateMetadata:
+        """One token per row; no host lists (a decode batch plans nothing on the host)."""
+        return StateMetadata(
+            query_start_loc=self.query_start_loc[: size + 1],
+            state_slots=self.state_slots[:size],
+            num_prefills=0,
+            num_prefill_tokens=0,
+            max_query_len=1,
         )

@@ -89,14 +89,17 @@ class ModelRunner:
 
     def _graph_runner(self, config: RunnerConfig) -> GraphRunner | None:
         eager = config.enforce_eager
-        if self.state is not None:  # NOTE: graphs do not carry state slots yet
-            eager = True
         if eager is None:
             eager = self.device.type != "cuda"
         if eager:
             return None
         graphs = GraphRunner(
-            self.model, self.kv, config.cudagraph_capture_sizes, config.max_model_len, self.device
+            self.model,
+            self.kv,
+            config.cudagraph_capture_sizes,
+            config.max_model_len,
+            self.device,
+            self.state,
         )
         if self.device.type == "cuda":
             graphs.capture()

@@ -4,7 +4,9 @@ sequence in every layer's conv and recurrent state tensors.
 The engine's scheduler hands the slots out (`StateSlotPool`, with the KV blocks) and the plan
 names each scheduled row's slot; this cache only holds the tensors. A slot is zeroed whenever
 its sequence starts from token 0 (new, or resumed after preemption, which recomputes), so a slot
-a finished sequence left behind never leaks into the next one.
+a finished sequence left behind never leaks into the next one. One row more than `num_slots`
+is allocated: the scratch slot, never handed out, whose state the padding rows of a
+graph-replayed decode batch read and write.
 
 Prefix caching keeps `num_snapshots` more rows per layer: copies of a slot taken when a prompt's
 chunk ends on its last block boundary (`save`), copied back into the slot of a request whose
@@ -32,13 +34,18 @@ class StateCache:
         self.snapshots: list[list[torch.Tensor]] = []
         for layer in layers:
             shapes = [(shape, dt or dtype) for shape, dt in layer.state_shapes()]
-            tensors = [torch.zeros((num_slots, *s), dtype=dt, device=device) for s, dt in shapes]
+            rows = num_slots + 1  # + the scratch slot
+            tensors = [torch.zeros((rows, *s), dtype=dt, device=device) for s, dt in shapes]
             layer.attach_state(tensors)
             self.states.append(tensors)
             self.snapshots.append(
                 [torch.zeros((num_snapshots, *s), dtype=dt, device=device) for s, dt in shapes]
             )
             self.bytes_per_seq += sum(t[0].numel() * t.element_size() for t in tensors)
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
 
     @property
     def num_bytes(self) -> int:
