@@ -125,3 +125,32 @@ def usage_of(prompt: int, completion: int, cached: int) -> dict:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def vllm_prompt_logprobs(tokenizer, out: RequestOutput) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs` of a `RequestOutput`: per prompt token (None for the first,
+    which nothing precedes) its top-N and itself, keyed by the token id as a string, each
+    `{logprob, rank, decoded_token}`; rank 1 is the most likely token."""
+    ids = out.prompt_token_ids
+    entries = list(out.prompt_logprobs or [])
+    ranks = list(out.prompt_ranks or [])
+    shown: list[dict[str, dict] | None] = []
+    for i, token in enumerate(ids):
+        entry = entries[i] if i < len(entries) else None  # None: ended before its prefill
+        own_rank = ranks[i] if i < len(ranks) else None
+        if entry is None:
+            shown.append(None)
+            continue
+        ordered = sorted(entry.items(), key=lambda kv: -kv[1])  # the top-N, then the token
+        shown.append(
+            {
+                str(t): {
+                    "logprob": finite(lp),
+                    # the top-N are ranks 1..N; the prompt token's own is counted on the runner
+                    "rank": own_rank if t == token and own_rank is not None else k + 1,
+                    "decoded_token": token_text(tokenizer, t),
+                }
+                for k, (t, lp) in enumerate(ordered)
+            }
+        )
+    return shown

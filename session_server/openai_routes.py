@@ -74,6 +74,8 @@ async def completions(body: CompletionRequest, request: Request):
     name_engine_errors(request, body)
     if echo is not None and body.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+    if body.prompt_logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=body.prompt_logprobs)
     formatter = CompletionFormatter(
         new_id("cmpl"),
         backend.info.name,
@@ -154,6 +156,22 @@ def _reject_unsupported(body: CompletionRequest) -> None:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of must equal n (best-of ranking is not supported)", "best_of")
+    _check_prompt_logprobs(body)
+
+
+def _check_prompt_logprobs(body: CompletionRequest) -> None:
+    wanted = body.prompt_logprobs
+    if wanted is None:
+        return
+    if not 0 <= wanted <= 20:
+        raise bad_request("prompt_logprobs must be in [0, 20]", "prompt_logprobs")
+    if body.stream:
+        raise bad_request("prompt_logprobs: not served with stream=true", "prompt_logprobs")
+    if body.echo and body.logprobs is not None and body.logprobs != wanted:
+        raise bad_request(
+            "prompt_logprobs must equal logprobs when echo returns the prompt's logprobs too",
+            "prompt_logprobs",
+        )
 
 
 def check_chat(body: ChatCompletionRequest) -> None:

@@ -82,10 +82,17 @@ class _Choice(_Out):
     indexer_topk: RoutedExperts | None = None  # return_indexer_topk (DSA models)
 
 
+class PromptLogprob(_Out):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None
     prompt_token_ids: list[int] | None = None  # return_token_ids
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's
 
 
 class _Head(_Out):

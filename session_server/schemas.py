@@ -78,6 +78,8 @@ class CompletionRequest(OpenAISampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False  # the prompt before the completion (text and logprobs)
+    # vLLM's: each prompt token's logprob, rank and the top-N beside it (0: the token alone)
+    prompt_logprobs: int | None = None
     suffix: str | None = None  # rejected when set
     best_of: int | None = None  # only best_of == n
 

@@ -33,6 +33,7 @@ class OutputAccumulator:
         self._prompt: str | None = None
         self._prompt_ids: list[int] = []
         self._prompt_logprobs: list | None = None
+        self._prompt_ranks: list | None = None
         self._metrics: dict[str, float] = {}
         # the highest seen: a caller's own last delta (a deadline's) does not know them
         self._weight_version = 0
@@ -45,6 +46,7 @@ class OutputAccumulator:
             self._prompt = delta.prompt
         if delta.prompt_logprobs is not None:
             self._prompt_logprobs = (self._prompt_logprobs or []) + delta.prompt_logprobs
+            self._prompt_ranks = (self._prompt_ranks or []) + (delta.prompt_ranks or [])
         if delta.metrics:
             self._metrics = delta.metrics
         self._weight_version = max(self._weight_version, delta.weight_version)
@@ -86,6 +88,7 @@ class OutputAccumulator:
         out = self.live()
         out.outputs = [_snapshot(c) for c in out.outputs]
         out.prompt_logprobs = _copy(out.prompt_logprobs)
+        out.prompt_ranks = _copy(out.prompt_ranks)
         return out
 
     def live(self) -> RequestOutput:
@@ -103,6 +106,7 @@ class OutputAccumulator:
             num_cached_tokens=self._cached,
             weight_version=self._weight_version,
             prompt_logprobs=self._prompt_logprobs,
+            prompt_ranks=self._prompt_ranks,
             metrics=dict(self._metrics),
             error=head.error,
         )

@@ -44,6 +44,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     weight_version: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # the rank (1 = most likely) of each prompt token under the model, beside its entry
+    prompt_ranks: list[int | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the request failed (finish reason "error")
 
@@ -99,5 +101,7 @@ class EngineCoreOutput:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None  # first output only
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # the rank (1 = most likely) of each prompt token under the model, beside its entry
+    prompt_ranks: list[int | None] | None = None
     metrics: dict[str, float] | None = None  # final output only
     error: str | None = None

@@ -58,6 +58,8 @@ class Postprocessor:
                 continue  # ended while the step ran: its work is dropped
             self.scheduler.confirm(item)
             seq.prompt_logprobs.extend(result.prompt_logprobs[i])
+            if result.prompt_ranks:
+                seq.prompt_ranks.extend(result.prompt_ranks[i])
             if result.routed_experts[i] is not None:
                 seq.routing_parts.append(result.routed_experts[i])
             if result.indexer_topk and result.indexer_topk[i] is not None:

@@ -72,16 +72,20 @@ class Request:
             num_cached_tokens=head.num_cached_tokens,
             prompt=self.prompt if first else None,
             prompt_token_ids=head.token_ids[: head.num_prompt_tokens] if first else None,
-            prompt_logprobs=self._new_prompt_logprobs(head),
+            **self._new_prompt_logprobs(head),
             metrics=self._metrics() if self.finished else None,
             error=self.error,
         )
 
-    def _new_prompt_logprobs(self, head: Sequence) -> list | None:
+    def _new_prompt_logprobs(self, head: Sequence) -> dict[str, list | None]:
+        """The prompt-logprob entries (and the tokens' ranks) computed since the last delta."""
         if self.params.prompt_logprobs is None:
-            return None
+            return {"prompt_logprobs": None, "prompt_ranks": None}
         start, self._prompt_logprobs_sent = self._prompt_logprobs_sent, len(head.prompt_logprobs)
-        return head.prompt_logprobs[start:]
+        return {
+            "prompt_logprobs": head.prompt_logprobs[start:],
+            "prompt_ranks": head.prompt_ranks[start:],
+        }
 
     def _sample_delta(self, seq: Sequence, first: bool) -> SampleDelta | None:
         sent = self._sent[seq.seq_id]
@@ -123,6 +127,9 @@ class Request:
             num_cached_tokens=head.num_cached_tokens,
             weight_version=weight_version,
             prompt_logprobs=list(head.prompt_logprobs)
+            if self.params.prompt_logprobs is not None
+            else None,
+            prompt_ranks=list(head.prompt_ranks)
             if self.params.prompt_logprobs is not None
             else None,
             metrics=self._metrics(),

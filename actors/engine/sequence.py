@@ -64,6 +64,8 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float] | None] = (
             [None] if params.prompt_logprobs is not None else []
         )
+        # the rank (1 = most likely) of each prompt token, beside its entry
+        self.prompt_ranks: list[int | None] = [None] * len(self.prompt_logprobs)
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -260,7 +260,8 @@ class ModelRunner:
                 )
             scheduled[i].state.last_sampled = sampled.token_ids[last]
         for i, item in enumerate(scheduled):
-            result.prompt_logprobs[i] = self._prompt_logprobs(item, step.logits_rows[i], logits)
+            entries, ranks = self._prompt_logprobs(item, step.logits_rows[i], logits)
+            result.prompt_logprobs[i], result.prompt_ranks[i] = entries, ranks
         self._routed_experts(scheduled, result)
         return result
 
@@ -306,23 +307,26 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, item: ScheduledRequest, rows: tuple[int, int], logits: torch.Tensor
-    ) -> list[dict[int, float]]:
+    ) -> tuple[list[dict[int, float]], list[int]]:
+        """Each new prompt position's top-N and own logprob, and the prompt token's rank."""
         state = item.state
         first, count = rows
         count -= item.num_sample_rows  # sampling rows are not prompt rows
         if state.params.prompt_logprobs is None or count <= 0:
-            return []
+            return [], []
         lp = logits[first : first + count].float().log_softmax(dim=-1)  # [count, V]
         target0 = state.num_prompt_logprobs_done
         targets = torch.tensor(state.token_ids[target0 : target0 + count], device=lp.device)
-        chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        chosen_t = lp.gather(1, targets.unsqueeze(1))  # [count, 1]
+        ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()  # vLLM's: 1 + how many beat it
+        chosen = chosen_t.squeeze(1).tolist()
         top_v, top_i = lp.topk(state.params.prompt_logprobs, dim=-1)  # k=0 gives empty rows
         entries = []
         for t, c, tv, ti in zip(targets.tolist(), chosen, top_v.tolist(), top_i.tolist()):
             entry = dict(zip(ti, tv))
             entry[t] = c
             entries.append(entry)
-        return entries
+        return entries, ranks
 
     def _routed_experts(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
         """The per-slot replay records (routed experts; a DSA model's indexer top-k) of the

@@ -143,6 +143,8 @@ class StepResult:
     # speculative method "mtp": per entry, the MTP layer's draft for the token after its
     # newest one (None where it sampled nothing); empty without MTP
     mtp_drafts: list[int | None] = field(default_factory=list)
+    # per entry, the rank (1 = most likely) of each prompt token `prompt_logprobs` covers
+    prompt_ranks: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, size: int) -> StepResult:
@@ -155,6 +157,7 @@ class StepResult:
             [None] * size,
             extra=[None] * size,
             indexer_topk=[None] * size,
+            prompt_ranks=[[] for _ in range(size)],
         )
 
     def spread(self, rows: list[int], size: int) -> StepResult:
@@ -165,6 +168,7 @@ class StepResult:
             "logprobs",
             "top_logprobs",
             "prompt_logprobs",
+            "prompt_ranks",
             "routed_experts",
             "indexer_topk",
             "kept_mass",

@@ -59,6 +59,8 @@ class CompletionFormatter(Formatter):
         }
         if self.body.return_token_ids:
             choice["prompt_token_ids"] = out.prompt_token_ids
+        if getattr(self.body, "prompt_logprobs", None) is not None:  # completions only
+            choice["prompt_logprobs"] = fmt.vllm_prompt_logprobs(self.namer, out)
         return self._extras(choice, c, c.token_ids)
 
     def chunks(self, i: int, out: EngineCoreOutput) -> list[dict]:

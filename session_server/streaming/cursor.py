@@ -43,6 +43,7 @@ class PromptSeen:
 
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list | None = None
+    prompt_ranks: list | None = None
     num_cached_tokens: int = 0
     completion_tokens: int = 0
     weight_version: int = 0
@@ -53,6 +54,7 @@ class PromptSeen:
             self.prompt_token_ids = out.prompt_token_ids
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = (self.prompt_logprobs or []) + out.prompt_logprobs
+            self.prompt_ranks = (self.prompt_ranks or []) + (out.prompt_ranks or [])
         # the highest seen: a deadline's last delta (made here) does not know it
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         self.completion_tokens += sum(len(d.token_ids) for d in out.outputs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from raylane.session_server.response_schemas import Usage, _Out
+from raylane.session_server.response_schemas import PromptLogprob, Usage, _Out
 
 
 class _Body(BaseModel):
@@ -94,7 +94,7 @@ class TokensChoice(_Out):
 class TokensResponse(_Out):
     request_id: str
     choices: list[TokensChoice]
-    prompt_logprobs: None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None  # vLLM's
     kv_transfer_params: None
     usage: Usage
     weight_version: str  # raylane's: the version the tokens came from

@@ -29,7 +29,6 @@ control = APIRouter(tags=["vLLM RL API"])
 
 _FIELDS = SAMPLING_FIELDS - {
     "return_routed_experts",  # vLLM returns them whenever the server captures them
-    "prompt_logprobs",
     "structured_outputs",
     "cache_salt",  # the body's
 }
@@ -51,7 +50,9 @@ async def generate(body: TokensRequest, request: Request):
     return {
         "request_id": request_id,
         "choices": [_choice(c, params, body.routed_experts_start_len) for c in out.outputs],
-        "prompt_logprobs": None,
+        "prompt_logprobs": fmt.vllm_prompt_logprobs(backend_of(request).tokenizer, out)
+        if params.prompt_logprobs is not None
+        else None,
         "kv_transfer_params": None,
         "usage": fmt.usage([out]),
         "weight_version": str(out.weight_version),
