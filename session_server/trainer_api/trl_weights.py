@@ -63,7 +63,7 @@ async def init_communicator(body: InitCommunicatorBody, request: Request) -> dic
         "group_name": DEFAULT_GROUP_NAME,
         "trainer_last": True,
     }
-    await control_of(request).init_weight_group(info, detach=True)
+    await control_of(request).init_weight_group(info, True)  # detached
     return {"message": "Request received, initializing communicator"}
 
 
