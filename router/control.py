@@ -226,7 +226,7 @@ class ControlPlane(WeightGroups):
 
     async def sleep(self, level: int) -> dict[str, Any]:
         """Pause in mode "abort" (requests in flight end, new ones wait) and free every
-        replica's KV cache; `wake_up` undoes both."""
+        replica's KV cache, and at level 2 its weights; `wake_up` undoes it."""
         if level not in (1, 2):  # before pausing anything
             raise ValueError(f"level: {level!r} is not 1 or 2")
         async with self._lock:
@@ -235,8 +235,8 @@ class ControlPlane(WeightGroups):
             return self.state()
 
     async def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
-        """Allocate the KV caches again and resume (tags without "kv_cache": only the no-op
-        "weights", and the cluster stays as it is)."""
+        """Restore what sleep released ("weights", "kv_cache"; no tags: both) and resume once
+        the KV caches are back (tags without "kv_cache": the cluster stays asleep)."""
         async with self._lock:
             await self._call_all("wake_up", tags)
             if tags is None or "kv_cache" in tags:

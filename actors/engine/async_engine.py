@@ -182,6 +182,8 @@ class AsyncLLMEngine:
             self._paused == "wait" and self.engine.has_unfinished_requests()
         ):
             raise RuntimeError("pause the engine before updating its weights")
+        if self.engine.upkeep.weights_released:
+            raise ValueError("the weights sleep (level 2): wake_up before updating them")
         self.engine.begin_weight_update(specs)
 
     def load_weight_bucket(self, bucket) -> int:
@@ -198,20 +200,19 @@ class AsyncLLMEngine:
     # --- sleep and weight checks (the trainer protocols) ----------------------------------------
 
     def sleep(self, level: int = 1) -> None:
-        """Free the KV cache of every rank; the engine must be paused with nothing running (the
-        control plane pauses it in mode "abort" first). Levels 1 and 2 both keep the weights."""
+        """Free the KV cache of every rank, and at level 2 the weights too; the engine must be
+        paused with nothing running (the control plane pauses it in mode "abort" first)."""
         if level not in (1, 2):
             raise ValueError(f"level: {level!r} is not 1 or 2")
         if self._paused is None or self.engine.has_unfinished_requests():
             raise ValueError("sleep: pause the engine (mode 'abort' or 'wait') first")
         self._fan_out(self.engine.drain())
-        self.engine.upkeep.sleep()
+        self.engine.upkeep.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Allocate the KV cache again ("kv_cache" among `tags`, or no tags); "weights" is a
-        no-op, as sleep keeps them. The engine stays paused until resumed."""
-        if tags is None or "kv_cache" in tags:
-            self.engine.upkeep.wake_up()
+        """Restore what sleep released: the weights ("weights" among `tags`, or no tags), the
+        KV cache ("kv_cache", or no tags). The engine stays paused until resumed."""
+        self.engine.upkeep.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         return self.engine.upkeep.sleeping

@@ -20,20 +20,37 @@ class EngineUpkeep:
     def __init__(self, executor: Executor, block_manager: BlockManager) -> None:
         self.executor = executor
         self.block_manager = block_manager
-        self.sleeping = False
+        self.kv_released = False
+        self.weights_released = False
 
-    def sleep(self) -> None:
-        """Free every rank's KV cache (the block table stays; the prefix cache is forgotten)."""
-        if not self.sleeping:
+    @property
+    def sleeping(self) -> bool:
+        return self.kv_released or self.weights_released
+
+    def sleep(self, level: int = 1) -> None:
+        """Free every rank's KV cache (the block table stays; the prefix cache is forgotten);
+        level 2 releases the weights too (spilled to local disk, `WeightSpill`)."""
+        if not self.kv_released:
             self.block_manager.reset_prefix_cache()
             self.executor.collective_rpc("release_kv_cache")
-            self.sleeping = True
+            self.kv_released = True
+        if level == 2 and not self.weights_released:
+            self.executor.collective_rpc("release_weights")
+            self.weights_released = True
 
-    def wake_up(self) -> None:
-        """Allocate the KV cache again (zeroed), with as many blocks as before."""
-        if self.sleeping:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore the weights ("weights" among `tags`, or no tags) and then allocate the KV
+        cache again, zeroed, with as many blocks as before ("kv_cache", or no tags)."""
+        weights = tags is None or "weights" in tags
+        kv = tags is None or "kv_cache" in tags
+        if kv and self.weights_released and not weights:
+            raise ValueError("tags: the weights sleep too (level 2); wake them with the KV cache")
+        if weights and self.weights_released:
+            self.executor.collective_rpc("restore_weights")
+            self.weights_released = False
+        if kv and self.kv_released:
             self.executor.collective_rpc("restore_kv_cache")
-            self.sleeping = False
+            self.kv_released = False
 
     def weight_checksums(self) -> dict[str, str]:
         """sha256 per parameter, over every rank's slice."""

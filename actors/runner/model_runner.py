@@ -32,6 +32,7 @@ from raylane.actors.runner.requests import RequestTable, ScheduledRequest
 from raylane.actors.runner.sampler import Sampler
 from raylane.actors.runner.spec_verify import accept, sampling_rows
 from raylane.actors.runner.state_cache import StateCache
+from raylane.actors.runner.weight_spill import WeightSpill
 from raylane.actors.runner.weight_updates import RunnerWeights
 from raylane.kernels.attention import get_backend
 
@@ -59,6 +60,7 @@ class ModelRunner:
         self._hidden: torch.Tensor | None = None
         self.dtype = next(model.parameters()).dtype
         self.weights = RunnerWeights(self.model, hf_config, self.tp, self.device)
+        self.spill = WeightSpill()  # a level-2 sleep's weights
         layers = self.model.attention_layers()
         kinds = set().union(*(layer.backend_kinds() for layer in layers))
         backend = get_backend(config.attention_backend, self.device, kinds)
@@ -224,6 +226,15 @@ class ModelRunner:
         """Free the KV cache (and the routing record); `restore_kv_cache` brings it back."""
         weight_checks.release_kv_cache(self.model.attention_layers(), self.dtype, self.device)
         self.kv.routing, self.graphs = None, None  # the graphs captured the old tensors
+
+    def release_weights(self) -> None:
+        """Level-2 sleep: the weights spilled to a file and their memory freed."""
+        self.spill.release(self.model)
+        self.graphs = None  # the graphs captured the old tensors
+
+    def restore_weights(self) -> None:
+        """The spilled weights back (before the KV cache, whose restore captures graphs)."""
+        self.spill.restore(self.model)
 
     def restore_kv_cache(self) -> None:
         """A zeroed KV cache of the same number of blocks (the engine's block table is kept)."""

@@ -257,6 +257,37 @@ def test_sleep_frees_the_kv_cache_and_wake_up_serves_again(trainer, trainer_engi
     assert trainer.get("/is_sleeping").json() == {"is_sleeping": False}
 
 
+def weight_elements(engine) -> int:
+    """Every element the runner's weights hold: parameters and their oneDNN packs."""
+    model = engine.executor.runner.model
+    packs = [getattr(m, "packed", None) for m in model.modules()]
+    return sum(p.numel() for p in model.parameters()) + sum(
+        p.numel() for p in packs if p is not None
+    )
+
+
+def test_sleep_level_2_releases_the_weights_and_wake_up_restores_them(
+    trainer, trainer_engine, tiny_llama_dir
+):
+    before = trainer.post("/weight_checker", json={"action": "checksum"}).json()
+    held = weight_elements(trainer_engine)
+    assert trainer.post("/sleep", params={"level": 2}).status_code == 200
+    assert weight_elements(trainer_engine) == 0 and kv_elements(trainer_engine) == 0
+    version = trainer.get("/weight_info").json()["weight_version"]
+    refused = trainer.post("/update_weight_version", json={"new_version": int(version) + 1})
+    assert refused.status_code == 400 and "wake_up" in refused.json()["error"]["message"]
+    kv_first = trainer.post("/wake_up", params={"tags": ["kv_cache"]})
+    assert kv_first.status_code == 400 and kv_first.json()["error"]["param"] == "tags"
+    assert trainer.post("/wake_up", params={"tags": ["weights"]}).status_code == 200
+    assert weight_elements(trainer_engine) == held and kv_elements(trainer_engine) == 0
+    assert trainer.get("/is_sleeping").json() == {"is_sleeping": True}  # the KV cache
+    assert trainer.post("/wake_up").status_code == 200
+    assert trainer.post("/weight_checker", json={"action": "checksum"}).json() == before
+    answer = tokens(trainer, PROMPT).json()["choices"][0]["token_ids"]
+    assert answer == hf_greedy(tiny_llama_dir, PROMPT, 8)[0]
+    assert trainer.get("/weight_info").json()["weight_version"] == version
+
+
 def test_vllm_weight_checker_proves_a_transfer_restores_the_weights(trainer, tiny_llama_dir):
     baseline = trainer.post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
     assert "lm_head.weight" in baseline
