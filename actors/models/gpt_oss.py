@@ -91,9 +91,9 @@ class GptOssMoE(nn.Module):
             config.hidden_size, config.num_local_experts, bias=True, tp=tp
         )
         self.experts = GptOssExperts(config, tp)
-        # transformers before swiglu_alpha was a config field hard-coded gpt-oss's 1.702
+        # transformers before these were config fields (5.17) hard-coded gpt-oss's 1.702 and 7.0
         alpha = getattr(config, "swiglu_alpha", 1.702)
-        self.act = partial(clamped_swiglu, alpha=alpha, limit=config.swiglu_limit)
+        self.act = partial(clamped_swiglu, alpha=alpha, limit=getattr(config, "swiglu_limit", 7.0))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (out [T, H], expert ids [T, top_k] int32)."""
