@@ -7,7 +7,7 @@ It runs every row of a step, prefill chunks and decodes alike, from the metadata
 from __future__ import annotations
 
 import raylane.kernels.attention.cpu_kernel as cpu_kernel
-from raylane.kernels.attention.metadata import AttentionMetadata, require_full
+from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.attention.torch_ref import store_kv
 
 
@@ -18,7 +18,6 @@ class CpuPagedAttention:
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
         window: int | None = None, sinks=None,
     ):  # fmt: skip
-        require_full(self.name, window, sinks)  # the registry never picks it for those
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])  # [T, H, Dv]
         return cpu_kernel.paged_attention(
@@ -31,4 +30,6 @@ class CpuPagedAttention:
             scale,
             out,
             block_size=meta.block_size,
+            window=window,
+            sinks=sinks,
         )

@@ -53,6 +53,8 @@ def paged_attention(
     *,
     block_size: int,
     num_threads: int | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context; writes and returns out.
 
@@ -64,7 +66,9 @@ def paged_attention(
     query_start_loc [B + 1] int32, sequence i owns rows [qsl[i], qsl[i + 1]). Query j of
     sequence i sits at position seq_lens[i] - q_len + j and sees keys 0..that position, read
     from the cache (this step's K/V must already be stored). Query head h reads KV head
-    h // (H // KVH). `block_size` is slots per block (the shapes do not tell it). Sequences
+    h // (H // KVH). With a `window`, a query sees only its last `window` keys (blocks before
+    them are never read); `sinks` [H]: per-head logits joining each softmax's denominator.
+    `block_size` is slots per block (the shapes do not tell it). Sequences
     with no queries contribute nothing; rows of q past query_start_loc[B] are left alone.
     Runs on `num_threads` OpenMP threads (default torch.get_num_threads()).
 
@@ -75,6 +79,12 @@ def paged_attention(
     if lib is None:
         raise RuntimeError("the CPU paged-attention kernel could not be built; see the log")
     sizes = _checked_sizes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    if sinks is not None:  # [H] float32, read by the C code
+        sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(f"paged_attention: sinks must be [{q.shape[1]}], got {sinks.shape}")
+    if window is not None and window < 1:
+        raise ValueError(f"paged_attention: window must be >= 1 or None, got {window}")
     bad_seq = ctypes.c_int(-1)
     rc = lib.raylane_paged_attention(
         q.data_ptr(),
@@ -89,6 +99,8 @@ def paged_attention(
         scale,
         _DTYPES[q.dtype],
         num_threads or torch.get_num_threads(),
+        window or 0,
+        None if sinks is None else sinks.data_ptr(),
         ctypes.byref(bad_seq),
     )
     if rc != 0:
@@ -188,13 +200,13 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.raylane_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     # pointers (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out), then
-    # _checked_sizes(), then block_size, scale, dtype, num_threads, bad_seq
+    # _checked_sizes(), then block_size, scale, dtype, num_threads, window, sinks, bad_seq
     fn.argtypes = (
         [ptr] * 7
         + [i64] * 6
         + [i32] * 6
         + [i64, i32]
-        + [i32, ctypes.c_float, i32, i32, ctypes.POINTER(ctypes.c_int)]
+        + [i32, ctypes.c_float, i32, i32, i32, ptr, ctypes.POINTER(ctypes.c_int)]
     )
     fn.restype = ctypes.c_int
     return lib

@@ -56,9 +56,3 @@ class AttentionMetadata:
     @property
     def num_decodes(self) -> int:
         return self.num_seqs - self.num_prefills
-
-
-def require_full(backend: str, window: int | None, sinks: Any) -> None:
-    """For backends that serve only full attention (no window, no sinks)."""
-    if window is not None or sinks is not None:
-        raise ValueError(f"attention backend {backend!r} serves no sliding window or sinks")

@@ -79,7 +79,7 @@ _BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], Attentio
 # the cache layouts (attention layer kinds, see actors/models/attention.py) each one serves
 _KINDS: dict[str, frozenset[str]] = {
     "triton": frozenset({"full", "mla", "sliding", "sinks"}),
-    "cpu": frozenset({"full", "mla"}),
+    "cpu": frozenset({"full", "mla", "sliding", "sinks"}),
     # "dsa" layers run their own torch ops (kernels/attention/sparse.py) and need no backend
     "torch": frozenset({"full", "mla", "dsa", "sliding", "sinks"}),
 }

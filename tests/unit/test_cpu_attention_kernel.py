@@ -46,7 +46,7 @@ class Batch:
     query_start_loc: torch.Tensor  # [B + 1] int32
     block_size: int
 
-    def run(self, num_threads: int | None = None) -> torch.Tensor:
+    def run(self, num_threads: int | None = None, window=None, sinks=None) -> torch.Tensor:
         out = torch.full_like(self.q, float("nan"))
         return cpu_kernel.paged_attention(
             self.q,
@@ -59,7 +59,18 @@ class Batch:
             out,
             block_size=self.block_size,
             num_threads=num_threads,
+            window=window,
+            sinks=sinks,
         )
+
+    def forget_before_windows(self, window: int) -> None:
+        """Point every table entry of a block wholly before its sequence's first query's window
+        at a block nobody owns (NaN): a sliding window's freed blocks may hold anything."""
+        num_blocks = self.k_cache.shape[0] // self.block_size
+        spare = min(set(range(num_blocks)) - {b for s in self.seqs for b in s.table})
+        for i, s in enumerate(self.seqs):
+            first = s.ctx - s.q_len - window + 1  # the first query's first visible key
+            self.block_tables[i, : max(0, first) // self.block_size] = spare
 
 
 def make_batch(
@@ -116,25 +127,33 @@ def make_batch(
     )
 
 
-def naive_attention(s: Seq) -> torch.Tensor:
-    """softmax(q k^T * scale) v for each query over positions <= its own, head by head."""
+def naive_attention(s: Seq, window=None, sinks=None) -> torch.Tensor:
+    """softmax(q k^T * scale) v for each query over positions <= its own (its last `window`
+    with a window; a sink logit per head joining the denominator), head by head."""
     q, k, v = (t.double() for t in (s.q, s.k, s.v))
     heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     for i in range(s.q_len):
         pos = s.ctx - s.q_len + i
+        lo = 0 if window is None else max(0, pos - window + 1)
         for h in range(heads):
             kv = h // (heads // kv_heads)  # GQA: consecutive query heads share a KV head
-            weights = torch.softmax(k[: pos + 1, kv] @ q[i, h] * SCALE, dim=0)
-            out[i, h] = weights @ v[: pos + 1, kv]
+            logits = k[lo : pos + 1, kv] @ q[i, h] * SCALE
+            if sinks is not None:
+                logits = torch.cat([logits, sinks[h : h + 1].double()])
+            weights = torch.softmax(logits, dim=0)[: pos + 1 - lo]
+            out[i, h] = weights @ v[lo : pos + 1, kv]
     return out
 
 
-def assert_matches_naive(batch: Batch, out: torch.Tensor, atol: float, rtol: float) -> None:
+def assert_matches_naive(
+    batch: Batch, out: torch.Tensor, atol: float, rtol: float, window=None, sinks=None
+) -> None:
     start = 0
     for s in batch.seqs:
+        want = naive_attention(s, window, sinks)
         torch.testing.assert_close(
-            out[start : start + s.q_len].double(), naive_attention(s), atol=atol, rtol=rtol
+            out[start : start + s.q_len].double(), want, atol=atol, rtol=rtol
         )
         start += s.q_len
 
@@ -155,6 +174,29 @@ GQA = [(4, 4), (9, 3), (8, 2)]  # (H, KVH): groups of 1, 3 and 4 query heads
 def test_float32_matches_naive(case, heads, kv_heads):
     batch = make_batch(CASES[case], heads, kv_heads, head_dim=64, block_size=16, seed=len(case))
     assert_matches_naive(batch, batch.run(), atol=1e-5, rtol=1e-5)
+
+
+# sliding window (gpt-oss, Gemma 3): windows shorter than a chunk of keys, across chunks and
+# blocks, longer than some contexts; rows of one prefill tile whose windows start in different
+# chunks; sinks with and without a window, some large enough to take most of the mass
+@pytest.mark.parametrize("case", ["decodes", "chunks_over_context", "mixed"])
+@pytest.mark.parametrize("window,sinks", [(5, False), (40, False), (None, True), (19, True)])
+def test_window_and_sinks_match_naive(case, window, sinks):
+    heads, kv_heads = 8, 2
+    batch = make_batch(CASES[case], heads, kv_heads, head_dim=64, block_size=16, seed=len(case))
+    if window is not None:
+        batch.forget_before_windows(window)
+    sink = torch.linspace(-3.0, 12.0, heads) if sinks else None
+    out = batch.run(window=window, sinks=sink)
+    assert_matches_naive(batch, out, atol=1e-5, rtol=1e-5, window=window, sinks=sink)
+
+
+def test_window_and_sinks_in_bfloat16():
+    batch = make_batch(CASES["mixed"], 9, 3, 40, 16, torch.bfloat16, seed=4)
+    batch.forget_before_windows(7)
+    sink = torch.linspace(-1.0, 2.0, 9)
+    out = batch.run(window=7, sinks=sink)
+    assert_matches_naive(batch, out, atol=1e-5, rtol=2**-8, window=7, sinks=sink)
 
 
 @pytest.mark.parametrize("head_dim", [24, 40, 80, 128])
@@ -289,5 +331,9 @@ def test_the_8_lane_build_for_cpus_without_avx512(tmp_path, monkeypatch):
             batch = make_batch(CASES["mixed"] + [(3, 50)], 8, 2, head_dim, 16, dtype, seed=5)
             tol = 1e-5 if dtype == torch.float32 else 2**-8
             assert_matches_naive(batch, batch.run(), atol=1e-5, rtol=tol)
+            batch.forget_before_windows(9)  # and with a window and sinks
+            sink = torch.linspace(-2.0, 3.0, 8)
+            out = batch.run(window=9, sinks=sink)
+            assert_matches_naive(batch, out, atol=1e-5, rtol=tol, window=9, sinks=sink)
     finally:
         cpu_kernel._library.cache_clear()  # the next caller loads the native build again

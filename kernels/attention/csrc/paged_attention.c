@@ -15,7 +15,10 @@
  *   seq_lens         [B] int32            context length after this step (cached + new)
  *   query_start_loc  [B + 1] int32        sequence i owns query rows [qsl[i], qsl[i + 1])
  * Query j of sequence i sits at position seq_lens[i] - q_len + j and attends keys 0..position
- * (causal); the caller has already written this step's K/V into the cache.
+ * (causal), or with a sliding `window` > 0 only its last `window` keys (blocks before them are
+ * never read: a window's freed blocks may hold anything); the caller has already written this
+ * step's K/V into the cache. `sinks` (float32 [H], or NULL): per query head, a logit that joins
+ * the softmax's denominator and adds nothing to the sum (gpt-oss).
  *
  * Work is cut into items (sequence, run of kv heads, tile of query rows). Inside an item every
  * query head of a kv head and every row of the tile ("query vectors") share each chunk of LANES
@@ -99,6 +102,8 @@ typedef struct {
     float scale;
     int64_t v_slot; /* elements between two slots of v_cache */
     int v_dim;
+    int window;         /* > 0: a query sees its last `window` keys; 0: every earlier key */
+    const float *sinks; /* [H] float32, or NULL */
 } Problem;
 
 typedef struct {
@@ -119,6 +124,7 @@ typedef struct {
     float *ref;   /* [M] running reference for the exps: the max score, give or take a margin */
     float *sum;   /* [M, LANES] running sums of exp(score - ref), lane by lane */
     int *limit;   /* [M] keys of the current chunk the vector may attend (0..LANES) */
+    int *start;   /* [M] its first such key (> 0 where a window begins inside the chunk) */
     float *k, *v; /* [LANES, heads, padded] the current chunk in float; rows past its end 0 */
 } Scratch;
 
@@ -345,11 +351,11 @@ static Chunk fetch_chunk(const Problem *p, const int32_t *table, int kv_begin, i
 static ALWAYS_INLINE void softmax_update(Scratch *s, int m, const int padded) {
     float *restrict prob = s->prob + m * LANES;
     float *restrict sum = s->sum + m * LANES;
-    const int n = s->limit[m];
+    const int n = s->limit[m], first = s->start[m];
     float chunk_max = -INFINITY;
 #pragma omp simd reduction(max : chunk_max)
     for (int j = 0; j < LANES; ++j) {
-        const float x = j < n ? prob[j] : -INFINITY;
+        const float x = j >= first && j < n ? prob[j] : -INFINITY;
         chunk_max = x > chunk_max ? x : chunk_max;
     }
     if (chunk_max > s->ref[m] + RESCALE_MARGIN) { /* always for the first chunk: ref is -inf */
@@ -364,7 +370,7 @@ static ALWAYS_INLINE void softmax_update(Scratch *s, int m, const int padded) {
     const float ref = s->ref[m];
 #pragma omp simd
     for (int j = 0; j < LANES; ++j) {
-        const float e = j < n ? exp_clamped(prob[j] - ref) : 0.0f;
+        const float e = j >= first && j < n ? exp_clamped(prob[j] - ref) : 0.0f;
         prob[j] = e;
         sum[j] += e;
     }
@@ -420,14 +426,17 @@ static ALWAYS_INLINE void accumulate_values(float *acc, const float *prob, const
  * compile-time constant.
  */
 static ALWAYS_INLINE void attend_chunk(Scratch *s, const Chunk *c, int head, int m0, int count,
-                                       int pos0, int group, const int padded) {
+                                       int pos0, int group, int window, const int padded) {
     const float *k = c->k + head * c->head_step, *v = c->v + head * c->head_step;
     /* Three passes over the vectors rather than one doing all three steps per vector: the
      * softmax step is a long chain of dependent ops (max, exp, sum), and with the scores of
      * several vectors ready the CPU overlaps their chains. */
     for (int i = 0, m = m0; i < count; ++i, ++m) {
         const int last = pos0 + i / group - c->first; /* last visible key of the chunk, if >= 0 */
+        const int first = window > 0 ? last - window + 1 : 0; /* first, if > 0 (a window) */
+        s->start[m] = first > 0 ? first : 0;
         s->limit[m] = last < 0 ? 0 : (last + 1 < c->n ? last + 1 : c->n);
+        if (s->start[m] >= s->limit[m]) s->limit[m] = 0; /* the window starts past the chunk */
         if (s->limit[m] > 0)
             store_vec(s->prob + m * LANES, chunk_scores(s->q + m * padded, k, c->stride, padded));
     }
@@ -439,15 +448,21 @@ static ALWAYS_INLINE void attend_chunk(Scratch *s, const Chunk *c, int head, int
                               s->limit[m], padded);
 }
 
-/* Where query vector m of an item lives in q and out, in elements. Vectors run kv head by kv
- * head, then row by row, then query head by query head within the kv head's group. */
+/* The query head of an item's query vector m. Vectors run kv head by kv head, then row by row,
+ * then query head by query head within the kv head's group. */
+static int vector_head(const Problem *p, const Item *it, int m) {
+    const int group = p->num_heads / p->num_kv_heads;
+    const int per_head = (it->row_end - it->row_begin) * group;
+    return (it->kv_begin + m / per_head) * group + m % per_head % group;
+}
+
+/* Where query vector m of an item lives in q and out, in elements. */
 static int64_t vector_offset(const Problem *p, const Item *it, int m, int64_t row_stride,
                              int64_t head_stride) {
     const int group = p->num_heads / p->num_kv_heads;
     const int per_head = (it->row_end - it->row_begin) * group;
-    const int kv_head = it->kv_begin + m / per_head, i = m % per_head;
-    const int64_t row = p->query_start_loc[it->seq] + it->row_begin + i / group;
-    return row * row_stride + (int64_t)(kv_head * group + i % group) * head_stride;
+    const int64_t row = p->query_start_loc[it->seq] + it->row_begin + m % per_head / group;
+    return row * row_stride + (int64_t)vector_head(p, it, m) * head_stride;
 }
 
 static void attend_item(const Problem *p, const Item *it, Scratch *s) {
@@ -469,14 +484,20 @@ static void attend_item(const Problem *p, const Item *it, Scratch *s) {
 
     const int32_t *table = p->block_tables + it->seq * p->table_row;
     const int num_keys = pos0 + rows; /* the tile's last row sees keys 0 .. num_keys - 1 */
-    for (int first = 0; first < num_keys; first += LANES) {
+    const int window = p->window, lo = window > 0 && pos0 >= window ? pos0 - window + 1 : 0;
+    for (int first = lo; first < num_keys; first += LANES) { /* from the first row's window */
         const int n = num_keys - first < LANES ? num_keys - first : LANES;
         const Chunk chunk = fetch_chunk(p, table, it->kv_begin, heads, first, n, s);
         for (int h = 0; h < heads; ++h) {
             switch (padded) { /* the common head sizes get fully unrolled loops */
-            case 64: attend_chunk(s, &chunk, h, h * per_head, per_head, pos0, group, 64); break;
-            case 128: attend_chunk(s, &chunk, h, h * per_head, per_head, pos0, group, 128); break;
-            default: attend_chunk(s, &chunk, h, h * per_head, per_head, pos0, group, padded);
+            case 64:
+                attend_chunk(s, &chunk, h, h * per_head, per_head, pos0, group, window, 64);
+                break;
+            case 128:
+                attend_chunk(s, &chunk, h, h * per_head, per_head, pos0, group, window, 128);
+                break;
+            default:
+                attend_chunk(s, &chunk, h, h * per_head, per_head, pos0, group, window, padded);
             }
         }
     }
@@ -484,6 +505,8 @@ static void attend_item(const Problem *p, const Item *it, Scratch *s) {
     for (int m = 0; m < num_vectors; ++m) {
         float total = 0.0f;
         for (int j = 0; j < LANES; ++j) total += s->sum[m * LANES + j];
+        if (p->sinks) /* exp(sink) under the same reference as the sums; libm: may exceed 88 */
+            total += expf(p->sinks[vector_head(p, it, m)] - s->ref[m]);
         const int64_t at = vector_offset(p, it, m, p->out_row, p->out_head);
         store_row(s->acc + m * padded, 1.0f / total, p->dtype, p->v_dim,
                   (char *)p->out + at * es);
@@ -494,6 +517,7 @@ static void attend_item(const Problem *p, const Item *it, Scratch *s) {
 
 static int check(const Problem *p, int *bad_seq) {
     if (p->num_seqs < 0 || p->num_heads <= 0 || p->num_kv_heads <= 0 || p->head_dim <= 0 ||
+        p->window < 0 ||
         p->v_dim <= 0 || p->v_dim > p->head_dim || p->block_size <= 0 ||
         p->num_heads % p->num_kv_heads != 0)
         return PA_BAD_SHAPE;
@@ -575,13 +599,15 @@ static int scratch_init(Scratch *s, int max_vectors, int heads, int d) {
     s->ref = alloc_floats(max_vectors);
     s->sum = alloc_floats((size_t)max_vectors * LANES);
     s->limit = (int *)alloc_floats(max_vectors);
+    s->start = (int *)alloc_floats(max_vectors);
     s->k = alloc_floats((size_t)LANES * heads * s->padded);
     s->v = alloc_floats((size_t)LANES * heads * s->padded);
-    return s->q && s->acc && s->prob && s->ref && s->sum && s->limit && s->k && s->v;
+    return s->q && s->acc && s->prob && s->ref && s->sum && s->limit && s->start && s->k && s->v;
 }
 
 static void scratch_free(Scratch *s) {
     free(s->q), free(s->acc), free(s->prob), free(s->ref), free(s->sum), free(s->limit);
+    free(s->start);
     free(s->k), free(s->v);
 }
 
@@ -598,11 +624,11 @@ int raylane_paged_attention(const void *q, const void *k_cache, const void *v_ca
                             int64_t table_row, int table_width, int num_seqs, int num_tokens,
                             int num_heads, int num_kv_heads, int head_dim, int64_t v_slot,
                             int v_dim, int block_size, float scale, int dtype, int num_threads,
-                            int *bad_seq) {
+                            int window, const float *sinks, int *bad_seq) {
     const Problem p = {q, q_row, q_head, k_cache, v_cache, num_slots, block_tables, table_row,
                        table_width, seq_lens, query_start_loc, out, out_row, out_head,
                        num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size,
-                       dtype, scale, v_slot, v_dim};
+                       dtype, scale, v_slot, v_dim, window, sinks};
     *bad_seq = -1;
     const int rc = check(&p, bad_seq);
     if (rc != PA_OK) return rc;
