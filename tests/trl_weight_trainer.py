@@ -8,7 +8,7 @@ tensor is broadcast after its `/update_named_param/` answered, then a barrier.
 
 `names`: the tensors in the order TRL sends them (`model.named_parameters()`); `bad`: announce
 these with a wrong shape (the server must refuse before any byte moves). Prints one JSON line:
-the status code of every call, in order.
+every call's [method, path, status, answer body], in order.
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ from tests.weight_trainer import GROUP, join
 
 def main() -> None:
     plan = json.loads(sys.argv[1])
-    codes: list[tuple[str, int]] = []
-    with httpx.Client(base_url=plan["url"], timeout=120) as http:
+    answers: list[tuple] = []
 
-        def post(path: str, **kw) -> httpx.Response:
-            response = http.post(path, **kw)
-            codes.append((path, response.status_code))
-            return response
+    def keep(response: httpx.Response) -> None:
+        response.read()
+        request = response.request
+        answers.append((request.method, request.url.path, response.status_code, response.json()))
 
+    with httpx.Client(base_url=plan["url"], timeout=120, event_hooks={"response": [keep]}) as http:
+        post = http.post
         server_ranks = http.get("/get_world_size/").json()["world_size"]
         world_size, rank = server_ranks + 1, server_ranks  # the trainer is the last rank
         init = {"host": "0.0.0.0", "port": plan["port"], "world_size": world_size}
@@ -44,7 +45,7 @@ def main() -> None:
             if _update_model_params(post, pg, rank, plan):
                 post("/reset_prefix_cache/")
             post("/close_communicator/")
-    print(json.dumps(codes), flush=True)
+    print(json.dumps(answers), flush=True)
     os._exit(0)  # NOTE: gloo aborts on a normal exit with its group alive
 
 

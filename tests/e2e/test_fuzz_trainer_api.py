@@ -21,6 +21,24 @@ EXAMPLES = 8  # per operation and mode: the trainer routes are many and mostly s
 # generation routes: fewer, on a short context (tests/e2e/test_fuzz_schema.py fuzzes /generate)
 GENERATING = {"/generate", "/inference/v1/generate", "/generate/", "/chat/"}
 PAUSING = {"/pause", "/pause_generation", "/sleep"}
+# routes that may open a weight update (pausing in mode "keep"): committed after each call
+UPDATING = {"/start_weight_update", "/collective_rpc", "/update_named_param/"}
+# the collective weight-transfer routes of every protocol (a trainer's broadcast makes them
+# succeed: tests/unit/test_collective_weights.py, tests/e2e/test_trl_communicator.py and
+# tests/e2e/test_skyrl_client.py check those answers against the schema too)
+COLLECTIVE = {
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
+    "/init_communicator/",
+    "/update_named_param/",
+    "/close_communicator/",
+    "/collective_rpc",
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +65,7 @@ def test_trainer_routes_fuzz_clean(app):
     undo = TestClient(app, headers=AUTH)
     calls, failures = [], []
     operations = trainer_operations(app)
+    assert COLLECTIVE <= {op.path for op in operations}
     for mode, operation in [(m, op) for m in ("positive", "negative") for op in operations]:
 
         @given(case=operation.as_strategy(GenerationMode(mode)))
@@ -59,7 +78,9 @@ def test_trainer_routes_fuzz_clean(app):
         )
         def check(case):
             response = case.call(headers=AUTH, timeout=TIMEOUT_S)
-            if case.path in PAUSING:
+            if case.path in UPDATING:
+                undo.post("/finish_weight_update")
+            if case.path in PAUSING | UPDATING:
                 undo.post("/wake_up")
                 undo.post("/resume")
             calls.append(response.status_code)

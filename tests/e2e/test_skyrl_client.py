@@ -28,6 +28,7 @@ from raylane.session_server.backend import LocalBackend
 from tests.e2e.conftest import tiny_config
 from tests.e2e.server import ServerThread
 from tests.hf_reference import hf_greedy, perturbed_model
+from tests.schema_checks import answer_problems
 from tests.weight_trainer import Trainer, trainer_specs
 
 PROMPT = [(7 * j) % 200 + 5 for j in range(14)]
@@ -127,3 +128,21 @@ def test_broadcast_weight_sync(server, tiny_llama_dir, tmp_path):
         trainer.close()
     assert out["response_ids"] == [hf_greedy(v1_dir, PROMPT, 6)[0]]
     assert httpx.get(f"{server.url}/weight_info").json()["weight_version"] == "1"
+
+
+def test_skyrl_routes_answer_as_their_schema(server):
+    """Last here: its empty update moves the server to the next version."""
+    answers: list[httpx.Response] = []
+    with httpx.Client(
+        base_url=server.url, timeout=60, event_hooks={"response": [lambda r: answers.append(r)]}
+    ) as http:
+        sampling = {**GREEDY, "logprobs": 1}
+        body = {"token_ids": PROMPT, "sampling_params": sampling}
+        assert http.post("/skyrl/v1/generate", json=body).status_code == 200
+        for method in ("skyrl_start_weight_update", "skyrl_finish_weight_update"):
+            assert http.post("/collective_rpc", json={"method": method}).status_code == 200
+        refused = http.post("/collective_rpc", json={"method": "update_weights_ipc"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "method"
+        for answer in answers:
+            answer.read()
+    assert answer_problems(server.app, answers) == []

@@ -25,6 +25,7 @@ from raylane.session_server.backend import LocalBackend
 from tests.e2e.conftest import tiny_config
 from tests.e2e.server import ServerThread
 from tests.hf_reference import hf_greedy, hf_model, perturbed_model
+from tests.schema_checks import answer_problems, recorded
 from tests.weight_trainer import free_port
 
 PROMPTS = [[(5 * i + 3 * j) % 200 + 7 for j in range(10 + 6 * i)] for i in range(2)]
@@ -47,17 +48,20 @@ def greedy(http: httpx.Client) -> list[list[int]]:
     return [a.json()["choices"][0]["token_ids"] for a in answers]
 
 
-def trl_trainer(url: str, model_dir: str, bad: dict | None = None) -> list[list]:
-    """Run the TRL-shaped trainer to its end; the status code of each of its calls."""
+def trl_trainer(server: ServerThread, model_dir: str, bad: dict | None = None) -> list[list]:
+    """Run the TRL-shaped trainer to its end; [path, status] of each of its calls, whose
+    answers must be as the schema declares them."""
     names = [name for name, _ in hf_model(model_dir).named_parameters()]  # TRL's order
-    plan = {"url": url, "port": free_port(), "file": f"{model_dir}/model.safetensors"}
+    plan = {"url": server.url, "port": free_port(), "file": f"{model_dir}/model.safetensors"}
     plan.update(names=names, bad=bad or {})
     done = subprocess.run(
         [sys.executable, "-m", "tests.trl_weight_trainer", json.dumps(plan)],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer_problems(server.app, [recorded(*a) for a in answers]) == []
+    return [[path, status] for _, path, status, _ in answers[1:]]  # after /get_world_size/
 
 
 def test_trl_weight_sync_is_one_transaction(server, tiny_llama_dir, tmp_path):
@@ -68,14 +72,14 @@ def test_trl_weight_sync_is_one_transaction(server, tiny_llama_dir, tmp_path):
 
         names = [name for name, _ in hf_model(v1_dir).named_parameters()]
         victim = next(n for n in names[2:] if "k_proj" in n)  # after some were sent
-        codes = trl_trainer(server.url, v1_dir, bad={victim: [3, 3]})
+        codes = trl_trainer(server, v1_dir, bad={victim: [3, 3]})
         assert codes[-2:] == [["/update_named_param/", 400], ["/close_communicator/", 200]]
         assert len(codes) > 4  # tensors before it were broadcast and loaded, then dropped
         assert greedy(http) == before
         assert http.get("/weight_info").json()["weight_version"] == "0"
         assert http.get("/is_paused").json() == {"is_paused": False}
 
-        codes = trl_trainer(server.url, v1_dir)
+        codes = trl_trainer(server, v1_dir)
         assert {code for _, code in codes} == {200}
         assert [path for path, _ in codes[-2:]] == ["/reset_prefix_cache/", "/close_communicator/"]
         assert http.get("/weight_info").json()["weight_version"] == "1"

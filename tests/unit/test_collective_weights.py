@@ -15,6 +15,7 @@ from raylane.router.errors import ReplicasFailed
 from raylane.session_server.backend import LocalBackend
 
 from tests.hf_reference import hf_greedy, perturbed_model
+from tests.schema_checks import answer_problems
 from tests.weight_trainer import GROUP, Trainer, trainer_specs
 
 
@@ -118,7 +119,16 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
     async def test(backend):
         app = build_app(backend, trainer_api=True)
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        answers: list[httpx.Response] = []  # every answer, checked against the schema at the end
+
+        async def keep(answer: httpx.Response) -> None:
+            await answer.aread()
+            answers.append(answer)
+
+        hooks = {"response": [keep]}
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://t", event_hooks=hooks
+        ) as http:
             trainer = Trainer(v1_dir, specs, packed=True, buffer=3000)
             try:
                 r = await http.post("/init_weight_transfer_engine", json={"init_info": {
@@ -179,5 +189,6 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
         got = await outputs(backend)
         assert [ids for ids, _ in got] == [hf_greedy(tiny_llama_dir, p, 6)[0] for p in prompts()]
         assert all(versions == {2} for _, versions in got)
+        assert answer_problems(app, answers) == []
 
     with_backend(tiny_llama_dir, test)
