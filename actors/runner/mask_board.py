@@ -68,9 +68,14 @@ class MaskBoard:
 
 
 def step_masks(
-    board: MaskBoard | None, plan: StepPlan, scheduled: list[ScheduledRequest]
+    board: MaskBoard | None,
+    plan: StepPlan,
+    scheduled: list[ScheduledRequest],
+    can_skip: bool = True,
 ) -> dict[int, object]:
-    """The step's masks by seq_id: those in its plan, then the late ones from the board."""
+    """The step's masks by seq_id: those in its plan, then the late ones from the board.
+    `can_skip=False` waits for every late mask: a model with recurrent state (linear
+    attention) cannot compute a position twice, so no row may skip and redo it."""
     masks: dict[int, object] = dict(plan.token_masks)
     if not plan.late_masks:
         return masks
@@ -78,7 +83,9 @@ def step_masks(
         raise RuntimeError("a plan with late grammar masks, but this runner has no MaskBoard")
     sampling = [item for item in scheduled if item.samples]
     # a decode row may skip: redoing it recomputes one position
-    skippable = {item.state.seq_id for item in sampling if item.num_new == 1 and not item.drafts}
+    skippable = {
+        item.state.seq_id for item in sampling if can_skip and item.num_new == 1 and not item.drafts
+    }
     masks.update(board.take(plan.step_id, skippable, len(sampling)))
     return masks
 

@@ -170,7 +170,9 @@ class ModelRunner:
         if self.state is not None:
             self.state.save(plan.snapshot_saves)
         computed = time.perf_counter()
-        masks = step_masks(self.mask_board, plan, scheduled)
+        # NOTE: a skipped row computes its last position again, which a recurrent state
+        # (linear attention) would absorb twice: such models wait for late masks instead
+        masks = step_masks(self.mask_board, plan, scheduled, can_skip=self.state is None)
         result = self._result(scheduled, step, logits, masks) if self.samples else None
         if self.config.mtp and result is not None:
             assert self._hidden is not None  # an eager forward ran (no graph replay)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import re
 import threading
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from raylane.actors.engine import SamplingParams
-from raylane.actors.runner.mask_board import SKIP, MaskBoard
+from raylane.actors.runner.mask_board import SKIP, MaskBoard, step_masks
+from raylane.actors.runner.plan import StepPlan
 from raylane.kernels.sampling import unpack_token_bitmask
 
 from tests.unit.async_helpers import engine_for
@@ -140,6 +142,22 @@ def test_mask_board_skips_late_rows_only_when_another_row_samples():
     threading.Timer(0.05, board.close).start()
     with pytest.raises(RuntimeError, match="shut down"):
         board.take(9, set(), 1)
+
+
+@pytest.mark.parametrize("can_skip", [True, False])
+def test_rows_of_a_model_with_recurrent_state_never_skip(can_skip):
+    # linear attention cannot redo a position (its state would take the token twice), so
+    # step_masks(can_skip=False) waits for a late row's mask where it would otherwise skip
+    board, mask, late = MaskBoard(wait_s=0.0), np.full(4, -1, np.int32), Future()
+    board.post(3, {1: done(mask), 2: late})
+    threading.Timer(0.05, late.set_result, (mask,)).start()
+    rows = [
+        SimpleNamespace(samples=True, num_new=1, drafts=(), state=SimpleNamespace(seq_id=i))
+        for i in (1, 2)
+    ]
+    plan = StepPlan(step_id=3, late_masks=(1, 2))
+    got = step_masks(board, plan, rows, can_skip=can_skip)  # type: ignore[arg-type]
+    assert got[1] is mask and (got[2] is SKIP) == can_skip
 
 
 def test_bitmask_application_matches_a_naive_one():
