@@ -22,6 +22,9 @@ import triton.language as tl
 
 LOG2E = math.log2(math.e)  # softmax runs in base 2: exp(x) == exp2(x * LOG2E)
 _PREFILL_BLOCK_M = 64  # (query token, query head) rows per prefill program
+# the query, key and value tiles of one program, by the estimate rows x padded row bytes: an
+# sm_90 program may have 227 KiB, and Triton's staging takes up to ~1.5x the estimate in 16 bits
+_SHARED_BYTES = 160 * 1024
 _MIN_SPLIT_TOKENS = 256  # a decode split shorter than this costs more to reduce than it saves
 _MAX_SPLITS = 16
 
@@ -176,6 +179,8 @@ def _decode_kernel(
     stride_bt,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
@@ -187,16 +192,20 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # one program: sequence b, the GROUP query heads of KV head kvh, one split of the keys it
-    # sees (the last `window` of its context with a window; blocks before them are never read)
-    b, kvh, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    # one program: sequence b, HEADS of the GROUP query heads of KV head kvh (their chunk
+    # `part`: wide rows split a group across programs), one split of the keys it sees (the last
+    # `window` of its context with a window; blocks before them are never read)
+    b, pid, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    kvh, part = pid // NUM_CHUNKS, pid % NUM_CHUNKS
     seq_len = tl.load(seq_lens + b)
     lo = _window_start(seq_len - 1, window)
     chunk = tl.cdiv(seq_len - lo, num_splits)  # per sequence: short contexts leave splits empty
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
     g, d = tl.arange(0, G_PAD), tl.arange(0, D_PAD)
-    heads, g_ok, d_ok, dv_ok = kvh * GROUP + g, g < GROUP, d < HEAD_DIM, d < V_DIM
+    local = part * HEADS + g  # the head's index within its group
+    heads, g_ok = kvh * GROUP + local, (g < HEADS) & (local < GROUP)
+    d_ok, dv_ok = d < HEAD_DIM, d < V_DIM
     q_ok = g_ok[:, None] & d_ok[None, :]
     o_ok = g_ok[:, None] & dv_ok[None, :]
     qv = tl.load(
@@ -304,6 +313,8 @@ def _prefill_kernel(
     stride_oh,
     stride_bt,
     GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -315,18 +326,21 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # one program: sequence i, BLOCK_Q query tokens times the GROUP heads of KV head kvh, packed
-    # as BLOCK_M rows (token-major), so each key tile is loaded once for the whole group
-    i, tile, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # one program: sequence i, BLOCK_Q query tokens times HEADS of the GROUP heads of KV head
+    # kvh (their chunk `part`: wide rows split a group across programs), packed as BLOCK_M rows
+    # (token-major), so each key tile is loaded once for all of them
+    i, tile, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kvh, part = pid // NUM_CHUNKS, pid % NUM_CHUNKS
     q_start = tl.load(query_start_loc + i)
     q_len = tl.load(query_start_loc + i + 1) - q_start
     if tile * BLOCK_Q >= q_len:  # the grid is sized for the longest query in the batch
         return
     context = tl.load(seq_lens + i) - q_len  # positions cached before this chunk
     r, d = tl.arange(0, BLOCK_M), tl.arange(0, D_PAD)
-    tok, heads = tile * BLOCK_Q + r // GROUP, kvh * GROUP + r % GROUP
+    local = part * HEADS + r % HEADS  # the head's index within its group
+    tok, heads, head_ok = tile * BLOCK_Q + r // HEADS, kvh * GROUP + local, local < GROUP
     d_ok, dv_ok = d < HEAD_DIM, d < V_DIM
-    rows_ok = ((r < BLOCK_Q * GROUP) & (tok < q_len))[:, None]
+    rows_ok = ((r < BLOCK_Q * HEADS) & (tok < q_len) & head_ok)[:, None]
     row_ok, out_ok = rows_ok & d_ok[None, :], rows_ok & dv_ok[None, :]
     q_pos = context + tok  # [BLOCK_M]; padded rows sit past the chunk and still see key 0
     row_offsets = (q_start + tok).to(tl.int64)[:, None]
@@ -363,7 +377,7 @@ def _prefill_kernel(
         recent = (pos[None, :] > q_pos[:, None] - window) | (window == 0)
         visible = visible & recent  # inside the window, if any
         m, total, acc = _softmax_step(qv, k, v, visible, m, total, acc, qk_scale, PRECISION, UPCAST)
-    total += _sink_mass(sinks, heads, heads >= 0, m, HAS_SINKS)
+    total += _sink_mass(sinks, heads, head_ok, m, HAS_SINKS)
     res = acc / tl.where(total > 0, total, 1.0)[:, None]  # padded rows may see no key
     tl.store(
         out + row_offsets * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -464,7 +478,11 @@ def decode_attention(
     acc_shape = (0,) if direct else (batch, num_heads, num_splits, head_dim)
     part_ml = q.new_empty(ml_shape, dtype=torch.float32)
     part_acc = q.new_empty(acc_shape, dtype=torch.float32)
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    tiles = _tiles(d_pad, q)
+    g_pad = _rows_per_program(max(16, triton.next_power_of_2(group)), tiles["BLOCK_N"], d_pad, q)
+    heads = min(group, g_pad)  # query heads per program
+    chunks = triton.cdiv(group, heads)
+    _decode_kernel[(batch, num_kv_heads * chunks, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -488,14 +506,16 @@ def decode_attention(
         block_tables.stride(0),
         NUM_HEADS=num_heads,
         GROUP=group,
-        G_PAD=max(16, triton.next_power_of_2(group)),
+        HEADS=heads,
+        NUM_CHUNKS=chunks,
+        G_PAD=g_pad,
         HEAD_DIM=head_dim,
         V_DIM=v_dim,
         D_PAD=d_pad,
         BLOCK_SIZE=block_size,
         DIRECT=direct,
         HAS_SINKS=sinks is not None,
-        **_tiles(d_pad, q),
+        **tiles,
         **_dot_mode(q),
     )
     if not direct:
@@ -543,9 +563,13 @@ def prefill_attention(
     if batch == 0 or max_query_len == 0:
         return
     group, d_pad = num_heads // num_kv_heads, _padded_head_dim(head_dim)
-    block_m = max(_PREFILL_BLOCK_M, triton.next_power_of_2(group))
-    block_q = block_m // group  # query tokens per program; the last group * block_q rows idle
-    _prefill_kernel[(batch, triton.cdiv(max_query_len, block_q), num_kv_heads)](
+    tiles = _tiles(d_pad, q)
+    wanted = max(_PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    block_m = _rows_per_program(wanted, tiles["BLOCK_N"], d_pad, q)
+    heads = min(group, block_m)  # query heads per program; a wider group splits in chunks
+    chunks = triton.cdiv(group, heads)
+    block_q = block_m // heads  # query tokens per program; the last heads * block_q rows idle
+    _prefill_kernel[(batch, triton.cdiv(max_query_len, block_q), num_kv_heads * chunks)](
         q,
         k_cache,
         v_cache,
@@ -566,6 +590,8 @@ def prefill_attention(
         out.stride(1),
         block_tables.stride(0),
         GROUP=group,
+        HEADS=heads,
+        NUM_CHUNKS=chunks,
         HEAD_DIM=head_dim,
         V_DIM=v_dim,
         D_PAD=d_pad,
@@ -573,7 +599,7 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         HAS_SINKS=sinks is not None,
-        **_tiles(d_pad, q),
+        **tiles,
         **_dot_mode(q),
     )
 
@@ -585,9 +611,22 @@ def _padded_head_dim(head_dim: int) -> int:
 def _tiles(d_pad: int, q: torch.Tensor) -> dict[str, int]:
     # keys per loop step and warps per program. Every K/V element has its own int64 pointer (the
     # slots are gathered), so wide rows need fewer keys or more warps; these keep ptxas from
-    # spilling on sm_90 (checked by compiling ahead of time, not timed on a GPU)
+    # spilling on sm_90 (checked by compiling ahead of time, not timed on a GPU). MLA's latent
+    # rows (576 wide, padded to 1024) take 16 keys a step
     row_bytes = d_pad * q.element_size()
-    return {"BLOCK_N": 64 if row_bytes <= 256 else 32, "num_warps": 4 if row_bytes < 128 else 8}
+    block_n = 64 if row_bytes <= 256 else 32 if row_bytes <= 1024 else 16
+    return {"BLOCK_N": block_n, "num_warps": 4 if row_bytes < 128 else 8}
+
+
+def _rows_per_program(wanted: int, block_n: int, d_pad: int, q: torch.Tensor) -> int:
+    """Query rows (token x head) one program holds: `wanted`, halved while its query tile and
+    the key and value tiles would overflow the shared-memory budget, never under 16 (tl.dot's
+    least M). The first H100 run failed MLA's prefill here: 64 rows of 1024 float32 lanes asked
+    for 520 KiB against the 227 KiB an sm_90 program may have."""
+    rows, row_bytes = wanted, d_pad * q.element_size()
+    while rows > 16 and (rows + 2 * block_n) * row_bytes > _SHARED_BYTES:
+        rows //= 2
+    return rows
 
 
 def _dot_mode(q: torch.Tensor) -> dict[str, object]:

@@ -98,3 +98,43 @@ def test_triton_split_decode_over_latent_rows():
     decode_attention(q, cache, cache_v, block_tables, seq_lens, SCALE, BLOCK, out, num_splits=3)
     ref = torch.cat([_naive(q[i : i + 1], r) for i, r in enumerate(rows)])
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_triton_splits_a_wide_group_across_programs(kind):
+    """DeepSeek's real widths (512 latent + 64 rope lanes, padded to 1024) with 32 query heads
+    on the one latent row: float32 rows that wide fit 16 (token x head) rows per program in
+    sm_90's shared memory, so the group runs as two chunks of 16 heads. Against naive attention
+    over each sequence's rows."""
+    _backend("triton")
+    from raylane.kernels.attention import triton_kernels as tk
+
+    heads, latent, rope = 32, 512, 64
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(3, 3), (2, 7)] if kind == "prefill" else [(1, 5), (1, 18)]  # (new, context)
+    cache = torch.full((8 * BLOCK, 1, latent + rope), float("nan"))
+    tables = [[4, 1], [0, 3, 5, 2, 6][: -(-shapes[1][1] // BLOCK)]]
+    rows = [torch.randn(ctx, latent + rope, generator=gen) for _, ctx in shapes]
+    for table, r in zip(tables, rows):
+        for pos in range(r.shape[0]):
+            cache[table[pos // BLOCK] * BLOCK + pos % BLOCK, 0] = r[pos]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor([ctx for _, ctx in shapes], dtype=torch.int32)
+    q = torch.randn(sum(n for n, _ in shapes), heads, latent + rope, generator=gen)
+    out = q.new_full((q.shape[0], heads, latent), float("nan"))
+    assert tk._rows_per_program(64, 16, 1024, q) == 16  # so two chunks of 16 heads
+    args = (q, cache, cache[..., :latent], block_tables, seq_lens)
+    if kind == "prefill":
+        qsl = torch.tensor([0, shapes[0][0], q.shape[0]], dtype=torch.int32)
+        tk.prefill_attention(*args, qsl, 3, SCALE, BLOCK, out)
+    else:
+        tk.decode_attention(*args, SCALE, BLOCK, out, num_splits=1)
+    want, start = [], 0
+    for (new, ctx), r in zip(shapes, rows):
+        scores = torch.einsum("nhd,cd->nhc", q[start : start + new].double(), r.double()) * SCALE
+        pos = torch.arange(ctx - new, ctx).view(new, 1, 1)
+        scores = scores.masked_fill(torch.arange(ctx).view(1, 1, ctx) > pos, float("-inf"))
+        want.append(torch.einsum("nhc,cl->nhl", scores.softmax(-1), r[:, :latent].double()))
+        start += new
+    torch.testing.assert_close(out.double(), torch.cat(want), atol=1e-5, rtol=1e-5)
