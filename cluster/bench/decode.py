@@ -12,6 +12,7 @@ import argparse
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -274,12 +275,22 @@ def time_engine(
         seed=args.seed,
     )
     engine = LLMEngine(config)
+    name = "eager" if eager else "graphs"
     try:
         return {
-            b: _time_engine_batch(engine, prompts[:b], args.output_len, args.repeats) for b in sizes
+            b: progress(
+                name, b, _time_engine_batch(engine, prompts[:b], args.output_len, args.repeats)
+            )
+            for b in sizes
         }
     finally:
         engine.shutdown()
+
+
+def progress(system: str, batch: int, cell: Cell) -> Cell:
+    """Each cell as it is measured (stderr), so a run cut short still says what it found."""
+    print(f"  {system:>12} batch {batch:>4}: {cell.tok_s:10.1f} decode tok/s", file=sys.stderr)
+    return cell
 
 
 def model_len(args: argparse.Namespace) -> int:
@@ -336,7 +347,7 @@ def time_hf(
         best = min(
             _hf_seconds(model, ids, output_len) - _hf_seconds(model, ids, 1) for _ in range(repeats)
         )
-        cells[b] = Cell(best, b * (output_len - 1))
+        cells[b] = progress("transformers", b, Cell(best, b * (output_len - 1)))
     del model
     return cells
 
