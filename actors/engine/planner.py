@@ -72,6 +72,7 @@ class StepPlanner:
             state_slots=_state_slots(batch),
             snapshot_restores=_snapshot_ops(batch, "restore_snapshot"),
             snapshot_saves=_snapshot_ops(batch, "save_snapshot"),
+            snapshot_copies=batch.snapshot_copies,
             draft_probs=tuple(
                 (i.seq.seq_id, i.draft_probs)
                 for i in batch.scheduled

@@ -43,6 +43,8 @@ class SchedulerOutput:
     prefills: list[ScheduledSeq] = field(default_factory=list)
     decodes: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (decode row, snapshot slot) copies to run before the step (see state_slots.py)
+    snapshot_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -98,6 +100,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if self.blocks.snapshots is not None:  # decode rows published since the last plan
+            out.snapshot_copies = self.blocks.snapshots.take_copies()
         # decodes by context length: attention can then pad short and long contexts apart
         out.decodes.sort(key=lambda item: len(item.seq))
         return out
@@ -174,11 +178,15 @@ class Scheduler:
 
     def _item(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         item = ScheduledSeq(seq, num_new)
-        boundary = self._snapshot_boundary(seq)
-        if boundary and item.start + num_new == boundary:
-            item.save_snapshot = self.blocks.reserve_snapshot(
-                seq, boundary // self.blocks.block_size
-            )
+        boundary, end = self._snapshot_boundary(seq), item.start + num_new
+        size, snapshots = self.blocks.block_size, self.blocks.snapshots
+        if boundary and end == boundary:
+            item.save_snapshot = self.blocks.reserve_snapshot(seq, boundary // size)
+        elif snapshots is not None and item.is_decode and end % size == 0:
+            # a decode step ending on a block: its state goes to the slot's decode row
+            assert seq.state_slot is not None
+            item.save_snapshot = snapshots.decode_row(seq.state_slot)
+            seq.decode_snapshot_at = end
         return item
 
     def _has_room(self) -> bool:
@@ -187,11 +195,27 @@ class Scheduler:
         return slots and len(self.running) < self.max_num_seqs
 
     def _release(self, seq: Sequence) -> None:
-        """Its blocks and state slot go back (finished, or preempted to recompute)."""
+        """Its blocks and state slot go back (finished, or preempted to recompute); its last
+        decode boundary's state is published for prefix caching first."""
+        self._publish_decode_snapshot(seq)
         self.blocks.free_sequence(seq)
         if self.states is not None:
             self.states.free_sequence(seq.seq_id)
         seq.state_slot = None
+
+    def _publish_decode_snapshot(self, seq: Sequence) -> None:
+        """Publish the state in the slot's decode row under its block's chain hash, if that
+        block is committed to the prefix cache (a boundary a step still in flight planned is
+        not: the row may hold it, or not yet)."""
+        snapshots, at, seq.decode_snapshot_at = self.blocks.snapshots, seq.decode_snapshot_at, 0
+        if snapshots is None or not at or seq.state_slot is None:
+            return
+        blocks = at // self.blocks.block_size
+        if blocks > seq.num_hashed_blocks:
+            return
+        chain_hash = self.blocks.blocks[seq.block_table[blocks - 1]].hash
+        if chain_hash is not None:
+            snapshots.publish(seq.state_slot, chain_hash)
 
     def _admit_cached_prefix(self, seq: Sequence) -> None:
         seq.prefix_looked_up = True

@@ -51,6 +51,8 @@ class Sequence:
         self.state_slot: int | None = None  # linear-attention models: its recurrent state's slot
         # a prefix-cache hit on such a model: the snapshot its state starts from
         self.restore_snapshot: int | None = None
+        # the block boundary its state slot's decode row holds (planned), 0: none
+        self.decode_snapshot_at = 0
         self.prefix_looked_up = False  # the scheduler checked the prefix cache on admission
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first schedule)
         self.num_preemptions = 0

@@ -95,12 +95,13 @@ def _with_state_slots(config: EngineConfig, info: RunnerInfo) -> EngineConfig:
     mib = info.state_bytes_per_seq / 2**20
     logger.info(
         "linear-attention state: %d slots of %.2f MiB (num_state_slots), so %d sequences run "
-        "at once; prefix caching: %d state snapshots, %.2f MiB (num_state_snapshots)",
+        "at once; prefix caching: %d state snapshots + a decode row per slot, %.2f MiB "
+        "(num_state_snapshots)",
         info.num_state_slots,
         mib,
         min(info.num_state_slots, config.max_num_seqs),
         info.num_state_snapshots,
-        info.num_state_snapshots * mib,
+        (info.num_state_snapshots + info.num_state_slots) * mib if info.num_state_snapshots else 0,
     )
     return dataclasses.replace(config, enable_prefix_caching=info.num_state_snapshots > 0)
 

@@ -8,6 +8,12 @@ by prefilling again, from a snapshot when one matches). A snapshot is a copy of 
 once a sequence's state covers a whole number of blocks, keyed by the prefix-cache hash of
 the chain up to that block, so a request sharing the prefix resumes from it; snapshots live in
 their own fixed pool, least recently used first out, so their memory is bounded.
+
+Decode boundaries: each state slot also has a decode row (after the pool: row
+`num_slots + slot`), which a decoding sequence's state is copied into whenever a decode step
+ends on a block; when the sequence finishes or is preempted, the row's state is published into
+the pool under that block's chain hash (a queued copy the next plan carries), so the next turn
+of a conversation, or the sequence's own recompute, resumes past its prompt.
 """
 
 from __future__ import annotations
@@ -60,6 +66,22 @@ class SnapshotCache:
         self.num_slots = num_slots
         self.by_hash: OrderedDict[int, int] = OrderedDict()  # chain hash -> snapshot slot
         self.free = list(range(num_slots - 1, -1, -1))
+        self.copies: list[tuple[int, int]] = []  # (decode row, snapshot slot) for the next plan
+
+    def decode_row(self, state_slot: int) -> int:
+        """The snapshot row that holds a state slot's latest decode boundary."""
+        return self.num_slots + state_slot
+
+    def publish(self, state_slot: int, chain_hash: int) -> None:
+        """The slot's decode row holds the state at `chain_hash`'s block: copy it into the pool
+        (by the next plan, before anything else in its step)."""
+        slot = self.reserve(chain_hash)
+        if slot is not None:
+            self.copies.append((self.decode_row(state_slot), slot))
+
+    def take_copies(self) -> tuple[tuple[int, int], ...]:
+        copies, self.copies = tuple(self.copies), []
+        return copies
 
     def lookup(self, chain_hashes: list[int]) -> tuple[int, int] | None:
         """The longest prefix with a snapshot: (number of blocks it covers, snapshot slot)."""
@@ -86,3 +108,4 @@ class SnapshotCache:
         """New weights: every snapshot is stale (as cached KV is)."""
         self.free = list(range(self.num_slots - 1, -1, -1))
         self.by_hash.clear()
+        self.copies = []  # queued ones would fill slots that are free again

@@ -152,6 +152,7 @@ class ModelRunner:
         step = self.inputs.prepare(scheduled, num_prefills)
         if self.state is not None:
             slots = [s for item, s in zip(entries, plan.state_slots) if item is not None]
+            self.state.copy(plan.snapshot_copies)  # before the restores that may read them
             self.state.restore(plan.snapshot_restores)
             step.attn.linear = self.state.metadata(scheduled, num_prefills, slots)
         prepared = time.perf_counter()

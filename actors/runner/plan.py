@@ -73,6 +73,8 @@ class StepPlan:
     # prefix-cache hit resumes there) / the slot into the snapshot after it (prefix caching)
     snapshot_restores: tuple[tuple[int, int], ...] = ()
     snapshot_saves: tuple[tuple[int, int], ...] = ()
+    # (snapshot row, snapshot row): copies between snapshot rows, first thing in the step
+    snapshot_copies: tuple[tuple[int, int], ...] = ()
     # (seq_id, float32 array [k, V]) for rows whose drafts were drawn from a distribution q
     # (a draft model, unseeded sampled requests): verified by min(1, p/q) (spec_verify.py)
     draft_probs: tuple[tuple[int, object], ...] = ()

@@ -10,7 +10,9 @@ graph-replayed decode batch read and write.
 
 Prefix caching keeps `num_snapshots` more rows per layer: copies of a slot taken when a prompt's
 chunk ends on its last block boundary (`save`), copied back into the slot of a request whose
-prefix-cache hit ends there (`restore`); the block manager's `SnapshotCache` says which is which.
+prefix-cache hit ends there (`restore`); then one decode row per slot (a decoding sequence's
+latest block boundary, `copy`-ed into the pool when it ends); the block manager's
+`SnapshotCache` says which row is which.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ class StateCache:
             tensors = [torch.zeros((rows, *s), dtype=dt, device=device) for s, dt in shapes]
             layer.attach_state(tensors)
             self.states.append(tensors)
+            rows = num_snapshots + num_slots if num_snapshots else 0  # + the decode rows
             self.snapshots.append(
-                [torch.zeros((num_snapshots, *s), dtype=dt, device=device) for s, dt in shapes]
+                [torch.zeros((rows, *s), dtype=dt, device=device) for s, dt in shapes]
             )
             self.bytes_per_seq += sum(t[0].numel() * t.element_size() for t in tensors)
 
@@ -49,8 +52,16 @@ class StateCache:
 
     @property
     def num_bytes(self) -> int:
-        """Slots and snapshots together."""
-        return self.bytes_per_seq * (self.num_slots + self.num_snapshots)
+        """Slots, snapshots and decode rows together."""
+        decode_rows = self.num_slots if self.num_snapshots else 0
+        return self.bytes_per_seq * (self.num_slots + self.num_snapshots + decode_rows)
+
+    def copy(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """(source row, destination row) between snapshot rows, in order."""
+        for snaps in self.snapshots:
+            for src, dst in pairs:
+                for saved in snaps:
+                    saved[dst].copy_(saved[src])
 
     def restore(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """(slot, snapshot): the slot starts from the snapshot (before the step)."""

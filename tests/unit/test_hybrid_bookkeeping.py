@@ -119,6 +119,18 @@ def test_prefix_hit_stops_at_the_longest_snapshot_and_new_weights_drop_them() ->
     assert not bm.snapshots.by_hash
 
 
+def test_decode_rows_publish_into_the_pool_by_queued_copies() -> None:
+    snaps = SnapshotCache(2)
+    assert snaps.decode_row(0) == 2 and snaps.decode_row(3) == 5  # after the pool's rows
+    snaps.publish(3, chain_hash=77)
+    snaps.publish(1, chain_hash=77)  # that block has a snapshot already: nothing to copy
+    (copy,) = snaps.take_copies()
+    assert copy[0] == 5 and snaps.lookup([77]) == (1, copy[1]) and snaps.take_copies() == ()
+    snaps.publish(0, chain_hash=78)
+    snaps.clear()  # new weights: a queued copy would fill a slot that is free again
+    assert snaps.take_copies() == () and snaps.lookup([77, 78]) is None
+
+
 # --- sliding-window block freeing -------------------------------------------------------------
 
 

@@ -138,3 +138,20 @@ def test_qwen3_5_prefix_cache_warm_equals_cold_and_new_weights_invalidate(
     assert not engine.block_manager.snapshots.by_hash
     again = engine.generate(prompts, greedy(), use_tqdm=False)
     assert_matches_hf(other_dir, prompts, again)
+
+
+def test_qwen3_5_next_turn_resumes_from_the_last_decode_block(tiny_qwen3_5_dir: str) -> None:
+    # turn 1: 20 prompt tokens + 40 generated, so 59 computed: its state at 48 (a decode step
+    # ending on a block) is published when it ends; turn 2 extends turn 1 and resumes there
+    rng = random.Random(8)
+    engine = engine_for(tiny_qwen3_5_dir, max_num_batched_tokens=16)
+    vocab = engine.validator.vocab_size
+    first = [rng.randrange(3, vocab) for _ in range(20)]
+    said = engine.generate([first], greedy(40), use_tqdm=False)[0].outputs[0].token_ids
+    turn = first + said + [rng.randrange(3, vocab) for _ in range(7)]
+    warm = engine.generate([turn], greedy(), use_tqdm=False)[0]
+    assert warm.num_cached_tokens == 48  # the prompt's own boundary alone would give 16
+    cold = engine_for(tiny_qwen3_5_dir, enable_prefix_caching=False)
+    ref = cold.generate([turn], greedy(), use_tqdm=False)[0].outputs[0]
+    assert warm.outputs[0].token_ids == ref.token_ids
+    assert np.allclose(warm.outputs[0].logprobs, ref.logprobs, atol=1e-5)
