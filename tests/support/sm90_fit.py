@@ -9,7 +9,8 @@ import json
 
 import torch
 import triton
-from raylane.kernels.attention import triton_kernels as tk
+from raylane.kernels.attention import triton_common as tc
+from raylane.kernels.attention.triton_prefill import _prefill_kernel
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 POINTERS = {"q", "k_cache", "v_cache", "out", "sinks"}
@@ -45,9 +46,9 @@ def shared_bytes(kernel, dtype: torch.dtype, consts: dict, num_warps: int) -> in
 def host_choice(dtype: torch.dtype, head_dim: int, v_dim: int, group: int, rows: int):
     """The tiles prefill_attention / decode_attention pick (rows: 64 for prefill, 16 decode)."""
     q = torch.empty(0, dtype=dtype)
-    d_pad = tk._padded_head_dim(head_dim)
-    tiles = tk._tiles(d_pad, q)
-    m = tk._rows_per_program(max(rows, triton.next_power_of_2(group)), tiles["BLOCK_N"], d_pad, q)
+    d_pad = tc._padded_head_dim(head_dim)
+    tiles = tc._tiles(d_pad, q)
+    m = tc._rows_per_program(max(rows, triton.next_power_of_2(group)), tiles["BLOCK_N"], d_pad, q)
     heads = min(group, m)
     common = {
         "GROUP": group,
@@ -69,12 +70,12 @@ def measure() -> dict[str, int]:
     """MLA's float32 prefill at TP 8 (16 query heads on the latent row) with the tiles the host
     picks now, and with those the first GPU run used. The full sweep (prefill and decode; fp32,
     bf16 and fp16; head dims 64 to 576; groups 1 to 128) fitted too when the tiles were chosen;
-    each compile takes seconds, so CI runs these two."""
-    common, m, heads, warps = host_choice(torch.float32, 576, 512, 16, tk._PREFILL_BLOCK_M)
+    each compile takes seconds, so the check runs these two."""
+    common, m, heads, warps = host_choice(torch.float32, 576, 512, 16, tc._PREFILL_BLOCK_M)
     consts = {**common, "BLOCK_M": m, "BLOCK_Q": m // heads}
-    found = {"prefill-fp32-576-16": shared_bytes(tk._prefill_kernel, torch.float32, consts, warps)}
+    found = {"prefill-fp32-576-16": shared_bytes(_prefill_kernel, torch.float32, consts, warps)}
     consts = {**common, "BLOCK_N": 32, "BLOCK_M": 64, "BLOCK_Q": 4, "HEADS": 16, "NUM_CHUNKS": 1}
-    found["old-prefill-fp32-576-16"] = shared_bytes(tk._prefill_kernel, torch.float32, consts, 8)
+    found["old-prefill-fp32-576-16"] = shared_bytes(_prefill_kernel, torch.float32, consts, 8)
     return found
 
 

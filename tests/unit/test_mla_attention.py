@@ -108,6 +108,7 @@ def test_triton_splits_a_wide_group_across_programs(kind):
     over each sequence's rows."""
     _backend("triton")
     from raylane.kernels.attention import triton_kernels as tk
+    from raylane.kernels.attention.triton_common import _rows_per_program
 
     heads, latent, rope = 32, 512, 64
     gen = torch.Generator().manual_seed(4)
@@ -123,7 +124,7 @@ def test_triton_splits_a_wide_group_across_programs(kind):
     seq_lens = torch.tensor([ctx for _, ctx in shapes], dtype=torch.int32)
     q = torch.randn(sum(n for n, _ in shapes), heads, latent + rope, generator=gen)
     out = q.new_full((q.shape[0], heads, latent), float("nan"))
-    assert tk._rows_per_program(64, 16, 1024, q) == 16  # so two chunks of 16 heads
+    assert _rows_per_program(64, 16, 1024, q) == 16  # so two chunks of 16 heads
     args = (q, cache, cache[..., :latent], block_tables, seq_lens)
     if kind == "prefill":
         qsl = torch.tensor([0, shapes[0][0], q.shape[0]], dtype=torch.int32)
