@@ -85,15 +85,28 @@ def repack_changed(model: nn.Module, param_names: set[str]) -> int:
     """Re-pack the packed modules whose weight is among `param_names` (parameters a bucket of
     a weight update just loaded), so the rest of the model keeps its packs; returns how many.
     Matched by identity, so a tied LM head is re-packed with the embedding it shares."""
+    modules = drop_packs(model, param_names)
+    pack_modules(modules)
+    return len(modules)
+
+
+def drop_packs(model: nn.Module, param_names: set[str]) -> list[LinearBase | ParallelLMHead]:
+    """Drop the packs of the modules whose weight is among `param_names` (they run F.linear,
+    the same values, until `pack_modules`); returns those modules."""
     changed = {id(p) for name, p in model.named_parameters() if name in param_names}
     modules = [m for m in _packable(model) if m.packed is not None and id(m.weight) in changed]
+    for module in modules:
+        module.packed = None  # its memory is reused for the new pack (no page faults)
+    return modules
+
+
+def pack_modules(modules: list[LinearBase | ParallelLMHead]) -> None:
+    """Pack each module's current weight (modules `drop_packs` returned)."""
     with torch.no_grad():
         for module in modules:
-            module.packed = None  # its memory is reused for the new pack (no page faults)
             module.packed = torch.ops.mkldnn._reorder_linear_weight(
                 module.weight.detach(), BATCH_HINT
             )
-    return len(modules)
 
 
 def refresh_packed_weights(model: nn.Module) -> None:

@@ -223,6 +223,7 @@ class ModelRunner:
         return weight_checks.weight_checksums(self.model)
 
     def reset_weights(self, seed: int) -> None:
+        self.weights.settle()  # the last commit's re-pack first
         weight_checks.reset_weights(self.model, seed)
 
     def release_kv_cache(self) -> None:
@@ -232,6 +233,7 @@ class ModelRunner:
 
     def release_weights(self) -> None:
         """Level-2 sleep: the weights spilled to a file and their memory freed."""
+        self.weights.settle()  # the last commit's re-pack first
         self.spill.release(self.model)
         self.graphs = None  # the graphs captured the old tensors
 

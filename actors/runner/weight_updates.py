@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 from raylane.actors.models import TPGroup, load_weights
+from raylane.actors.models.layers import LinearBase, ParallelLMHead
 from raylane.actors.models.loader import check_weights, param_targets
-from raylane.actors.models.packing import repack_changed
+from raylane.actors.models.packing import drop_packs, pack_modules, repack_changed
 from raylane.actors.models.weights import (
     DEFAULT_PACKED_BUFFER_BYTES,
     Payload,
@@ -45,6 +46,10 @@ class RunnerWeights:
         self.groups: dict[str, WeightGroup] = {}
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="raylane-weight-load")
+        # modules whose oneDNN packs this transaction's loads dropped (re-packed after the
+        # commit, on the loader thread: `_repacking`), and that re-pack
+        self._unpacked: list[LinearBase | ParallelLMHead] = []
+        self._repacking: Future | None = None
 
     # --- the transaction ----------------------------------------------------------------------
 
@@ -65,29 +70,43 @@ class RunnerWeights:
         """Copy a bucket (safetensors bytes or a uint8 array of them, read in place; or named
         tensors) into this rank's slices; the caller checked its names and shapes first."""
         tensors = bucket if isinstance(bucket, dict) else decode_bucket(bucket)
+        self.settle()
         self._load(list(tensors.items()))
         return len(tensors)
 
     def rollback(self) -> None:
         """Put back every parameter the open transaction wrote (idempotent)."""
         saved, self._saved = self._saved, None
-        if not saved:
-            return
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name in saved:
-                params[name].data.copy_(self._backup[name])
-        repack_changed(self.model, saved)
+        self.settle()
+        if saved:
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name in saved:
+                    params[name].data.copy_(self._backup[name])
+        pack_modules(self._unpacked)
+        self._unpacked = []
 
     def finish(self) -> None:
-        """The update stands: drop what was saved."""
+        """The update stands: drop what was saved, and re-pack what it changed on the loader
+        thread (the engine serves meanwhile, the changed linears through F.linear)."""
         self._saved = None
+        modules, self._unpacked = self._unpacked, []
+        if modules:
+            self._repacking = self._loader.submit(pack_modules, modules)
+
+    def settle(self) -> None:
+        """Wait for the last commit's re-pack (before weights change on this thread)."""
+        if self._repacking is not None:
+            self._repacking.result()
+            self._repacking = None
 
     def _load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         self._save(param_targets(self.model, (name for name, _ in tensors)))
-        # packs are rebuilt per load, for what it changed: the work overlaps the sender
-        # preparing the next one, instead of all of it waiting for the commit
-        repack_changed(self.model, load_weights(self.model, tensors, partial=True))
+        changed = load_weights(self.model, tensors, partial=True)
+        if self._saved is None:  # a plain load: its packs at once
+            repack_changed(self.model, changed)
+        else:  # the re-pack waits for the commit, off the receive's path
+            self._unpacked += drop_packs(self.model, changed)
 
     def _save(self, names: set[str]) -> None:
         if self._saved is None:

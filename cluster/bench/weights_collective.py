@@ -12,6 +12,10 @@ import time
 
 from raylane.bench.weight_sender import GROUP
 
+# seconds between updates, as rollouts space them in an RL loop: a commit re-packs the oneDNN
+# copies of what it changed beside serving (RunnerWeights.finish), not in the next update
+BETWEEN_UPDATES_S = 1.5
+
 
 class Sender:
     """One `raylane.bench.weight_sender` process (a trainer, or a bare receiver)."""
@@ -71,7 +75,8 @@ def time_collective(
     versions,
 ) -> list:
     """Seconds per update over vLLM's routes: pause(keep), start, update_weights while the
-    trainer broadcasts, finish (the commit), resume; timed from the trainer's go to finish."""
+    trainer broadcasts, finish (the commit), resume; timed from the trainer's go to finish.
+    Updates are `BETWEEN_UPDATES_S` apart."""
     import httpx
 
     trainer = Sender(
@@ -98,6 +103,7 @@ def time_collective(
                 seconds.append(time.perf_counter() - start)
                 trainer.expect("done")
                 _ok(http.post("/resume"))
+                time.sleep(BETWEEN_UPDATES_S)
             return seconds
     finally:
         trainer.close()

@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from raylane.actors.models import load_model, load_weights
+from raylane.actors.models import TPGroup, load_model, load_weights
 from raylane.actors.models.packing import repack_changed
 from raylane.actors.models.weights import (
     bucket_specs,
@@ -20,6 +20,7 @@ from raylane.actors.models.weights import (
     iter_buckets,
     pack_bucket,
 )
+from raylane.actors.runner.weight_updates import RunnerWeights
 from safetensors.torch import load, load_file, save
 
 from tests.tiny_models import attach_kv_cache, make_llama, run_prefill
@@ -131,3 +132,33 @@ def test_buckets_repack_what_they_change(tmp_path, tied):
     before = model.model.layers[0].mlp.down_proj.packed
     assert repack_changed(model, {"model.layers.1.mlp.down_proj.weight"}) == 1
     assert model.model.layers[0].mlp.down_proj.packed is before  # untouched: not re-packed
+
+
+def test_a_transaction_repacks_after_its_commit_and_on_rollback(tmp_path):
+    """Loads inside a transaction drop the packs they change (F.linear serves those until the
+    commit's re-pack on the loader thread); a rollback re-packs the old weights at once."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN: nothing is packed")
+    base = make_llama(tmp_path / "base")
+    other = make_llama(tmp_path / "other", seed=7)
+    model, hf_config, _ = load_model(base, "float32")
+    weights = RunnerWeights(model, hf_config, TPGroup(), torch.device("cpu"))
+    named = list(load_file(f"{other}/model.safetensors").items())
+    specs = [(n, tuple(t.shape), "float32") for n, t in named]
+    packable = [m for m in model.modules() if getattr(m, "packed", None) is not None]
+    base_logits = _logits(model)
+
+    weights.check(specs)
+    weights.load_bucket(dict(named))
+    assert all(m.packed is None for m in packable)  # dropped, not yet rebuilt
+    weights.rollback()
+    assert all(m.packed is not None for m in packable)
+    torch.testing.assert_close(_logits(model), base_logits, atol=1e-5, rtol=0)
+
+    weights.check(specs)
+    weights.load_bucket(dict(named))
+    weights.finish()
+    weights.settle()
+    assert all(m.packed is not None for m in packable)
+    fresh, _, _ = load_model(other, "float32", pack_weights=False)
+    torch.testing.assert_close(_logits(model), _logits(fresh), atol=1e-5, rtol=0)
