@@ -80,3 +80,11 @@ HEADER = (
     "| workload | prompt tokens (mean) | output tokens | channel messages | bytes/message "
     "| bytes/output token |\n|---|---|---|---|---|---|"
 )
+
+
+def print_channel_bytes(model_dir: str, work: list[tuple[str, int]], clients: int) -> None:
+    """`raylane bench serve --channel-bytes`: one workload's bytes, as a table."""
+    print("\nreplica -> ingress output channel (pickled as Ray sends it):")
+    print(HEADER)
+    label = f"{len(work)} chat requests, {clients} at a time"
+    print(report(label, measure(model_dir, work, clients)))

@@ -87,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "replica's own HTTP server",
     )
     parser.add_argument(
+        "--cpu-by-process",
+        action="store_true",
+        help="also report CPU seconds per process of the bench's own endpoint over the timed "
+        "passes (raylane/bench/process_cpu.py)",
+    )
+    parser.add_argument(
         "--transformers",
         action="store_true",
         help="also run `transformers serve --continuous-batching` as a reference",
@@ -195,6 +201,7 @@ def round_work(args: argparse.Namespace, k: int) -> tuple[list, list]:
 
 def run(args: argparse.Namespace) -> int:
     import psutil
+    from raylane.bench.process_cpu import ProcessCpu
     from raylane.bench.serve_targets import raylane_endpoint, transformers_endpoint
     from raylane.models import resolve_model
 
@@ -202,10 +209,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--rounds must be >= 1")
     model_dir = resolve_model(args.model)
     if args.channel_bytes:
+        from raylane.bench.channel_bytes import print_channel_bytes
+
         print_channel_bytes(model_dir, round_work(args, 0)[0], args.clients)
     offline = None
     if not args.skip_offline:
         offline = OfflineEngine(model_dir, args.clients, round_work(args, 0)[1])
+    cpu = ProcessCpu()
     how = ", Serve's proxy" if args.serve_proxy else ""
     http = Rows(f"raylane HTTP ({args.clients} clients{how})")
     off = Rows(f"raylane offline LLMEngine (max_num_seqs={args.clients})")
@@ -218,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
         ) as (url, name):
             started = psutil.Process().children(recursive=True)
             asyncio.run(drive(url, name, warm, args.clients))
-            http.runs.append(asyncio.run(drive(url, name, work, args.clients)))
+            with cpu.timed():
+                http.runs.append(asyncio.run(drive(url, name, work, args.clients)))
         # the next offline run shares the CPU with none of Ray's processes
         psutil.wait_procs(started, timeout=60)
         print(
@@ -235,16 +246,9 @@ def run(args: argparse.Namespace) -> int:
             ref.runs.append(asyncio.run(drive(url, name, work, args.clients)))
         rows.append(ref)
     print_table(rows, args.requests)
+    if args.cpu_by_process:
+        print(cpu.table())
     return 0
-
-
-def print_channel_bytes(model_dir: str, work: list[tuple[str, int]], clients: int) -> None:
-    from raylane.bench.channel_bytes import HEADER, measure, report
-
-    print("\nreplica -> ingress output channel (pickled as Ray sends it):")
-    print(HEADER)
-    label = f"{len(work)} chat requests, {clients} at a time"
-    print(report(label, measure(model_dir, work, clients)))
 
 
 @dataclass

@@ -42,3 +42,30 @@ def test_the_ratio_is_the_median_of_paired_rounds(capsys):
 def test_without_the_offline_engine_there_is_no_ratio(capsys):
     print_table([Rows("raylane HTTP", [run(170)])], 64)
     assert "HTTP keeps" not in capsys.readouterr().out
+
+
+def test_cpu_by_process_counts_a_child_s_cpu_under_its_name():
+    import os
+    import subprocess
+    import sys
+
+    from raylane.bench.process_cpu import THIS, ProcessCpu
+
+    # the child spins for 0.3 s of CPU, says how much it used in all (the reference), and lives
+    # on until the pass has ended
+    spin = (
+        "import sys, time\n"
+        "while time.process_time() < 0.3: pass\n"
+        "print(time.process_time(), flush=True)\n"
+        "sys.stdin.read()"
+    )
+    cpu = ProcessCpu()
+    cmd = [sys.executable, "-c", spin]
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
+        with cpu.timed():
+            used_by_child = float(child.stdout.readline())
+        child.stdin.close()
+    counted = cpu.used[os.path.basename(sys.executable)]
+    assert abs(counted - used_by_child) <= 0.06  # /proc accounts in 10 ms ticks
+    assert THIS in cpu.used and cpu.wall_s >= 0.3
+    assert "| process | CPU s |" in cpu.table()

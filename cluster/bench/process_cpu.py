@@ -1,0 +1,69 @@
+"""Where the serving path's CPU goes: CPU seconds per process over `raylane bench serve`'s timed
+passes (`--cpu-by-process`), for this process's whole tree: this process (the load generator,
+and Ray's driver) and its children, the local Ray cluster the bench started (GCS, raylet, the
+Serve controller, the ingress, the Router, the engine replica, ...). Read from psutil's counters
+at the start and end of each pass; a process's name is its Ray title (`ray::EngineReplica`) or
+its program's file name.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+THIS = "this process (load generator, Ray driver)"
+
+
+class ProcessCpu:
+    def __init__(self) -> None:
+        self.used: dict[str, float] = defaultdict(float)  # name -> CPU seconds, every pass
+        self.wall_s = 0.0
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        before, start = _cpu_times(), time.perf_counter()
+        yield
+        after, self.wall_s = _cpu_times(), self.wall_s + time.perf_counter() - start
+        for pid, (name, cpu_s) in after.items():
+            self.used[name] += cpu_s - before.get(pid, (name, 0.0))[1]
+
+    def table(self) -> str:
+        total = sum(self.used.values())
+        lines = [
+            f"\nCPU by process over the timed passes ({self.wall_s:.1f} s wall, "
+            f"{total:.1f} CPU s in all):",
+            "| process | CPU s | share of the CPU used | cores busy |",
+            "|---|---|---|---|",
+        ]
+        for name, cpu_s in sorted(self.used.items(), key=lambda kv: -kv[1]):
+            if cpu_s >= 0.05:
+                share, cores = cpu_s / max(total, 1e-9), cpu_s / max(self.wall_s, 1e-9)
+                lines.append(f"| {name} | {cpu_s:.1f} | {share:.1%} | {cores:.2f} |")
+        return "\n".join(lines)
+
+
+def _cpu_times() -> dict[int, tuple[str, float]]:
+    import psutil
+
+    me = psutil.Process()
+    found = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            name = THIS if proc.pid == me.pid else _name(proc.cmdline())
+        except psutil.Error:  # it exited meanwhile
+            continue
+        found[proc.pid] = (name, times.user + times.system)
+    return found
+
+
+def _name(cmdline: list[str]) -> str:
+    if not cmdline:
+        return "?"
+    if cmdline[0].startswith("ray::"):
+        return cmdline[0].split()[0]
+    script = next((a for a in cmdline[1:] if a.endswith(".py")), cmdline[0])
+    return os.path.basename(script)
