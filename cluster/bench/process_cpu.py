@@ -30,7 +30,9 @@ class ProcessCpu:
         for pid, (name, cpu_s) in after.items():
             self.used[name] += cpu_s - before.get(pid, (name, 0.0))[1]
 
-    def table(self) -> str:
+    def table(self, http_tokens: int, offline: list) -> str:
+        """The table, then the CPU each output token cost: over HTTP, every process but this
+        one (the server's); offline, the engine's process (`offline`: its `RunResult`s)."""
         total = sum(self.used.values())
         lines = [
             f"\nCPU by process over the timed passes ({self.wall_s:.1f} s wall, "
@@ -42,6 +44,13 @@ class ProcessCpu:
             if cpu_s >= 0.05:
                 share, cores = cpu_s / max(total, 1e-9), cpu_s / max(self.wall_s, 1e-9)
                 lines.append(f"| {name} | {cpu_s:.1f} | {share:.1%} | {cores:.2f} |")
+        http_ms = 1e3 * (total - self.used[THIS]) / max(http_tokens, 1)
+        lines.append(f"server CPU per output token: HTTP {http_ms:.1f} ms")
+        if offline:
+            off_ms = (
+                1e3 * sum(r.cpu_s for r in offline) / max(sum(r.output_tokens for r in offline), 1)
+            )
+            lines[-1] += f", offline {off_ms:.1f} ms (HTTP keeps {off_ms / http_ms:.0%} per CPU s)"
         return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ class RunResult:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     errors: int = 0
+    cpu_s: float = 0.0  # the offline engine's process time over the run
 
     @property
     def tok_s(self) -> float:
@@ -183,10 +184,11 @@ class OfflineEngine:
             self.engine.validator.render_chat([{"role": "user", "content": p}]) for p, _ in work
         ]
         params = [SamplingParams(temperature=0, max_tokens=n) for _, n in work]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         outs = self.engine.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
-        return RunResult(wall, sum(len(o.outputs[0].token_ids) for o in outs), len(work))
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return RunResult(wall, tokens, len(work), cpu_s=cpu)
 
 
 def round_work(args: argparse.Namespace, k: int) -> tuple[list, list]:
@@ -247,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(ref)
     print_table(rows, args.requests)
     if args.cpu_by_process:
-        print(cpu.table())
+        print(cpu.table(sum(r.output_tokens for r in http.runs), off.runs))
     return 0
 
 

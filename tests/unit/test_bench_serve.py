@@ -68,4 +68,16 @@ def test_cpu_by_process_counts_a_child_s_cpu_under_its_name():
     counted = cpu.used[os.path.basename(sys.executable)]
     assert abs(counted - used_by_child) <= 0.06  # /proc accounts in 10 ms ticks
     assert THIS in cpu.used and cpu.wall_s >= 0.3
-    assert "| process | CPU s |" in cpu.table()
+    assert "| process | CPU s |" in cpu.table(10, [])
+
+
+def test_cpu_per_token_counts_the_server_and_not_the_load_generator():
+    from raylane.bench.process_cpu import THIS, ProcessCpu
+
+    cpu = ProcessCpu()
+    cpu.used.update({THIS: 1.0, "ray::EngineReplica": 2.5, "ray::Router": 0.5})
+    cpu.wall_s = 4.0
+    offline = [RunResult(1.0, 100, 4, cpu_s=2.0)]  # 20 ms a token
+    table = cpu.table(100, offline)  # HTTP: 3.0 server CPU s for 100 tokens, 30 ms a token
+    assert "HTTP 30.0 ms, offline 20.0 ms (HTTP keeps 67% per CPU s)" in table
+    assert "| ray::EngineReplica | 2.5 | 62.5% | 0.62 |" in table
