@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from raylane.actors.engine.block_manager import BlockManager
     from raylane.actors.executor.base import Executor
 
-# what the control plane may call on a replica by name (`EngineReplica.control_call`): each an
+# what the control plane may call on a replica by name (`ReplicaControl.control_call`): each an
 # `AsyncLLMEngine` method, so an in-process engine answers the same calls
 CONTROL_CALLS = frozenset({"sleep", "wake_up", "is_sleeping", "weight_checksums", "reset_weights"})
 
