@@ -5,7 +5,9 @@ A linear-attention layer keeps no paged K/V: per sequence, a causal-conv state [
 recurrent state [Hv, Dk, Dv] (float32), in rows of fixed pools the runner attaches
 (`state_shapes`, `attach_state`); the step's `AttentionMetadata.linear` says which row each
 sequence uses. A full-attention layer gates its output with sigmoid(gate), the gate projected
-with the query. Tensor parallelism is not supported for these models yet.
+with the query. Tensor parallelism splits both by heads: a rank keeps its key and value heads
+of every linear layer (projections, conv channels, decay parameters, and so its slice of the
+recurrent state) and its query / KV heads of the attention layers; out_proj and o_proj reduce.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from raylane.actors.models.attention import Attention
-from raylane.actors.models.layers import ReplicatedLinear, TPGroup
+from raylane.actors.models.head_split import PartsColumnParallelLinear, parts_loader
+from raylane.actors.models.layers import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    TPGroup,
+)
 from raylane.actors.models.llama import (
     AttentionSpec,
     LlamaDecoderLayer,
@@ -23,6 +31,7 @@ from raylane.actors.models.llama import (
     LlamaMLP,
 )
 from raylane.actors.models.qwen3_moe import SparseMoeBlock, expert_mapping
+from raylane.actors.models.tp_shape import split_evenly
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.linear_attention import LinearAttentionBackend, get_linear_backend
 from raylane.kernels.norm import GemmaRMSNorm
@@ -44,31 +53,38 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, config: Any, tp: TPGroup) -> None:
         super().__init__()
-        self.hk, self.hv = config.linear_num_key_heads, config.linear_num_value_heads
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
-        key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
-        self.conv_dim, self.width = 2 * key_dim + value_dim, config.linear_conv_kernel_dim
-        h = config.hidden_size
+        # this rank's heads (all of them at TP 1)
+        self.hk = split_evenly(hk, tp.world_size, "linear_num_key_heads")
+        self.hv = split_evenly(hv, tp.world_size, "linear_num_value_heads")
+        self.conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
+        self.width, h = config.linear_conv_kernel_dim, config.hidden_size
+        self.parts = [hk * self.dk, hk * self.dk, hv * self.dv]  # the checkpoint's q | k | v
         self.make_projections(h, tp)
         self.conv1d = nn.Conv1d(  # only its weight [C, 1, W] is used
             self.conv_dim, self.conv_dim, self.width, groups=self.conv_dim, bias=False
         )
+        self.conv1d.weight.weight_loader = parts_loader(self.parts, tp, "conv1d")  # type: ignore[attr-defined]
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
+        for param in (self.dt_bias, self.A_log):
+            param.weight_loader = parts_loader([hv], tp, "value heads")  # type: ignore[attr-defined]
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.dv))
         self.eps = config.rms_norm_eps
-        self.out_proj = ReplicatedLinear(value_dim, h, False, tp)
+        self.out_proj = RowParallelLinear(hv * self.dv, h, False, tp)
         self.activation = config.hidden_act
         self.backend: LinearAttentionBackend = get_linear_backend("torch")
         self.conv_state: torch.Tensor | None = None  # [num_slots, C, W - 1]
         self.recurrent_state: torch.Tensor | None = None  # [num_slots, Hv, Dk, Dv] float32
 
     def make_projections(self, h: int, tp: TPGroup) -> None:
-        self.in_proj_qkv = ReplicatedLinear(h, self.conv_dim, False, tp)
-        self.in_proj_z = ReplicatedLinear(h, self.hv * self.dv, False, tp)
-        self.in_proj_b = ReplicatedLinear(h, self.hv, False, tp)
-        self.in_proj_a = ReplicatedLinear(h, self.hv, False, tp)
+        hv = self.hv * tp.world_size
+        self.in_proj_qkv = PartsColumnParallelLinear(h, self.parts, tp)
+        self.in_proj_z = ColumnParallelLinear(h, hv * self.dv, False, tp)
+        self.in_proj_b = ColumnParallelLinear(h, hv, False, tp)
+        self.in_proj_a = ColumnParallelLinear(h, hv, False, tp)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """hidden [T, H] -> (q|k|v [T, C] for the conv, z [T, Hv * Dv], b [T, Hv], a [T, Hv])."""
@@ -112,14 +128,18 @@ class GatedAttention(nn.Module):
     def __init__(self, spec: AttentionSpec, tp: TPGroup) -> None:
         super().__init__()
         h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.h, self.kvh, self.d = h, kvh, d
-        self.q_proj = ReplicatedLinear(spec.hidden_size, 2 * h * d, spec.qkv_bias, tp)
-        self.k_proj = ReplicatedLinear(spec.hidden_size, kvh * d, spec.qkv_bias, tp)
-        self.v_proj = ReplicatedLinear(spec.hidden_size, kvh * d, spec.qkv_bias, tp)
-        self.o_proj = ReplicatedLinear(h * d, spec.hidden_size, spec.o_bias, tp)
+        # this rank's query and KV heads (KV heads split, never replicated, here)
+        self.h = split_evenly(h, tp.world_size, "num_attention_heads")
+        self.kvh = split_evenly(kvh, tp.world_size, "num_key_value_heads")
+        self.d = d
+        # q_proj rows are per head [q | gate], so a contiguous split keeps heads whole
+        self.q_proj = ColumnParallelLinear(spec.hidden_size, 2 * h * d, spec.qkv_bias, tp)
+        self.k_proj = ColumnParallelLinear(spec.hidden_size, kvh * d, spec.qkv_bias, tp)
+        self.v_proj = ColumnParallelLinear(spec.hidden_size, kvh * d, spec.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(h * d, spec.hidden_size, spec.o_bias, tp)
         self.q_norm = GemmaRMSNorm(d, spec.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, spec.rms_norm_eps)
-        self.attn = Attention(h, kvh, d, d**-0.5)
+        self.attn = Attention(self.h, self.kvh, d, d**-0.5)
 
     def forward(self, hidden, cos, sin, attn: AttentionMetadata) -> torch.Tensor:
         t, h, kvh, d = hidden.shape[0], self.h, self.kvh, self.d
@@ -144,10 +164,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     weight_renames: ClassVar[list[tuple[str, str]]] = [(".linear_attn.", ".self_attn.")]
 
     def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
-        if tp is not None and tp.world_size > 1:
-            raise ValueError(
-                "tensor_parallel_size: linear-attention models (Qwen3.5) run at 1 for now"
-            )
         unknown = set(config.layer_types) - {LINEAR, FULL}
         if unknown:
             raise ValueError(f"layer_types: unknown {sorted(unknown)}; known: {LINEAR}, {FULL}")
@@ -163,7 +179,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, config: Any, layer_idx: int) -> tuple[nn.Module, bool]:
         """(the layer's MLP, whether it is an MoE block returning expert ids)."""
-        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act), False
+        mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=self.tp)
+        return mlp, False
 
     def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
         linear = config.layer_types[layer_idx] == LINEAR

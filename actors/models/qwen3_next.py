@@ -19,32 +19,37 @@ from raylane.actors.models.layers import Loaded, ReplicatedLinear, TPGroup, copy
 from raylane.actors.models.llama import LlamaMLP
 from raylane.actors.models.qwen3_5 import GatedDeltaNet, Qwen3_5MoeForCausalLM, SharedExpertMoe
 from raylane.actors.models.qwen3_moe import is_moe_layer
+from raylane.actors.models.tp_shape import split_evenly
 from torch import nn
 
 
 class HeadGroupedLinear(ReplicatedLinear):
     """A linear whose checkpoint rows come grouped by key head ([head][part] order) and are
-    kept grouped by part ([part][head]), so each part is one contiguous output range."""
+    kept grouped by part ([part][head]), so each part is one contiguous output range. Under
+    tensor parallelism a rank keeps its key heads' groups (`groups` counts them all)."""
 
     def __init__(self, input_size: int, groups: int, parts: list[int], tp: TPGroup) -> None:
         self.groups, self.parts = groups, parts
-        super().__init__(input_size, groups * sum(parts), False, tp)
+        self.local = split_evenly(groups, tp.world_size, "linear_num_key_heads")
+        super().__init__(input_size, self.local * sum(parts), False, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None):
-        t = materialize(loaded)
-        if t.shape != param.shape:  # copy_checked names the mismatch
-            return copy_checked(param.data, t, type(self).__name__)
-        per_head = t.reshape(self.groups, sum(self.parts), -1).split(self.parts, dim=1)
-        regrouped = torch.cat([p.reshape(-1, t.shape[1]) for p in per_head])
-        copy_checked(param.data, regrouped, type(self).__name__)
+        t, what = materialize(loaded), type(self).__name__
+        if tuple(t.shape) != (self.groups * sum(self.parts), param.shape[1]):
+            raise ValueError(f"weight {what}: checkpoint tensor has shape {tuple(t.shape)}")
+        mine = t.reshape(self.groups, sum(self.parts), -1).narrow(
+            0, self.tp.rank * self.local, self.local
+        )
+        regrouped = torch.cat([p.reshape(-1, t.shape[1]) for p in mine.split(self.parts, dim=1)])
+        copy_checked(param.data, regrouped, what)
 
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNet):
     def make_projections(self, h: int, tp: TPGroup) -> None:
-        r = self.hv // self.hk  # value heads per key head
+        r, groups = self.hv // self.hk, self.hk * tp.world_size  # value heads per key head
         parts = [self.dk, self.dk, r * self.dv, r * self.dv]
-        self.in_proj_qkvz = HeadGroupedLinear(h, self.hk, parts, tp)
-        self.in_proj_ba = HeadGroupedLinear(h, self.hk, [r, r], tp)
+        self.in_proj_qkvz = HeadGroupedLinear(h, groups, parts, tp)
+        self.in_proj_ba = HeadGroupedLinear(h, groups, [r, r], tp)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         qkv, z = self.in_proj_qkvz(hidden).split([self.conv_dim, self.hv * self.dv], dim=-1)

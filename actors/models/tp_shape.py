@@ -69,6 +69,10 @@ def _first_problem(config: Any, tp: int) -> str | None:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     problems = [divide_problem(heads, tp, "num_attention_heads"), kv_heads_problem(kv_heads, tp)]
     problems += [divide_problem(value, tp, field) for field, value in _mlp_sizes(config)]
+    if "linear_attention" in (getattr(config, "layer_types", None) or []):
+        # Gated DeltaNet heads split; gated attention splits its KV heads, never replicates
+        fields = ("linear_num_key_heads", "linear_num_value_heads", "num_key_value_heads")
+        problems += [divide_problem(getattr(config, f), tp, f) for f in fields]
     return next((p for p in problems if p), None)
 
 

@@ -34,7 +34,7 @@ from tests.ray.tp_helpers import (
     token_ids,
     wait_until,
 )
-from tests.tiny_models import make_llama
+from tests.tiny_models import make_llama, make_qwen3_next
 
 LENGTHS = (17, 33, 49, 70)  # 2 to 5 blocks of 16
 ATOL = 1e-4  # TP splits the matmul reductions: fp32 rounding differs, not the math
@@ -339,6 +339,31 @@ class TestDeepseekV3(TestQwen3Moe):
     @pytest.fixture(scope="class")
     def moe(self, ray_cluster, tiny_deepseek_dir):
         yield from _pair(tiny_deepseek_dir, enable_return_routed_experts=True)
+
+
+def test_qwen3_next_matches_tp1_through_state_snapshots(ray_cluster, tmp_path_factory):
+    """Qwen3-Next at TP=2: Gated DeltaNet key / value heads split across ranks with their conv
+    channels, decay parameters and recurrent state, gated attention heads split, shared-expert
+    MoE; the second run resumes from recurrent-state snapshots on every rank."""
+    model_dir = make_qwen3_next(tmp_path_factory.mktemp("tp_qwen3_next"))
+    pair = _pair(model_dir, max_num_batched_tokens=16, enable_return_routed_experts=True)
+    tp = next(pair)
+    try:
+        vocab = tp.tp1.validator.vocab_size
+        shared = prompts_for(vocab, (40,), seed=17)[0]
+        prompts = [shared + tail for tail in prompts_for(vocab, (3, 14), seed=18)]
+        params = greedy(8, logprobs=1, return_routed_experts=True)
+        for run in range(2):
+            ref = tp.tp1.generate(prompts, params, use_tqdm=False)
+            got = tp.tp2.generate(prompts, params, use_tqdm=False)
+            assert_same_outputs(got, ref, ATOL)
+            for g, r in zip(got, ref):
+                np.testing.assert_array_equal(
+                    g.outputs[0].routed_experts, r.outputs[0].routed_experts
+                )
+        assert [o.num_cached_tokens for o in got] == [32, 48]  # from the snapshots
+    finally:
+        pair.close()
 
 
 @pytest.fixture(scope="class")
