@@ -117,8 +117,9 @@ class Scheduler:
                 continue
             if self.sliding_window is not None:
                 # NOTE: before this step's allocation, from the count before its tokens: what
-                # its queries can still see stays, so a freed block is never reused under them
-                self.blocks.free_outside_window(seq, self.sliding_window)
+                # its queries can still see stays, so a freed block is never reused under them;
+                # one position of slack: a grammar skip recomputes the last position
+                self.blocks.free_outside_window(seq, self.sliding_window + 1)
             num_new = self._chunk(seq, budget)
             while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_new)):
                 victim = queue.pop() if queue else seq
