@@ -9,6 +9,8 @@ import random
 
 import numpy as np
 import pytest
+import torch
+from raylane.actors.models import TPGroup, load_model
 from raylane.actors.models.layer_layout import model_layout
 from safetensors.torch import load_file
 from transformers import AutoConfig
@@ -155,3 +157,31 @@ def test_qwen3_5_next_turn_resumes_from_the_last_decode_block(tiny_qwen3_5_dir: 
     ref = cold.generate([turn], greedy(), use_tqdm=False)[0].outputs[0]
     assert warm.outputs[0].token_ids == ref.token_ids
     assert np.allclose(warm.outputs[0].logprobs, ref.logprobs, atol=1e-5)
+
+
+def test_qwen3_5_tp_slices_follow_the_heads(tiny_qwen3_5_dir: str) -> None:
+    """Each TP=2 rank's Gated DeltaNet and gated-attention weights are its heads' rows of the
+    checkpoint, cut by plain indexing here (TP=2 outputs vs TP=1: tests/ray, Qwen3-Next)."""
+    raw = load_file(f"{tiny_qwen3_5_dir}/model.safetensors")
+    cfg = AutoConfig.from_pretrained(tiny_qwen3_5_dir)
+    key, value = cfg.linear_num_key_heads * 16, cfg.linear_num_value_heads * 8  # dk 16, dv 8
+
+    def half(t: torch.Tensor, rank: int, dim: int = 0) -> torch.Tensor:
+        return t.chunk(2, dim)[rank]
+
+    for rank in (0, 1):
+        model, _, _ = load_model(tiny_qwen3_5_dir, "float32", "cpu", TPGroup(rank, 2))
+        got = dict(model.named_parameters())
+        lin, att = "model.layers.0.self_attn", "model.layers.2.self_attn"
+        raw_lin = "model.layers.0.linear_attn"
+        for name in ("in_proj_qkv.weight", "conv1d.weight"):  # q | k | v, each by heads
+            q, k, v = raw[f"{raw_lin}.{name}"].split([key, key, value])
+            want = torch.cat([half(q, rank), half(k, rank), half(v, rank)])
+            assert torch.equal(got[f"{lin}.{name}"], want), name
+        for name in ("in_proj_z.weight", "in_proj_b.weight", "dt_bias", "A_log"):
+            assert torch.equal(got[f"{lin}.{name}"], half(raw[f"{raw_lin}.{name}"], rank)), name
+        assert torch.equal(got[f"{lin}.norm.weight"], raw[f"{raw_lin}.norm.weight"])
+        want_out = half(raw[f"{raw_lin}.out_proj.weight"], rank, 1)
+        assert torch.equal(got[f"{lin}.out_proj.weight"], want_out)
+        for name in ("q_proj.weight", "k_proj.weight"):  # q rows are per head [q | gate]
+            assert torch.equal(got[f"{att}.{name}"], half(raw[f"{att}.{name}"], rank)), name
