@@ -8,7 +8,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import Field
+from raylane.actors.engine.outputs import CompletionOutput
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.session_server import formatting as fmt
 from raylane.session_server.context import backend_of, check_n, new_id, timeout_of
 from raylane.session_server.errors import APIError, bad_request
 from raylane.session_server.openapi import ok
@@ -80,11 +82,15 @@ class _Sampling(_Body):
     min_p: float = 0.0
     max_tokens: int = 16
     guided_decoding_regex: str | None = None
+    structured_outputs_regex: str | None = None  # TRL >= 0.25's name for it
+    # TRL >= 0.25: the top N of each token, sent always; it selects that version's answer
+    logprobs: int | None = Field(None, ge=0, le=20)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the last N prompt tokens
     generation_kwargs: dict[str, Any] = Field(default_factory=dict)  # more vLLM fields
 
 
 class TRLGenerateRequest(_Sampling):
-    prompts: list[str] = Field(min_length=1)
+    prompts: list[str] | list[list[int]] = Field(min_length=1)  # token ids: TRL >= 0.25
     images: list[Any] | None = None  # refused unless all null
 
 
@@ -94,9 +100,12 @@ class TRLChatRequest(_Sampling):
 
 
 class Completions(_Out):
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]  # of each completion token
+    prompt_ids: list[list[int]]  # one per prompt
+    completion_ids: list[list[int]]  # n per prompt, prompt-major
+    # TRL up to 0.24: each token's own logprob; TRL >= 0.25 (`logprobs` sent): per token the
+    # top N and the sampled token, most likely first, their ids in `logprob_token_ids`
+    logprobs: list[list[float]] | list[list[list[float]]]
+    logprob_token_ids: list[list[list[int]]] | None = None
 
 
 @router.post("/generate/", response_model=None, responses=ok(Completions))
@@ -104,7 +113,7 @@ async def generate(body: TRLGenerateRequest, request: Request) -> dict:
     if body.images and any(i is not None for i in body.images):
         raise bad_request("images: multimodal prompts are not served here", "images")
     tokenizer = backend_of(request).tokenizer
-    prompts = [encode(tokenizer, p, "prompts") for p in body.prompts]
+    prompts = [p if isinstance(p, list) else encode(tokenizer, p, "prompts") for p in body.prompts]
     return await _complete(request, prompts, body)
 
 
@@ -122,18 +131,38 @@ async def chat(body: TRLChatRequest, request: Request) -> dict:
 
 
 async def _complete(request: Request, prompts: list[list[int]], body: _Sampling) -> dict:
-    """Every prompt's n completions, prompt-major, with the raw logprob of each token."""
+    """Every prompt's n completions, prompt-major, with the raw logprobs of each token."""
     backend = backend_of(request)
     check_n(request, body.n)
+    if body.truncate_prompt_tokens is not None:
+        prompts = [p[-body.truncate_prompt_tokens :] for p in prompts]
     params = _params(body, prompts, backend.info)
     stream = start(backend, prompts, params, new_id("trl"), None, timeout_of(request, None))
     finals = await final_outputs(request, stream, len(prompts))
-    samples = [(finals[i], c) for i in sorted(finals) for c in finals[i].outputs]
-    return {
-        "prompt_ids": [list(out.prompt_token_ids) for out, _ in samples],
-        "completion_ids": [list(c.token_ids) for _, c in samples],
-        "logprobs": [list(c.logprobs or []) for _, c in samples],
+    outs = [finals[i] for i in sorted(finals)]
+    samples = [c for out in outs for c in out.outputs]
+    answer: dict[str, Any] = {
+        "prompt_ids": [list(out.prompt_token_ids) for out in outs],
+        "completion_ids": [list(c.token_ids) for c in samples],
     }
+    if "logprobs" not in body.model_fields_set:  # TRL up to 0.24
+        return {**answer, "logprobs": [list(c.logprobs or []) for c in samples]}
+    ranked = [_ranked(c) for c in samples]
+    answer["logprobs"] = [[[lp for _, lp in pos] for pos in seq] for seq in ranked]
+    answer["logprob_token_ids"] = [[[t for t, _ in pos] for pos in seq] for seq in ranked]
+    return answer
+
+
+def _ranked(c: CompletionOutput) -> list[list[tuple[int, float]]]:
+    """Per token the top N, most likely first, then the sampled token if it is not among
+    them (as vLLM ranks its logprobs: the sampled token's rank is its own)."""
+    out = []
+    for i, token in enumerate(c.token_ids):
+        tops = sorted((c.top_logprobs or [{}])[i].items(), key=lambda kv: -kv[1])
+        if token not in dict(tops):
+            tops.append((token, (c.logprobs or [])[i]))
+        out.append([(t, fmt.finite(lp)) for t, lp in tops])
+    return out
 
 
 def _params(body: _Sampling, prompts: list[list[int]], info) -> SamplingParams:
@@ -144,11 +173,18 @@ def _params(body: _Sampling, prompts: list[list[int]], info) -> SamplingParams:
             f"generation_kwargs: {unknown} are not sampling fields", "generation_kwargs"
         )
     fields = body.model_dump(exclude={"prompts", "messages", "images", "chat_template_kwargs"})
-    for name in ("guided_decoding_regex", "generation_kwargs"):
+    for name in (
+        "guided_decoding_regex",
+        "structured_outputs_regex",
+        "logprobs",
+        "truncate_prompt_tokens",
+        "generation_kwargs",
+    ):
         fields.pop(name)
     fields["max_tokens"] = resolve_max_tokens(
         fields["max_tokens"], prompts, info, "max_tokens", "prompts"
     )
-    regex = body.guided_decoding_regex
+    regex = body.guided_decoding_regex or body.structured_outputs_regex
     spec = structured_spec({"regex": regex}, "guided_decoding_regex") if regex else None
-    return SamplingParams(**{**fields, **extra, "logprobs": 0, "structured_outputs": spec})
+    top = body.logprobs or 0
+    return SamplingParams(**{**fields, **extra, "logprobs": top, "structured_outputs": spec})

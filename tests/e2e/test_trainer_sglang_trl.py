@@ -132,8 +132,9 @@ def test_trl_former_generate_and_chat_equal_hf(trainer, trainer_backend, tiny_ll
     out = trainer.post("/generate/", json={"prompts": ["Hi there", "Bye"], "n": 2, **sampling})
     out = out.json()
     encoded = [trainer_backend.tokenizer.encode(p) for p in ("Hi there", "Bye")]
-    assert out["prompt_ids"] == [encoded[0], encoded[0], encoded[1], encoded[1]]
-    for prompt, ids, logprobs in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+    assert out["prompt_ids"] == encoded  # one per prompt, as TRL's server answers
+    repeated = [encoded[0], encoded[0], encoded[1], encoded[1]]  # n = 2 completions each
+    for prompt, ids, logprobs in zip(repeated, out["completion_ids"], out["logprobs"]):
         want_ids, want_lps = hf_greedy(tiny_llama_dir, prompt, 5)
         assert ids == want_ids and logprobs == pytest.approx(want_lps, abs=1e-4)
     chat = trainer.post(
@@ -143,3 +144,25 @@ def test_trl_former_generate_and_chat_equal_hf(trainer, trainer_backend, tiny_ll
     assert chat["completion_ids"] == [hf_greedy(tiny_llama_dir, prompt, 5)[0]]
     bad = trainer.post("/generate/", json={"prompts": ["x"], "generation_kwargs": {"nope": 1}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "generation_kwargs"
+
+
+def test_trl_0_29_generate_shape_equals_hf(trainer, tiny_llama_dir):
+    """TRL 0.25-0.29's client sends token ids, `logprobs` (top N) and its other fields, and
+    reads per token the top N most likely first, their ids beside them."""
+    body = {
+        "prompts": [PROMPT, PROMPT[:5]], "images": None, "n": 1, "repetition_penalty": 1.0,
+        "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "max_tokens": 5,
+        "logprobs": 2, "truncate_prompt_tokens": None, "structured_outputs_regex": None,
+        "generation_kwargs": {"ignore_eos": True},
+    }  # fmt: skip
+    out = trainer.post("/generate/", json=body).json()
+    assert out["prompt_ids"] == [PROMPT, PROMPT[:5]]
+    for prompt, ids, lps, lp_ids in zip(
+        out["prompt_ids"], out["completion_ids"], out["logprobs"], out["logprob_token_ids"]
+    ):
+        want_ids, want_lps = hf_greedy(tiny_llama_dir, prompt, 5)
+        assert ids == want_ids and [t[0] for t in lp_ids] == want_ids  # greedy: rank 1
+        assert [p[0] for p in lps] == pytest.approx(want_lps, abs=1e-4)
+        assert all(len(p) == 2 and p[0] >= p[1] for p in lps)
+    truncated = trainer.post("/generate/", json={**body, "truncate_prompt_tokens": 3}).json()
+    assert truncated["prompt_ids"] == [PROMPT[-3:], PROMPT[2:5]]
