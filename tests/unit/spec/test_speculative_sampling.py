@@ -27,7 +27,7 @@ from tests.unit.spec.helpers import (
 from tests.unit.spec.test_parity import assert_same
 
 TOP_K = 3
-NUM_REQUESTS = 1000
+NUM_REQUESTS = 600
 HEAD = [200, 218, 23, 135, 264, 251, 17]
 
 
