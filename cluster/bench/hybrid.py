@@ -75,8 +75,14 @@ def print_throughput(name: str, batches: list[int], args: argparse.Namespace) ->
     from raylane.bench.decode import build_random_model
 
     folder = build_random_model(name, tempfile.mkdtemp(prefix="raylane-hybrid-"), "float32", "cpu")
+    # NOTE: no prefix caching: every timed run repeats the same prompts, which would be hits
     engine = LLMEngine(
-        EngineConfig(model=folder, max_num_seqs=max(batches), max_num_batched_tokens=4096)
+        EngineConfig(
+            model=folder,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=4096,
+            enable_prefix_caching=False,
+        )
     )
     hf = transformers_model(folder)
     print(f"\n{name}, float32, {torch.get_num_threads()} threads, prompt {args.prompt_len}, "
