@@ -100,11 +100,11 @@ def test_moe_variants_match_hf_with_routing(make, num_moe_layers, seed, tmp_path
     "option,reference,variant", [("async_scheduling", False, True), ("enforce_eager", True, False)]
 )
 def test_qwen3_5_variant_equals_reference(tiny_qwen3_5_dir: str, option, reference, variant):
-    prompts = prompts_for(engine_for(tiny_qwen3_5_dir).validator.vocab_size, seed=3, count=3)
     engines = [
         engine_for(tiny_qwen3_5_dir, max_num_batched_tokens=16, **{option: value})
         for value in (reference, variant)
     ]
+    prompts = prompts_for(engines[0].validator.vocab_size, seed=3, count=3)
     runs = [engine.generate(prompts, greedy(), use_tqdm=False) for engine in engines]
     for ref, got in zip(*runs):
         assert ref.outputs[0].token_ids == got.outputs[0].token_ids
@@ -113,19 +113,18 @@ def test_qwen3_5_variant_equals_reference(tiny_qwen3_5_dir: str, option, referen
         assert engines[1].stats.graph_replays > 0 == engines[0].stats.graph_replays
 
 
-def test_qwen3_5_prefix_cache_warm_equals_cold_and_new_weights_invalidate(
+def test_qwen3_5_prefix_cache_warm_equals_cold_next_turn_and_new_weights(
     tiny_qwen3_5_dir: str, tmp_path_factory
 ) -> None:
-    rng = random.Random(5)
-    vocab = engine_for(tiny_qwen3_5_dir).validator.vocab_size
-    shared = [rng.randrange(3, vocab) for _ in range(37)]
-    prompts = [shared + [rng.randrange(3, vocab) for _ in range(n)] for n in (5, 12, 30)]
     cold_engine = engine_for(
         tiny_qwen3_5_dir, max_num_batched_tokens=16, enable_prefix_caching=False
     )
-    cold = cold_engine.generate(prompts, greedy(), use_tqdm=False)
     assert cold_engine.block_manager.snapshots is None
     engine = engine_for(tiny_qwen3_5_dir, max_num_batched_tokens=16)
+    rng, vocab = random.Random(5), engine.validator.vocab_size
+    shared = [rng.randrange(3, vocab) for _ in range(37)]
+    prompts = [shared + [rng.randrange(3, vocab) for _ in range(n)] for n in (5, 12, 30)]
+    cold = cold_engine.generate(prompts, greedy(), use_tqdm=False)
     engine.generate(prompts[:1], greedy(), use_tqdm=False)  # snapshots its state at 32 tokens
     warm = engine.generate(prompts, greedy(), use_tqdm=False)
     # the other prompts resumed from that snapshot, the first from its own
@@ -134,29 +133,23 @@ def test_qwen3_5_prefix_cache_warm_equals_cold_and_new_weights_invalidate(
         assert w.num_cached_tokens >= 32
         assert w.outputs[0].token_ids == c.outputs[0].token_ids
         assert np.allclose(w.outputs[0].logprobs, c.outputs[0].logprobs, atol=1e-5)
+    # a conversation's next turn: turn 1 (20 prompt tokens + 40 generated, so 59 computed)
+    # publishes its state at 48 (a decode step ending on a block) when it ends; turn 2
+    # extends turn 1 and resumes there
+    first = [rng.randrange(3, vocab) for _ in range(20)]
+    said = engine.generate([first], greedy(40), use_tqdm=False)[0].outputs[0].token_ids
+    turn = first + said + [rng.randrange(3, vocab) for _ in range(7)]
+    warm_turn = engine.generate([turn], greedy(), use_tqdm=False)[0]
+    assert warm_turn.num_cached_tokens == 48  # the prompt's own boundary alone would give 16
+    ref = cold_engine.generate([turn], greedy(), use_tqdm=False)[0].outputs[0]
+    assert warm_turn.outputs[0].token_ids == ref.token_ids
+    assert np.allclose(warm_turn.outputs[0].logprobs, ref.logprobs, atol=1e-5)
     # new weights: the snapshots (and cached KV) of the old ones must not be used
     other_dir = make_qwen3_5(tmp_path_factory.mktemp("tiny_qwen3_5_other"), seed=1)
     engine.load_weights(load_file(f"{other_dir}/model.safetensors").items())
     assert not engine.block_manager.snapshots.by_hash
     again = engine.generate(prompts, greedy(), use_tqdm=False)
     assert_matches_hf(other_dir, prompts, again)
-
-
-def test_qwen3_5_next_turn_resumes_from_the_last_decode_block(tiny_qwen3_5_dir: str) -> None:
-    # turn 1: 20 prompt tokens + 40 generated, so 59 computed: its state at 48 (a decode step
-    # ending on a block) is published when it ends; turn 2 extends turn 1 and resumes there
-    rng = random.Random(8)
-    engine = engine_for(tiny_qwen3_5_dir, max_num_batched_tokens=16)
-    vocab = engine.validator.vocab_size
-    first = [rng.randrange(3, vocab) for _ in range(20)]
-    said = engine.generate([first], greedy(40), use_tqdm=False)[0].outputs[0].token_ids
-    turn = first + said + [rng.randrange(3, vocab) for _ in range(7)]
-    warm = engine.generate([turn], greedy(), use_tqdm=False)[0]
-    assert warm.num_cached_tokens == 48  # the prompt's own boundary alone would give 16
-    cold = engine_for(tiny_qwen3_5_dir, enable_prefix_caching=False)
-    ref = cold.generate([turn], greedy(), use_tqdm=False)[0].outputs[0]
-    assert warm.outputs[0].token_ids == ref.token_ids
-    assert np.allclose(warm.outputs[0].logprobs, ref.logprobs, atol=1e-5)
 
 
 def test_qwen3_5_tp_slices_follow_the_heads(tiny_qwen3_5_dir: str) -> None:
