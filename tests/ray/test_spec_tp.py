@@ -4,6 +4,7 @@ scheduling on) give TP=1's output without speculation, greedy and seeded."""
 from __future__ import annotations
 
 import pytest
+from raylane.actors.engine import SamplingParams
 
 from tests.ray.tp_helpers import build
 from tests.unit.async_helpers import assert_same, drive, greedy, prompts_for, seeded
@@ -26,6 +27,37 @@ def test_tp2_speculation_matches_tp1_without(ray_cluster, tmp_path):
         }
         assert_same(drive(tp2, arrivals), drive(tp1, arrivals), ATOL)
         assert tp2.stats.spec_decode_num_accepted_tokens > 0
+    finally:
+        tp1.shutdown()
+        tp2.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_tp2_draft_model_with_sampled_drafts(ray_cluster, tmp_path):
+    """A draft model at TP=2: greedy and seeded outputs are TP=1's without speculation; an
+    unseeded sampled request's drafts carry q to the shards over the step channel and are
+    verified by min(1, p/q) (its tokens are its own: unseeded streams are keyed by seq id)."""
+    model = make_loopy_llama(tmp_path / "loopy")
+    draft = make_loopy_llama(tmp_path / "draft", attention_scale=0.03)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
+    tp1 = build(model, async_scheduling=False)
+    tp2 = build(model, tensor_parallel_size=2, async_scheduling=False, speculative_config=spec)
+    with_q = []
+    submit = tp2.executor.submit
+
+    def tapped(plan):
+        with_q.extend(seq_id for seq_id, _ in plan.draft_probs)
+        return submit(plan)
+
+    tp2.executor.submit = tapped
+    try:
+        ps = prompts_for(tp1.validator.vocab_size, (9, 17, 30))
+        arrivals = {0: [("g0", ps[0], greedy(32)), ("s0", ps[1], seeded(5, 24))]}
+        assert_same(drive(tp2, arrivals), drive(tp1, arrivals), ATOL)
+        unseeded = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)
+        out = tp2.generate([ps[2]], unseeded, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 24
+        assert with_q and tp2.stats.spec_decode_num_accepted_tokens > 0
     finally:
         tp1.shutdown()
         tp2.shutdown()
