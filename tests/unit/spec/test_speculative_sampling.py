@@ -62,6 +62,11 @@ def test_kernel_output_is_distributed_as_p():
     # drafts are kept with probability sum(min(p, q)) = 0.55
     kept = (out == drafts).double().mean().item()
     assert abs(kept - 0.55) < 5 * (0.55 * 0.45 / rows) ** 0.5
+    # q == p: no residual mass, every draft kept
+    same = sampling.speculative_accept(
+        q.expand(rows, -1), q.expand(rows, -1), drafts, key, ctr0, ctr1
+    )
+    assert torch.equal(same, drafts)
 
 
 def prompt_for(model_dir: str) -> list[int]:
