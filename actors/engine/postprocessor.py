@@ -122,6 +122,9 @@ class Postprocessor:
 
     def fail(self, scheduled: list[ScheduledSeq], error: BaseException) -> list[EngineCoreOutput]:
         """The step raised: every request in it ends with finish reason "error"."""
+        snapshots = self.scheduler.blocks.snapshots
+        if snapshots is not None:  # its snapshot saves and copies may not have run
+            snapshots.clear()
         failed: dict[str, Request] = {}
         for item in scheduled:
             request = self.requests.get(item.seq.request_id)

@@ -100,7 +100,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        if self.blocks.snapshots is not None:  # decode rows published since the last plan
+        if self.blocks.snapshots is not None and not out.is_empty:
+            # decode rows published since the last plan; an empty step sends no plan
             out.snapshot_copies = self.blocks.snapshots.take_copies()
         # decodes by context length: attention can then pad short and long contexts apart
         out.decodes.sort(key=lambda item: len(item.seq))

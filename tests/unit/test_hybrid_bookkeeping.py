@@ -7,6 +7,7 @@ import pytest
 from raylane.actors.engine.block_manager import BlockManager
 from raylane.actors.engine.layer_kinds import LayerKind, ModelLayout
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.scheduler import Scheduler
 from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.state_slots import SnapshotCache, StateSlotPool
 
@@ -129,6 +130,16 @@ def test_decode_rows_publish_into_the_pool_by_queued_copies() -> None:
     snaps.publish(0, chain_hash=78)
     snaps.clear()  # new weights: a queued copy would fill a slot that is free again
     assert snaps.take_copies() == () and snaps.lookup([77, 78]) is None
+
+
+def test_queued_copies_wait_for_a_step_that_runs() -> None:
+    # an empty step sends no plan: the copies stay queued for the next one that does
+    bm = BlockManager(8, BS, snapshots=SnapshotCache(2))
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=16, states=StateSlotPool(2))
+    bm.snapshots.publish(1, chain_hash=77)
+    assert sched.schedule().snapshot_copies == () and len(bm.snapshots.copies) == 1
+    sched.add(make_seq([1, 2, 3]))
+    assert sched.schedule().snapshot_copies == ((3, 0),) and not bm.snapshots.copies
 
 
 # --- sliding-window block freeing -------------------------------------------------------------

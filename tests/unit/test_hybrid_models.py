@@ -178,3 +178,17 @@ def test_qwen3_5_tp_slices_follow_the_heads(tiny_qwen3_5_dir: str) -> None:
         assert torch.equal(got[f"{lin}.out_proj.weight"], want_out)
         for name in ("q_proj.weight", "k_proj.weight"):  # q rows are per head [q | gate]
             assert torch.equal(got[f"{att}.{name}"], half(raw[f"{att}.{name}"], rank)), name
+
+
+def test_a_failed_step_drops_the_state_snapshots(tiny_qwen3_5_dir: str) -> None:
+    # its snapshot saves and copies may not have run: no later request may resume from them
+    engine = engine_for(tiny_qwen3_5_dir, max_num_batched_tokens=64)
+    prompts = prompts_for(engine.validator.vocab_size, seed=9, count=2)
+    first = engine.generate(prompts, greedy(4), use_tqdm=False)
+    assert engine.block_manager.snapshots.by_hash
+    engine.arm_fault("forward")
+    failed = engine.generate(prompts, greedy(4), use_tqdm=False)
+    assert {o.outputs[0].finish_reason for o in failed} == {"error"}
+    assert not engine.block_manager.snapshots.by_hash
+    again = engine.generate(prompts, greedy(4), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
