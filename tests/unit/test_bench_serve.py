@@ -61,13 +61,13 @@ def test_cpu_by_process_counts_a_child_s_cpu_under_its_name():
     )
     cpu = ProcessCpu()
     cmd = [sys.executable, "-c", spin]
-    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
-        with cpu.timed():
-            used_by_child = float(child.stdout.readline())
-        child.stdin.close()
+    with cpu.timed():  # the child starts and spins inside the pass
+        child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        used_by_child = float(child.stdout.readline())
+    child.communicate("")  # let it exit
     counted = cpu.used[os.path.basename(sys.executable)]
     assert abs(counted - used_by_child) <= 0.06  # /proc accounts in 10 ms ticks
-    assert THIS in cpu.used and cpu.wall_s >= 0.3
+    assert THIS in cpu.used and cpu.wall_s >= 0.25  # it spun inside the pass
     assert "| process | CPU s |" in cpu.table(10, [])
 
 
