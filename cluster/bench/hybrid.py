@@ -1,7 +1,7 @@
 """`raylane bench hybrid`: hybrid and windowed models against transformers, and what their
 per-sequence state costs.
 
-Throughput: random-weight stand-ins (`qwen3.5-tiny`, `gpt-oss-tiny` in bench/decode.py) run a
+Throughput: random-weight stand-ins (`qwen3.5-tiny`, `gpt-oss-tiny` in bench/random_models.py) run a
 batch of distinct `--prompt-len`-token prompts, greedy with ignore_eos, to 1 token and to
 `--output-len` tokens, in raylane's engine and in transformers `generate` (same process, same
 threads). Prefill tok/s = batch * prompt_len / t[1]; decode tok/s = batch * (output_len - 1) /
@@ -72,7 +72,7 @@ def print_memory_table() -> None:
 def print_throughput(name: str, batches: list[int], args: argparse.Namespace) -> None:
     import torch
     from raylane.actors.engine import EngineConfig, LLMEngine
-    from raylane.bench.decode import build_random_model
+    from raylane.bench.random_models import build_random_model
 
     folder = build_random_model(name, tempfile.mkdtemp(prefix="raylane-hybrid-"), "float32", "cpu")
     # NOTE: no prefix caching: every timed run repeats the same prompts, which would be hits

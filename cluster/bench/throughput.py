@@ -31,7 +31,7 @@ class Workload:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from raylane.bench.decode import RANDOM_MODELS
+    from raylane.bench.random_models import RANDOM_MODELS
 
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2)")
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     if args.random_model:
         import tempfile
 
-        from raylane.bench.decode import build_random_model
+        from raylane.bench.random_models import build_random_model
 
         model_dir = build_random_model(
             args.random_model, tempfile.mkdtemp(prefix="raylane-throughput-"), "float32", "cpu"
