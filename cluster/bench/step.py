@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from raylane.bench.throughput import Workload, make_workload
+from raylane.bench.throughput_runs import Workload, make_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
