@@ -23,11 +23,11 @@ from raylane.actors.engine.spec.drafter import Drafter
 from raylane.actors.engine.spec.metrics import SpecStats
 from raylane.actors.engine.state_slots import StateSlotPool
 from raylane.actors.engine.stats import EngineStats
-from raylane.actors.engine.step_launcher import LaunchedStep, StepLauncher
+from raylane.actors.engine.step_launcher import StepLauncher
+from raylane.actors.engine.step_pipeline import StepPipeline
 from raylane.actors.engine.upkeep import EngineUpkeep
 from raylane.actors.engine.validate import RequestValidator, as_params_list, as_prompt_list
 from raylane.actors.engine.weight_sync import WeightSync, too_stale
-from raylane.actors.executor.base import StepFailed
 from raylane.actors.models.weights import (
     DEFAULT_BUCKET_BYTES,
     Payload,
@@ -90,10 +90,10 @@ class LLMEngine:
         self.launcher = StepLauncher(
             self.scheduler, self.planner, self.executor, self.grammars, self.post, self.stats
         )
+        self.pipeline = StepPipeline(
+            self.config, self.scheduler, self.launcher, self.post, self.stats
+        )
         self.drafter = self._drafter()
-        self._in_flight: LaunchedStep | None = None  # launched, to be collected by a later step
-        self._due: LaunchedStep | None = None  # launched, to be collected by this step
-        self._held: list[EngineCoreOutput] = []  # outputs of steps drained outside step()
         self._ids = itertools.count()
         # NOTE: a weak method, so an engine that is dropped is not kept alive until exit
         self._atexit = weakref.WeakMethod(self.shutdown)
@@ -114,7 +114,7 @@ class LLMEngine:
             self.tokenizer,
             self.config.seed,
         )
-        self.launcher.drafter = self.post.drafter = drafter
+        self.launcher.drafter = self.post.drafter = self.pipeline.drafter = drafter
         if drafter.model is not None:  # its weights join the target's updates
             self.weights.draft = DraftWeights(drafter.model.model)
         return drafter
@@ -128,7 +128,7 @@ class LLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
         """Load HF-named (full, unsharded) tensors into every rank, then drop the prefix cache,
         whose blocks were computed with the old weights. Call between steps."""
-        self._quiesce()
+        self.pipeline.quiesce()
         self.executor.load_weights(weights)
         self.block_manager.reset_prefix_cache()
 
@@ -152,7 +152,7 @@ class LLMEngine:
     def begin_weight_update(self, specs: list[TensorSpec] | None) -> None:
         """Check an update's manifest on every rank (ValueError naming the first tensor that
         would not load); no weight changes. A second begin replaces an unfinished update."""
-        self._quiesce()
+        self.pipeline.quiesce()
         self.weights.begin(specs)
 
     def load_weight_bucket(self, bucket: Payload | dict[str, torch.Tensor]) -> int:
@@ -187,7 +187,7 @@ class LLMEngine:
     def retract_all(self) -> int:
         """Free the KV of every running sequence; when scheduled again each re-prefills its
         prompt and generated tokens (under the weights of that time). Returns how many."""
-        self._quiesce()
+        self.pipeline.quiesce()
         retracted = self.scheduler.retract_all()
         self.planner.preempted(retracted)
         return len(retracted)
@@ -241,17 +241,12 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    # --- the step -----------------------------------------------------------------------------
+    # --- the step (StepPipeline) -------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step; returns what every request it advanced gained (deltas:
-        `OutputAccumulator` builds the cumulative outputs, as `generate` does).
-
-        Serial: launch a step, wait for it, fold its result in. With async scheduling the
-        step after it is launched (planned on the assumption that every running sequence goes
-        on) before its result is waited for, so the runners never wait for the engine's
-        bookkeeping; one step is then in flight between calls.
-        """
+        `OutputAccumulator` builds the cumulative outputs, as `generate` does). With async
+        scheduling one step is in flight between calls (see StepPipeline)."""
         self.begin_step()
         return self.end_step()
 
@@ -259,58 +254,21 @@ class LLMEngine:
         """The first half of `step`: launch what is due; returns the future `end_step` will
         wait for (None: nothing to wait for). An event loop awaits it, then calls end_step.
         `plan_ahead=False` leaves launching the step after it to a later `plan_ahead()`."""
-        if self._in_flight is None:
-            self._in_flight = self.launcher.launch()
-        self._due, self._in_flight = self._in_flight, None
-        self.launcher.post_masks(self._due)  # every step before it was collected
-        if plan_ahead:
-            self.plan_ahead()
-        return None if self._due is None else self._due.future
+        return self.pipeline.begin_step(plan_ahead)
 
     def plan_ahead(self) -> bool:
         """With async scheduling, launch the step after the one due while that one runs (once;
-        True if it launched one). Constrained batches plan ahead too where the executor takes
-        grammar masks after the plan (in-process: see StepLauncher); elsewhere a grammar's
-        next mask needs the token in flight, so they step serially. So do batches that
-        speculate: drafts need the
-        token in flight, and how many of the due step's drafts survive is unknown until it
-        returns (docs/speculative_decoding.md)."""
-        if (
-            self._due is None
-            or self._in_flight is not None
-            or not self.config.async_scheduling
-            or self.launcher.constrained()
-            or self._speculating()
-        ):
-            return False
-        self._in_flight = self.launcher.launch()
-        self.stats.steps_planned_ahead += self._in_flight is not None
-        return self._in_flight is not None
-
-    def _speculating(self) -> bool:
-        """The due step verifies drafts (how many tokens it adds is unknown until it returns),
-        or the next step would draft (see `Drafter.wants_serial`)."""
-        if self.drafter is None:
-            return False
-        if self._due is not None and any(item.drafts for item in self._due.scheduled):
-            return True
-        return self.drafter.wants_serial(self.scheduler.running)
+        True if it launched one; see StepPipeline.plan_ahead for when it does not)."""
+        return self.pipeline.plan_ahead()
 
     def end_step(self) -> list[EngineCoreOutput]:
         """The second half of `step`: fold in the step begin_step launched (if drain has not)."""
-        outputs, self._held = self._held + self.launcher.failed, []
-        self.launcher.failed = []
-        due, self._due = self._due, None
-        return outputs if due is None else outputs + self._collect(due)
+        return self.pipeline.end_step()
 
     def drain(self) -> list[EngineCoreOutput]:
         """Wait for every step in flight and fold them in, planning nothing new (before a
         pause, a weight update or a retract); returns their outputs."""
-        outputs = self.end_step()
-        if self._in_flight is not None:
-            self._due, self._in_flight = self._in_flight, None
-            outputs += self.end_step()
-        return outputs
+        return self.pipeline.drain()
 
     def arm_fault(self, stage: str, times: int = 1) -> None:
         """Test hook: the next `times` steps raise at `stage`: "plan" (here), "prepare" or
@@ -320,29 +278,6 @@ class LLMEngine:
         else:
             Faults().arm(stage, times)  # the same check of the arguments, before any rank
             self.executor.collective_rpc("arm_fault", stage, times)
-
-    def _quiesce(self) -> None:
-        """No step in flight from here on; its outputs come with the next step()."""
-        self._held = self.drain()
-
-    def _collect(self, step: LaunchedStep) -> list[EngineCoreOutput]:
-        """Wait for a launched step and fold its result in, then send the grammar masks of
-        the step after it (its forward is running)."""
-        self.launcher.post_masks(step)
-        try:
-            result = step.future.result()
-        except StepFailed as e:  # the runners dropped its requests and serve on
-            self.launcher.post_masks(self._in_flight)
-            return self.post.fail(step.scheduled, e)
-        step.timer.mark("execute")
-        outputs = self.post.apply(step.scheduled, result)
-        step.timer.mark("postprocess")
-        self.stats.step_times.add(step.timer, result.timings)
-        if self.drafter is not None:
-            self.drafter.observe(step.scheduled, result.timings)
-        self.stats.graph_replays += result.graph_replayed
-        self.launcher.post_masks(self._in_flight)
-        return outputs
 
     # --- statistics ---------------------------------------------------------------------------
 
