@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, cast
 
 from raylane.actors.engine.config import EngineConfig
-from raylane.actors.engine.output_accumulator import OutputAccumulator
+from raylane.actors.engine.output_accumulator import run_to_completion
 from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.planner import StepPlanner
 from raylane.actors.engine.postprocessor import Postprocessor
@@ -27,7 +27,7 @@ from raylane.actors.engine.step_launcher import StepLauncher
 from raylane.actors.engine.step_pipeline import StepPipeline
 from raylane.actors.engine.upkeep import EngineUpkeep
 from raylane.actors.engine.validate import RequestValidator, as_params_list, as_prompt_list
-from raylane.actors.engine.weight_sync import WeightSync, too_stale
+from raylane.actors.engine.weight_sync import WeightSync
 from raylane.actors.models.weights import (
     DEFAULT_BUCKET_BYTES,
     Payload,
@@ -165,7 +165,7 @@ class LLMEngine:
         """Switch to the new weights as `version` (default: the next; must be newer). Returns
         the outputs of requests this ended as "stale"."""
         self.weights.finish(version)
-        return self._end_stale()
+        return self.post.end_stale()
 
     @property
     def weight_version(self) -> int:
@@ -175,14 +175,6 @@ class LLMEngine:
     def weight_update_open(self) -> bool:
         """A begun update is not finished: its buckets may be half in (do not step)."""
         return self.weights.is_open
-
-    def _end_stale(self) -> list[EngineCoreOutput]:
-        """Requests whose tokens would now span more than their max_weight_lag versions end
-        with their partial output, finish reason "stale"."""
-        stale = [r for r in self.requests.values() if too_stale(r, self.weight_version)]
-        for request in stale:
-            self.post.end(request, "stale")
-        return self.post.outputs(stale)
 
     def retract_all(self) -> int:
         """Free the KV of every running sequence; when scheduled again each re-prefills its
@@ -225,15 +217,7 @@ class LLMEngine:
         """Stop requests and free their blocks; returns their final ("abort") outputs. A step
         in flight that holds them computes on, and what it computes for them is dropped."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        outputs = []
-        for rid in ids:
-            request = self.requests.pop(rid, None)
-            if request is None:
-                continue
-            self.stats.finished["abort"] += 1
-            self.post.end(request, "abort", keep_routing=False)
-            outputs.append(request.delta(self.weight_version))
-        return outputs
+        return self.post.abort(ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -304,16 +288,7 @@ class LLMEngine:
         except ValueError:  # one bad request: none of the batch stays queued
             self.abort_request([rid for rid in ids if rid in self.requests])
             raise
-        accumulators = {rid: OutputAccumulator() for rid in ids}
-        finished: dict[str, RequestOutput] = {}
-        with _progress(len(prompts), use_tqdm) as bar:
-            while len(finished) < len(ids):
-                for delta in self.step():
-                    accumulators[delta.request_id].add(delta)
-                    if delta.finished:
-                        finished[delta.request_id] = accumulators[delta.request_id].output()
-                        bar.update(1)
-        return [finished[rid] for rid in ids]
+        return run_to_completion(ids, self.step, use_tqdm)
 
     def chat(
         self,
@@ -333,9 +308,3 @@ def _call_if_alive(method_ref: weakref.WeakMethod) -> None:
     method = method_ref()
     if method is not None:
         method()
-
-
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="generating", unit="req", disable=not enabled)

@@ -9,7 +9,7 @@ deltas in. Streaming paths (the replica's output channel, SSE) never build one.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TypeVar
 
 from raylane.actors.engine.outputs import (
@@ -133,6 +133,29 @@ def accumulate(deltas: list[EngineCoreOutput]) -> RequestOutput:
     for d in deltas:
         acc.add(d)
     return acc.output()
+
+
+def run_to_completion(
+    ids: list[str], step: Callable[[], list[EngineCoreOutput]], use_tqdm: bool = True
+) -> list[RequestOutput]:
+    """Call `step` until every request in `ids` (already added) has finished; their
+    cumulative outputs, in the order of `ids` (`LLMEngine.generate`)."""
+    accumulators = {rid: OutputAccumulator() for rid in ids}
+    finished: dict[str, RequestOutput] = {}
+    with _progress(len(ids), use_tqdm) as bar:
+        while len(finished) < len(ids):
+            for delta in step():
+                accumulators[delta.request_id].add(delta)
+                if delta.finished:
+                    finished[delta.request_id] = accumulators[delta.request_id].output()
+                    bar.update(1)
+    return [finished[rid] for rid in ids]
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req", disable=not enabled)
 
 
 def _snapshot(c: CompletionOutput) -> CompletionOutput:

@@ -24,6 +24,7 @@ from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler
 from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.spec.drafter import Drafter
 from raylane.actors.engine.stats import EngineStats
+from raylane.actors.engine.weight_sync import too_stale
 from raylane.actors.runner.plan import StepResult
 
 if TYPE_CHECKING:
@@ -155,6 +156,28 @@ class Postprocessor:
         self.planner.forget(seq)
         if self.drafter is not None:
             self.drafter.forget(seq)
+
+    def abort(self, ids: list[str]) -> list[EngineCoreOutput]:
+        """Stop the requests (ids not running are skipped) and free their blocks; returns
+        their final ("abort") outputs."""
+        outputs = []
+        for rid in ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            self.stats.finished["abort"] += 1
+            self.end(request, "abort", keep_routing=False)
+            outputs.append(request.delta(self.weight_version()))
+        return outputs
+
+    def end_stale(self) -> list[EngineCoreOutput]:
+        """Requests whose tokens would now span more than their max_weight_lag versions end
+        with their partial output, finish reason "stale"."""
+        version = self.weight_version()
+        stale = [r for r in self.requests.values() if too_stale(r, version)]
+        for request in stale:
+            self.end(request, "stale")
+        return self.outputs(stale)
 
     def outputs(self, touched: list[Request]) -> list[EngineCoreOutput]:
         """What the requests gained since their last output; finished ones are counted and
