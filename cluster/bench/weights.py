@@ -16,7 +16,15 @@ import argparse
 import asyncio
 import statistics
 import time
-from dataclasses import dataclass, field
+
+from raylane.bench.weights_pause import PauseRun, pause_update_resume
+from raylane.bench.weights_references import (
+    Row,
+    time_clone,
+    time_copy,
+    time_encode,
+    time_put,
+)
 
 ADMIN_KEY = "bench-weights-admin"
 
@@ -38,26 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads per replica (default: the cores split)",
     )
-
-
-@dataclass
-class Row:
-    name: str
-    seconds: list[float] = field(default_factory=list)
-
-    @property
-    def best(self) -> float:
-        return min(self.seconds)
-
-
-@dataclass
-class PauseRun:
-    name: str
-    pause_s: float
-    update_s: float
-    resume_s: float
-    spanning: int  # requests whose tokens switch version once, at the update
-    finished: int
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,66 +109,6 @@ def collective_rows(
     return [raw, Row("collective (gloo, vLLM routes)", seconds)]
 
 
-def time_copy(named: list, repeats: int) -> Row:
-    """The reference: the same bytes copied once in memory into preallocated tensors."""
-    import torch
-
-    dst = [torch.empty_like(t) for _, t in named]
-    row = Row("copy, preallocated (ref.)")
-    for _ in range(repeats + 1):  # the first pass faults the pages in
-        start = time.perf_counter()
-        for d, (_, t) in zip(dst, named):
-            d.copy_(t)
-        row.seconds.append(time.perf_counter() - start)
-    row.seconds.pop(0)
-    return row
-
-
-def time_clone(named: list, repeats: int) -> Row:
-    """The same bytes copied into fresh memory (allocation and page faults included, as any
-    path that makes a new buffer pays them)."""
-    row = Row("copy, fresh memory (clone)")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        copies = [t.clone() for _, t in named]
-        row.seconds.append(time.perf_counter() - start)
-        del copies
-    return row
-
-
-def time_encode(named: list, bucket: int, repeats: int) -> Row:
-    """The client's own share: packing every bucket in safetensors layout into its reused
-    buffer (nothing sent)."""
-    from raylane.actors.models.weights import iter_buckets, pack_bucket
-
-    row = Row("client: pack buckets only")
-    scratch = None
-    for _ in range(repeats + 1):  # the first pass allocates the buffer
-        start = time.perf_counter()
-        for b in iter_buckets(named, bucket):
-            scratch = pack_bucket(b, scratch)
-        row.seconds.append(time.perf_counter() - start)
-    row.seconds.pop(0)
-    return row
-
-
-def time_put(named: list, bucket: int, repeats: int) -> Row:
-    """Ray's share of the in-cluster path: every bucket put in the object store (and freed),
-    nothing else; the floor of any update through it on this machine."""
-    import ray
-    from raylane.actors.models.weights import iter_buckets, pack_bucket
-
-    row = Row("object store: ray.put only")
-    packed = [pack_bucket(b) for b in iter_buckets(named, bucket)]
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for p in packed:
-            del_ref = ray.put(p)
-            del del_ref
-        row.seconds.append(time.perf_counter() - start)
-    return row
-
-
 class serving:
     """A local cluster serving `model_dir` in float32 with the admin routes on; yields its URL."""
 
@@ -234,72 +162,8 @@ async def timed_update(make, named: list, version: int, bucket: int) -> float:
         return time.perf_counter() - start
 
 
-async def pause_update_resume(
-    make, url: str, named: list, version: int, bucket: int, in_flight: int, name: str
-) -> PauseRun:
-    """`in_flight` requests generating; then pause("keep") -> update -> resume, timed."""
-    async with make() as client:
-        prompts = [[1 + (31 * i + j) % 1000 for j in range(16 + i % 8)] for i in range(in_flight)]
-        tasks = [
-            asyncio.ensure_future(
-                client.generate(p, temperature=0.0, max_tokens=96, ignore_eos=True, logprobs=None)
-            )
-            for p in prompts
-        ]
-        await decoding(url, in_flight)
-        t0 = time.perf_counter()
-        await client.pause("keep")
-        t1 = time.perf_counter()
-        await client.update_weights(named, version, bucket, progress=True)
-        t2 = time.perf_counter()
-        await client.resume()
-        t3 = time.perf_counter()
-        outs = [o[0] for o in await asyncio.gather(*tasks)]
-    spanning = sum(_switches_once(o.weight_versions, version) for o in outs)
-    return PauseRun(
-        name, t1 - t0, t2 - t1, t3 - t2, spanning, sum(o.finish_reason == "length" for o in outs)
-    )
-
-
-async def decoding(url: str, num: int, timeout_s: float = 300.0) -> None:
-    """Wait until `num` requests run, none waits, and each made a few tokens (/metrics)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        start = _metric((await http.get("/metrics")).text, "raylane:generation_tokens")
-        while time.monotonic() < deadline:
-            text = (await http.get("/metrics")).text
-            if (
-                _metric(text, "raylane:num_requests_running") == num
-                and _metric(text, "raylane:num_requests_waiting") == 0
-                and _metric(text, "raylane:generation_tokens") >= start + 3 * num
-            ):
-                return
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"{num} requests were not all decoding within {timeout_s:.0f} s")
-
-
 def _row(rows: list[Row], prefix: str) -> Row:
     return next(r for r in rows if r.name.startswith(prefix))
-
-
-def _metric(text: str, name: str) -> float:
-    """The sum of a Prometheus family's samples (counters by their _total sample)."""
-    names = (name, name + "_total")
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.split("{", 1)[0].split(" ", 1)[0] in names
-    )
-
-
-def _switches_once(versions: list[int], new: int) -> bool:
-    """Old version up to some token, the new one from there on."""
-    if new not in versions or versions[0] == new:
-        return False
-    cut = versions.index(new)
-    return len(set(versions[:cut])) == 1 and set(versions[cut:]) == {new}
 
 
 def print_table(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raylane.bench.weights import _metric, _switches_once
+from raylane.bench.weights_pause import _metric, _switches_once
 
 METRICS = """# HELP raylane:num_requests_running Number of requests in model execution batches.
 # TYPE raylane:num_requests_running gauge
