@@ -18,31 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import random
-import statistics
 import time
-from dataclasses import dataclass, field
 
-WORDS = (
-    "river mountain quiet engine yellow garden rocket winter harbor pencil ocean copper "
-    "violin forest silver planet window market candle thunder"
-).split()
-
-
-@dataclass
-class RunResult:
-    wall_s: float
-    output_tokens: int
-    requests: int
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
-    errors: int = 0
-    cpu_s: float = 0.0  # the offline engine's process time over the run
-
-    @property
-    def tok_s(self) -> float:
-        return self.output_tokens / self.wall_s
+from raylane.bench.serve_load import RunResult, drive, make_workload
+from raylane.bench.serve_table import Rows, print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,73 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also run `transformers serve --continuous-batching` as a reference",
     )
-
-
-def make_workload(
-    num: int, max_tokens: tuple[int, int], seed: int, words: tuple[int, int] = (3, 40)
-) -> list[tuple[str, int]]:
-    rng = random.Random(seed)
-    return [
-        (
-            f"Write about: {' '.join(rng.choices(WORDS, k=rng.randint(*words)))}.",
-            rng.randint(*max_tokens),
-        )
-        for _ in range(num)
-    ]
-
-
-async def _one(session, url: str, model: str, prompt: str, max_tokens: int, result: RunResult):
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "stream": True,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream_options": {"include_usage": True},
-    }
-    start = last = time.perf_counter()
-    chunks, usage = 0, None
-    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            result.errors += 1
-            return
-        async for raw in resp.content:  # one line at a time
-            line = raw.decode().rstrip("\r\n")
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            if any((c.get("delta") or {}).get("content") for c in event.get("choices", [])):
-                now = time.perf_counter()
-                (result.ttft if chunks == 0 else result.itl).append(
-                    now - (start if chunks == 0 else last)
-                )
-                last, chunks = now, chunks + 1
-    result.output_tokens += usage["completion_tokens"] if usage else chunks
-
-
-async def drive(url: str, model: str, work: list[tuple[str, int]], clients: int) -> RunResult:
-    """`clients` concurrent streaming clients over `work`. aiohttp, as `vllm bench serve`:
-    on 2 cores the client shares the CPU with the server, and httpx took half again as much
-    of it (3% of one core against 2%)."""
-    import aiohttp
-
-    result = RunResult(0.0, 0, len(work))
-    queue = list(reversed(work))
-    connector = aiohttp.TCPConnector(limit=clients)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
-    ) as session:
-
-        async def worker():
-            while queue:
-                prompt, max_tokens = queue.pop()
-                await _one(session, url, model, prompt, max_tokens, result)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        result.wall_s = time.perf_counter() - start
-    return result
 
 
 class OfflineEngine:
@@ -251,55 +163,3 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_by_process:
         print(cpu.table(sum(r.output_tokens for r in http.runs), off.runs))
     return 0
-
-
-@dataclass
-class Rows:
-    """One system's runs, one per round."""
-
-    name: str
-    runs: list[RunResult] = field(default_factory=list)
-
-    @property
-    def tok_s(self) -> float:
-        return statistics.median(r.tok_s for r in self.runs)
-
-    def pooled(self, attr: str) -> list[float]:
-        return [x for r in self.runs for x in getattr(r, attr)]
-
-
-def _pct(values: list[float], q: float) -> str:
-    if not values:
-        return "-"
-    values = sorted(values)
-    return f"{values[min(len(values) - 1, int(q * len(values)))] * 1e3:.0f}"
-
-
-def print_table(rows: list[Rows], num: int) -> None:
-    http = rows[0]
-    rounds = len(http.runs)
-    print(
-        f"\nworkload: {num} chat requests per round, greedy, float32; {rounds} round(s), "
-        "output tok/s and req/s: median over rounds, latencies: pooled"
-    )
-    print(
-        "| system | req/s | output tok/s | per round | raylane HTTP / this | TTFT p50 ms "
-        "| TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        req_s = statistics.median(r.requests / r.wall_s for r in row.runs)
-        per_round = " ".join(f"{r.tok_s:.1f}" for r in row.runs)
-        ttft, itl = row.pooled("ttft"), row.pooled("itl")
-        print(
-            f"| {row.name} | {req_s:.2f} | {row.tok_s:.1f} | {per_round} | "
-            f"{http.tok_s / row.tok_s:.2f} | {_pct(ttft, 0.5)} | {_pct(ttft, 0.99)} | "
-            f"{_pct(itl, 0.5)} | {_pct(itl, 0.99)} | {sum(r.errors for r in row.runs)} |"
-        )
-    if len(rows) > 1 and rows[1].name.startswith("raylane offline"):
-        ratios = [h.tok_s / o.tok_s for h, o in zip(http.runs, rows[1].runs)]
-        each = ", ".join(f"{100 * x:.0f}%" for x in ratios)
-        print(
-            f"\nHTTP keeps {100 * statistics.median(ratios):.0f}% of the offline engine's "
-            f"output tok/s (median of {rounds} paired round(s): {each})"
-        )

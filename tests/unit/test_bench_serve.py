@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from raylane.bench.serve import Rows, RunResult, add_arguments, print_table, round_work
+from raylane.bench.serve import add_arguments, round_work
+from raylane.bench.serve_load import RunResult
+from raylane.bench.serve_table import Rows, print_table
 
 
 def args(*argv: str) -> argparse.Namespace:
