@@ -25,12 +25,12 @@ from raylane.actors.runner.faults import Faults
 from raylane.actors.runner.graph_runner import GraphRunner
 from raylane.actors.runner.inputs import InputPreparer, StepInputs
 from raylane.actors.runner.kv_cache import KVCache, bytes_per_token
-from raylane.actors.runner.mask_board import SKIP, MaskBoard, roll_back_skipped, step_masks
+from raylane.actors.runner.mask_board import MaskBoard, roll_back_skipped, step_masks
 from raylane.actors.runner.mtp_drafts import attach_draft_probs, mtp_drafts
-from raylane.actors.runner.plan import ExtraTokens, StepPlan, StepResult
+from raylane.actors.runner.plan import StepPlan, StepResult
 from raylane.actors.runner.requests import RequestTable, ScheduledRequest
+from raylane.actors.runner.result_builder import ResultBuilder
 from raylane.actors.runner.sampler import Sampler
-from raylane.actors.runner.spec_verify import accept, sampling_rows
 from raylane.actors.runner.state_cache import StateCache
 from raylane.actors.runner.weight_spill import WeightSpill
 from raylane.actors.runner.weight_updates import RunnerWeights
@@ -84,6 +84,7 @@ class ModelRunner:
         self.sampler = Sampler(
             hf_config.vocab_size, list(config.eos_token_ids), self.device, config.seed
         )
+        self.results = ResultBuilder(self.sampler)  # the sampling rank's StepResult
         self.requests = RequestTable()
         self.faults = Faults()
         self.vocab_size = hf_config.vocab_size
@@ -174,12 +175,14 @@ class ModelRunner:
         # NOTE: a skipped row computes its last position again, which a recurrent state
         # (linear attention) would absorb twice: such models wait for late masks instead
         masks = step_masks(self.mask_board, plan, scheduled, can_skip=self.state is None)
-        result = self._result(scheduled, step, logits, masks) if self.samples else None
+        result = (
+            self.results.result(self.kv, scheduled, step, logits, masks) if self.samples else None
+        )
         if self.config.mtp and result is not None:
             assert self._hidden is not None  # an eager forward ran (no graph replay)
             result.mtp_drafts = mtp_drafts(self.model, scheduled, step, self._hidden, self.sampler)
         if not self.samples and self.config.sample_on_every_rank:
-            self._draw_only(scheduled, step, logits, masks)
+            self.results.draw_only(scheduled, step, logits, masks)
         self._advance(scheduled, step)
         skipped = roll_back_skipped(scheduled, masks)
         if result is None:
@@ -248,129 +251,6 @@ class ModelRunner:
             self.config, layers, self.model, self.dtype, self.device, self.kv.num_blocks
         )
         self.graphs = self._graph_runner(self.config)
-
-    # --- results (sampling rank) --------------------------------------------------------------
-
-    def _result(
-        self,
-        scheduled: list[ScheduledRequest],
-        step: StepInputs,
-        logits: torch.Tensor,
-        masks: dict[int, object],
-    ) -> StepResult:
-        result = StepResult.empty(len(scheduled))
-        picks, sampled, firsts = self._draw(scheduled, step, logits, masks)
-        for k, i in zip(firsts, picks):
-            result.token_ids[i] = sampled.token_ids[k]
-            result.logprobs[i] = sampled.logprobs[k]
-            result.top_logprobs[i] = sampled.top_logprobs[k]
-            result.kept_mass[i] = sampled.kept_mass[k]
-            last = k + scheduled[i].num_accepted
-            if last > k:  # a verify row's accepted drafts: the target's tokens after them
-                more = slice(k + 1, last + 1)
-                result.extra[i] = ExtraTokens(
-                    sampled.token_ids[more],
-                    sampled.logprobs[more],
-                    sampled.top_logprobs[more],
-                    sampled.kept_mass[more],
-                )
-            scheduled[i].state.last_sampled = sampled.token_ids[last]
-        for i, item in enumerate(scheduled):
-            entries, ranks = self._prompt_logprobs(item, step.logits_rows[i], logits)
-            result.prompt_logprobs[i], result.prompt_ranks[i] = entries, ranks
-        self._routed_experts(scheduled, result)
-        return result
-
-    def _draw_only(
-        self,
-        scheduled: list[ScheduledRequest],
-        step: StepInputs,
-        logits: torch.Tensor,
-        masks: dict[int, object],
-    ) -> None:
-        """A rank that does not report: draw the same tokens as rank 0, to fill placeholders."""
-        picks, drawn, firsts = self._draw(scheduled, step, logits, masks, tokens_only=True)
-        for k, i in zip(firsts, picks):
-            scheduled[i].state.last_sampled = drawn.token_ids[k + scheduled[i].num_accepted]
-
-    def _draw(
-        self,
-        scheduled: list[ScheduledRequest],
-        step: StepInputs,
-        logits: torch.Tensor,
-        masks: dict[int, object],
-        tokens_only: bool = False,
-    ):
-        """Sample the rows whose chunk reaches the end of its sequence: (their indices in
-        `scheduled`, the SampleResult, each one's first position in it), or ([], None, [])
-        when none does. A verify row samples 1 + k positions (see spec_verify)."""
-        picks = [
-            i
-            for i, item in enumerate(scheduled)
-            if item.samples and masks.get(item.state.seq_id) is not SKIP
-        ]
-        if not picks:
-            return picks, None, []
-        rows, states, proposals = sampling_rows(scheduled, picks, step.logits_rows)
-        sampled = self.sampler(
-            logits[rows],
-            states,
-            tokens_only=tokens_only,
-            masks=[masks.get(s.seq_id) for s in states],
-            proposals=proposals,
-        )
-        return picks, sampled, accept(scheduled, picks, sampled.token_ids)
-
-    def _prompt_logprobs(
-        self, item: ScheduledRequest, rows: tuple[int, int], logits: torch.Tensor
-    ) -> tuple[list[dict[int, float]], list[int]]:
-        """Each new prompt position's top-N and own logprob, and the prompt token's rank."""
-        state = item.state
-        first, count = rows
-        count -= item.num_sample_rows  # sampling rows are not prompt rows
-        if state.params.prompt_logprobs is None or count <= 0:
-            return [], []
-        lp = logits[first : first + count].float().log_softmax(dim=-1)  # [count, V]
-        target0 = state.num_prompt_logprobs_done
-        targets = torch.tensor(state.token_ids[target0 : target0 + count], device=lp.device)
-        chosen_t = lp.gather(1, targets.unsqueeze(1))  # [count, 1]
-        ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()  # vLLM's: 1 + how many beat it
-        chosen = chosen_t.squeeze(1).tolist()
-        top_v, top_i = lp.topk(state.params.prompt_logprobs, dim=-1)  # k=0 gives empty rows
-        entries = []
-        for t, c, tv, ti in zip(targets.tolist(), chosen, top_v.tolist(), top_i.tolist()):
-            entry = dict(zip(ti, tv))
-            entry[t] = c
-            entries.append(entry)
-        return entries, ranks
-
-    def _routed_experts(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
-        """The per-slot replay records (routed experts; a DSA model's indexer top-k) of the
-        positions newly in each asking sequence's record."""
-        if self.kv.routing is not None:
-            self._report(scheduled, result.routed_experts, "routed", self.kv.read_routing)
-        if self.kv.indexer is not None:
-            self._report(scheduled, result.indexer_topk, "indexer", self.kv.read_indexer)
-
-    def _report(self, scheduled: list[ScheduledRequest], column: list, kind: str, read) -> None:
-        """Positions newly in each asking sequence's `kind` record (a cache hit's prefix, then
-        this chunk), read from the device record in one copy after the step."""
-        asked = "return_routed_experts" if kind == "routed" else "return_indexer_topk"
-        counter = f"num_{kind}_reported"
-        rows, spans = [], []
-        for i, item in enumerate(scheduled):
-            state = item.state
-            # a verify row's rejected drafts are no positions of the sequence
-            start = getattr(state, counter)
-            end = item.context_len - len(item.drafts) + item.num_accepted
-            # end <= start: a recompute after preemption, already reported
-            if getattr(state.params, asked) and end > start:
-                setattr(state, counter, end)
-                rows.append(i)
-                spans.append((state.block_ids, start, end))
-        if spans:
-            for i, record in zip(rows, read(spans)):
-                column[i] = record
 
     # --- bookkeeping (every rank) -------------------------------------------------------------
 
