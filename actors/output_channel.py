@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from raylane.actors.engine.async_engine import RequestStream
+from raylane.actors.engine.request_stream import RequestStream
 
 
 class ChannelClosed(RuntimeError):

@@ -9,11 +9,12 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from raylane.actors.engine.config import EngineConfig
-from raylane.actors.engine.errors import EnginePaused, RequestFailed
+from raylane.actors.engine.errors import EnginePaused
 from raylane.actors.engine.llm_engine import LLMEngine, Prompt
 from raylane.actors.engine.output_accumulator import OutputAccumulator
 from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.plan_ahead import PlanAheadClock
+from raylane.actors.engine.request_stream import RequestStream
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.models.weights import TensorSpec
 
@@ -104,7 +105,7 @@ class AsyncLLMEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._start()
-        return RequestStream(self, request_id, queue)
+        return RequestStream(self._release, request_id, queue)
 
     async def abort(self, request_ids: str | list[str] | None) -> list[RequestOutput]:
         """Stop requests (None: every request the engine runs); their consumers get a final
@@ -309,39 +310,3 @@ class AsyncLLMEngine:
             del self._queues[request_id]
         if not finished:
             self.engine.abort_request(request_id)
-
-
-class RequestStream:
-    """One admitted request's outputs (`AsyncLLMEngine.add_request`): the engine's deltas,
-    ending with its final one. `close()` releases it (it is called when the stream ends or raises);
-    closing before the final output aborts the request and frees its blocks."""
-
-    def __init__(self, owner: AsyncLLMEngine, request_id: str, queue: asyncio.Queue) -> None:
-        self.request_id = request_id
-        self.finished = False
-        self._owner = owner
-        self._queue = queue
-        self._closed = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> EngineCoreOutput:
-        if self._closed:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):  # the step loop died
-            self.close()
-            raise item
-        self.finished = item.finished
-        if item.error is not None:
-            self.close()
-            raise RequestFailed(f"request {self.request_id}: {item.error}")
-        if self.finished:
-            self.close()
-        return item
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._owner._release(self.request_id, self._queue, self.finished)
