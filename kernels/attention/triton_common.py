@@ -131,6 +131,20 @@ def _rows_per_program(wanted: int, block_n: int, d_pad: int, q: torch.Tensor) ->
     return rows
 
 
+def _program_shape(
+    group: int, d_pad: int, q: torch.Tensor, least_rows: int
+) -> tuple[dict[str, int], int, int, int]:
+    """(tiles, rows, heads, chunks) of one program: keys per step and warps (`_tiles`); the
+    (token x head) rows it holds, at least `least_rows` and the group's power of two, shrunk to
+    the shared-memory budget; the query heads it takes; and the programs a KV head's group of
+    `group` query heads splits into."""
+    tiles = _tiles(d_pad, q)
+    wanted = max(least_rows, triton.next_power_of_2(group))
+    rows = _rows_per_program(wanted, tiles["BLOCK_N"], d_pad, q)
+    heads = min(group, rows)
+    return tiles, rows, heads, triton.cdiv(group, heads)
+
+
 def _dot_mode(q: torch.Tensor) -> dict[str, object]:
     # float32 inputs get exact products (tf32 would cost ~1e-3); 16-bit inputs ignore PRECISION.
     # CPU tensors mean the interpreter, whose bf16 tl.dot is broken (see _dot).

@@ -14,10 +14,9 @@ from raylane.kernels.attention.triton_common import (
     _dot_mode,
     _load_kv_tile,
     _padded_head_dim,
-    _rows_per_program,
+    _program_shape,
     _sink_mass,
     _softmax_step,
-    _tiles,
     _window_start,
 )
 
@@ -202,10 +201,7 @@ def decode_attention(
     acc_shape = (0,) if direct else (batch, num_heads, num_splits, head_dim)
     part_ml = q.new_empty(ml_shape, dtype=torch.float32)
     part_acc = q.new_empty(acc_shape, dtype=torch.float32)
-    tiles = _tiles(d_pad, q)
-    g_pad = _rows_per_program(max(16, triton.next_power_of_2(group)), tiles["BLOCK_N"], d_pad, q)
-    heads = min(group, g_pad)  # query heads per program
-    chunks = triton.cdiv(group, heads)
+    tiles, g_pad, heads, chunks = _program_shape(group, d_pad, q, least_rows=16)
     _decode_kernel[(batch, num_kv_heads * chunks, num_splits)](
         q,
         k_cache,

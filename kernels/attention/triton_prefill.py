@@ -13,10 +13,9 @@ from raylane.kernels.attention.triton_common import (
     _dot_mode,
     _load_kv_tile,
     _padded_head_dim,
-    _rows_per_program,
+    _program_shape,
     _sink_mass,
     _softmax_step,
-    _tiles,
     _window_start,
 )
 
@@ -143,11 +142,8 @@ def prefill_attention(
     if batch == 0 or max_query_len == 0:
         return
     group, d_pad = num_heads // num_kv_heads, _padded_head_dim(head_dim)
-    tiles = _tiles(d_pad, q)
-    wanted = max(_PREFILL_BLOCK_M, triton.next_power_of_2(group))
-    block_m = _rows_per_program(wanted, tiles["BLOCK_N"], d_pad, q)
-    heads = min(group, block_m)  # query heads per program; a wider group splits in chunks
-    chunks = triton.cdiv(group, heads)
+    # query heads per program; a wider group splits in chunks
+    tiles, block_m, heads, chunks = _program_shape(group, d_pad, q, _PREFILL_BLOCK_M)
     block_q = block_m // heads  # query tokens per program; the last heads * block_q rows idle
     _prefill_kernel[(batch, triton.cdiv(max_query_len, block_q), num_kv_heads * chunks)](
         q,

@@ -91,25 +91,25 @@ def nonconformance(case, response) -> list[str]:
     return []
 
 
-def test_no_5xx_openai_error_bodies_and_every_response_conforms(api_schema):
+def fuzz(operations: list, max_examples, call) -> tuple[list[int], list[tuple]]:
+    """Positive, then negative generated cases of every operation, each sent by
+    `call(case) -> response`: (the status codes, the `findings`). `max_examples(operation)`
+    bounds the cases per operation and mode."""
     from schemathesis.generation import GenerationMode
 
     calls, failures = [], []
-
-    for mode, operation in [
-        (m, op) for m in ("positive", "negative") for op in operations(api_schema)
-    ]:
+    for mode, operation in [(m, op) for m in ("positive", "negative") for op in operations]:
 
         @given(case=operation.as_strategy(GenerationMode(mode)))
         @settings(
-            max_examples=EXAMPLES,
+            max_examples=max_examples(operation),
             deadline=None,
             database=None,
             derandomize=DERANDOMIZE,
             suppress_health_check=list(HealthCheck),
         )
         def check(case):
-            response = case.call(headers=AUTH, timeout=TIMEOUT_S)
+            response = call(case)
             calls.append(response.status_code)
             failures.extend(findings(case, response))
 
@@ -117,6 +117,15 @@ def test_no_5xx_openai_error_bodies_and_every_response_conforms(api_schema):
             check()
         except Unsatisfiable:  # nothing to break (negative mode on a route with no input)
             pass
+    return calls, failures
+
+
+def test_no_5xx_openai_error_bodies_and_every_response_conforms(api_schema):
+    calls, failures = fuzz(
+        operations(api_schema),
+        lambda operation: EXAMPLES,
+        lambda case: case.call(headers=AUTH, timeout=TIMEOUT_S),
+    )
     print(f"\n{len(calls)} requests over {len(operations(api_schema))} operations")
     assert len(calls) >= 2000, len(calls)
     assert not failures, failures[:5]

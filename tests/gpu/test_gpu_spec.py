@@ -5,9 +5,10 @@ kept mass), with the drafts verified and some accepted, so both paths ran."""
 from __future__ import annotations
 
 import pytest
-from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
+from raylane.actors.engine import SamplingParams
 
-from tests.gpu.device import DEVICE, needs_device
+from tests.gpu.device import needs_device
+from tests.gpu.test_gpu_parity import engine_for
 from tests.tiny_models import VOCAB_SIZE
 from tests.unit.async_helpers import prompts_for
 from tests.unit.spec.helpers import make_loopy_llama
@@ -27,21 +28,8 @@ PARAMS = SamplingParams(
 )
 
 
-def engine_on_device(model_dir: str, spec: dict | None, **kw) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=model_dir,
-            device=DEVICE,
-            dtype="float32",
-            max_num_seqs=8,
-            speculative_config=spec,
-            **kw,
-        )
-    )
-
-
 def run(model_dir: str, spec: dict | None, prompts, **kw):
-    engine = engine_on_device(model_dir, spec, **kw)
+    engine = engine_for(model_dir, None, max_num_seqs=8, speculative_config=spec, **kw)
     try:
         return engine.generate(prompts, PARAMS, use_tqdm=False), engine.stats
     finally:

@@ -47,13 +47,11 @@ def host_choice(dtype: torch.dtype, head_dim: int, v_dim: int, group: int, rows:
     """The tiles prefill_attention / decode_attention pick (rows: 64 for prefill, 16 decode)."""
     q = torch.empty(0, dtype=dtype)
     d_pad = tc._padded_head_dim(head_dim)
-    tiles = tc._tiles(d_pad, q)
-    m = tc._rows_per_program(max(rows, triton.next_power_of_2(group)), tiles["BLOCK_N"], d_pad, q)
-    heads = min(group, m)
+    tiles, m, heads, chunks = tc._program_shape(group, d_pad, q, rows)
     common = {
         "GROUP": group,
         "HEADS": heads,
-        "NUM_CHUNKS": triton.cdiv(group, heads),
+        "NUM_CHUNKS": chunks,
         "HEAD_DIM": head_dim,
         "V_DIM": v_dim,
         "D_PAD": d_pad,
