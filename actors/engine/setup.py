@@ -45,7 +45,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_dir = resolve_model_dir(config.model)  # a .gguf converts once, here, for every rank
     hf_config = AutoConfig.from_pretrained(model_dir)
     check_tp_shape(hf_config, config.tensor_parallel_size)
-    _check_speculation(config, hf_config)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     eos = _eos_token_ids(hf_config, tokenizer, model_dir)
     limits = model_limits(hf_config, config)
@@ -74,18 +73,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_moe_layers=info.num_moe_layers,
         grammars=GrammarCompiler(tokenizer, info.vocab_size),
     )
-
-
-def _check_speculation(config: EngineConfig, hf_config) -> None:
-    """Rejected drafts are rolled back by dropping their KV slots; a recurrent state (linear
-    attention) has already taken them in, so such models run without speculation for now."""
-    if config.spec is not None and "linear_attention" in (
-        getattr(hf_config, "layer_types", None) or []
-    ):
-        raise ValueError(
-            "speculative_config: models with linear-attention layers cannot roll back rejected "
-            "drafts' recurrent state yet; run them without speculative decoding"
-        )
 
 
 def _with_state_slots(config: EngineConfig, info: RunnerInfo) -> EngineConfig:

@@ -34,6 +34,7 @@ from raylane.actors.models.qwen3_moe import SparseMoeBlock, expert_mapping
 from raylane.actors.models.tp_shape import split_evenly
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.linear_attention import LinearAttentionBackend, get_linear_backend
+from raylane.kernels.linear_attention.verify import verify_conv, verify_delta_rule
 from raylane.kernels.norm import GemmaRMSNorm
 from raylane.kernels.rotary import apply_rotary
 from torch import nn
@@ -109,14 +110,22 @@ class GatedDeltaNet(nn.Module):
         t, meta = hidden.shape[0], attn.linear
         weight = self.conv1d.weight[:, 0]  # [C, W]
         qkv, z, b, a = self.project(hidden)
-        mixed = self.backend.conv(qkv, weight, None, self.conv_state, meta, self.activation)
+        if meta.verify is None:
+            mixed = self.backend.conv(qkv, weight, None, self.conv_state, meta, self.activation)
+        else:  # speculative decoding: verify rows leave their slots as they were (verify.py)
+            mixed = verify_conv(self.backend, qkv, weight, self.conv_state, meta, self.activation)
         q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = self.backend.delta_rule(
+        args = (
             q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
-            v.reshape(t, self.hv, self.dv), g, beta, self.recurrent_state, meta,
+            v.reshape(t, self.hv, self.dv), g, beta,
         )  # fmt: skip
+        if meta.verify is None:
+            core = self.backend.delta_rule(*args, self.recurrent_state, meta)
+        else:
+            core = verify_delta_rule(self.backend, *args, self.recurrent_state, meta)
+            meta.verify.record(self, meta, qkv, *args)
         z = z.reshape(t, self.hv, self.dv)
         out = gated_rms_norm(core, z, self.norm.weight, self.eps)
         return self.out_proj(out.reshape(t, self.hv * self.dv))

@@ -170,7 +170,7 @@ class ModelRunner:
             chosen = self.model.indexer_topk()[: step.attn.num_tokens]
             self.kv.store_indexer(step.attn.slot_mapping, chosen)
         if self.state is not None:
-            self.state.save(plan.snapshot_saves)
+            self.state.save_after(step.attn.linear, plan.snapshot_saves)
         computed = time.perf_counter()
         # NOTE: a skipped row computes its last position again, which a recurrent state
         # (linear attention) would absorb twice: such models wait for late masks instead
@@ -181,8 +181,10 @@ class ModelRunner:
         if self.config.mtp and result is not None:
             assert self._hidden is not None  # an eager forward ran (no graph replay)
             result.mtp_drafts = mtp_drafts(self.model, scheduled, step, self._hidden, self.sampler)
-        if not self.samples and self.config.sample_on_every_rank:
+        if not self.samples and self._draws(step):
             self.results.draw_only(scheduled, step, logits, masks)
+        if self.state is not None:  # verify rows: the states of the accepted tokens only
+            self.state.accept(step.attn.linear, scheduled, plan.snapshot_saves)
         self._advance(scheduled, step)
         skipped = roll_back_skipped(scheduled, masks)
         if result is None:
@@ -203,6 +205,15 @@ class ModelRunner:
             "finished_at": finished,
         }
         return result
+
+    def _draws(self, step: StepInputs) -> bool:
+        """A rank that does not report draws the tokens too: under async scheduling (it fills
+        placeholders), and in a step with verify rows on a linear-attention model (every rank
+        must feed the same accepted drafts into its slice of the recurrent state)."""
+        linear = step.attn.linear
+        return self.config.sample_on_every_rank or (
+            linear is not None and linear.verify is not None
+        )
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Eager: (logits [rows, vocab] of the rows that need them, routed [T, ...] or None)."""

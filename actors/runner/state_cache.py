@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from raylane.actors.runner.requests import ScheduledRequest
 from raylane.kernels.linear_attention import StateMetadata
+from raylane.kernels.linear_attention.verify import VerifyRows, advance
 
 
 class StateCache:
@@ -29,6 +30,7 @@ class StateCache:
         self, layers: list[Any], num_slots: int, dtype: torch.dtype, device, num_snapshots: int = 0
     ) -> None:
         self.device = device
+        self.layers = layers
         self.num_slots, self.num_snapshots = num_slots, num_snapshots
         self.bytes_per_seq = 0
         # per layer: its state tensors [num_slots, ...] and their snapshot rows [num_snapshots, ...]
@@ -87,6 +89,8 @@ class StateCache:
             if item.state.num_computed_tokens == 0:
                 self._zero(slot)
             qsl.append(qsl[-1] + item.num_new)
+        rows = [i for i, item in enumerate(scheduled) if item.drafts]
+        verify = VerifyRows(rows, [scheduled[i].num_new for i in rows]) if rows else None
         return StateMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=self.device),
             state_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -95,7 +99,28 @@ class StateCache:
             max_query_len=max((item.num_new for item in scheduled), default=1),
             query_start_loc_host=qsl,
             state_slots_host=list(slots),
+            verify=verify,
         )
+
+    def save_after(self, meta: StateMetadata, pairs: tuple[tuple[int, int], ...]) -> None:
+        """`save` after the forward; a verify row's save (a decode row: the step's first token
+        ends on a block) waits for `accept`, which replays that token first."""
+        verify = set(meta.verify.slots(meta)) if meta.verify is not None else set()
+        self.save(tuple(p for p in pairs if p[0] not in verify))
+
+    def accept(self, meta: StateMetadata, scheduled: list[ScheduledRequest], saves: tuple) -> None:
+        """Verify rows (after sampling, on every rank): each slot takes its row's first token
+        and accepted drafts (`num_accepted`), nothing of the rejected ones (verify.py)."""
+        verify = meta.verify
+        if verify is None:
+            return
+        slots = verify.slots(meta)
+        counts = [1 + scheduled[i].num_accepted for i in verify.seqs]
+        deferred = tuple(p for p in saves if p[0] in set(slots))
+        advance(
+            self.layers, verify.records, slots, counts, verify.offsets(),
+            lambda: self.save(deferred),
+        )  # fmt: skip
 
     def _zero(self, slot: int) -> None:
         for states in self.states:

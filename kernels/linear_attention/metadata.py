@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from raylane.kernels.linear_attention.verify import VerifyRows
 
 
 @dataclass
@@ -25,6 +29,8 @@ class StateMetadata:
     # the host-side copies the prefill path plans with; None for a graph-replayed decode batch
     query_start_loc_host: list[int] | None = None
     state_slots_host: list[int] | None = None
+    # speculative decoding: the rows that verify drafts (verify.py), or None
+    verify: VerifyRows | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -8,7 +8,9 @@ from raylane.actors.engine import SamplingParams
 
 from tests.ray.tp_helpers import build
 from tests.unit.async_helpers import assert_same, drive, greedy, prompts_for, seeded
-from tests.unit.spec.helpers import make_loopy_llama
+from tests.tiny_models import make_qwen3_5
+from tests.unit.spec.helpers import make_loopy, make_loopy_llama
+from tests.unit.spec.test_linear_attention import echo_prompts
 
 ATOL = 1e-4  # TP splits the matmul reductions: fp32 rounding differs, not the math
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
@@ -58,6 +60,25 @@ def test_tp2_draft_model_with_sampled_drafts(ray_cluster, tmp_path):
         out = tp2.generate([ps[2]], unseeded, use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 24
         assert with_q and tp2.stats.spec_decode_num_accepted_tokens > 0
+    finally:
+        tp1.shutdown()
+        tp2.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_tp2_speculation_on_a_linear_attention_model(ray_cluster, tmp_path):
+    """Qwen3.5 at TP=2 (serial: only rank 0 reports), n-gram drafts accepted and rejected:
+    every rank feeds the same accepted drafts into its slice of the recurrent state, and the
+    output is TP=1's without speculation."""
+    model = make_loopy(make_qwen3_5(tmp_path / "qwen3_5"))
+    tp1 = build(model, async_scheduling=False)
+    tp2 = build(model, tensor_parallel_size=2, async_scheduling=False, speculative_config=SPEC)
+    try:
+        ps = echo_prompts(tp1, count=2)
+        arrivals = {0: [("g0", ps[0], greedy(32)), ("g1", ps[1], greedy(32))]}
+        assert_same(drive(tp2, arrivals), drive(tp1, arrivals), ATOL)
+        stats = tp2.stats
+        assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     finally:
         tp1.shutdown()
         tp2.shutdown()

@@ -43,15 +43,6 @@ def test_qwen3_5_chunked_batch_matches_hf(tiny_qwen3_5_dir: str, caplog) -> None
     assert_matches_hf(tiny_qwen3_5_dir, prompts, outs)
 
 
-def test_speculation_on_a_linear_attention_model_is_a_value_error(tiny_qwen3_5_dir: str) -> None:
-    # a rejected draft cannot be taken back out of a recurrent state: refused up front
-    with pytest.raises(ValueError, match="speculative_config"):
-        engine_for(
-            tiny_qwen3_5_dir,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-        )
-
-
 def test_qwen3_5_preemption_under_tight_budget_matches_hf(tiny_qwen3_5_dir: str) -> None:
     # room for ~2 sequences' KV at a time, and 3 state slots under max_num_seqs=8: the
     # scheduler admits no more than 3 (the rest wait), and preempted sequences recompute

@@ -19,13 +19,20 @@ def make_loopy_llama(path: str | Path, attention_scale: float = 0.05) -> str:
     """The tiny Llama with its MLP output zeroed and attention output scaled down: the next
     token depends mostly on the current one, so greedy decoding falls into short cycles, while
     attention still moves every logprob (a wrong KV row would show)."""
+    make_llama(path)
+    return make_loopy(path, attention_scale)
+
+
+def make_loopy(path: str | Path, attention_scale: float = 0.05) -> str:
+    """Make the saved model at `path` loopy (see make_loopy_llama): every token mixer's output
+    projection (attention's o_proj, a linear-attention layer's out_proj) scaled down, every
+    MLP's down_proj zeroed. A wrong recurrent state still moves every logprob."""
     from safetensors.torch import load_file, save_file
 
-    make_llama(path)
     weights_file = Path(path) / "model.safetensors"
     weights = load_file(weights_file)
     for name in weights:
-        if name.endswith("o_proj.weight"):
+        if name.endswith(("o_proj.weight", "out_proj.weight")):
             weights[name] = weights[name] * attention_scale
         elif name.endswith("down_proj.weight"):
             weights[name] = weights[name] * 0
