@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from raylane.actors.runner.requests import ScheduledRequest
 from raylane.kernels.linear_attention import StateMetadata
-from raylane.kernels.linear_attention.verify import VerifyRows, advance
+from raylane.kernels.linear_attention.metadata import VerifyRows
+from raylane.kernels.linear_attention.verify import advance
 
 
 class StateCache:

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
-
-if TYPE_CHECKING:
-    from raylane.kernels.linear_attention.verify import VerifyRows
 
 
 @dataclass
@@ -35,3 +31,54 @@ class StateMetadata:
     @property
     def num_seqs(self) -> int:
         return self.state_slots.shape[0]
+
+
+@dataclass
+class TokenInputs:
+    """One layer's inputs of the step's verify tokens, in verify-token order."""
+
+    x: torch.Tensor  # [Tv, C] the conv's input
+    q: torch.Tensor  # [Tv, Hk, Dk] the delta rule's, after the conv
+    k: torch.Tensor  # [Tv, Hk, Dk]
+    v: torch.Tensor  # [Tv, Hv, Dv]
+    g: torch.Tensor  # [Tv, Hv]
+    beta: torch.Tensor  # [Tv, Hv]
+
+
+@dataclass
+class VerifyRows:
+    """The step's verify rows: `seqs` are their indices in the step's sequence order (they
+    sit among the prefill chunks), `lengths` their 1 + k tokens. Layers add their records."""
+
+    seqs: list[int]
+    lengths: list[int]
+    records: dict[int, TokenInputs] = field(default_factory=dict)  # id(layer) -> inputs
+
+    def token_rows(self, meta: StateMetadata) -> list[int]:
+        """The step's token rows of every verify token, in verify-token order."""
+        qsl = host_lists(meta)[0]
+        return [qsl[i] + j for i, n in zip(self.seqs, self.lengths) for j in range(n)]
+
+    def slots(self, meta: StateMetadata) -> list[int]:
+        return [host_lists(meta)[1][i] for i in self.seqs]
+
+    def record(self, layer, meta: StateMetadata, x, q, k, v, g, beta) -> None:
+        """Keep `layer`'s inputs of the verify tokens (step rows [T, ...]) for `advance`."""
+        idx = torch.tensor(self.token_rows(meta), device=x.device)
+        parts = (t.index_select(0, idx) for t in (x, q, k, v, g, beta))
+        self.records[id(layer)] = TokenInputs(*parts)
+
+    def offsets(self) -> list[int]:
+        """Each verify row's first token in verify-token order."""
+        out, at = [], 0
+        for n in self.lengths:
+            out.append(at)
+            at += n
+        return out
+
+
+def host_lists(meta: StateMetadata) -> tuple[list[int], list[int]]:
+    """(query_start_loc, state_slots) on the host: prefills and verify rows plan with them."""
+    if meta.query_start_loc_host is None or meta.state_slots_host is None:
+        raise ValueError("linear-attention metadata with prefills needs its host-side lists")
+    return meta.query_start_loc_host, meta.state_slots_host

@@ -12,7 +12,7 @@ from raylane.kernels.linear_attention.gated_delta import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from raylane.kernels.linear_attention.metadata import StateMetadata
+from raylane.kernels.linear_attention.metadata import StateMetadata, host_lists
 
 
 class TorchLinearAttention:
@@ -26,7 +26,7 @@ class TorchLinearAttention:
         out = torch.empty_like(x)
         split = meta.num_prefill_tokens
         if meta.num_prefills:
-            qsl, slots = _host(meta)
+            qsl, slots = host_lists(meta)
             out[:split] = causal_conv1d(
                 x[:split], weight, bias, conv_state, qsl, slots[: meta.num_prefills], activation
             )
@@ -42,7 +42,7 @@ class TorchLinearAttention:
         out = v.new_empty(v.shape)
         split = meta.num_prefill_tokens
         if meta.num_prefills:
-            qsl, slots = _host(meta)
+            qsl, slots = host_lists(meta)
             for i in range(meta.num_prefills):
                 rows = slice(qsl[i], qsl[i + 1])
                 out[rows], final = chunk_gated_delta_rule(
@@ -60,9 +60,3 @@ class TorchLinearAttention:
             out[rows] = o[:, 0]
             state[slots_t] = final.to(state.dtype)
         return out
-
-
-def _host(meta: StateMetadata) -> tuple[list[int], list[int]]:
-    if meta.query_start_loc_host is None or meta.state_slots_host is None:
-        raise ValueError("linear-attention metadata with prefills needs its host-side lists")
-    return meta.query_start_loc_host, meta.state_slots_host

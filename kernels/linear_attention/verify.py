@@ -3,9 +3,9 @@ no trace in its sequence's conv and recurrent state.
 
 A verify row feeds 1 + k tokens (the last sampled token, then k drafts). Its paged K/V rows of
 rejected drafts are simply written over later; a recurrent state cannot drop a token it took
-in. So a layer runs the verify rows token by token with the backend's decode step, on a copy
-of their recurrent states (each output is exactly what a decode step at that position gives),
-leaves their slots as they were before the step, and records each token's inputs (`record`).
+in. So a layer runs the verify rows' delta rule token by token with the backend's decode
+step, on a copy of their recurrent states (each output is what a decode step at that position
+gives), leaves their slots (conv and recurrent) as they were before the step, and records each token's inputs (`record`).
 Once the sampler has said how many drafts were accepted (`a`, the same on every rank),
 `advance` replays the first a + 1 tokens into the slots: the state after exactly the accepted
 tokens. The cost: the recurrence of the verify tokens runs twice (once for the outputs, once
@@ -16,54 +16,10 @@ the states lives for one layer's call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
-from raylane.kernels.linear_attention.metadata import StateMetadata
-
-
-@dataclass
-class TokenInputs:
-    """One layer's inputs of the step's verify tokens, in verify-token order."""
-
-    x: torch.Tensor  # [Tv, C] the conv's input
-    q: torch.Tensor  # [Tv, Hk, Dk] the delta rule's, after the conv
-    k: torch.Tensor  # [Tv, Hk, Dk]
-    v: torch.Tensor  # [Tv, Hv, Dv]
-    g: torch.Tensor  # [Tv, Hv]
-    beta: torch.Tensor  # [Tv, Hv]
-
-
-@dataclass
-class VerifyRows:
-    """The step's verify rows: `seqs` are their indices in the step's sequence order (they
-    sit among the prefill chunks), `lengths` their 1 + k tokens. Layers add their records."""
-
-    seqs: list[int]
-    lengths: list[int]
-    records: dict[int, TokenInputs] = field(default_factory=dict)  # id(layer) -> inputs
-
-    def token_rows(self, meta: StateMetadata) -> list[int]:
-        """The step's token rows of every verify token, in verify-token order."""
-        qsl = _host(meta)[0]
-        return [qsl[i] + j for i, n in zip(self.seqs, self.lengths) for j in range(n)]
-
-    def slots(self, meta: StateMetadata) -> list[int]:
-        return [_host(meta)[1][i] for i in self.seqs]
-
-    def record(self, layer, meta: StateMetadata, x, q, k, v, g, beta) -> None:
-        """Keep `layer`'s inputs of the verify tokens (step rows [T, ...]) for `advance`."""
-        idx = torch.tensor(self.token_rows(meta), device=x.device)
-        parts = (t.index_select(0, idx) for t in (x, q, k, v, g, beta))
-        self.records[id(layer)] = TokenInputs(*parts)
-
-    def offsets(self) -> list[int]:
-        """Each verify row's first token in verify-token order."""
-        out, at = [], 0
-        for n in self.lengths:
-            out.append(at)
-            at += n
-        return out
+from raylane.kernels.linear_attention.metadata import StateMetadata, TokenInputs, host_lists
 
 
 def decode_meta(slots: list[int], device) -> StateMetadata:
@@ -83,7 +39,7 @@ def decode_meta(slots: list[int], device) -> StateMetadata:
 def without_verify(meta: StateMetadata) -> tuple[StateMetadata, list[int]]:
     """The step's metadata without its verify rows, and the token rows it keeps."""
     assert meta.verify is not None
-    qsl, slots = _host(meta)
+    qsl, slots = host_lists(meta)
     drop = set(meta.verify.seqs)
     keep = [i for i in range(len(slots)) if i not in drop]
     rows = [t for i in keep for t in range(qsl[i], qsl[i + 1])]
@@ -129,7 +85,7 @@ def verify_delta_rule(backend, q, k, v, g, beta, state, meta: StateMetadata) -> 
         parts = (x.index_select(0, idx) for x in (q, k, v, g, beta))
         out[idx] = backend.delta_rule(*parts, state, sub)
     copies = state[torch.tensor(verify.slots(meta), device=state.device)]  # [R, Hv, Dk, Dv]
-    starts = [_host(meta)[0][i] for i in verify.seqs]
+    starts = [host_lists(meta)[0][i] for i in verify.seqs]
     for j in range(max(verify.lengths)):
         live = [r for r, n in enumerate(verify.lengths) if n > j]
         idx = torch.tensor([starts[r] + j for r in live], device=v.device)
@@ -164,9 +120,3 @@ def _step(layer, inputs: TokenInputs, slots: list[int], tokens: list[int]) -> No
     conv[at] = window[:, :, 1:]
     parts = (t.index_select(0, idx) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
     layer.backend.delta_rule(*parts, state, decode_meta(slots, state.device))
-
-
-def _host(meta: StateMetadata) -> tuple[list[int], list[int]]:
-    if meta.query_start_loc_host is None or meta.state_slots_host is None:
-        raise ValueError("linear-attention metadata with verify rows needs its host-side lists")
-    return meta.query_start_loc_host, meta.state_slots_host

@@ -7,8 +7,8 @@ import pytest
 from raylane.actors.engine import SamplingParams
 
 from tests.ray.tp_helpers import build
-from tests.unit.async_helpers import assert_same, drive, greedy, prompts_for, seeded
 from tests.tiny_models import make_qwen3_5
+from tests.unit.async_helpers import assert_same, drive, greedy, prompts_for, seeded
 from tests.unit.spec.helpers import make_loopy, make_loopy_llama
 from tests.unit.spec.test_linear_attention import echo_prompts
 
