@@ -5,7 +5,8 @@ A verify row feeds 1 + k tokens (the last sampled token, then k drafts). Its pag
 rejected drafts are simply written over later; a recurrent state cannot drop a token it took
 in. So a layer runs the verify rows' delta rule token by token with the backend's decode
 step, on a copy of their recurrent states (each output is what a decode step at that position
-gives), leaves their slots (conv and recurrent) as they were before the step, and records each token's inputs (`record`).
+gives), leaves their slots (conv and recurrent) as they were before the step, and records
+each token's inputs (`record`).
 Once the sampler has said how many drafts were accepted (`a`, the same on every rank),
 `advance` replays the first a + 1 tokens into the slots: the state after exactly the accepted
 tokens. The cost: the recurrence of the verify tokens runs twice (once for the outputs, once
