@@ -18,7 +18,6 @@ from raylane.actors.engine.request import Request
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.engine.scheduler import Scheduler
 from raylane.actors.engine.setup import EngineParts, build_engine_parts
-from raylane.actors.engine.spec.draft_weights import DraftWeights
 from raylane.actors.engine.spec.drafter import Drafter
 from raylane.actors.engine.spec.metrics import SpecStats
 from raylane.actors.engine.state_slots import StateSlotPool
@@ -110,13 +109,8 @@ class LLMEngine:
             self.config.max_num_batched_tokens,
             self.config.max_model_len,
             self.stats.spec,
-            self.validator.vocab_size,
-            self.tokenizer,
-            self.config.seed,
         )
         self.launcher.drafter = self.post.drafter = self.pipeline.drafter = drafter
-        if drafter.model is not None:  # its weights join the target's updates
-            self.weights.draft = DraftWeights(drafter.model.model)
         return drafter
 
     def shutdown(self) -> None:

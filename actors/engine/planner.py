@@ -73,11 +73,6 @@ class StepPlanner:
             snapshot_restores=_snapshot_ops(batch, "restore_snapshot"),
             snapshot_saves=_snapshot_ops(batch, "save_snapshot"),
             snapshot_copies=batch.snapshot_copies,
-            draft_probs=tuple(
-                (i.seq.seq_id, i.draft_probs)
-                for i in batch.scheduled
-                if i.drafts and i.draft_probs is not None
-            ),
         )
         self._known.update(known)
         self._finished, self._preempted = [], []

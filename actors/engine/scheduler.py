@@ -25,8 +25,6 @@ class ScheduledSeq:
     # the snapshot slot its state is copied to once the step ends (the chunk ends on a block)
     restore_snapshot: int | None = field(default=None, init=False)
     save_snapshot: int | None = field(default=None, init=False)
-    # float32 [k, V]: the q each draft was drawn from, where min(1, p/q) verifies them
-    draft_probs: object | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens

@@ -15,6 +15,7 @@ from raylane.actors.engine.config import EngineConfig
 from raylane.actors.engine.detokenizer import StopChecker
 from raylane.actors.engine.grammar import GrammarCompiler
 from raylane.actors.engine.limits import model_limits
+from raylane.actors.engine.spec.draft_model import check_draft_model
 from raylane.actors.engine.state_slots import SnapshotCache
 from raylane.actors.executor import Executor, create_executor
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
@@ -48,6 +49,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     eos = _eos_token_ids(hf_config, tokenizer, model_dir)
     limits = model_limits(hf_config, config)
+    _check_draft(config, limits.vocab_size, tokenizer)
     config = dataclasses.replace(config, max_model_len=limits.max_model_len)
     executor = create_executor(
         runner_config(config, model_dir, eos, limits.max_model_len),
@@ -73,6 +75,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_moe_layers=info.num_moe_layers,
         grammars=GrammarCompiler(tokenizer, info.vocab_size),
     )
+
+
+def _check_draft(config: EngineConfig, vocab_size: int, tokenizer) -> None:
+    """A draft model must propose the target's tokens and shard like it."""
+    spec = config.spec
+    if spec is not None and spec.method == "draft_model" and spec.model is not None:
+        check_draft_model(spec.model, vocab_size, tokenizer, config.tensor_parallel_size)
 
 
 def _with_state_slots(config: EngineConfig, info: RunnerInfo) -> EngineConfig:
@@ -112,6 +121,7 @@ def runner_config(
         sample_on_every_rank=config.async_scheduling and config.tensor_parallel_size > 1,
         enforce_eager=config.enforce_eager,
         mtp=config.spec is not None and config.spec.method == "mtp",
+        draft_model_dir=config.spec.model if config.spec is not None else None,
         cudagraph_capture_sizes=config.capture_sizes,
         max_model_len=max_model_len,
         num_state_slots=config.state_slots,

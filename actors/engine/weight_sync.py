@@ -11,9 +11,9 @@ it, new tokens carry it); abort: every rank puts its old weights back (the ranks
 update overwrites). Between the first load and finish/abort the weights are neither old nor
 new: `is_open`, and nothing may step.
 
-A draft model's tensors (`draft.<name>`, spec/draft_weights.py) ride in the same transaction:
-checked at begin with the target's, loaded with their bucket, rolled back by abort, kept by
-finish, so the draft and the target always hold weights of one version.
+A draft model's tensors (`draft.<name>`) ride in the same transaction: the ranks hold the
+draft (runner/draft_runner.py) and route them (`RunnerWeights`), so buckets and the trainer's
+group reach them, and the draft and the target always hold weights of one version.
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from typing import Any
 
 from raylane.actors.engine.block_manager import BlockManager
 from raylane.actors.engine.errors import WeightTransferFailed
-from raylane.actors.engine.spec.draft_weights import DraftWeights, is_draft
 from raylane.actors.executor.base import Executor
 from raylane.actors.models.weights import (
     Payload,
     TensorSpec,
     WeightUpdate,
     bucket_specs,
-    decode_bucket,
 )
 
 
@@ -39,7 +37,6 @@ class WeightSync:
         self.block_manager = block_manager
         self.version = 0
         self._update: WeightUpdate | None = None
-        self.draft = DraftWeights()  # the draft model's, when the engine has one
 
     @property
     def is_open(self) -> bool:
@@ -53,10 +50,7 @@ class WeightSync:
     def begin(self, specs: list[TensorSpec] | None) -> None:
         """ValueError naming the first tensor that would not load on some rank; a second
         begin replaces an unfinished update. `specs` None: an open-ended update."""
-        self.draft.check([s for s in specs or [] if is_draft(s.name)])
-        self.executor.collective_rpc(
-            "weights.check", _triples([s for s in specs or [] if not is_draft(s.name)])
-        )
+        self.executor.collective_rpc("weights.check", _triples(specs or []))
         self._update = WeightUpdate({s.name: s for s in specs or []}, open_ended=specs is None)
 
     def load(self, bucket: Payload | dict[str, Any]) -> int:
@@ -68,15 +62,8 @@ class WeightSync:
             else bucket_specs(bucket)
         )
         update.check(specs)
-        draft = [s for s in specs if is_draft(s.name)]
-        self.draft.check(draft, begin=False)
         update.dirty = True  # from here on, the weights are neither old nor new until finish
-        if draft:  # split the draft's tensors off; the ranks take the rest
-            tensors = bucket if isinstance(bucket, dict) else decode_bucket(bucket)
-            self.draft.load({n: t for n, t in tensors.items() if is_draft(n)})
-            bucket = {n: t for n, t in tensors.items() if not is_draft(n)}
-        if len(draft) < len(specs):
-            self.executor.load_weight_bucket(bucket)
+        self.executor.load_weight_bucket(bucket)
         update.loaded.update(s.name for s in specs)
         return len(specs)
 
@@ -84,12 +71,6 @@ class WeightSync:
         """ValueError unless these tensors are the update's (an open-ended one takes any that
         load) and load on every rank; nothing changes."""
         update = self._require()
-        for spec in specs:
-            if is_draft(spec.name):
-                raise ValueError(
-                    f"tensors: {spec.name!r}: a draft model's tensors arrive in buckets "
-                    "(load_weight_bucket), not over the trainer's group (it reaches the ranks)"
-                )
         if update.open_ended:
             self.executor.collective_rpc("weights.check", _triples(specs), begin=False)
             update.manifest.update({s.name: s for s in specs})
@@ -115,7 +96,6 @@ class WeightSync:
     def abort(self) -> None:
         """Drop the open update; every rank puts back the weights it overwrote."""
         self.executor.collective_rpc("weights.rollback")
-        self.draft.rollback()
         self._update = None
 
     def finish(self, version: int | None = None) -> int:
@@ -125,7 +105,6 @@ class WeightSync:
         if version <= self.version:
             raise ValueError(f"version: {version} is not newer than the current {self.version}")
         self.executor.collective_rpc("weights.finish")
-        self.draft.finish()
         self._update = None
         self.version = self.block_manager.version = version
         return version

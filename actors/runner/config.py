@@ -35,6 +35,8 @@ class RunnerConfig:
     enforce_eager: bool | None = None
     # speculative_config method "mtp": run the MTP layer after each step (runner/mtp_drafts.py)
     mtp: bool = False
+    # speculative_config method "draft_model": the draft's HF directory (runner/draft_runner.py)
+    draft_model_dir: str | None = None
     cudagraph_capture_sizes: tuple[int, ...] = (1,)
     max_model_len: int = 2048  # the longest context a captured graph's block tables hold
     # linear-attention models: the state slots (the engine's scheduler hands them out)

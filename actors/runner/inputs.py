@@ -32,20 +32,31 @@ class InputPreparer:
         self.block_size = block_size
         self.device = device
 
-    def prepare(self, scheduled: list[ScheduledRequest], num_prefills: int) -> StepInputs:
+    def prepare(
+        self,
+        scheduled: list[ScheduledRequest],
+        num_prefills: int,
+        behind: list[int] | None = None,
+    ) -> StepInputs:
+        """`behind[i]`: entry i's chunk starts that many of its known tokens earlier (a draft
+        model's pool a few positions behind the target's, draft_runner.py)."""
+        behind = behind or [0] * len(scheduled)
         ids: list[int] = []
         positions: list[int] = []
         logits_idx: list[int] = []
         logits_rows: list[tuple[int, int]] = []
-        for item in scheduled:
+        for item, back in zip(scheduled, behind):
             start = item.state.num_computed_tokens
-            first_row = len(ids)
-            ids.extend(item.input_token_ids())
-            positions.extend(range(start, start + item.num_new))
+            first_row = len(ids) + back
+            ids.extend(item.state.token_ids[start - back : start] + item.input_token_ids())
+            positions.extend(range(start - back, start + item.num_new))
             rows = logit_rows(item, first_row)
             logits_rows.append((len(logits_idx), len(rows)))
             logits_idx.extend(rows)
-        slices = [SeqSlice(i.num_new, i.context_len, i.state.block_ids) for i in scheduled]
+        slices = [
+            SeqSlice(i.num_new + back, i.context_len, i.state.block_ids)
+            for i, back in zip(scheduled, behind)
+        ]
         attn = build_metadata(
             slices[:num_prefills], slices[num_prefills:], self.block_size, self.device
         )

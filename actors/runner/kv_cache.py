@@ -56,10 +56,13 @@ class KVCache:
         device: torch.device,
         num_blocks: int | None = None,
         reserved: int = 0,
+        shared_bytes_per_token: int = 0,
     ) -> KVCache:
         """`num_blocks`: that many (a KV cache restored after sleep); None: from the config,
-        `kv_cache_memory_gb` less `reserved` bytes (linear-attention state slots)."""
-        bytes_per_block = bytes_per_token(layers, dtype) * config.block_size
+        `kv_cache_memory_gb` less `reserved` bytes (linear-attention state slots), each block
+        paying for `shared_bytes_per_token` more (a draft model's pool of the same blocks)."""
+        per_token = bytes_per_token(layers, dtype) + shared_bytes_per_token
+        bytes_per_block = per_token * config.block_size
         budget = int(config.kv_cache_memory_gb * 2**30) - reserved
         num_blocks = num_blocks or (config.num_kv_blocks or max(1, budget // bytes_per_block))
         routing = None

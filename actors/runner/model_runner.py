@@ -21,6 +21,7 @@ from raylane.actors.models import TPGroup, load_model, load_weights
 from raylane.actors.models.layer_layout import shared_window
 from raylane.actors.runner import weight_checks
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
+from raylane.actors.runner.draft_runner import DraftRunner
 from raylane.actors.runner.faults import Faults
 from raylane.actors.runner.graph_runner import GraphRunner
 from raylane.actors.runner.inputs import InputPreparer, StepInputs
@@ -33,7 +34,7 @@ from raylane.actors.runner.result_builder import ResultBuilder
 from raylane.actors.runner.sampler import Sampler
 from raylane.actors.runner.state_cache import StateCache
 from raylane.actors.runner.weight_spill import WeightSpill
-from raylane.actors.runner.weight_updates import RunnerWeights
+from raylane.actors.runner.weight_updates import DRAFT_PREFIX, RunnerWeights
 from raylane.kernels.attention import get_backend
 
 
@@ -61,11 +62,15 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.weights = RunnerWeights(self.model, hf_config, self.tp, self.device)
         self.spill = WeightSpill()  # a level-2 sleep's weights
+        self.draft = (
+            DraftRunner(config, self.tp, self.dtype, self.device)
+            if config.draft_model_dir is not None
+            else None
+        )
+        if self.draft is not None:  # its tensors ride in the target's updates (draft.<name>)
+            self.weights.draft = self.draft.weights
         layers = self.model.attention_layers()
-        kinds = set().union(*(layer.backend_kinds() for layer in layers))
-        backend = get_backend(config.attention_backend, self.device, kinds)
-        for layer in layers:
-            layer.backend = backend
+        self._attach_backend([*layers, *(self.draft.layers() if self.draft is not None else [])])
         linear: list[Any] = getattr(self.model, "linear_layers", list)()
         self.state = (
             StateCache(
@@ -77,8 +82,16 @@ class ModelRunner:
         # the state slots come out of the same memory budget as the KV blocks
         reserved = self.state.num_bytes if self.state is not None else 0
         self.kv = KVCache.allocate(
-            config, layers, model, self.dtype, self.device, reserved=reserved
+            config,
+            layers,
+            model,
+            self.dtype,
+            self.device,
+            reserved=reserved,
+            shared_bytes_per_token=self.draft.bytes_per_token() if self.draft is not None else 0,
         )
+        if self.draft is not None:  # a parallel pool, indexed by the same block ids
+            self.draft.allocate(self.kv.num_blocks)
         self.inputs = InputPreparer(config.block_size, self.device)
         self.graphs = self._graph_runner(config)
         self.sampler = Sampler(
@@ -89,6 +102,12 @@ class ModelRunner:
         self.faults = Faults()
         self.vocab_size = hf_config.vocab_size
         self.mask_board: MaskBoard | None = None  # late grammar masks (in-process executor)
+
+    def _attach_backend(self, layers: list) -> None:
+        kinds = set().union(*(layer.backend_kinds() for layer in layers))
+        backend = get_backend(self.config.attention_backend, self.device, kinds)
+        for layer in layers:
+            layer.backend = backend
 
     def _graph_runner(self, config: RunnerConfig) -> GraphRunner | None:
         eager = config.enforce_eager
@@ -125,10 +144,13 @@ class ModelRunner:
             moe_top_k=getattr(self.model, "moe_top_k", 0),
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            kv_bytes_per_token=self.tp.world_size
-            * bytes_per_token(self.model.attention_layers(), self.dtype),
+            kv_bytes_per_token=self.tp.world_size * self._kv_bytes_per_token(),
             sliding_window=shared_window(self.model.attention_layers()),
         )
+
+    def _kv_bytes_per_token(self) -> int:
+        draft = self.draft.bytes_per_token() if self.draft is not None else 0
+        return bytes_per_token(self.model.attention_layers(), self.dtype) + draft
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
@@ -150,6 +172,8 @@ class ModelRunner:
             attach_draft_probs(scheduled)
         self.faults.check("prepare")
         num_prefills = sum(1 for item in entries[: plan.num_prefills] if item is not None)
+        if self.draft is not None:  # the draft mirrors the step and draws its placeholders
+            self.draft.propose(scheduled, num_prefills, self.inputs, self.sampler)
         step = self.inputs.prepare(scheduled, num_prefills)
         if self.state is not None:
             slots = [s for item, s in zip(entries, plan.state_slots) if item is not None]
@@ -234,7 +258,11 @@ class ModelRunner:
     # --- weight checks and sleep (the trainer protocols; runner/weight_checks.py) -------------
 
     def weight_checksums(self) -> dict[str, str]:
-        return weight_checks.weight_checksums(self.model)
+        sums = weight_checks.weight_checksums(self.model)
+        if self.draft is not None:
+            draft = weight_checks.weight_checksums(self.draft.model)
+            sums.update({f"{DRAFT_PREFIX}{name}": value for name, value in draft.items()})
+        return sums
 
     def reset_weights(self, seed: int) -> None:
         self.weights.settle()  # the last commit's re-pack first
@@ -242,18 +270,24 @@ class ModelRunner:
 
     def release_kv_cache(self) -> None:
         """Free the KV cache (and the routing record); `restore_kv_cache` brings it back."""
-        weight_checks.release_kv_cache(self.model.attention_layers(), self.dtype, self.device)
+        draft = self.draft.layers() if self.draft is not None else []
+        layers = [*self.model.attention_layers(), *draft]
+        weight_checks.release_kv_cache(layers, self.dtype, self.device)
         self.kv.routing, self.graphs = None, None  # the graphs captured the old tensors
 
     def release_weights(self) -> None:
         """Level-2 sleep: the weights spilled to a file and their memory freed."""
         self.weights.settle()  # the last commit's re-pack first
         self.spill.release(self.model)
+        if self.draft is not None:
+            self.draft.spill.release(self.draft.model)
         self.graphs = None  # the graphs captured the old tensors
 
     def restore_weights(self) -> None:
         """The spilled weights back (before the KV cache, whose restore captures graphs)."""
         self.spill.restore(self.model)
+        if self.draft is not None:
+            self.draft.spill.restore(self.draft.model)
 
     def restore_kv_cache(self) -> None:
         """A zeroed KV cache of the same number of blocks (the engine's block table is kept)."""
@@ -261,6 +295,8 @@ class ModelRunner:
         self.kv = KVCache.allocate(
             self.config, layers, self.model, self.dtype, self.device, self.kv.num_blocks
         )
+        if self.draft is not None:
+            self.draft.allocate(self.kv.num_blocks)
         self.graphs = self._graph_runner(self.config)
 
     # --- bookkeeping (every rank) -------------------------------------------------------------

@@ -65,7 +65,8 @@ class StepPlan:
     # them on the executor's MaskBoard once their grammars have taken every earlier token)
     late_masks: tuple[int, ...] = ()
     # speculative decoding: (seq_id, draft tokens) for rows that verify drafts; such a row's
-    # `scheduled` count is 1 + len(drafts) (the last sampled token, then the drafts)
+    # `scheduled` count is 1 + len(drafts) (the last sampled token, then the drafts). Drafts
+    # all PLACEHOLDER: the runner's draft model draws them first (runner/draft_runner.py)
     draft_token_ids: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # linear-attention models: each `scheduled` row's state slot (the scheduler's)
     state_slots: tuple[int, ...] = ()
@@ -75,9 +76,6 @@ class StepPlan:
     snapshot_saves: tuple[tuple[int, int], ...] = ()
     # (snapshot row, snapshot row): copies between snapshot rows, first thing in the step
     snapshot_copies: tuple[tuple[int, int], ...] = ()
-    # (seq_id, float32 array [k, V]) for rows whose drafts were drawn from a distribution q
-    # (a draft model, unseeded sampled requests): verified by min(1, p/q) (spec_verify.py)
-    draft_probs: tuple[tuple[int, object], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -147,6 +145,9 @@ class StepResult:
     mtp_drafts: list[int | None] = field(default_factory=list)
     # per entry, the rank (1 = most likely) of each prompt token `prompt_logprobs` covers
     prompt_ranks: list[list[int]] = field(default_factory=list)
+    # speculative method "draft_model": per entry, the drafts the runner's draft model drew
+    # for its placeholders (None elsewhere); empty when the step drew none
+    drafts: list[tuple[int, ...] | None] = field(default_factory=list)
 
     @classmethod
     def empty(cls, size: int) -> StepResult:
@@ -181,8 +182,10 @@ class StepResult:
                 column[row] = value
         out.timings, out.graph_replayed = self.timings, self.graph_replayed
         out.skipped_seq_ids = self.skipped_seq_ids
-        if self.mtp_drafts:
-            out.mtp_drafts = [None] * size
-            for row, value in zip(rows, self.mtp_drafts):
-                out.mtp_drafts[row] = value
+        for name in ("mtp_drafts", "drafts"):  # columns only some steps have
+            if getattr(self, name):
+                column = [None] * size
+                for row, value in zip(rows, getattr(self, name)):
+                    column[row] = value
+                setattr(out, name, column)
         return out

@@ -36,6 +36,7 @@ class RequestState:
         "num_indexer_reported",
         "skipped",
         "draft_proposal",
+        "num_draft_computed",
     )
 
     def __init__(
@@ -64,6 +65,8 @@ class RequestState:
         # MTP (mtp_drafts.py): (output position, draft, q [V]) of the draft drawn for the
         # next step, where min(1, p/q) verifies it
         self.draft_proposal: tuple[int, int, Any] | None = None
+        # a draft model (draft_runner.py): positions whose KV the draft's pool holds
+        self.num_draft_computed = num_computed_tokens
 
     @classmethod
     def from_plan(cls, new: NewRequest) -> RequestState:
@@ -124,6 +127,9 @@ class ScheduledRequest:
     num_accepted: int = 0  # of the drafts, how many the target agreed with (sampling rank)
     # the distributions q [k, V] the drafts were drawn from (verified by min(1, p/q)), or None
     draft_probs: Any = None
+    # a draft model: the plan asked the runner for this many drafts here (draft_runner.py);
+    # until they are drawn the row is its one fed token (`num_new` 1, no `drafts`)
+    num_to_draft: int = 0
 
     @property
     def samples(self) -> bool:
@@ -144,6 +150,13 @@ class ScheduledRequest:
     @property
     def context_len(self) -> int:
         return self.state.num_computed_tokens + self.num_new
+
+
+def _scheduled(state: RequestState, n: int, drafts: tuple[int, ...] | None) -> ScheduledRequest:
+    """A plan entry; placeholder drafts ask the runner's draft model to draw them."""
+    if drafts and drafts[0] == PLACEHOLDER:
+        return ScheduledRequest(state, n - len(drafts), num_to_draft=len(drafts))
+    return ScheduledRequest(state, n, drafts or ())
 
 
 class RequestTable:
@@ -176,13 +189,9 @@ class RequestTable:
         for delta in plan.cached_requests:
             if delta.seq_id not in self.failed:
                 self._get(delta.seq_id).update(delta)
-        drafts, probs = dict(plan.draft_token_ids), dict(plan.draft_probs)
+        drafts = dict(plan.draft_token_ids)
         return [
-            None
-            if seq_id in self.failed
-            else ScheduledRequest(
-                self._get(seq_id), n, drafts.get(seq_id, ()), draft_probs=probs.get(seq_id)
-            )
+            None if seq_id in self.failed else _scheduled(self._get(seq_id), n, drafts.get(seq_id))
             for seq_id, n in plan.scheduled
         ]
 

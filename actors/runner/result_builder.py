@@ -47,6 +47,8 @@ class ResultBuilder:
             entries, ranks = self._prompt_logprobs(item, step.logits_rows[i], logits)
             result.prompt_logprobs[i], result.prompt_ranks[i] = entries, ranks
         self._routed_experts(kv, scheduled, result)
+        if any(item.num_to_draft for item in scheduled):  # the draft model's, for the engine
+            result.drafts = [item.drafts if item.num_to_draft else None for item in scheduled]
         return result
 
     def draw_only(

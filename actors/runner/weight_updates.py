@@ -50,21 +50,40 @@ class RunnerWeights:
         # commit, on the loader thread: `_repacking`), and that re-pack
         self._unpacked: list[LinearBase | ParallelLMHead] = []
         self._repacking: Future | None = None
+        # a draft model's (runner/draft_runner.py): it takes the `draft.<name>` tensors of the
+        # same transaction, so the trainer's buckets and collective group reach it too
+        self.draft: RunnerWeights | None = None
 
     # --- the transaction ----------------------------------------------------------------------
 
     def check(self, specs: list[tuple[str, tuple[int, ...], str]], begin: bool = True) -> None:
         """ValueError naming the tensor if any (name, full shape, dtype) would not load here.
         `begin`: this opens a transaction (a second begin keeps what the first one saved)."""
+        mine, drafts = _split(specs, lambda spec: spec[0])
+        if drafts:
+            self._draft_check(drafts)
         check_weights(
             type(self.model),
             self.hf_config,
             self.tp,
             self.dtype,
-            [(name, tuple(shape), torch_dtype(dtype)) for name, shape, dtype in specs],
+            [(name, tuple(shape), torch_dtype(dtype)) for name, shape, dtype in mine],
         )
         if begin and self._saved is None:
             self._saved = set()
+        if begin and self.draft is not None:
+            self.draft.check([], begin=True)
+
+    def _draft_check(self, specs: list[tuple[str, tuple[int, ...], str]]) -> None:
+        if self.draft is None:
+            raise ValueError(
+                f"tensors: {specs[0][0]!r} is a draft model's tensor, but the engine has no "
+                "draft model (speculative_config method 'draft_model')"
+            )
+        try:
+            self.draft.check([(_strip(n), s, d) for n, s, d in specs], begin=False)
+        except ValueError as e:
+            raise ValueError(f"the draft model's tensors ({DRAFT_PREFIX}<name>): {e}") from None
 
     def load_bucket(self, bucket: Payload | dict[str, torch.Tensor]) -> int:
         """Copy a bucket (safetensors bytes or a uint8 array of them, read in place; or named
@@ -78,6 +97,8 @@ class RunnerWeights:
         """Put back every parameter the open transaction wrote (idempotent)."""
         saved, self._saved = self._saved, None
         self.settle()
+        if self.draft is not None:
+            self.draft.rollback()
         if saved:
             params = dict(self.model.named_parameters())
             with torch.no_grad():
@@ -90,6 +111,8 @@ class RunnerWeights:
         """The update stands: drop what was saved, and re-pack what it changed on the loader
         thread (the engine serves meanwhile, the changed linears through F.linear)."""
         self._saved = None
+        if self.draft is not None:
+            self.draft.finish()
         modules, self._unpacked = self._unpacked, []
         if modules:
             self._repacking = self._loader.submit(pack_modules, modules)
@@ -99,8 +122,18 @@ class RunnerWeights:
         if self._repacking is not None:
             self._repacking.result()
             self._repacking = None
+        if self.draft is not None:
+            self.draft.settle()
 
     def _load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        tensors, drafts = _split(tensors, lambda named: named[0])
+        if drafts:
+            assert self.draft is not None  # checked first (`check`)
+            self.draft._load([(_strip(name), t) for name, t in drafts])
+        if tensors:
+            self._load_own(tensors)
+
+    def _load_own(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         self._save(param_targets(self.model, (name for name, _ in tensors)))
         changed = load_weights(self.model, tensors, partial=True)
         if self._saved is None:  # a plain load: its packs at once
@@ -173,6 +206,19 @@ class RunnerWeights:
         if self._buffers[slot].numel() < size:
             self._buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self._buffers[slot][:size]
+
+
+DRAFT_PREFIX = "draft."  # a draft model's tensors in the target's update: draft.<its HF name>
+
+
+def _split(items: list, name_of) -> tuple[list, list]:
+    """(the target's items, the draft model's), by name."""
+    mine = [x for x in items if not name_of(x).startswith(DRAFT_PREFIX)]
+    return mine, [x for x in items if name_of(x).startswith(DRAFT_PREFIX)]
+
+
+def _strip(name: str) -> str:
+    return name[len(DRAFT_PREFIX) :]
 
 
 def _unpack(buffer: torch.Tensor, chunk: list[TensorSpec]) -> list[tuple[str, torch.Tensor]]:

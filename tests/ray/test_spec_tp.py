@@ -36,20 +36,22 @@ def test_tp2_speculation_matches_tp1_without(ray_cluster, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_tp2_draft_model_with_sampled_drafts(ray_cluster, tmp_path):
-    """A draft model at TP=2: greedy and seeded outputs are TP=1's without speculation; an
-    unseeded sampled request's drafts carry q to the shards over the step channel and are
-    verified by min(1, p/q) (its tokens are its own: unseeded streams are keyed by seq id)."""
+    """A draft model at TP=2, sharded on both ranks with its own KV pool: greedy and seeded
+    outputs (tokens and logprobs) are TP=1's without speculation; an unseeded sampled
+    request's drafts are drawn on the shards (the same on both: the verify forward feeds
+    them) and verified there (its tokens are its own: unseeded streams are keyed by seq id)."""
     model = make_loopy_llama(tmp_path / "loopy")
     draft = make_loopy_llama(tmp_path / "draft", attention_scale=0.03)
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
     tp1 = build(model, async_scheduling=False)
     tp2 = build(model, tensor_parallel_size=2, async_scheduling=False, speculative_config=spec)
-    with_q = []
+    drawn = []  # the drafts the shards drew, from each result
     submit = tp2.executor.submit
 
     def tapped(plan):
-        with_q.extend(seq_id for seq_id, _ in plan.draft_probs)
-        return submit(plan)
+        future = submit(plan)
+        future.add_done_callback(lambda f: drawn.extend(d for d in f.result().drafts if d))
+        return future
 
     tp2.executor.submit = tapped
     try:
@@ -59,7 +61,8 @@ def test_tp2_draft_model_with_sampled_drafts(ray_cluster, tmp_path):
         unseeded = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)
         out = tp2.generate([ps[2]], unseeded, use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 24
-        assert with_q and tp2.stats.spec_decode_num_accepted_tokens > 0
+        assert drawn and -1 not in {t for d in drawn for t in d}
+        assert tp2.stats.spec_decode_num_accepted_tokens > 0
     finally:
         tp1.shutdown()
         tp2.shutdown()

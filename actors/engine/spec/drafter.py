@@ -21,10 +21,10 @@ from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.spec.backoff import Backoff
 from raylane.actors.engine.spec.config import SpeculativeConfig
 from raylane.actors.engine.spec.cost_model import CostModel
-from raylane.actors.engine.spec.draft_model import DraftDraw, DraftModelProposer
 from raylane.actors.engine.spec.metrics import SpecStats
 from raylane.actors.engine.spec.ngram import NgramProposer
 from raylane.actors.engine.spec.suffix import SuffixIndex
+from raylane.actors.runner.plan import PLACEHOLDER
 
 
 class Drafter:
@@ -35,12 +35,8 @@ class Drafter:
         max_num_batched_tokens: int,
         max_model_len: int | None,
         stats: SpecStats,
-        target_vocab_size: int = 0,
-        target_tokenizer=None,
-        engine_seed: int = 0,
     ):
         self.config = config
-        self.vocab_size, self.engine_seed = target_vocab_size, engine_seed
         self.k = config.num_speculative_tokens
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -62,11 +58,6 @@ class Drafter:
         self.suffix = (
             SuffixIndex(min_probability=config.suffix_min_probability)
             if config.method == "suffix"
-            else None
-        )
-        self.model = (
-            DraftModelProposer(config.model, target_vocab_size, target_tokenizer)
-            if config.method == "draft_model" and config.model is not None
             else None
         )
 
@@ -116,50 +107,35 @@ class Drafter:
         worth = self._worth(rows, batch.num_tokens)
         drafted: list[ScheduledSeq] = []
         for item in batch.decodes:
-            drafts, probs = self._propose(item.seq, min(worth, budget))
+            drafts = self._propose(item.seq, min(worth, budget))
             if drafts and self._allocate(item.seq, len(drafts)):
-                item.drafts, item.draft_probs = tuple(drafts), probs
+                item.drafts = tuple(drafts)
                 budget -= len(drafts)
                 drafted.append(item)
         if drafted:
             batch.prefills += drafted
             batch.decodes = [item for item in batch.decodes if not item.drafts]
 
-    def _propose(self, seq: Sequence, k: int) -> tuple[list[int], object | None]:
-        """Up to k drafts, and the q [k, V] they were drawn from where min(1, p/q) verifies
-        them (a draft model's, for unseeded sampled requests)."""
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k drafts; a draft model's are placeholders, drawn on the runner
+        (runner/draft_runner.py), which keeps their q where min(1, p/q) verifies them."""
         if not self._may_draft(seq):
-            return [], None
+            return []
         if seq.num_pending:
             # its last token is in flight (an async step): look one token behind, only to
             # learn whether drafting is worth a serial step
             # (a draft model always has a proposal: no forward to learn that)
             model_drafts = self.config.method in ("draft_model", "mtp")
             self._has_match[seq.seq_id] = model_drafts or bool(self._lookup(seq, 1))
-            return [], None
+            return []
         k = min(k, self._room(seq))
         drafts: list[int] = []
-        probs: object | None = None
-        if k > 0 and self.model is not None:
-            drafts, probs = self._model_drafts(seq, k)
+        if k > 0 and self.config.method == "draft_model":
+            drafts = [PLACEHOLDER] * k
         elif k > 0:
             drafts = self._lookup(seq, k)
         self._has_match[seq.seq_id] = bool(drafts)
-        return drafts, probs
-
-    def _model_drafts(self, seq: Sequence, k: int) -> tuple[list[int], object | None]:
-        assert self.model is not None
-        draw = None
-        if not seq.params.greedy:
-            draw = DraftDraw(
-                seq.params,
-                seq.index,
-                seq.seq_id,
-                self.engine_seed,
-                seq.num_output_tokens,
-                self.vocab_size,
-            )
-        return self.model.propose(seq.seq_id, seq.token_ids, k, draw)
+        return drafts
 
     def _lookup(self, seq: Sequence, k: int) -> list[int]:
         """Drafts that need no distribution: n-gram, suffix, the runner's MTP draft."""
@@ -216,5 +192,3 @@ class Drafter:
         self._has_match.pop(seq.seq_id, None)
         if self.suffix is not None:
             self.suffix.remove(seq.seq_id)
-        if self.model is not None:
-            self.model.remove(seq.seq_id)

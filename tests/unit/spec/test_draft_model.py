@@ -91,26 +91,70 @@ def test_draft_with_another_vocabulary_is_refused(loopy_dir, tmp_path):
         spec_engine(loopy_dir, {"method": "draft_model", "num_speculative_tokens": 2})
 
 
-def test_rejected_drafts_are_rolled_back(other_dir, prompts):
-    """After rejected drafts, the proposer's cropped cache proposes what HF's greedy
-    generate from scratch (no cache of ours) gives for the sequence's tokens now."""
+def test_rejected_drafts_are_rolled_back(loopy_dir, other_dir, prompts):
+    """Every draft the runner's draft model drew, after rejected drafts (their KV in its pool
+    written over later) and after all-accepted runs (its pool a position behind), is what
+    HF's greedy generate of the draft from scratch gives for the sequence's tokens then."""
     import torch
-    from raylane.actors.engine.spec.draft_model import DraftModelProposer
     from transformers import AutoModelForCausalLM
 
-    proposer = DraftModelProposer(other_dir, target_vocab_size=len_vocab(other_dir))
+    engine = spec_engine(loopy_dir, draft_spec(other_dir))
+    steps: list[tuple[int, list[int], int]] = []  # (tokens made before, drafts, accepted)
+    made = [0]
+    submit = engine.executor.submit
+
+    def record(result) -> None:
+        if result.token_ids[0] is None:
+            return
+        extra = len(result.extra[0].token_ids) if result.extra[0] is not None else 0
+        if result.drafts and result.drafts[0] is not None:
+            steps.append((made[0], list(result.drafts[0]), extra))
+        made[0] += 1 + extra
+
+    def tapped(plan):
+        future = submit(plan)
+        future.add_done_callback(lambda f: record(f.result()))
+        return future
+
+    engine.executor.submit = tapped
+    prompt = list(prompts[1])
+    out = engine.generate([prompt], greedy(max_tokens=32), use_tqdm=False)[0].outputs[0]
+    engine.shutdown()
+    tokens = prompt + out.token_ids
     hf = AutoModelForCausalLM.from_pretrained(other_dir, dtype=torch.float32)
-    tokens = list(prompts[1])
-    for step in range(4):
-        drafts, _ = proposer.propose(7, tokens, K)
-        ids = torch.tensor([tokens])
-        want = hf.generate(ids, max_new_tokens=K, do_sample=False, min_new_tokens=K)
-        assert drafts == want[0, len(tokens) :].tolist()
-        # accept `step` drafts (0: all rejected), then a token the draft did not propose
-        tokens += drafts[:step] + [(drafts[step] + 1) % 100]
+    for before, drafts, _ in steps:
+        ids = tokens[: len(prompt) + before]
+        want: list[int] = []  # greedy, one full forward per token (EOS is a token like any)
+        with torch.inference_mode():
+            for _ in drafts:
+                want.append(int(hf(torch.tensor([ids + want])).logits[0, -1].argmax()))
+        assert drafts == want, before
+    # rejections, then drafts again (an all-accepted run, the pool a position behind after
+    # it, is test_draft_that_is_the_target_accepts_everything's every step)
+    assert any(a < len(d) for _, d, a in steps[:-1])
 
 
-def len_vocab(path: str) -> int:
+def test_block_budget_pays_for_the_draft_pool(loopy_dir, reference, prompts, tmp_path):
+    """A smaller draft (1 layer, random weights): its pool has the target's blocks, and the
+    memory budget pays for both per block (from the HF configs: 2 x layers x KV heads x
+    head dim x 4 bytes per token); outputs stay the target's."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path).vocab_size
+    small = make_llama(tmp_path / "small", seed=3, num_hidden_layers=1)
+
+    def per_token(path: str) -> int:
+        c = AutoConfig.from_pretrained(path)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
+
+    gb = 0.002
+    engine = spec_engine(loopy_dir, draft_spec(small), num_kv_blocks=None, kv_cache_memory_gb=gb)
+    both = per_token(loopy_dir) + per_token(small)
+    assert engine.runner_info.kv_bytes_per_token == both
+    assert engine.runner_info.num_kv_blocks == int(gb * 2**30) // (both * 16)
+    params = greedy(max_tokens=16)
+    want = reference.generate(prompts, params, use_tqdm=False)  # (its version may be > 0)
+    for a, b in zip(want, engine.generate(prompts, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].logprobs, b.outputs[0].logprobs, atol=1e-4)
+    engine.shutdown()

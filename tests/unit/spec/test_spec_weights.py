@@ -27,9 +27,14 @@ def other_dir(tmp_path_factory) -> str:
     return make_loopy_llama(tmp_path_factory.mktemp("draft") / "model", attention_scale=0.03)
 
 
-def draft_params(engine) -> dict[str, torch.Tensor]:
-    model = engine.drafter.model.model
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+def draft_sums(engine) -> dict[str, str]:
+    """The draft model's parameter checksums on the runners, by their names there."""
+    sums = engine.upkeep.weight_checksums()
+    return {n.removeprefix("draft."): v for n, v in sums.items() if n.startswith("draft.")}
+
+
+def target_sums(engine) -> dict[str, str]:
+    return {n: v for n, v in engine.upkeep.weight_checksums().items() if "draft." not in n}
 
 
 def draft_engine(loopy_dir: str, other_dir: str):
@@ -44,8 +49,10 @@ def test_draft_model_updates_with_the_target(loopy_dir, other_dir, reference, pr
     engine = draft_engine(loopy_dir, other_dir)
     engine.generate(prompts[:1], GREEDY, use_tqdm=False)  # drafts from the old draft
     engine.update_weights(v1 + [(f"draft.{n}", t) for n, t in v1])
-    for name, value in draft_params(engine).items():
-        assert torch.equal(value, dict(v1)[name]), name
+    # the reference: v1 loaded from its files
+    fresh = spec_engine(str(tmp_path / "v1"), None, tokenizer=loopy_dir)
+    assert draft_sums(engine) == target_sums(fresh)
+    fresh.shutdown()
     reference.update_weights(v1)
     want = reference.generate(prompts, GREEDY, use_tqdm=False)
     reference.update_weights(perturbed_model(loopy_dir, str(tmp_path / "v0"), 0, 0.0)[1])
@@ -61,7 +68,7 @@ def test_a_failed_update_changes_neither(loopy_dir, other_dir, tmp_path):
     _, v1 = perturbed_model(loopy_dir, str(tmp_path / "v1"), 5, scale=0.01)
     draft = [(f"draft.{n}", t) for n, t in v1]
     engine = draft_engine(loopy_dir, other_dir)
-    target_before, draft_before = engine.upkeep.weight_checksums(), draft_params(engine)
+    target_before, draft_before = target_sums(engine), draft_sums(engine)
     # refused at begin: a draft tensor of another shape, or one the draft does not have
     bad = [(draft[0][0], torch.zeros(3, 3))]
     for wrong in (bad, [("draft.model.nope.weight", torch.zeros(2))]):
@@ -71,12 +78,12 @@ def test_a_failed_update_changes_neither(loopy_dir, other_dir, tmp_path):
     engine.begin_weight_update(specs_of(v1 + draft))
     engine.load_weight_bucket(dict(v1))
     engine.load_weight_bucket(dict(draft))
-    assert engine.upkeep.weight_checksums() != target_before
-    assert not torch.equal(draft_params(engine)["lm_head.weight"], draft_before["lm_head.weight"])
+    assert target_sums(engine) != target_before
+    changed = draft_sums(engine)
+    assert all(changed[n] != draft_before[n] for n in draft_before), "every draft tensor went in"
     engine.weights.abort()
-    assert engine.upkeep.weight_checksums() == target_before
-    for name, value in draft_params(engine).items():
-        assert torch.equal(value, draft_before[name]), name
+    assert target_sums(engine) == target_before
+    assert draft_sums(engine) == draft_before
     assert engine.weight_version == 0
     engine.shutdown()
 
@@ -122,3 +129,58 @@ def test_mtp_layers_update_with_the_target(tmp_path):
     assert tap.num_accepted > 0
     engine.shutdown()
     fresh.shutdown()
+
+
+def test_draft_tensors_over_the_trainers_group(loopy_dir, other_dir, prompts, tmp_path):
+    """A trainer's collective broadcast (gloo, tests/weight_trainer.py) carries `draft.*`
+    tensors with the target's, into the ranks that hold the draft: after it the draft's
+    checksums are those of the new weights loaded from their files, greedy output is an
+    engine's loaded from them, and the draft (now the target) has every draft accepted."""
+    import asyncio
+
+    from raylane.actors.engine import EngineConfig
+    from raylane.actors.engine.async_engine import AsyncLLMEngine
+    from raylane.session_server.backend import LocalBackend
+    from safetensors.torch import save_file
+
+    from tests.unit.test_collective_weights import update
+    from tests.weight_trainer import Trainer, trainer_specs
+
+    v1_dir, v1 = perturbed_model(loopy_dir, str(tmp_path / "v1"), 5, scale=0.01)
+    both = tmp_path / "both"  # what the trainer sends: the target's tensors, then the draft's
+    both.mkdir()
+    save_file({**dict(v1), **{f"draft.{n}": t.clone() for n, t in v1}}, both / "model.safetensors")
+    specs = trainer_specs(str(both))
+    fresh = spec_engine(v1_dir, None, tokenizer=loopy_dir)  # the reference: v1 from its files
+    want_sums = target_sums(fresh)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in fresh.generate(prompts[:2], params, use_tqdm=False)]
+    fresh.shutdown()
+    spec = {"method": "draft_model", "model": other_dir, "num_speculative_tokens": K}
+    config = EngineConfig(
+        model=loopy_dir, speculative_config={**spec, "adaptive": False}, num_kv_blocks=128
+    )
+
+    async def go():
+        backend = LocalBackend(AsyncLLMEngine.from_config(config), "tiny")
+        engine = backend.engine.engine
+        trainer = Trainer(str(both), specs)
+        try:
+            await backend.control.init_weight_group(trainer.info())
+            assert await update(backend, trainer, specs) == 1
+            assert draft_sums(engine) == want_sums
+            tap = Tap(engine, K)
+            for prompt, tokens in zip(prompts[:2], want):
+                assert await collect(backend.engine, prompt, params) == tokens
+            assert 0 < tap.num_accepted == tap.num_draft_tokens
+        finally:
+            trainer.close()
+            await backend.engine.shutdown()
+
+    asyncio.run(go())
+
+
+async def collect(engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    async for out in engine.generate(prompt, params, f"r{len(prompt)}"):
+        last = out
+    return last.outputs[0].token_ids

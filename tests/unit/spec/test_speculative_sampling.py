@@ -78,20 +78,23 @@ def prompt_for(model_dir: str) -> list[int]:
 
 
 def sampled_paths(model_dir: str, spec: dict, prompt: list[int], max_tokens: int):
-    """NUM_REQUESTS unseeded draws of `max_tokens` tokens: (Counter of the paths, Tap, rows
-    whose plan carried q)."""
+    """NUM_REQUESTS unseeded draws of `max_tokens` tokens: (Counter of the paths, Tap,
+    positions the runner verified by min(1, p/q), against their draft's q)."""
     engine = spec_engine(model_dir, spec, max_num_seqs=256)
     tap = Tap(engine, spec["num_speculative_tokens"])
-    with_q = []
-    submit = engine.executor.submit
+    with_q: list[int] = []
+    rule = sampling.speculative_accept  # (wrong_rule.py swaps it)
 
-    def tapped(plan):
-        with_q.extend(seq_id for seq_id, _ in plan.draft_probs)
-        return submit(plan)
+    def counted(p, q, drafts, *words):
+        with_q.extend(drafts.tolist())
+        return rule(p, q, drafts, *words)
 
-    engine.executor.submit = tapped  # type: ignore[method-assign]
+    sampling.speculative_accept = counted
     params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=max_tokens, ignore_eos=True)
-    outs = engine.generate([prompt] * NUM_REQUESTS, params, use_tqdm=False)
+    try:
+        outs = engine.generate([prompt] * NUM_REQUESTS, params, use_tqdm=False)
+    finally:
+        sampling.speculative_accept = rule
     engine.shutdown()
     return Counter(tuple(o.outputs[0].token_ids) for o in outs), tap, with_q
 
@@ -108,7 +111,7 @@ def draft_model_check(bigram_dir: str, sharp_dir: str) -> tuple[float, int, Tap,
 
 def test_draft_model_sampling_follows_the_target_distribution(bigram_dir, sharp_dir):
     p_value, dof, tap, num_with_q = draft_model_check(bigram_dir, sharp_dir)
-    assert num_with_q > NUM_REQUESTS // 2  # the drafts carried q to the runner
+    assert num_with_q > NUM_REQUESTS // 2  # the drafts were verified against their q
     assert 0.2 * tap.num_draft_tokens < tap.num_accepted < 0.9 * tap.num_draft_tokens
     assert dof >= 15
     assert p_value > 1e-3, (p_value, dof)

@@ -1,0 +1,144 @@
+"""DraftRunner: a draft model (`speculative_config` method "draft_model") on the runner rank,
+sharded like the target, with a paged KV pool of its own indexed by the target's block ids.
+
+The pool has the target's number of blocks, so the engine's block tables, prefix cache and
+preemption serve both pools and nothing is allocated per step (the block budget counts the
+draft's bytes per block too: `ModelRunner`). Every step, before the target's forward:
+
+1. *Mirror*: one draft forward over the step's rows as fed (prefill chunks, decode tokens, a
+   verify row's first token), so the draft's pool holds every computed position. A row whose
+   pool lags behind the target's (the last draft of an all-accepted run was never fed to the
+   draft) starts that many positions earlier; rejected positions are written over later, as
+   the target's are.
+2. *Draft*: a row planned with k placeholder drafts takes its first draft from the mirror's
+   logits at its last row, then k - 1 batched decode forwards of the draft (positions
+   L + 1 .. L + k - 1, slots the engine allocated) draw the rest. Each draft is drawn with
+   `draw_drafts` (argmax for greedy requests, q for sampled ones; draft_sampling.py says which
+   rule verifies them), and where min(1, p/q) verifies them q stays on the runner
+   (`ScheduledRequest.draft_probs`). The row then is a verify row like any other.
+
+Every rank draws the same drafts: each holds the full logits rows (the LM head all-gathers)
+and the random words are a function of (seed, stream, position).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from raylane.actors.models import TPGroup, load_model
+from raylane.actors.runner.config import RunnerConfig
+from raylane.actors.runner.draft_sampling import draft_words, draw_drafts, verified_by_ratio
+from raylane.actors.runner.inputs import InputPreparer
+from raylane.actors.runner.kv_cache import KVCache, bytes_per_token
+from raylane.actors.runner.requests import ScheduledRequest
+from raylane.actors.runner.sampler import Sampler
+from raylane.actors.runner.weight_spill import WeightSpill
+from raylane.actors.runner.weight_updates import RunnerWeights
+from raylane.kernels.attention.builder import SeqSlice, build_metadata
+
+
+class DraftRunner:
+    def __init__(self, config: RunnerConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device):
+        assert config.draft_model_dir is not None
+        model, hf_config, _ = load_model(
+            config.draft_model_dir, dtype, device, tp, pack_weights=config.pack_weights
+        )
+        self.model: Any = cast(Any, model)
+        self.dtype, self.device, self.block_size = dtype, device, config.block_size
+        self.weights = RunnerWeights(self.model, hf_config, tp, device)
+        self.spill = WeightSpill()  # a level-2 sleep's weights
+        self.kv: KVCache | None = None
+
+    def layers(self) -> list:
+        return self.model.attention_layers()
+
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(self.layers(), self.dtype)
+
+    def allocate(self, num_blocks: int) -> None:
+        """A zeroed pool of the target's `num_blocks` (at start and after sleep)."""
+        self.kv = KVCache(num_blocks, self.block_size, self.layers(), None, self.dtype, self.device)
+
+    def propose(
+        self,
+        scheduled: list[ScheduledRequest],
+        num_prefills: int,
+        inputs: InputPreparer,
+        sampler: Sampler,
+    ) -> None:
+        """Mirror the step's rows into the draft's pool; give each row planned with
+        placeholder drafts its drafts (`drafts`, `num_new` 1 + k, `draft_probs`)."""
+        logits = self._mirror(scheduled, num_prefills, inputs)
+        rows = [item for item in scheduled if item.num_to_draft]
+        if not rows:
+            return
+        drafted: list[list[int]] = [[] for _ in rows]
+        qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        for j in range(max(item.num_to_draft for item in rows)):
+            live = [i for i, item in enumerate(rows) if item.num_to_draft > j]
+            if j:  # feed each live row its previous draft, at position L + j
+                logits = self._decode([rows[i] for i in live], [drafted[i][-1] for i in live], j)
+            else:
+                logits = logits[live]
+            tokens, probs = self._draw([rows[i] for i in live], logits, j, sampler)
+            for i, token, q in zip(live, tokens, probs):
+                drafted[i].append(token)
+                qs[i].append(q)
+        for item, drafts, q in zip(rows, drafted, qs):
+            item.drafts, item.num_new = tuple(drafts), 1 + len(drafts)
+            item.draft_probs = torch.stack(q) if verified_by_ratio(item.state.params) else None
+            item.state.num_draft_computed = item.state.num_computed_tokens + len(drafts)
+
+    def _mirror(
+        self, scheduled: list[ScheduledRequest], num_prefills: int, inputs: InputPreparer
+    ) -> torch.Tensor:
+        """One forward over the step's fed rows; the logits [R, V] at the last row of each
+        row that drafts (R of them, in order)."""
+        behind = [
+            max(0, it.state.num_computed_tokens - it.state.num_draft_computed) for it in scheduled
+        ]
+        # a lagging row has more than one query token: every row goes as a prefill chunk then
+        step = inputs.prepare(
+            scheduled, num_prefills if not any(behind) else len(scheduled), behind
+        )
+        hidden, _ = self.model(step.input_ids, step.positions, step.attn)
+        for item in scheduled:
+            item.state.num_draft_computed = item.state.num_computed_tokens + item.num_new
+        picked = [
+            first + count - 1
+            for item, (first, count) in zip(scheduled, step.logits_rows)
+            if item.num_to_draft
+        ]
+        if not picked:
+            return hidden[:0]
+        index = step.logits_indices[torch.tensor(picked, device=hidden.device)]
+        return self.model.compute_logits(hidden.index_select(0, index))
+
+    def _decode(self, rows: list[ScheduledRequest], tokens: list[int], j: int) -> torch.Tensor:
+        """One decode forward: each row's `tokens` entry at position L + j (L: the position of
+        its fed token); logits [len(rows), V]."""
+        starts = [item.state.num_computed_tokens + j for item in rows]
+        slices = [SeqSlice(1, at + 1, item.state.block_ids) for item, at in zip(rows, starts)]
+        attn = build_metadata([], slices, self.block_size, self.device)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        hidden, _ = self.model(as_tensor(tokens), as_tensor(starts), attn)
+        return self.model.compute_logits(hidden)
+
+    @staticmethod
+    def _draw(
+        rows: list[ScheduledRequest], logits: torch.Tensor, j: int, sampler: Sampler
+    ) -> tuple[list[int], torch.Tensor]:
+        """Draft j of each row, at its output position n + j; (tokens, q [R, V])."""
+        words = [
+            draft_words(
+                it.state.params,
+                it.state.sample_index,
+                it.state.seq_id,
+                sampler.seed,
+                it.state.num_output_tokens + j,
+            )
+            for it in rows
+        ]
+        params = [it.state.params for it in rows]
+        return draw_drafts(logits, params, words, sampler.vocab_size)
