@@ -75,8 +75,9 @@ class Postprocessor:
                 self._append(seq, request, tok, logprob, top, kept, now)
                 if seq.finish_reason is not None:
                     break  # a stop inside an accepted run: the tokens after it are dropped
-            if result.drafts and result.drafts[i] is not None:
-                item.drafts = tuple(result.drafts[i])  # the runner's draft model drew them
+            drawn = result.drafts[i] if result.drafts else None
+            if drawn is not None:
+                item.drafts = tuple(drawn)  # the runner's draft model drew them
             if item.drafts and self.drafter is not None:
                 extra = result.extra[i]
                 self.drafter.accepted(item, len(extra.token_ids) if extra else 0)
