@@ -4,10 +4,13 @@ HTTP calls and their order to the byte, with a gloo group in place of vLLM's NCC
 (which needs CUDA): the trainer is the last rank, the server's rank 0 hosts the store, and each
 tensor is broadcast after its `/update_named_param/` answered, then a barrier.
 
-    python tests/trl_weight_trainer.py '{"url", "port", "file", "names", "bad": {name: shape}}'
+    python tests/trl_weight_trainer.py '{"url", "port", "file", "names", "bad": {name: shape},
+                                         "batch": n}'
 
 `names`: the tensors in the order TRL sends them (`model.named_parameters()`); `bad`: announce
-these with a wrong shape (the server must refuse before any byte moves). Prints one JSON line:
+these with a wrong shape (the server must refuse before any byte moves); `batch`: announce n
+at a time with `/batch_update_named_params/` (the forks' batched client, Axolotl's), each
+announced tensor then broadcast in order with a barrier after each. Prints one JSON line:
 every call's [method, path, status, answer body], in order.
 """
 
@@ -53,15 +56,25 @@ def _update_model_params(post, pg, rank: int, plan: dict) -> bool:
     """One `/update_named_param/` per tensor, then its broadcast and a barrier (TRL's order);
     False once the server refused one (TRL's client raises, and sends nothing)."""
     weights = load_file(plan["file"])
-    for name in plan["names"]:
-        tensor = weights[name]
-        shape = plan.get("bad", {}).get(name, list(tensor.shape))
-        body = {"name": name, "dtype": str(tensor.dtype), "shape": shape}
-        if not post("/update_named_param/", json=body).is_success:
+    names, batch = plan["names"], plan.get("batch")
+    for start in range(0, len(names), batch or 1):
+        part = names[start : start + (batch or 1)]
+        bodies = [_announcement(name, weights[name], plan.get("bad", {})) for name in part]
+        path, body = (
+            ("/batch_update_named_params/", {"updates": bodies})
+            if batch
+            else ("/update_named_param/", bodies[0])
+        )
+        if not post(path, json=body).is_success:
             return False
-        torch.distributed.broadcast(tensor, src=rank, group=pg)
-        torch.distributed.barrier(group=pg)
+        for name in part:
+            torch.distributed.broadcast(weights[name], src=rank, group=pg)
+            torch.distributed.barrier(group=pg)
     return True
+
+
+def _announcement(name: str, tensor: torch.Tensor, bad: dict) -> dict:
+    return {"name": name, "dtype": str(tensor.dtype), "shape": bad.get(name, list(tensor.shape))}
 
 
 if __name__ == "__main__":

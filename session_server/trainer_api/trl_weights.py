@@ -23,7 +23,7 @@ SGLang's do, at rank world_size - 1.
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from raylane.actors.runner.group_info import DEFAULT_GROUP_NAME
 from raylane.session_server.openapi import ok
 from raylane.session_server.trainer_api.common import (
@@ -52,6 +52,14 @@ class NamedParamBody(BaseModel):
     shape: list[int]
 
 
+class BatchNamedParamsBody(BaseModel):
+    updates: list[NamedParamBody] = Field(min_length=1)
+
+
+class BatchDone(Done):
+    successful: list[str]  # every name: a batch is taken whole or refused (400)
+
+
 @control.post("/init_communicator/", response_model=None, responses=ok(Done))
 async def init_communicator(body: InitCommunicatorBody, request: Request) -> dict:
     host = (request.url.hostname or "") if body.host in WILDCARDS else body.host
@@ -69,8 +77,22 @@ async def init_communicator(body: InitCommunicatorBody, request: Request) -> dic
 
 @control.post("/update_named_param/", response_model=None, responses=ok(Done))
 async def update_named_param(body: NamedParamBody, request: Request) -> dict:
+    await _announce(request, [body])
+    return {"message": "Request received, updating named parameter"}
+
+
+@control.post("/batch_update_named_params/", response_model=None, responses=ok(BatchDone))
+async def batch_update_named_params(body: BatchNamedParamsBody, request: Request) -> dict:
+    await _announce(request, body.updates)
+    names = [u.name for u in body.updates]
+    return {"message": f"Successfully updated {len(names)} parameters", "successful": names}
+
+
+async def _announce(request: Request, params: list[NamedParamBody]) -> None:
+    """Check `params` on every rank, then receive their broadcasts (in the background) into
+    the open update, or a new one; a refusal drops the whole update."""
     ctl = control_of(request)
-    tensors = specs([body.name], [body.dtype], [body.shape])
+    tensors = specs([p.name for p in params], [p.dtype for p in params], [p.shape for p in params])
     try:
         if not await into_open_update(ctl, DEFAULT_GROUP_NAME, tensors, detach=True):
             await ctl.begin_update(None, None)  # the first tensor of an update
@@ -78,7 +100,6 @@ async def update_named_param(body: NamedParamBody, request: Request) -> dict:
     except BaseException:
         await ctl.abort_update()  # nothing of it stays, earlier tensors included
         raise
-    return {"message": "Request received, updating named parameter"}
 
 
 @control.post("/close_communicator/", response_model=None, responses=ok(Done))

@@ -20,7 +20,12 @@ EXAMPLES = 8  # per operation and mode: the trainer routes are many and mostly s
 GENERATING = {"/generate", "/inference/v1/generate", "/generate/", "/chat/"}
 PAUSING = {"/pause", "/pause_generation", "/sleep"}
 # routes that may open a weight update (pausing in mode "keep"): committed after each call
-UPDATING = {"/start_weight_update", "/collective_rpc", "/update_named_param/"}
+UPDATING = {
+    "/start_weight_update",
+    "/collective_rpc",
+    "/update_named_param/",
+    "/batch_update_named_params/",
+}
 # the collective weight-transfer routes of every protocol (a trainer's broadcast makes them
 # succeed: tests/unit/test_collective_weights.py, tests/e2e/test_trl_communicator.py and
 # tests/e2e/test_skyrl_client.py check those answers against the schema too)
@@ -34,6 +39,7 @@ COLLECTIVE = {
     "/destroy_weights_update_group",
     "/init_communicator/",
     "/update_named_param/",
+    "/batch_update_named_params/",
     "/close_communicator/",
     "/collective_rpc",
 }

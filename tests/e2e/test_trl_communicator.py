@@ -5,7 +5,8 @@ which needs CUDA). The server has its own engine, since the test moves its weigh
 
 Checks: the greedy output then equals HF's on the new weights, at version 1; a tensor
 announced with a wrong shape is a 400 and leaves the weights and version as they were, the
-tensors sent before it included.
+tensors sent before it included; the forks' `/batch_update_named_params/` (several tensors
+announced per call) brings the next weights the same way.
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ def greedy(http: httpx.Client) -> list[list[int]]:
     return [a.json()["choices"][0]["token_ids"] for a in answers]
 
 
-def trl_trainer(server: ServerThread, model_dir: str, bad: dict | None = None) -> list[list]:
+def trl_trainer(
+    server: ServerThread, model_dir: str, bad: dict | None = None, batch: int | None = None
+) -> list[list]:
     """Run the TRL-shaped trainer to its end; [path, status] of each of its calls, whose
     answers must be as the schema declares them."""
     names = [name for name, _ in hf_model(model_dir).named_parameters()]  # TRL's order
     plan = {"url": server.url, "port": free_port(), "file": f"{model_dir}/model.safetensors"}
-    plan.update(names=names, bad=bad or {})
+    plan.update(names=names, bad=bad or {}, batch=batch)
     done = subprocess.run(
         [sys.executable, "-m", "tests.trl_weight_trainer", json.dumps(plan)],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
@@ -84,3 +87,10 @@ def test_trl_weight_sync_is_one_transaction(server, tiny_llama_dir, tmp_path):
         assert [path for path, _ in codes[-2:]] == ["/reset_prefix_cache/", "/close_communicator/"]
         assert http.get("/weight_info").json()["weight_version"] == "1"
         assert greedy(http) == [hf_greedy(v1_dir, p, 6)[0] for p in PROMPTS]
+
+        v2_dir, _ = perturbed_model(tiny_llama_dir, str(tmp_path / "v2"), 12)
+        codes = trl_trainer(server, v2_dir, batch=7)  # the forks' batched announcements
+        assert {code for _, code in codes} == {200} and len(codes) > 4
+        assert codes[1][0] == "/batch_update_named_params/"
+        assert http.get("/weight_info").json()["weight_version"] == "2"
+        assert greedy(http) == [hf_greedy(v2_dir, p, 6)[0] for p in PROMPTS]
