@@ -39,7 +39,7 @@ class Ingress:
     ):
         from raylane.consolidation import metrics_sources, start_with_app
         from raylane.router.session_host import SessionSetup
-        from raylane.serve_backend import ServeBackend
+        from raylane.serve_backend import serve_backend
         from raylane.session_server.app import build_app
         from raylane.session_server.backend import ModelInfo
 
@@ -62,7 +62,7 @@ class Ingress:
         setup = SessionSetup(model_dir, return_routed_experts=capture, return_indexer_topk=picks)
         # each refresh of its replica table hands the Router this app's spec, so a Router that
         # restarted runs the replicas again
-        backend = ServeBackend(router, tokenizer, info, setup, spec, config.max_queue_per_replica)
+        backend = serve_backend(router, tokenizer, info, setup, spec, config.max_queue_per_replica)
         self.asgi = build_app(
             backend,
             api_keys=list(config.api_keys) or None,

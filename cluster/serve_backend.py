@@ -1,8 +1,8 @@
-"""The HTTP layer's `EngineBackend` over the Router actor and its engine replicas.
+"""The HTTP layer's `Backend` over the Router actor and its engine replicas (`serve_backend`).
 
 Requests go from here straight to a replica's actor handle, chosen on this process's copy of the
-Router's replica table (`ReplicaView`); control calls (`RouterControl`) and sessions go to the
-Router."""
+Router's replica table (`ReplicaView`, through `ReplicaRequests`); control calls
+(`RouterControl`) and sessions (`RouterSessions`) go to the Router."""
 
 from __future__ import annotations
 
@@ -12,21 +12,21 @@ from contextlib import aclosing
 from typing import Any, cast
 
 import numpy as np
-from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
+from raylane.actors.engine.outputs import RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.control import CONTROL_VERBS, ControlPlane
 from raylane.router.errors import ROUTER_DOWN, ReplicaFailed, call_router
-from raylane.router.generator import TurnGenerator
+from raylane.router.generator import RequestTurnGenerator, TurnGenerator
 from raylane.router.messages import Message
 from raylane.router.remote import Remote
-from raylane.router.replica_generator import ReplicaRequests, ReplicaTurnGenerator
+from raylane.router.replica_requests import ReplicaRequests
 from raylane.router.replica_set import ReplicaSpec
 from raylane.router.replica_view import ReplicaView
 from raylane.router.samples import TrainingSample
 from raylane.router.session_host import SessionSetup
 from raylane.router.sessions import TurnResult
 from raylane.router.turn_handoff import TurnLeases, stream_turn
-from raylane.session_server.backend import ControlBackend, ModelInfo, SessionBackend
+from raylane.session_server.backend import Backend, ModelInfo
 
 
 def router_view(router: Any, capacity: int, spec: ReplicaSpec | None = None) -> ReplicaView:
@@ -39,48 +39,20 @@ def router_view(router: Any, capacity: int, spec: ReplicaSpec | None = None) -> 
     )
 
 
-class ServeBackend:
-    """Choose a replica locally, then stream from that replica directly."""
-
-    def __init__(
-        self,
-        router,
-        tokenizer,
-        info: ModelInfo,
-        setup: SessionSetup,
-        spec: ReplicaSpec | None = None,
-        capacity: int = 256,
-    ):
-        self.router = router
-        self.tokenizer = tokenizer
-        self.info = info
-        self.view = router_view(router, capacity, spec)
-        self.requests = ReplicaRequests(self.view)
-        turns = ReplicaTurnGenerator(
-            self.requests, setup.return_routed_experts, setup.return_indexer_topk
-        )
-        # typed as the protocols: EngineBackend's attributes are mutable, so invariant
-        self.sessions: SessionBackend = RouterSessions(router, setup, turns)
-        self.control: ControlBackend = router_control(router)
-
-    def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        routing_key: str | None = None,
-    ) -> AsyncGenerator[EngineCoreOutput, None]:
-        return self.requests.generate(prompt_ids, params, request_id, routing_key)
-
-    async def ready(self) -> bool:
-        return await self.view.ready()
-
-    async def stats(self) -> list[dict]:
-        await self.view.ready()
-        healthy = [r.replica_id for r in self.view.policy.healthy()]
-        calls = [self.view.handle(rid).stats.remote() for rid in healthy]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        return [r for r in results if isinstance(r, dict)]
+def serve_backend(
+    router: Any,
+    tokenizer: Any,
+    info: ModelInfo,
+    setup: SessionSetup,
+    spec: ReplicaSpec | None = None,
+    capacity: int = 256,
+) -> Backend:
+    """Choose a replica locally, then stream from that replica directly; sessions and control
+    in the Router."""
+    requests = ReplicaRequests(router_view(router, capacity, spec))
+    turns = RequestTurnGenerator(requests, setup.return_routed_experts, setup.return_indexer_topk)
+    sessions = RouterSessions(router, setup, turns)
+    return Backend(requests, tokenizer, info, sessions, router_control(router))
 
 
 class RouterControl(Remote):
@@ -118,7 +90,7 @@ class RouterSessions:
         self.router = router
         # sent with every call: the Router (re)builds its registry from it, after a restart too
         self.setup = setup
-        self.generator = generator  # runs a turn's tokens (a `ReplicaTurnGenerator`)
+        self.generator = generator  # runs a turn's tokens (a `RequestTurnGenerator`)
         self.leases = TurnLeases(self._renew)  # while this process runs turns, the Router knows
 
     async def create(self, metadata: dict[str, Any] | None = None) -> str:

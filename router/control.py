@@ -1,6 +1,6 @@
 """The RL control plane: pause, resume, weight updates and aborts across every engine replica.
 
-The Router actor hosts one for its replica actors, `LocalBackend` one for its in-process engine;
+The Router actor hosts one for its replica actors, `local_backend` one for its in-process engine;
 either way it is the `ControlBackend` the admin routes drive. Its public coroutines are the
 verbs (`CONTROL_VERBS`): the ingress calls the Router's plane through `RouterControl`, which
 sends each by name, so a new verb is a new method here and nothing else.

@@ -1,8 +1,13 @@
-"""How the session registry gets a turn generated: a protocol, and its adaptor over the engine.
+"""How a request reaches an engine, and how the session registry gets a turn generated over it.
 
-The registry only knows `TurnGenerator`; the Router actor injects one that calls a replica, unit
-tests inject fakes, and `EngineTurnGenerator` runs an in-process `AsyncLLMEngine`. A turn's
-outputs are the engine's own `RequestOutput`s (one choice).
+`Requests` is the request path, one protocol for both places an engine can be: the replicas
+over Ray (`raylane.router.replica_requests.ReplicaRequests`, routed on this process's copy of
+the Router's table) or one engine in this process (`raylane.router.replica_calls.LocalReplica`).
+The HTTP backend, the in-cluster rollout client and the session turns all go through one.
+
+The registry only knows `TurnGenerator`; `RequestTurnGenerator` runs a turn over a `Requests`
+(the Router injects a `TurnHandoff` instead, and unit tests inject fakes). A turn's outputs are
+the engine's own `RequestOutput`s (one choice), built from its deltas.
 """
 
 from __future__ import annotations
@@ -10,10 +15,37 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections.abc import AsyncGenerator
-from typing import Any, Protocol
+from typing import Protocol
 
-from raylane.actors.engine.outputs import RequestOutput
+from raylane.actors.engine.output_accumulator import cumulative
+from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
+
+
+class Requests(Protocol):
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        routing_key: str | None = None,
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
+        """The engine's deltas for one request (what each step added; the prompt on the
+        first); closing the iterator early aborts it. `routing_key` keeps a conversation on
+        one replica.
+
+        Raises `ValueError` for bad input, `raylane.router.errors.ReplicasBusy` (429) and
+        `ReplicaFailed` (503).
+        """
+        ...
+
+    async def ready(self) -> bool:
+        """True when at least one replica can serve."""
+        ...
+
+    async def stats(self) -> list[dict]:
+        """One `EngineStats.snapshot()` per live replica, for /metrics."""
+        ...
 
 
 class TurnGenerator(Protocol):
@@ -30,17 +62,20 @@ class TurnGenerator(Protocol):
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
 
-class EngineTurnGenerator:
-    """`TurnGenerator` over an in-process `AsyncLLMEngine`.
+class RequestTurnGenerator:
+    """`TurnGenerator` over a `Requests`, sticky by session id.
 
     Pass `return_routed_experts=True` for an MoE engine started with
-    `EngineConfig(enable_return_routed_experts=True)`.
+    `EngineConfig(enable_return_routed_experts=True)` (likewise indexer top-k for DSA).
     """
 
     def __init__(
-        self, engine: Any, return_routed_experts: bool = False, return_indexer_topk: bool = False
+        self,
+        requests: Requests,
+        return_routed_experts: bool = False,
+        return_indexer_topk: bool = False,
     ) -> None:
-        self.engine = engine
+        self.requests = requests
         self.return_routed_experts = return_routed_experts
         self.return_indexer_topk = return_indexer_topk
 
@@ -48,12 +83,8 @@ class EngineTurnGenerator:
         self, prompt_ids: list[int], params: SamplingParams, routing_key: str
     ) -> AsyncGenerator[RequestOutput, None]:
         params = turn_params(params, self.return_routed_experts, self.return_indexer_topk)
-        return self._outputs(prompt_ids, params, turn_request_id(routing_key), routing_key)
-
-    def _outputs(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, routing_key: str
-    ) -> AsyncGenerator[RequestOutput, None]:
-        return self.engine.generate(prompt_ids, params, request_id)
+        request_id = turn_request_id(routing_key)
+        return cumulative(self.requests.generate(prompt_ids, params, request_id, routing_key))
 
 
 def turn_params(

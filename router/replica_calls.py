@@ -1,13 +1,20 @@
 """How the control plane reaches engine replicas: the Router's replica actors through their
-handles (`ActorCalls`), or one in-process engine (`LocalReplica`, for `LocalBackend`). Either
-way `calls.replica(id)` is that replica's `ReplicaControl`, run there or here."""
+handles (`ActorCalls`), or one in-process engine (`LocalReplica`, for `local_backend`). Either
+way `calls.replica(id)` is that replica's `ReplicaControl`, run there or here. `LocalReplica` is
+also that engine's request path (`Requests`, router/generator.py), as `ReplicaRequests` is the
+replicas'."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any, cast
 
 from raylane.actors.engine.errors import EnginePaused, RequestFailed, WeightTransferFailed
+from raylane.actors.engine.outputs import EngineCoreOutput
+from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.replica_control import ReplicaControl
+from raylane.router.errors import ReplicaFailed
 from raylane.router.remote import Remote, verbs
 
 REPLICA_VERBS = verbs(ReplicaControl)
@@ -52,9 +59,9 @@ def unwrapped(error: Exception) -> Exception:
 
 
 class LocalReplica:
-    """One in-process engine as the control plane's only replica: its `ReplicaTable` (always
-    reachable, at the engine's version) and its `ReplicaCalls` (the engine's `ReplicaControl`,
-    called here)."""
+    """One in-process engine (an `AsyncLLMEngine`) as the only replica: the control plane's
+    `ReplicaTable` (always reachable, at the engine's version) and `ReplicaCalls` (the engine's
+    `ReplicaControl`, called here), and the request path's `Requests`."""
 
     REPLICA_ID = "local"
 
@@ -76,3 +83,29 @@ class LocalReplica:
 
     def report_failure(self, replica_id: str) -> None:
         pass  # its health is `check_health`'s business
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        routing_key: str | None = None,  # one replica: nothing to route
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
+        try:
+            self.engine.check_health()
+        except RuntimeError as e:  # the step loop died: as a dead replica's request would
+            raise ReplicaFailed(str(e)) from e
+        deltas = self.engine.generate_deltas(prompt_ids, params, request_id)
+        async with aclosing(deltas) as it:
+            async for out in it:
+                yield out
+
+    async def ready(self) -> bool:
+        try:
+            self.engine.check_health()
+        except RuntimeError:
+            return False
+        return True
+
+    async def stats(self) -> list[dict]:
+        return [self.engine.stats_snapshot()]

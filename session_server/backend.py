@@ -1,14 +1,15 @@
 """What the HTTP layer needs from the cluster, as a small protocol the layer above injects.
 
-`build_app(backend)` only talks to an `EngineBackend`; `LocalBackend` runs one AsyncLLMEngine in
-process (tests, single-process serving) and `raylane.serve` provides one over the Router actor
-and the Ray Serve engine replicas. Its `sessions` (a `SessionBackend`) serve the session routes,
-its `control` (a `ControlBackend`) the admin routes.
+`build_app(backend)` only talks to an `EngineBackend`. One class, `Backend`, is it wherever the
+engines are: its request path (a `Requests`) and the session and control objects it is given
+decide where. `local_backend` builds one over an in-process AsyncLLMEngine (tests,
+single-process serving), `raylane.serve_backend.serve_backend` one over the Router actor and the
+engine replicas. Its `sessions` (a `SessionBackend`) serve the session routes, its `control` (a
+`ControlBackend`) the admin routes.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -16,8 +17,7 @@ from typing import Any, Protocol
 from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.control import ControlPlane
-from raylane.router.errors import ReplicaFailed
-from raylane.router.generator import EngineTurnGenerator
+from raylane.router.generator import Requests, RequestTurnGenerator
 from raylane.router.messages import Message
 from raylane.router.replica_calls import LocalReplica
 from raylane.router.samples import TrainingSample
@@ -68,20 +68,40 @@ class SessionBackend(Protocol):
     async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample: ...
 
 
-# The RL control plane over every engine replica: the plane itself in process (`LocalBackend`),
+# The RL control plane over every engine replica: the plane itself in process (`local_backend`),
 # or the Router's from another process (`raylane.serve_backend.RouterControl`, the same
 # methods, each run in the Router). Its errors — `ValueError` for bad input,
 # `raylane.router.errors.ControlError`s with their HTTP status — arrive as they are.
 ControlBackend = ControlPlane
 
 
-class EngineBackend(Protocol):
-    """The engine side of the HTTP surface."""
+class EngineBackend(Requests, Protocol):
+    """The engine side of the HTTP surface: the request path (`Requests`: generate, ready,
+    stats), the model, and the sessions and control plane over the same engines."""
 
     info: ModelInfo
     tokenizer: Any  # a transformers tokenizer (chat template, encode/decode) loaded locally
     sessions: SessionBackend
     control: ControlBackend
+
+
+class Backend:
+    """The `EngineBackend`: requests go to `requests`, the session and admin routes to
+    `sessions` and `control`."""
+
+    def __init__(
+        self,
+        requests: Requests,
+        tokenizer: Any,
+        info: ModelInfo,
+        sessions: SessionBackend,
+        control: ControlBackend,
+    ) -> None:
+        self.requests = requests
+        self.tokenizer = tokenizer
+        self.info = info
+        self.sessions = sessions
+        self.control = control
 
     def generate(
         self,
@@ -90,73 +110,41 @@ class EngineBackend(Protocol):
         request_id: str,
         routing_key: str | None = None,
     ) -> AsyncGenerator[EngineCoreOutput, None]:
-        """The engine's deltas for one request (what each step added; the prompt on the
-        first); closing the iterator early aborts it.
-
-        Raises `ValueError` for bad input, `raylane.router.errors.ReplicasBusy` (429) and
-        `ReplicaFailed` (503).
-        """
-        ...
+        return self.requests.generate(prompt_ids, params, request_id, routing_key)
 
     async def ready(self) -> bool:
-        """True when at least one replica can serve."""
-        ...
+        return await self.requests.ready()
 
     async def stats(self) -> list[dict]:
-        """One `EngineStats.snapshot()` per live replica, for /metrics."""
-        ...
+        return await self.requests.stats()
 
 
-class LocalBackend:
-    """One in-process AsyncLLMEngine behind the protocol, with its own session registry."""
-
-    def __init__(self, engine, model_name: str, session_config: SessionConfig | None = None):
-        from raylane.actors.engine.async_engine import AsyncLLMEngine
-
-        self.engine: AsyncLLMEngine = engine
-        self.tokenizer = engine.tokenizer
-        cfg = engine.engine.config
-        validator = engine.engine.validator
-        # capture routed experts for the sessions' training samples when the engine can
-        capture = cfg.enable_return_routed_experts and validator.num_moe_layers > 0
-        self.info = ModelInfo(
-            model_name,
-            cfg.max_model_len,
-            validator.vocab_size,
-            model_path=cfg.model,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            dtype=cfg.dtype,
-            routed_experts=capture,
-        )
-        # likewise a DSA model's indexer top-k
-        picks = cfg.enable_return_indexer_topk and validator.num_dsa_layers > 0
-        generator = EngineTurnGenerator(
-            engine, return_routed_experts=capture, return_indexer_topk=picks
-        )
-        # sessions record the model by its path, as the Router's do (`SessionSetup.model_dir`)
-        self.sessions = SessionRegistry(
-            TemplateSplicer(self.tokenizer), generator, session_config, model=cfg.model
-        )
-        # the control plane itself, with the engine as its only replica
-        local = LocalReplica(engine)
-        self.control = ControlPlane(local, local)
-
-    async def generate(self, prompt_ids, params, request_id, routing_key=None):
-        try:
-            self.engine.check_health()
-        except RuntimeError as e:
-            raise ReplicaFailed(str(e)) from e
-        deltas = self.engine.generate_deltas(prompt_ids, params, request_id)
-        async with contextlib.aclosing(deltas) as it:
-            async for out in it:
-                yield out
-
-    async def ready(self) -> bool:
-        try:
-            self.engine.check_health()
-        except RuntimeError:
-            return False
-        return True
-
-    async def stats(self) -> list[dict]:
-        return [self.engine.stats_snapshot()]
+def local_backend(
+    engine: Any, model_name: str, session_config: SessionConfig | None = None
+) -> Backend:
+    """A `Backend` over one in-process `AsyncLLMEngine` (`LocalReplica`): its own session
+    registry, the control plane itself with the engine as its only replica."""
+    cfg = engine.engine.config
+    validator = engine.engine.validator
+    # capture routed experts for the sessions' training samples when the engine can
+    capture = cfg.enable_return_routed_experts and validator.num_moe_layers > 0
+    info = ModelInfo(
+        model_name,
+        cfg.max_model_len,
+        validator.vocab_size,
+        model_path=cfg.model,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        dtype=cfg.dtype,
+        routed_experts=capture,
+    )
+    # likewise a DSA model's indexer top-k
+    picks = cfg.enable_return_indexer_topk and validator.num_dsa_layers > 0
+    local = LocalReplica(engine)
+    # sessions record the model by its path, as the Router's do (`SessionSetup.model_dir`)
+    sessions = SessionRegistry(
+        TemplateSplicer(engine.tokenizer),
+        RequestTurnGenerator(local, return_routed_experts=capture, return_indexer_topk=picks),
+        session_config,
+        model=cfg.model,
+    )
+    return Backend(local, engine.tokenizer, info, sessions, ControlPlane(local, local))

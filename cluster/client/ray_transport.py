@@ -19,7 +19,8 @@ from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.client.errors import Busy, ClientError, NoReplica
 from raylane.client.rollout import Rollout, SessionTurn, from_request_output
 from raylane.router.errors import ReplicaFailed, ReplicasBusy, RouterError
-from raylane.router.replica_generator import ReplicaRequests, ReplicaTurnGenerator
+from raylane.router.generator import RequestTurnGenerator
+from raylane.router.replica_requests import ReplicaRequests
 from raylane.router.samples import TrainingSample
 
 
@@ -201,7 +202,7 @@ def _router_sessions(
     # NOTE: must equal the ingress's setup (same model dir, same routed-experts flag), else
     # the Router takes it for a redeployed model and rebuilds its registry
     setup = SessionSetup(model, return_routed_experts=routed, return_indexer_topk=picks)
-    return RouterSessions(router, setup, ReplicaTurnGenerator(requests, routed, picks))
+    return RouterSessions(router, setup, RequestTurnGenerator(requests, routed, picks))
 
 
 async def _unwrap(ref):

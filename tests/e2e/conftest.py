@@ -12,7 +12,7 @@ import openai
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import Backend, local_backend
 
 from tests.e2e.server import ServerThread
 
@@ -29,7 +29,7 @@ class ProbeBackend:
     """The real backend, plus what tests need to see and provoke: the routing keys it was
     given, an error to raise at the start or after the first output, and a readiness switch."""
 
-    def __init__(self, inner: LocalBackend):
+    def __init__(self, inner: Backend):
         self.inner = inner
         self.info = inner.info
         self.tokenizer = inner.tokenizer
@@ -75,7 +75,7 @@ def ref_engine(tiny_llama_dir) -> LLMEngine:
 
 @pytest.fixture(scope="session")
 def _probe(engine) -> ProbeBackend:
-    return ProbeBackend(LocalBackend(AsyncLLMEngine(engine), MODEL))
+    return ProbeBackend(local_backend(AsyncLLMEngine(engine), MODEL))
 
 
 @pytest.fixture
@@ -116,8 +116,8 @@ def trainer_engine(tiny_llama_dir) -> LLMEngine:
 
 
 @pytest.fixture(scope="session")
-def trainer_backend(trainer_engine) -> LocalBackend:
-    return LocalBackend(AsyncLLMEngine(trainer_engine), MODEL)
+def trainer_backend(trainer_engine) -> Backend:
+    return local_backend(AsyncLLMEngine(trainer_engine), MODEL)
 
 
 @pytest.fixture(scope="session")

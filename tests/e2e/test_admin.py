@@ -17,7 +17,7 @@ import torch
 from raylane.actors.engine import AsyncLLMEngine, LLMEngine
 from raylane.actors.models.weights import encode_bucket, iter_buckets, specs_of
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 
 from tests.e2e.conftest import MAX_BODY, MODEL, tiny_config
 from tests.e2e.server import ServerThread
@@ -36,7 +36,7 @@ def admin_engine(tiny_llama_dir) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def admin_server(admin_engine) -> Iterator[ServerThread]:
-    backend = LocalBackend(AsyncLLMEngine(admin_engine), MODEL)
+    backend = local_backend(AsyncLLMEngine(admin_engine), MODEL)
     app = build_app(backend, api_keys=[USER_KEY], admin_api_key=ADMIN_KEY, max_body_bytes=MAX_BODY)
     with ServerThread(app) as srv:
         yield srv

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, LLMEngine
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 
 from tests.e2e.conftest import MAX_BODY, MODEL, tiny_config
 from tests.e2e.server import ServerThread
@@ -25,7 +25,7 @@ ADMIN_KEY = "paths-admin-key"
 
 @pytest.fixture(scope="module")
 def app(tiny_llama_dir):
-    backend = LocalBackend(AsyncLLMEngine(LLMEngine(tiny_config(tiny_llama_dir))), MODEL)
+    backend = local_backend(AsyncLLMEngine(LLMEngine(tiny_config(tiny_llama_dir))), MODEL)
     return build_app(backend, api_keys=[USER_KEY], admin_api_key=ADMIN_KEY, max_body_bytes=MAX_BODY)
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 
 from tests.e2e.conftest import MAX_BODY, MODEL
 from tests.e2e.server import ServerThread
@@ -33,7 +33,7 @@ def deadline_engine(tiny_llama_dir) -> LLMEngine:
 @pytest.fixture(scope="module")
 def url(deadline_engine) -> Iterator[str]:
     app = build_app(
-        LocalBackend(AsyncLLMEngine(deadline_engine), MODEL),
+        local_backend(AsyncLLMEngine(deadline_engine), MODEL),
         max_body_bytes=MAX_BODY,
         request_timeout_s=0.4,
         max_n=3,

@@ -16,7 +16,7 @@ from hypothesis.errors import Unsatisfiable
 from raylane.actors.engine import AsyncLLMEngine, LLMEngine
 from raylane.actors.models.weights import encode_bucket, specs_of
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 from safetensors.torch import load_file
 
 from tests.e2e.conftest import MAX_BODY, MODEL, tiny_config
@@ -48,7 +48,7 @@ def api_schema(tiny_llama_dir):
     # max_n: generated bodies ask for up to 128 samples of a full context each, minutes of
     # decoding on 2 cores; past 4 they get the 400 instead, so the run stays short
     app = build_app(
-        LocalBackend(AsyncLLMEngine(engine), MODEL),
+        local_backend(AsyncLLMEngine(engine), MODEL),
         admin_api_key=ADMIN_KEY,
         max_body_bytes=MAX_BODY,
         max_n=4,

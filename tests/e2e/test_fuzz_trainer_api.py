@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 from raylane.session_server.trainer_api import MODULES
 
 from tests.e2e.conftest import MAX_BODY, MODEL
@@ -49,7 +49,7 @@ COLLECTIVE = {
 def app(tiny_llama_dir):
     # a 48-token context bounds every generated request
     engine = LLMEngine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=32, max_model_len=48))
-    backend = LocalBackend(AsyncLLMEngine(engine), MODEL)
+    backend = local_backend(AsyncLLMEngine(engine), MODEL)
     return build_app(
         backend, admin_api_key="fuzz-admin", max_body_bytes=MAX_BODY, max_n=2, trainer_api=True
     )

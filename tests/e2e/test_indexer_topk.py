@@ -14,7 +14,7 @@ import pytest
 from raylane.actors.engine import AsyncLLMEngine, LLMEngine, SamplingParams
 from raylane.client import RolloutClient
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 
 from tests.e2e.conftest import tiny_config
 from tests.e2e.server import ServerThread
@@ -32,7 +32,7 @@ def dsa_ref(tiny_dsa_dir) -> LLMEngine:
 @pytest.fixture(scope="module")
 def dsa_url(tiny_dsa_dir) -> Iterator[str]:
     engine = LLMEngine(tiny_config(tiny_dsa_dir, **FLAGS))
-    with ServerThread(build_app(LocalBackend(AsyncLLMEngine(engine), "dsa"))) as server:
+    with ServerThread(build_app(local_backend(AsyncLLMEngine(engine), "dsa"))) as server:
         yield server.url
 
 

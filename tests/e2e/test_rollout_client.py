@@ -1,4 +1,4 @@
-"""`RolloutClient` over HTTP against the real app (tiny Llama, `LocalBackend`, an admin key):
+"""`RolloutClient` over HTTP against the real app (tiny Llama, `local_backend`, an admin key):
 generation against the offline engine, admin auth, weight updates against HF on the new
 weights, abort, pause, sessions, and fan-out against a sequential run (engine steps, tokens)."""
 
@@ -13,7 +13,7 @@ import torch
 from raylane.actors.engine import AsyncLLMEngine, LLMEngine, SamplingParams
 from raylane.client import BadRequest, RolloutClient, Unauthorized
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import Backend, local_backend
 
 from tests.e2e.conftest import tiny_config
 from tests.e2e.server import ServerThread
@@ -24,9 +24,9 @@ PROMPT = [5, 17, 42, 99, 7, 150, 33]
 
 
 @pytest.fixture(scope="module")
-def local(tiny_llama_dir) -> LocalBackend:
+def local(tiny_llama_dir) -> Backend:
     """The served engine (its own: tests here change its weights and pause it)."""
-    return LocalBackend(AsyncLLMEngine(LLMEngine(tiny_config(tiny_llama_dir))), "tiny")
+    return local_backend(AsyncLLMEngine(LLMEngine(tiny_config(tiny_llama_dir))), "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,8 @@ async def client(url):
         yield c
 
 
-def counters(local: LocalBackend) -> dict:
-    return dict(local.engine.stats_snapshot()["counters"])
+def counters(local: Backend) -> dict:
+    return dict(local.requests.engine.stats_snapshot()["counters"])
 
 
 def offline(ref_engine, prompt, **params):
@@ -57,9 +57,9 @@ async def until(check, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def kv_idle(local: LocalBackend) -> bool:
-    bm = local.engine.engine.block_manager
-    return not local.engine.engine.requests and bm.num_free_blocks == bm.num_blocks
+def kv_idle(local: Backend) -> bool:
+    bm = local.requests.engine.engine.block_manager
+    return not local.requests.engine.engine.requests and bm.num_free_blocks == bm.num_blocks
 
 
 # --- generation -------------------------------------------------------------------------------
@@ -242,9 +242,9 @@ async def test_release_frees_a_branch_and_gather_takes_the_rest(client, local):
     branches = await client.fork(
         PREFIX, 3, suffixes=SUFFIXES[:3], temperature=0.0, max_tokens=150, ignore_eos=True
     )
-    await until(lambda: len(local.engine.engine.requests) == 3)
+    await until(lambda: len(local.requests.engine.engine.requests) == 3)
     await client.release(branches[2])
-    assert branches[2].request_id not in local.engine.engine.requests
+    assert branches[2].request_id not in local.requests.engine.engine.requests
     rest = await client.gather(branches[:2])
     assert all(r.finish_reason == "length" and len(r.token_ids) == 150 for r in rest)
     await until(lambda: kv_idle(local))

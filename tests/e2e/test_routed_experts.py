@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, LLMEngine, SamplingParams
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 
 from tests.e2e.conftest import tiny_config
 from tests.e2e.server import ServerThread
@@ -27,7 +27,7 @@ def moe_ref(tiny_moe_dir) -> LLMEngine:
 @pytest.fixture(scope="module")
 def moe_http(tiny_moe_dir) -> Iterator[httpx.Client]:
     engine = LLMEngine(tiny_config(tiny_moe_dir, enable_return_routed_experts=True))
-    app = build_app(LocalBackend(AsyncLLMEngine(engine), "moe"))
+    app = build_app(local_backend(AsyncLLMEngine(engine), "moe"))
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=30) as client:
         yield client
 
@@ -99,7 +99,7 @@ def test_chat_returns_routed_experts(moe_http, moe_ref, stream):
 @pytest.fixture(scope="module")
 def moe_trainer_http(tiny_moe_dir) -> Iterator[httpx.Client]:
     engine = LLMEngine(tiny_config(tiny_moe_dir, enable_return_routed_experts=True))
-    app = build_app(LocalBackend(AsyncLLMEngine(engine), "moe"), trainer_api=True)
+    app = build_app(local_backend(AsyncLLMEngine(engine), "moe"), trainer_api=True)
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=30) as client:
         yield client
 

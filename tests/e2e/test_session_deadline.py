@@ -1,4 +1,4 @@
-"""A session turn's deadline over HTTP (LocalBackend, tiny Llama): `timeout` in the body, else
+"""A session turn's deadline over HTTP (`local_backend`, tiny Llama): `timeout` in the body, else
 the server's `request_timeout_s`. Past it the turn ends with its partial output, finish reason
 "abort" (streamed or not), nothing runs on in the engine, the session records the aborted turn
 and the next turn carries on after it.
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 
 from tests.e2e.server import ServerThread
 from tests.e2e.test_deadline import LONG, idle
@@ -35,7 +35,7 @@ def engine(tiny_llama_dir) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def url(engine) -> Iterator[str]:
-    app = build_app(LocalBackend(AsyncLLMEngine(engine), MODEL), request_timeout_s=0.4)
+    app = build_app(local_backend(AsyncLLMEngine(engine), MODEL), request_timeout_s=0.4)
     with ServerThread(app) as srv:
         yield srv.url
 

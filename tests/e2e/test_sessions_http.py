@@ -1,4 +1,4 @@
-"""Multi-turn sessions over HTTP (LocalBackend, tiny Qwen3-MoE with routed-expert capture).
+"""Multi-turn sessions over HTTP (`local_backend`, tiny Qwen3-MoE with routed-expert capture).
 
 Agents are the official `openai` client pointed at `/sessions/{id}/v1`; the reference is a second
 engine run directly on each turn's prompt ids (greedy), and the chat template itself for the
@@ -17,7 +17,7 @@ import pytest
 from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from raylane.router.samples import TrainingSample
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 
 from tests.e2e.server import ServerThread
 from tests.unit.sessions_helpers import rendered, user
@@ -36,7 +36,7 @@ def moe_config(model_dir: str) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def server(tiny_moe_dir) -> Iterator[ServerThread]:
-    backend = LocalBackend(AsyncLLMEngine(LLMEngine(moe_config(tiny_moe_dir))), MODEL)
+    backend = local_backend(AsyncLLMEngine(LLMEngine(moe_config(tiny_moe_dir))), MODEL)
     with ServerThread(build_app(backend, api_keys=[KEY])) as srv:
         yield srv
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, LLMEngine
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 
 from tests.e2e.conftest import tiny_config
 from tests.e2e.server import ServerThread
@@ -50,7 +50,7 @@ def client_class():
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir) -> Iterator[ServerThread]:
-    backend = LocalBackend(AsyncLLMEngine(LLMEngine(tiny_config(tiny_llama_dir))), "tiny")
+    backend = local_backend(AsyncLLMEngine(LLMEngine(tiny_config(tiny_llama_dir))), "tiny")
     with ServerThread(build_app(backend, trainer_api=True)) as srv:
         yield srv
 

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from raylane.actors.engine import AsyncLLMEngine, LLMEngine, SamplingParams
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 
 from tests.e2e.conftest import tiny_config
 from tests.e2e.server import ServerThread
@@ -29,7 +29,7 @@ def loopy_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def spec_server(loopy_dir) -> Iterator[tuple[ServerThread, LLMEngine]]:
     engine = LLMEngine(tiny_config(loopy_dir, speculative_config=SPEC))
-    app = build_app(LocalBackend(AsyncLLMEngine(engine), "loopy"))
+    app = build_app(local_backend(AsyncLLMEngine(engine), "loopy"))
     with ServerThread(app) as server:
         yield server, engine
     engine.shutdown()

@@ -17,7 +17,7 @@ import openai
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import Backend, local_backend
 
 from tests.e2e.server import ServerThread
 
@@ -54,14 +54,14 @@ def forced(text: str) -> dict:
     return {"structured_outputs": {"choice": [text]}}
 
 
-def engine_backend(model_dir: str) -> LocalBackend:
+def engine_backend(model_dir: str) -> Backend:
     # tool definitions make long prompts in the tiny vocabulary
     config = EngineConfig(model=model_dir, num_kv_blocks=256, max_model_len=1024)
-    return LocalBackend(AsyncLLMEngine(LLMEngine(config)), MODEL)
+    return local_backend(AsyncLLMEngine(LLMEngine(config)), MODEL)
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_llama_dir) -> LocalBackend:
+def backend(tiny_llama_dir) -> Backend:
     return engine_backend(tiny_llama_dir)
 
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, LLMEngine
 from raylane.session_server.app import build_app
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 
 from tests.e2e.conftest import tiny_config
 from tests.e2e.server import ServerThread
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir) -> Iterator[ServerThread]:
-    backend = LocalBackend(AsyncLLMEngine(LLMEngine(tiny_config(tiny_llama_dir))), "tiny")
+    backend = local_backend(AsyncLLMEngine(LLMEngine(tiny_config(tiny_llama_dir))), "tiny")
     with ServerThread(build_app(backend, trainer_api=True)) as srv:
         yield srv
 

@@ -35,7 +35,7 @@ def served_app(smollm2_dir, pg_dsn, bank):
     """The HTTP app as the Ingress builds it, for a config whose section names `bank`."""
     from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
     from raylane.session_server.app import build_app
-    from raylane.session_server.backend import LocalBackend
+    from raylane.session_server.backend import local_backend
 
     config = ClusterConfig(
         served_model_name="smollm2",
@@ -49,7 +49,7 @@ def served_app(smollm2_dir, pg_dsn, bank):
         },
     )
     engine = LLMEngine(EngineConfig(model=smollm2_dir, dtype="float32", num_kv_blocks=512))
-    backend = LocalBackend(AsyncLLMEngine(engine), served_model_name(config))
+    backend = local_backend(AsyncLLMEngine(engine), served_model_name(config))
     app = build_app(
         backend, api_keys=list(config.api_keys), metrics_sources=metrics_sources(config)
     )

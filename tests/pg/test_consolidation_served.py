@@ -38,10 +38,10 @@ class RecordingLLM(OpenAICompatibleLLM):
 def served_url(smollm2_dir):
     from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
     from raylane.session_server.app import build_app
-    from raylane.session_server.backend import LocalBackend
+    from raylane.session_server.backend import local_backend
 
     engine = LLMEngine(EngineConfig(model=smollm2_dir, dtype="float32", num_kv_blocks=512))
-    with ServerThread(build_app(LocalBackend(AsyncLLMEngine(engine), "smollm2"))) as server:
+    with ServerThread(build_app(local_backend(AsyncLLMEngine(engine), "smollm2"))) as server:
         yield server.url
     engine.shutdown()
 

@@ -1,6 +1,6 @@
 """How many times one streamed request crosses processes on the real serving path: the ingress's
-`ServeBackend` (run here, in the test's process, on the served app's Router and replicas),
-counting every Ray actor call this process makes while the request runs.
+request path (`ReplicaRequests`, run here, in the test's process, on the served app's Router and
+replicas), counting every Ray actor call this process makes while the request runs.
 
 Once the process holds the replica table and the replica's output channel (both opened by the
 first request, then kept), a request is one call (`submit`: ingress -> replica, and its answer)
@@ -20,7 +20,7 @@ import pytest
 @pytest.fixture
 def backend(served, ray_cluster, tiny_llama_dir):
     from raylane.router.actor import NAMESPACE, ROUTER_NAME
-    from raylane.router.replica_generator import ReplicaRequests
+    from raylane.router.replica_requests import ReplicaRequests
     from raylane.serve_backend import router_view
 
     router = ray_cluster.get_actor(ROUTER_NAME, namespace=NAMESPACE)

@@ -12,7 +12,7 @@ import pytest
 from raylane.actors.engine import EngineConfig, SamplingParams
 from raylane.actors.engine.async_engine import AsyncLLMEngine
 from raylane.router.errors import ReplicasFailed
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import Backend, local_backend
 
 from tests.hf_reference import hf_greedy, perturbed_model
 from tests.schema_checks import answer_problems
@@ -37,7 +37,7 @@ async def greedy(engine: AsyncLLMEngine, prompt: list[int], rid: str) -> tuple[l
     return last.outputs[0].token_ids, {last.weight_version}
 
 
-async def update(backend: LocalBackend, trainer: Trainer, specs, packing=None) -> int:
+async def update(backend: Backend, trainer: Trainer, specs, packing=None) -> int:
     """vLLM's sequence: pause(keep), start_weight_update, update_weights while the trainer
     broadcasts, finish_weight_update, resume."""
     control = backend.control
@@ -50,8 +50,8 @@ async def update(backend: LocalBackend, trainer: Trainer, specs, packing=None) -
     return version
 
 
-async def outputs(backend: LocalBackend) -> list:
-    return [await greedy(backend.engine, p, f"r{i}") for i, p in enumerate(prompts())]
+async def outputs(backend: Backend) -> list:
+    return [await greedy(backend.requests.engine, p, f"r{i}") for i, p in enumerate(prompts())]
 
 
 def with_backend(model_dir: str, test) -> None:
@@ -59,11 +59,11 @@ def with_backend(model_dir: str, test) -> None:
 
     async def go():
         config = EngineConfig(model=model_dir, max_num_batched_tokens=256, num_kv_blocks=64)
-        backend = LocalBackend(AsyncLLMEngine.from_config(config), "tiny")
+        backend = local_backend(AsyncLLMEngine.from_config(config), "tiny")
         try:
             await test(backend)
         finally:
-            await backend.engine.shutdown()
+            await backend.requests.engine.shutdown()
 
     asyncio.run(go())
 
@@ -135,7 +135,7 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
                     **trainer.info(), "backend": "gloo"}})  # fmt: skip
                 assert r.status_code == 200, r.text
                 params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-                stream = backend.engine.generate(prompts()[0], params, "inflight")
+                stream = backend.requests.engine.generate(prompts()[0], params, "inflight")
                 first = await anext(stream)  # in flight when the pause comes
                 assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
                 assert (await http.post("/start_weight_update", json={})).status_code == 200

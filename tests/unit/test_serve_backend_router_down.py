@@ -8,7 +8,7 @@ import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from raylane.router.errors import ReplicaFailed
 from raylane.router.session_host import SessionSetup
-from raylane.serve_backend import ServeBackend
+from raylane.serve_backend import serve_backend
 from raylane.session_server.app import build_app
 from raylane.session_server.backend import ModelInfo
 
@@ -40,7 +40,7 @@ ERRORS = [ActorDiedError(), ActorUnavailableError("the Router restarts", None)]
 @pytest.mark.parametrize("error", ERRORS, ids=["died", "restarting"])
 async def test_generate_is_replica_failed_and_not_ready(error):
     info, setup = ModelInfo("tiny", 512, 256), SessionSetup("tiny")
-    backend = ServeBackend(DeadRouter(error), None, info, setup)
+    backend = serve_backend(DeadRouter(error), None, info, setup)
     with pytest.raises(ReplicaFailed):
         async for _ in backend.generate([1, 2, 3], None, "r1"):
             pass
@@ -50,7 +50,7 @@ async def test_generate_is_replica_failed_and_not_ready(error):
 @pytest.mark.parametrize("error", ERRORS, ids=["died", "restarting"])
 async def test_http_answers_503_with_the_error_body(error):
     info, setup = ModelInfo("tiny", 512, 256), SessionSetup("tiny")
-    backend = ServeBackend(DeadRouter(error), None, info, setup)
+    backend = serve_backend(DeadRouter(error), None, info, setup)
     transport = httpx.ASGITransport(app=build_app(backend))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         response = await http.post("/generate", json={"input_ids": [1, 2, 3]})

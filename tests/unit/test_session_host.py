@@ -18,7 +18,8 @@ from raylane.router.errors import (
     SessionNotFound,
 )
 from raylane.router.fake_generator import token_routing
-from raylane.router.replica_generator import ReplicaRequests, ReplicaTurnGenerator
+from raylane.router.generator import RequestTurnGenerator
+from raylane.router.replica_requests import ReplicaRequests
 from raylane.router.session_host import SessionSetup
 from raylane.serve_backend import RouterSessions
 
@@ -162,7 +163,7 @@ def ingress(router: Router, handle: FakeHandle) -> RouterSessions:
     """The ingress's sessions: turns planned and committed by the Router, generated here on
     the replicas of the Router's own table (so its counts show the turns)."""
     requests = ReplicaRequests(router.sessions.view)
-    generator = ReplicaTurnGenerator(requests, return_routed_experts=True)
+    generator = RequestTurnGenerator(requests, return_routed_experts=True)
     return RouterSessions(InProcessRouter(router), setup(handle), generator)
 
 

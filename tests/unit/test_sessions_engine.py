@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from raylane.router.generator import EngineTurnGenerator
+from raylane.actors.engine.output_accumulator import accumulate
+from raylane.router.generator import RequestTurnGenerator
+from raylane.router.replica_calls import LocalReplica
 from raylane.router.sessions import SessionRegistry
 from raylane.router.tito import TemplateSplicer
 
@@ -30,17 +32,24 @@ TURNS = [
 
 
 class SpyEngine:
-    """Passes through to the engine and keeps each request's final output: the reference."""
+    """Passes through to the engine and keeps each request's deltas; their final output, as
+    the engine's own `generate` builds it, is the reference."""
 
     def __init__(self, engine: AsyncLLMEngine) -> None:
         self.engine = engine
-        self.finals = []
+        self.deltas: dict[str, list] = {}
 
-    async def generate(self, prompt, params, request_id):
-        async for out in self.engine.generate(prompt, params, request_id):
-            if out.finished:
-                self.finals.append(out)
-            yield out
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    async def generate_deltas(self, prompt, params, request_id):
+        async for delta in self.engine.generate_deltas(prompt, params, request_id):
+            self.deltas.setdefault(request_id, []).append(delta)
+            yield delta
+
+    @property
+    def finals(self) -> list:
+        return [accumulate(deltas) for deltas in self.deltas.values()]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +60,8 @@ def engine(tiny_moe_dir) -> LLMEngine:
 async def test_five_turns_with_tools_merge_to_the_engines_outputs(engine):
     spy = SpyEngine(AsyncLLMEngine(engine))
     registry = SessionRegistry(
-        TemplateSplicer(engine.tokenizer), EngineTurnGenerator(spy, return_routed_experts=True)
+        TemplateSplicer(engine.tokenizer),
+        RequestTurnGenerator(LocalReplica(spy), return_routed_experts=True),
     )
     agent = await Agent.start(registry)
     for i, new in enumerate(TURNS):

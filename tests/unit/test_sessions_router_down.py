@@ -8,7 +8,7 @@ import pytest
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from raylane.router.session_host import SessionSetup
-from raylane.serve_backend import ServeBackend
+from raylane.serve_backend import serve_backend
 from raylane.session_server.app import build_app
 from raylane.session_server.backend import ModelInfo
 
@@ -80,7 +80,7 @@ CASES = [
 async def test_session_routes_answer_503(tok, monkeypatch, error, in_stream, stream):
     cancelled = []
     monkeypatch.setattr(ray, "cancel", cancelled.append)
-    backend = ServeBackend(
+    backend = serve_backend(
         DeadRouter(error, in_stream), tok, ModelInfo("tiny", 512, len(tok)), SessionSetup("tiny")
     )
     transport = httpx.ASGITransport(app=build_app(backend))

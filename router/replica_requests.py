@@ -1,5 +1,6 @@
 """One request on the engine replicas, the same path for every caller: the HTTP ingress (its
-plain requests and its session turns, `ReplicaTurnGenerator`) and the in-cluster rollout client.
+plain requests and its session turns, `RequestTurnGenerator`) and the in-cluster rollout client:
+the `Requests` (router/generator.py) over the replicas.
 
 `ReplicaRequests.generate` asks its process's `ReplicaView` (router/replica_view.py: a copy of
 the Router's table, chosen on locally) for a replica, streams the request from it over that
@@ -15,20 +16,21 @@ replica and reuses its prefix cache.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from raylane.actors.engine.errors import EnginePaused, RequestFailed
-from raylane.actors.engine.output_accumulator import cumulative
-from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
+from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.errors import ReplicaFailed, ReplicasBusy
-from raylane.router.generator import EngineTurnGenerator
 from raylane.router.replica_channels import ReplicaChannels
 from raylane.router.replica_view import ReplicaView
 
 
 class ReplicaRequests:
+    """`Requests` over the engine replicas of `view`."""
+
     def __init__(self, view: ReplicaView) -> None:
         self.channels = ReplicaChannels()
         self.view = view
@@ -60,6 +62,16 @@ class ReplicaRequests:
         finally:
             self.view.done(replica_id)
 
+    async def ready(self) -> bool:
+        return await self.view.ready()
+
+    async def stats(self) -> list[dict]:
+        await self.view.ready()
+        healthy = [r.replica_id for r in self.view.policy.healthy()]
+        calls = [self.view.handle(rid).stats.remote() for rid in healthy]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return [r for r in results if isinstance(r, dict)]
+
     async def _choose(self, routing_key: str | None) -> str:
         replica_id = await self.view.choose(routing_key)
         if replica_id is None:
@@ -69,13 +81,3 @@ class ReplicaRequests:
                 "every engine replica is busy (or the one this routing key sticks to); retry later"
             )
         return replica_id
-
-
-class ReplicaTurnGenerator(EngineTurnGenerator):
-    """`TurnGenerator` over the engine replicas (`engine`: a `ReplicaRequests`), sticky by
-    session id."""
-
-    def _outputs(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, routing_key: str
-    ) -> AsyncGenerator[RequestOutput, None]:
-        return cumulative(self.engine.generate(prompt_ids, params, request_id, routing_key))
