@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import cast
 
 from raylane.actors.engine.layer_kinds import first_live_block
 from raylane.actors.engine.sequence import Sequence
@@ -26,6 +27,13 @@ class BlockManager:
     prefix map to the same chain. A block whose count drops to 0 keeps its hash and waits in the
     free list, oldest first; it is evicted only when a fresh block is needed.
 
+    A model that mixes sliding and full layers has several KV cache groups (`windows`, one
+    per group, see layer_kinds.KVGroups): a sequence holds one table per group over the one
+    pool of blocks, the sliding groups' leading blocks are freed as the window moves on, and
+    group 0's chain is the one hashed. Another group's full block is cached under (group,
+    group 0's chain hash at that block), and a prefix hit also needs each group's blocks that
+    the next query sees; entries of a group's table before them are `null_block`.
+
     Every chain starts from the weight version its sequence was admitted under
     (`Sequence.cache_version`), so KV computed under one version is never reused by a request
     prefilled under another: a weight update bumps `version` and the old chains simply stop
@@ -38,8 +46,15 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         snapshots: SnapshotCache | None = None,
+        windows: tuple[int | None, ...] = (None,),
+        frees_windows: bool = True,
     ):
+        assert snapshots is None or len(windows) == 1, "state snapshots with KV cache groups"
         self.block_size = block_size
+        self.windows = windows  # each KV cache group's window (None: full attention)
+        # NOTE: off under speculative decoding: rejected drafts move a sequence back, before
+        # blocks freed for its window
+        self.frees_windows = frees_windows and any(w is not None for w in windows)
         # linear-attention models: recurrent-state snapshots at block boundaries, by chain hash;
         # a prefix hit then stops at the longest cached prefix that has one
         self.snapshots = snapshots
@@ -59,6 +74,12 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free)
 
+    @property
+    def null_block(self) -> int:
+        """A table entry for a block never read (before a window): the runner's scratch
+        block, which is never handed out."""
+        return len(self.blocks)
+
     def usage(self) -> float:
         return 1.0 - len(self.free) / len(self.blocks)
 
@@ -70,6 +91,7 @@ class BlockManager:
         At least one token is always left to compute, so the step can produce logits.
         """
         assert not seq.block_table, "sequence already holds blocks"
+        self._start_groups(seq)
         if not self.enable_prefix_caching:
             return 0
         full = (len(seq) - 1) // self.block_size
@@ -86,6 +108,8 @@ class BlockManager:
             hashes.append(parent := h)
         if self.snapshots is not None:
             self._cut_to_snapshot(seq, hashes)
+        if len(self.windows) > 1:
+            self._take_group_hits(seq, hashes)
         seq.num_hashed_blocks = len(seq.block_table)
         cached = len(seq.block_table) * self.block_size
         self.num_queries += seq.num_prompt_tokens
@@ -102,6 +126,43 @@ class BlockManager:
             self._release(block_id)
         del seq.block_table[keep:]
 
+    def _take_group_hits(self, seq: Sequence, hashes: list[int]) -> None:
+        """Keep the hit only up to the longest prefix whose blocks the next query sees are
+        cached in every other group too; the group tables start with null blocks before
+        them (never read, never freed)."""
+        for keep in range(len(seq.block_table), -1, -1):
+            found = [self._group_hit(seq, g, hashes, keep) for g in range(1, len(self.windows))]
+            if all(f is not None for f in found):
+                break
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+        for g, (start, block_ids) in enumerate(cast(list[tuple[int, list[int]]], found)):
+            for block_id in block_ids:
+                self._take(block_id)
+            seq.group_tables[g] = [self.null_block] * start + block_ids
+            seq.group_released[g] = start
+
+    def _group_hit(
+        self, seq: Sequence, group: int, hashes: list[int], keep: int
+    ) -> tuple[int, list[int]] | None:
+        """(first block the query at `keep` blocks sees, the group's cached blocks from it to
+        `keep`), or None when one is not cached."""
+        start = first_live_block(keep * self.block_size, self._reach(group), self.block_size)
+        block_ids = []
+        for i in range(start, keep):
+            block_id = self.cached.get(_group_hash(group, hashes[i]))
+            if block_id is None or self.blocks[block_id].tokens != tuple(seq.block_tokens(i)):
+                return None
+            block_ids.append(block_id)
+        return start, block_ids
+
+    def _reach(self, group: int) -> int | None:
+        """The window a group's blocks are kept for: one position of slack, since a grammar
+        skip recomputes the last position."""
+        window = self.windows[group]
+        return None if window is None else window + 1
+
     def reserve_snapshot(self, seq: Sequence, num_blocks: int) -> int | None:
         """A snapshot slot for the sequence's state after its first `num_blocks` blocks, keyed
         by their chain hash (None: snapshots are off, or that prefix has one)."""
@@ -114,20 +175,46 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new: int) -> int:
         total = seq.num_blocks_for(seq.num_computed_tokens + num_new)
-        return max(0, total - len(seq.block_table))
+        groups = seq.group_tables or [[]] * (len(self.windows) - 1)
+        return sum(max(0, total - len(table)) for table in [seq.block_table, *groups])
+
+    def blocks_to_hold(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks one sequence of `num_tokens` holds at once: every group's whole
+        table, or, where blocks outside a window are freed, the window and one step's reach
+        (`max_step_tokens`) with a block of slack at each end and the chain's root."""
+        total = -(-num_tokens // self.block_size)
+        held = 0
+        for group in range(len(self.windows)):
+            reach = self._reach(group)
+            if reach is None or not self.frees_windows:
+                held += total
+            else:
+                held += min(total, -(-(reach + max_step_tokens) // self.block_size) + 3)
+        return held
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free)
 
     def allocate(self, seq: Sequence, num_new: int) -> None:
-        """Extend the sequence's table to cover `num_new` more tokens."""
-        for _ in range(self.blocks_needed(seq, num_new)):
-            block_id, _ = self.free.popitem(last=False)  # least recently freed
-            block = self.blocks[block_id]
-            if block.hash is not None and self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]  # evict
-            block.hash, block.tokens, block.ref_count = None, None, 1
-            seq.block_table.append(block_id)
+        """Extend the sequence's tables (one per group) to cover `num_new` more tokens."""
+        self._start_groups(seq)
+        total = seq.num_blocks_for(seq.num_computed_tokens + num_new)
+        for table in [seq.block_table, *seq.group_tables]:
+            while len(table) < total:
+                table.append(self._fresh())
+
+    def _fresh(self) -> int:
+        block_id, _ = self.free.popitem(last=False)  # least recently freed
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]  # evict
+        block.hash, block.tokens, block.ref_count = None, None, 1
+        return block_id
+
+    def _start_groups(self, seq: Sequence) -> None:
+        if len(seq.group_tables) != len(self.windows) - 1:
+            seq.group_tables = [[] for _ in self.windows[1:]]
+            seq.group_released = [0] * len(seq.group_tables)
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -154,12 +241,20 @@ class BlockManager:
             num_computed = seq.num_computed_tokens
         for i in range(start, num_computed // self.block_size):
             block = self.blocks[seq.block_table[i]]
+            tokens = tuple(seq.block_tokens(i))
             if block.hash is None:
-                tokens = tuple(seq.block_tokens(i))
-                block.hash, block.tokens = hash((parent, tokens)), tokens
-                self.cached.setdefault(block.hash, block.block_id)
+                self._register(block, hash((parent, tokens)), tokens)
             parent = block.hash
+            for g, table in enumerate(seq.group_tables):
+                if i >= seq.group_released[g]:  # a block freed already may be another's now
+                    group_block = self.blocks[table[i]]
+                    if group_block.hash is None:
+                        self._register(group_block, _group_hash(g + 1, parent), tokens)
             seq.num_hashed_blocks = i + 1
+
+    def _register(self, block: Block, chain_hash: int, tokens: tuple[int, ...]) -> None:
+        block.hash, block.tokens = chain_hash, tokens
+        self.cached.setdefault(chain_hash, block.block_id)
 
     def free_outside_window(self, seq: Sequence, window: int) -> None:
         """Release the sequence's leading blocks that the next query cannot see (every paged
@@ -173,10 +268,28 @@ class BlockManager:
             self._release(seq.block_table[i])
         seq.num_released_blocks = max(seq.num_released_blocks, end)
 
+    def free_outside_windows(self, seq: Sequence) -> None:
+        """Free every group's blocks wholly outside its window (`free_outside_window`, one
+        position of slack), when this manager frees windows at all."""
+        if not self.frees_windows:
+            return
+        if self.windows[0] is not None:
+            self.free_outside_window(seq, self.windows[0] + 1)
+        for g, table in enumerate(seq.group_tables):
+            size, reach = self.block_size, self._reach(g + 1)
+            end = first_live_block(seq.num_computed_tokens, reach, size)
+            for i in range(seq.group_released[g], end):
+                self._release(table[i])
+            seq.group_released[g] = max(seq.group_released[g], end)
+
     def free_sequence(self, seq: Sequence) -> None:
         # Tail blocks are released first so they are evicted before the shared prefix.
+        for g, table in enumerate(seq.group_tables):
+            for block_id in reversed(table[seq.group_released[g] :]):
+                self._release(block_id)
         for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
             self._release(block_id)
+        seq.group_tables, seq.group_released = [], []
         seq.block_table = []
         seq.num_hashed_blocks = 0
         seq.num_released_blocks = 0
@@ -200,3 +313,8 @@ def _root(version: int, salt: str | None = None) -> int:
     """The parent hash of a chain's first block: the weight version it was computed under, and
     the request's cache salt (`SamplingParams.cache_salt`) when it has one."""
     return hash(("weights", version) if salt is None else ("weights", version, salt))
+
+
+def _group_hash(group: int, chain_hash: int) -> int:
+    """Where group `group`'s block is cached: the chain hash of group 0's block beside it."""
+    return hash(("group", group, chain_hash))

@@ -86,3 +86,46 @@ class ModelLayout:
         by_state = num_state_slots if self.state_bytes else None
         bounds = [b for b in (by_kv, by_state) if b is not None]
         return min(bounds) if bounds else 0
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """The paged layers split into KV cache groups, one kind of window per group (vLLM's
+    hybrid allocator): a model that mixes sliding and full layers gives each kind its own
+    block tables, so its sliding layers free what falls out of their window while its full
+    layers keep every block.
+
+    Every group has `group_size` layers (the last of a kind may have fewer) and layer `j` of
+    every group shares one set of cache tensors: a block id belongs to one group at a time, so
+    a block costs `group_size` layers' K/V, not every layer's. Group 0 is the full group when
+    the model has one; its chain is what prefix caching hashes.
+    """
+
+    windows: tuple[int | None, ...]  # each group's window (None: full attention)
+    layer_groups: tuple[tuple[int, int], ...]  # per paged layer: (group, index in its group)
+    group_size: int  # cache tensor sets: layers of one group
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+
+def kv_groups(windows: list[int | None]) -> KVGroups:
+    """Group paged layers by window, full first, in groups as large as the rarest kind."""
+    by_window: dict[int | None, list[int]] = {}
+    for i, window in enumerate(windows):
+        by_window.setdefault(window, []).append(i)
+    size = min((len(layers) for layers in by_window.values()), default=0)
+    order = sorted(by_window, key=lambda w: (w is not None, w or 0))
+    if len(order) <= 1:  # one kind: one group of every layer
+        return KVGroups((order[0] if order else None,), tuple((0, i) for i in range(len(windows))),
+                        len(windows))  # fmt: skip
+    group_windows: list[int | None] = []
+    placed: dict[int, tuple[int, int]] = {}
+    for window in order:
+        layers = by_window[window]
+        for start in range(0, len(layers), size):
+            for j, layer in enumerate(layers[start : start + size]):
+                placed[layer] = (len(group_windows), j)
+            group_windows.append(window)
+    return KVGroups(tuple(group_windows), tuple(placed[i] for i in range(len(windows))), size)

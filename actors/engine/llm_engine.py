@@ -65,8 +65,6 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_model_len,
-            # NOTE: rejected drafts move a sequence back, before blocks freed for its window
-            self.runner_info.sliding_window if self.config.spec is None else None,
             StateSlotPool(self.runner_info.num_state_slots)
             if self.runner_info.num_state_slots
             else None,

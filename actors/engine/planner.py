@@ -20,6 +20,7 @@ from raylane.actors.runner.plan import CachedRequest, NewRequest, StepPlan
 class _Known:
     num_tokens: int  # token ids the runners hold for the sequence
     num_blocks: int  # block ids they hold (0 after a preemption)
+    num_group_blocks: tuple[int, ...] = ()  # likewise, per KV cache group after the first
     resumed: bool = False  # preempted since the last plan that named it
 
 
@@ -53,9 +54,11 @@ class StepPlanner:
                         tuple(seq.block_table),
                         seq.num_computed_tokens,
                         seq.params,
+                        tuple(tuple(table) for table in seq.group_tables),
                     )
                 )
-            known[seq.seq_id] = _Known(len(seq), len(seq.block_table))
+            group_blocks = tuple(len(table) for table in seq.group_tables)
+            known[seq.seq_id] = _Known(len(seq), len(seq.block_table), group_blocks)
         self.preempted(batch.preempted)
         plan = StepPlan(
             step_id=next(self._step_ids),
@@ -109,13 +112,19 @@ class StepPlanner:
             tuple(seq.block_table[known.num_blocks :]),
             seq.num_computed_tokens,
             known.resumed,
+            tuple(
+                tuple(table[known_blocks:])
+                for table, known_blocks in zip(
+                    seq.group_tables, known.num_group_blocks or [0] * len(seq.group_tables)
+                )
+            ),
         )
 
     def _mark_preempted(self, seq: Sequence) -> bool:
         known = self._known.get(seq.seq_id)
         if known is None or seq.seq_id in self._preempted:
             return False
-        known.num_blocks, known.resumed = 0, True
+        known.num_blocks, known.num_group_blocks, known.resumed = 0, (), True
         return True
 
 

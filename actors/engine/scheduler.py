@@ -73,12 +73,9 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int | None = None,
-        sliding_window: int | None = None,
         states: StateSlotPool | None = None,
     ):
         self.blocks = block_manager
-        # every paged layer slides over this many tokens: blocks before it are freed
-        self.sliding_window = sliding_window
         self.states = states
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -114,11 +111,10 @@ class Scheduler:
             if seq.will_finish(self.max_model_len):  # its last token is in flight
                 waiting_on_last.append(seq)
                 continue
-            if self.sliding_window is not None:
-                # NOTE: before this step's allocation, from the count before its tokens: what
-                # its queries can still see stays, so a freed block is never reused under them;
-                # one position of slack: a grammar skip recomputes the last position
-                self.blocks.free_outside_window(seq, self.sliding_window + 1)
+            # sliding layers: blocks wholly before their window go back
+            # NOTE: before this step's allocation, from the count before its tokens: what its
+            # queries can still see stays, so a freed block is never reused under them
+            self.blocks.free_outside_windows(seq)
             num_new = self._chunk(seq, budget)
             while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_new)):
                 victim = queue.pop() if queue else seq
@@ -228,7 +224,7 @@ class Scheduler:
             seq.num_cached_tokens = cached
 
     def _check_fits(self, seq: Sequence) -> None:
-        need = seq.num_blocks_for(len(seq))
+        need = self.blocks.blocks_to_hold(len(seq), self.max_num_batched_tokens)
         if need > self.blocks.num_blocks:
             raise RuntimeError(
                 f"request {seq.request_id} needs {need} KV blocks but the cache "

@@ -48,6 +48,10 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.num_released_blocks = 0  # leading blocks freed: wholly outside a sliding window
+        # KV cache groups after the first (a model mixing sliding and full layers, see
+        # layer_kinds.KVGroups): each group's block table and its leading blocks freed
+        self.group_tables: list[list[int]] = []
+        self.group_released: list[int] = []
         self.state_slot: int | None = None  # linear-attention models: its recurrent state's slot
         # a prefix-cache hit on such a model: the snapshot its state starts from
         self.restore_snapshot: int | None = None
@@ -146,7 +150,7 @@ class Sequence:
 
     def reset_for_recompute(self) -> None:
         """Preempted: its blocks are gone; every token (outputs too) is prefilled again."""
-        self.block_table = []
+        self.block_table, self.group_tables = [], []
         self.num_computed_tokens = 0
         self.prefix_looked_up = False
         self.num_preemptions += 1

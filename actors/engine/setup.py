@@ -69,6 +69,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             config.block_size,
             config.enable_prefix_caching,
             SnapshotCache(info.num_state_snapshots) if info.num_state_snapshots else None,
+            info.kv_group_windows,
+            # NOTE: rejected drafts move a sequence back, before blocks freed for its window
+            frees_windows=config.spec is None,
         ),
         stop_checker=StopChecker(eos, limits.max_model_len),
         vocab_size=limits.vocab_size,

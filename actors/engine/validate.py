@@ -9,6 +9,7 @@ class RequestValidator:
     def __init__(self, parts):
         self.tokenizer = parts.tokenizer
         self.config = parts.config
+        self.blocks = parts.block_manager
         self.vocab_size = parts.vocab_size
         self.num_moe_layers = parts.num_moe_layers
         self.num_dsa_layers = parts.runner_info.num_dsa_layers
@@ -53,7 +54,7 @@ class RequestValidator:
                 f"max_model_len={max_len}; shorten the prompt"
             )
         total = min(len(ids) + (params.max_tokens or max_len), max_len)
-        blocks = -(-total // self.config.block_size)
+        blocks = self.blocks.blocks_to_hold(total, self.config.max_num_batched_tokens)
         if blocks > self.config.num_kv_blocks:
             raise ValueError(
                 f"max_tokens: prompt + max_tokens = {total} tokens need {blocks} KV "

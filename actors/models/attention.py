@@ -50,6 +50,8 @@ class Attention(nn.Module):
         self.backend: AttentionBackend = get_backend("torch")
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # the KV cache group whose block tables this layer reads (runner/kv_cache.py)
+        self.kv_group = 0
 
     def backend_kinds(self) -> set[str]:
         """What the attention backend must serve for this layer."""
@@ -69,6 +71,8 @@ class Attention(nn.Module):
         # q [T, H, D], k/v [T, KVH, D] -> [T, H, D]
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("Attention.k_cache is not attached; the runner allocates it")
+        if attn.groups is not None:
+            attn = attn.groups[self.kv_group]
         if self.window is None and self.sinks is None:
             return self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
         return self.backend.forward(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raylane.actors.engine.layer_kinds import LayerKind, ModelLayout
+from raylane.actors.engine.layer_kinds import KVGroups, LayerKind, ModelLayout, kv_groups
 
 FLOAT32_BYTES = 4
 
@@ -32,17 +32,15 @@ def model_layout(config: Any, dtype_bytes: int) -> ModelLayout:
     return ModelLayout(tuple(layers))
 
 
-def shared_window(attention_layers: list[Any]) -> int | None:
-    """The window every paged layer of a built model slides over (its blocks outside the window
-    can then be freed from the one block table all layers share); None when any attends in
-    full. Read from the layers themselves, so a layer the model runs in full never loses KV."""
-    kinds = [
-        LayerKind("sliding", window=w)
-        if (w := getattr(layer, "window", None))
-        else LayerKind("full")
-        for layer in attention_layers
-    ]
-    return ModelLayout(tuple(kinds)).window
+def layer_groups(attention_layers: list[Any]) -> KVGroups:
+    """A built model's paged layers in KV cache groups, by each layer's own `window` (read
+    from the layers, so a layer the model runs in full never loses KV). Layers whose cache
+    rows differ in shape cannot share tensors: such a mix stays one group that frees nothing."""
+    windows = [getattr(layer, "window", None) for layer in attention_layers]
+    shapes = {tuple(layer.cache_shapes()) for layer in attention_layers}
+    if len(shapes) > 1 and len(set(windows)) > 1:
+        return kv_groups([None] * len(windows))
+    return kv_groups(windows)
 
 
 def full_attention_layout(config: Any, dtype_bytes: int) -> ModelLayout:

@@ -60,5 +60,6 @@ class RunnerInfo:
     num_state_slots: int = 0  # linear-attention models: sequences whose state fits at once
     state_bytes_per_seq: int = 0  # one sequence's conv + recurrent state, all layers
     num_state_snapshots: int = 0  # copies of such state kept for prefix caching
-    # every paged layer slides over this many tokens: the engine frees blocks outside it
-    sliding_window: int | None = None
+    # each KV cache group's window (layer_kinds.KVGroups; None: full attention): the engine
+    # keeps one block table per group and frees a sliding group's blocks outside its window
+    kv_group_windows: tuple[int | None, ...] = (None,)

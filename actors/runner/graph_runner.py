@@ -1,11 +1,11 @@
 """Decode steps replayed from CUDA graphs captured at start-up, one graph per batch size.
 
 A decode batch of n sequences is padded to the next captured size: its inputs are copied into
-static buffers (ids, positions, slot mapping, sequence lengths, block tables, and for
-linear-attention layers each row's state slot) and the graph of that size replays the forward
-and the LM head into static outputs. Padding rows decode token 0 at position 0 into the KV
-cache's scratch block (and the state cache's scratch slot), so they write nowhere that matters
-and never need a special case in a kernel.
+static buffers (ids, positions, sequence lengths, one slot mapping and block table per KV
+cache group, and for linear-attention layers each row's state slot) and the graph of that size
+replays the forward and the LM head into static outputs. Padding rows decode token 0 at
+position 0 into the KV cache's scratch block (and the state cache's scratch slot), so they
+write nowhere that matters and never need a special case in a kernel.
 
 On the CPU nothing is captured: `replay` runs the same forward eagerly over the same static
 buffers and padding, so everything but the capture itself is exercised without a GPU.
@@ -55,11 +55,14 @@ class GraphRunner:
         new = lambda dtype, fill=0: torch.full((size,), fill, dtype=dtype, device=device)  # noqa: E731
         self.input_ids = new(torch.long)
         self.positions = new(torch.long)
-        self.slot_mapping = new(torch.long, kv.scratch_slot)
+        groups = range(kv.groups.num_groups)
+        # per KV cache group [size] and [size, max_blocks]
+        self.slot_mappings = [new(torch.long, kv.scratch_slot) for _ in groups]
         self.seq_lens = new(torch.int32, 1)
-        self.block_tables = torch.full(
-            (size, self.max_blocks), kv.scratch_block, dtype=torch.int32, device=device
-        )
+        self.group_tables = [
+            torch.full((size, self.max_blocks), kv.scratch_block, dtype=torch.int32, device=device)
+            for _ in groups
+        ]
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
         # linear-attention layers: each row's state slot [size] int64
         self.state_slots = new(torch.long, state.scratch_slot if state is not None else 0)
@@ -112,10 +115,11 @@ class GraphRunner:
         width = attn.block_tables.shape[1]
         self.input_ids[:n].copy_(step.input_ids, non_blocking=True)
         self.positions[:n].copy_(step.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(attn.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(attn.seq_lens, non_blocking=True)
-        # entries past a sequence's own blocks are never read (masked by seq_lens)
-        self.block_tables[:n, :width].copy_(attn.block_tables, non_blocking=True)
+        for g, group in enumerate(attn.groups or [attn]):
+            self.slot_mappings[g][:n].copy_(group.slot_mapping, non_blocking=True)
+            # entries past a sequence's own blocks are never read (masked by seq_lens)
+            self.group_tables[g][:n, :width].copy_(group.block_tables, non_blocking=True)
         if attn.linear is not None:
             self.state_slots[:n].copy_(attn.linear.state_slots, non_blocking=True)
         self._reset_padding(n, size)
@@ -139,18 +143,29 @@ class GraphRunner:
             return
         self.input_ids[start:end] = 0
         self.positions[start:end] = 0
-        self.slot_mapping[start:end] = self.kv.scratch_slot
         self.seq_lens[start:end] = 1
-        self.block_tables[start:end, 0] = self.kv.scratch_block
+        for slots, tables in zip(self.slot_mappings, self.group_tables):
+            slots[start:end] = self.kv.scratch_slot
+            tables[start:end, 0] = self.kv.scratch_block
         if self.state is not None:
             self.state_slots[start:end] = self.state.scratch_slot
 
     def _metadata(self, size: int, width: int, max_seq_len: int) -> AttentionMetadata:
+        metas = [
+            self._group_metadata(g, size, width, max_seq_len) for g in range(len(self.group_tables))
+        ]
+        if len(metas) > 1:
+            metas[0].groups = metas
+        return metas[0]
+
+    def _group_metadata(
+        self, group: int, size: int, width: int, max_seq_len: int
+    ) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.slot_mappings[group][:size],
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size, :width],
+            block_tables=self.group_tables[group][:size, :width],
             num_prefills=0,
             num_prefill_tokens=0,
             max_query_len=1,

@@ -28,9 +28,10 @@ class StepInputs:
 
 
 class InputPreparer:
-    def __init__(self, block_size: int, device: torch.device):
+    def __init__(self, block_size: int, device: torch.device, num_groups: int = 1):
         self.block_size = block_size
         self.device = device
+        self.num_groups = num_groups  # KV cache groups: block tables per sequence
 
     def prepare(
         self,
@@ -53,16 +54,31 @@ class InputPreparer:
             rows = logit_rows(item, first_row)
             logits_rows.append((len(logits_idx), len(rows)))
             logits_idx.extend(rows)
-        slices = [
-            SeqSlice(i.num_new + back, i.context_len, i.state.block_ids)
-            for i, back in zip(scheduled, behind)
-        ]
-        attn = build_metadata(
-            slices[:num_prefills], slices[num_prefills:], self.block_size, self.device
-        )
+        attn = self._metadata(scheduled, num_prefills, behind, 0)
+        if self.num_groups > 1:
+            attn.groups = [attn] + [
+                self._metadata(scheduled, num_prefills, behind, g)
+                for g in range(1, self.num_groups)
+            ]
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return StepInputs(
             as_tensor(ids), as_tensor(positions), attn, as_tensor(logits_idx), logits_rows
+        )
+
+    def _metadata(
+        self,
+        scheduled: list[ScheduledRequest],
+        num_prefills: int,
+        behind: list[int],
+        group: int,
+    ) -> AttentionMetadata:
+        """One KV cache group's metadata: the rows' lengths over that group's block tables."""
+        slices = [
+            SeqSlice(i.num_new + back, i.context_len, i.state.table(group))
+            for i, back in zip(scheduled, behind)
+        ]
+        return build_metadata(
+            slices[:num_prefills], slices[num_prefills:], self.block_size, self.device
         )
 
 

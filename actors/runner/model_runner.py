@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import torch
 from raylane.actors.models import TPGroup, load_model, load_weights
-from raylane.actors.models.layer_layout import shared_window
+from raylane.actors.models.layer_layout import layer_groups
 from raylane.actors.runner import weight_checks
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
 from raylane.actors.runner.draft_runner import DraftRunner
@@ -81,6 +81,7 @@ class ModelRunner:
         )
         # the state slots come out of the same memory budget as the KV blocks
         reserved = self.state.num_bytes if self.state is not None else 0
+        self.kv_groups = layer_groups(layers)  # sliding and full layers' block tables apart
         self.kv = KVCache.allocate(
             config,
             layers,
@@ -89,10 +90,11 @@ class ModelRunner:
             self.device,
             reserved=reserved,
             shared_bytes_per_token=self.draft.bytes_per_token() if self.draft is not None else 0,
+            groups=self.kv_groups,
         )
-        if self.draft is not None:  # a parallel pool, indexed by the same block ids
+        if self.draft is not None:  # a parallel pool, indexed by group 0's block ids
             self.draft.allocate(self.kv.num_blocks)
-        self.inputs = InputPreparer(config.block_size, self.device)
+        self.inputs = InputPreparer(config.block_size, self.device, self.kv_groups.num_groups)
         self.graphs = self._graph_runner(config)
         self.sampler = Sampler(
             hf_config.vocab_size, list(config.eos_token_ids), self.device, config.seed
@@ -145,12 +147,12 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             kv_bytes_per_token=self.tp.world_size * self._kv_bytes_per_token(),
-            sliding_window=shared_window(self.model.attention_layers()),
+            kv_group_windows=self.kv_groups.windows,
         )
 
     def _kv_bytes_per_token(self) -> int:
         draft = self.draft.bytes_per_token() if self.draft is not None else 0
-        return bytes_per_token(self.model.attention_layers(), self.dtype) + draft
+        return bytes_per_token(self.model.attention_layers(), self.dtype, self.kv_groups) + draft
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
@@ -293,7 +295,13 @@ class ModelRunner:
         """A zeroed KV cache of the same number of blocks (the engine's block table is kept)."""
         layers = self.model.attention_layers()
         self.kv = KVCache.allocate(
-            self.config, layers, self.model, self.dtype, self.device, self.kv.num_blocks
+            self.config,
+            layers,
+            self.model,
+            self.dtype,
+            self.device,
+            self.kv.num_blocks,
+            groups=self.kv_groups,
         )
         if self.draft is not None:
             self.draft.allocate(self.kv.num_blocks)

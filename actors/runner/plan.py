@@ -32,6 +32,8 @@ class NewRequest:
     block_ids: tuple[int, ...]  # the whole block table so far
     num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit)
     params: SamplingParams  # the request's own, as the user gave it (validated, picklable)
+    # KV cache groups after the first (layer_kinds.KVGroups): each group's whole table so far
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class CachedRequest:
     num_computed_tokens: int  # tokens in the KV cache before this step
     # back from preemption: its blocks were freed, `new_block_ids` is the whole new table
     resumed: bool = False
+    # KV cache groups after the first: appended to each group's table, like `new_block_ids`
+    new_group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

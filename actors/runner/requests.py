@@ -29,6 +29,7 @@ class RequestState:
         "token_ids",
         "num_prompt_tokens",
         "block_ids",
+        "group_block_ids",
         "num_computed_tokens",
         "last_sampled",
         "num_prompt_logprobs_done",
@@ -47,6 +48,7 @@ class RequestState:
         block_ids: list[int],
         num_computed_tokens: int,
         params: SamplingParams,
+        group_block_ids: list[list[int]] | None = None,
     ):
         self.seq_id = seq_id
         self.sample_index = sample_index
@@ -54,6 +56,8 @@ class RequestState:
         self.token_ids = list(token_ids)  # prompt, then every token fed or to be fed
         self.num_prompt_tokens = len(token_ids)
         self.block_ids = list(block_ids)
+        # KV cache groups after the first (a model mixing sliding and full layers)
+        self.group_block_ids = [list(ids) for ids in group_block_ids or []]
         self.num_computed_tokens = num_computed_tokens
         self.last_sampled: int | None = None  # on the sampling rank
         # prompt positions whose logprobs were reported; position 0 has none to report
@@ -77,10 +81,15 @@ class RequestState:
             list(new.block_ids),
             new.num_computed_tokens,
             new.params,
+            [list(ids) for ids in new.group_block_ids],
         )
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def table(self, group: int) -> list[int]:
+        """KV cache group `group`'s block table (group 0's is `block_ids`)."""
+        return self.block_ids if group == 0 else self.group_block_ids[group - 1]
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -112,8 +121,12 @@ class RequestState:
                 token = self.last_sampled
             self.token_ids.append(token)
         if delta.resumed:
-            self.block_ids = []
+            self.block_ids, self.group_block_ids = [], []
         self.block_ids.extend(delta.new_block_ids)
+        if len(self.group_block_ids) < len(delta.new_group_block_ids):
+            self.group_block_ids = [[] for _ in delta.new_group_block_ids]
+        for table, new_ids in zip(self.group_block_ids, delta.new_group_block_ids):
+            table.extend(new_ids)
         self.num_computed_tokens = num_computed
 
 
@@ -184,6 +197,7 @@ class RequestTable:
             if seq_id not in self.failed:
                 state = self._get(seq_id)
                 state.block_ids, state.num_computed_tokens = [], 0
+                state.group_block_ids = []
         for new in plan.new_requests:
             self.states[new.seq_id] = RequestState.from_plan(new)
         for delta in plan.cached_requests:

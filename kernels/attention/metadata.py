@@ -44,6 +44,10 @@ class AttentionMetadata:
     plan: Any = None
     # linear-attention layers' state slots (kernels/linear_attention StateMetadata), if any
     linear: Any = None
+    # KV cache groups (a model mixing sliding and full layers): group g's metadata, its own
+    # block tables and slot mapping over the same rows; entry 0 is this object. A layer of
+    # group g attends with `groups[g]`.
+    groups: list[AttentionMetadata] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from raylane.actors.engine import EngineConfig, LLMEngine
+from raylane.actors.engine.layer_kinds import kv_groups
 from raylane.actors.runner.graph_runner import GraphRunner
 
 from tests.unit.async_helpers import assert_same, engine_for, greedy, prompts_for, seeded
@@ -81,6 +82,7 @@ def test_eager_engine_replays_nothing(tiny_llama_dir):
 class _KV:
     block_size, scratch_block = 4, 9
     scratch_slot = 36
+    groups = kv_groups([8, None])  # two KV cache groups: a static table and mapping each
 
 
 def test_padding_goes_to_the_next_size_and_the_scratch_block():
@@ -88,12 +90,15 @@ def test_padding_goes_to_the_next_size_and_the_scratch_block():
         model=None, kv=_KV(), sizes=(8, 1, 4, 2), max_model_len=30, device=torch.device("cpu")
     )
     assert [graphs.padded_size(n) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
-    assert graphs.block_tables.shape == (8, 8)  # ceil(30 / 4) blocks per row
+    assert [t.shape for t in graphs.group_tables] == [(8, 8)] * 2  # ceil(30 / 4) per row
     graphs.seq_lens[:] = 7
+    for tables in graphs.group_tables:
+        tables.fill_(5)
     graphs._reset_padding(3, 8)
     assert graphs.seq_lens.tolist() == [7, 7, 7, 1, 1, 1, 1, 1]
-    assert graphs.slot_mapping[3:].tolist() == [36] * 5
-    assert graphs.block_tables[3:, 0].tolist() == [9] * 5
+    for slots, tables in zip(graphs.slot_mappings, graphs.group_tables):
+        assert slots[3:].tolist() == [36] * 5
+        assert tables[3:, 0].tolist() == [9] * 5 and tables[:3, 0].tolist() == [5] * 3
 
 
 def test_capture_sizes_default_ladder_and_validation():

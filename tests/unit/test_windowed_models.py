@@ -56,7 +56,7 @@ def test_sliding_only_model_holds_o_window_blocks(tmp_path_factory) -> None:
         layer_types=["sliding_attention", "sliding_attention"],
     )
     engine = engine_for(model_dir, block_size=4, max_num_batched_tokens=16)
-    assert engine.scheduler.sliding_window == 8
+    assert engine.block_manager.windows == (8,)
     prompts = prompts_for(engine.validator.vocab_size, seed=4, count=2)  # 17 and 33 tokens
     blocks = engine.block_manager
     held: list[int] = []
