@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import cast
 
+from raylane.actors.engine.group_windows import GroupWindows
 from raylane.actors.engine.layer_kinds import first_live_block
 from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.state_slots import SnapshotCache
@@ -51,10 +52,8 @@ class BlockManager:
     ):
         assert snapshots is None or len(windows) == 1, "state snapshots with KV cache groups"
         self.block_size = block_size
-        self.windows = windows  # each KV cache group's window (None: full attention)
-        # NOTE: off under speculative decoding: rejected drafts move a sequence back, before
-        # blocks freed for its window
-        self.frees_windows = frees_windows and any(w is not None for w in windows)
+        frees = frees_windows and any(w is not None for w in windows)
+        self.groups = GroupWindows(windows, block_size, frees)
         # linear-attention models: recurrent-state snapshots at block boundaries, by chain hash;
         # a prefix hit then stops at the longest cached prefix that has one
         self.snapshots = snapshots
@@ -73,6 +72,14 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return self.groups.windows
+
+    @property
+    def frees_windows(self) -> bool:
+        return self.groups.frees
 
     @property
     def null_block(self) -> int:
@@ -122,6 +129,9 @@ class BlockManager:
         assert self.snapshots is not None
         found = self.snapshots.lookup(hashes)
         keep, seq.restore_snapshot = found if found is not None else (0, None)
+        self._cut_hit(seq, keep)
+
+    def _cut_hit(self, seq: Sequence, keep: int) -> None:
         for block_id in reversed(seq.block_table[keep:]):
             self._release(block_id)
         del seq.block_table[keep:]
@@ -134,9 +144,7 @@ class BlockManager:
             found = [self._group_hit(seq, g, hashes, keep) for g in range(1, len(self.windows))]
             if all(f is not None for f in found):
                 break
-        for block_id in reversed(seq.block_table[keep:]):
-            self._release(block_id)
-        del seq.block_table[keep:]
+        self._cut_hit(seq, keep)
         for g, (start, block_ids) in enumerate(cast(list[tuple[int, list[int]]], found)):
             for block_id in block_ids:
                 self._take(block_id)
@@ -148,7 +156,7 @@ class BlockManager:
     ) -> tuple[int, list[int]] | None:
         """(first block the query at `keep` blocks sees, the group's cached blocks from it to
         `keep`), or None when one is not cached."""
-        start = first_live_block(keep * self.block_size, self._reach(group), self.block_size)
+        start = self.groups.first_kept(group, keep * self.block_size)
         block_ids = []
         for i in range(start, keep):
             block_id = self.cached.get(_group_hash(group, hashes[i]))
@@ -156,12 +164,6 @@ class BlockManager:
                 return None
             block_ids.append(block_id)
         return start, block_ids
-
-    def _reach(self, group: int) -> int | None:
-        """The window a group's blocks are kept for: one position of slack, since a grammar
-        skip recomputes the last position."""
-        window = self.windows[group]
-        return None if window is None else window + 1
 
     def reserve_snapshot(self, seq: Sequence, num_blocks: int) -> int | None:
         """A snapshot slot for the sequence's state after its first `num_blocks` blocks, keyed
@@ -177,20 +179,6 @@ class BlockManager:
         total = seq.num_blocks_for(seq.num_computed_tokens + num_new)
         groups = seq.group_tables or [[]] * (len(self.windows) - 1)
         return sum(max(0, total - len(table)) for table in [seq.block_table, *groups])
-
-    def blocks_to_hold(self, num_tokens: int, max_step_tokens: int) -> int:
-        """The most blocks one sequence of `num_tokens` holds at once: every group's whole
-        table, or, where blocks outside a window are freed, the window and one step's reach
-        (`max_step_tokens`) with a block of slack at each end and the chain's root."""
-        total = -(-num_tokens // self.block_size)
-        held = 0
-        for group in range(len(self.windows)):
-            reach = self._reach(group)
-            if reach is None or not self.frees_windows:
-                held += total
-            else:
-                held += min(total, -(-(reach + max_step_tokens) // self.block_size) + 3)
-        return held
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free)
@@ -245,11 +233,12 @@ class BlockManager:
             if block.hash is None:
                 self._register(block, hash((parent, tokens)), tokens)
             parent = block.hash
+            assert parent is not None
             for g, table in enumerate(seq.group_tables):
-                if i >= seq.group_released[g]:  # a block freed already may be another's now
-                    group_block = self.blocks[table[i]]
-                    if group_block.hash is None:
-                        self._register(group_block, _group_hash(g + 1, parent), tokens)
+                group_block = self.blocks[table[i]]
+                # NOTE: a block freed already (outside the window) may be another's now
+                if i >= seq.group_released[g] and group_block.hash is None:
+                    self._register(group_block, _group_hash(g + 1, parent), tokens)
             seq.num_hashed_blocks = i + 1
 
     def _register(self, block: Block, chain_hash: int, tokens: tuple[int, ...]) -> None:
@@ -276,8 +265,7 @@ class BlockManager:
         if self.windows[0] is not None:
             self.free_outside_window(seq, self.windows[0] + 1)
         for g, table in enumerate(seq.group_tables):
-            size, reach = self.block_size, self._reach(g + 1)
-            end = first_live_block(seq.num_computed_tokens, reach, size)
+            end = self.groups.first_kept(g + 1, seq.num_computed_tokens)
             for i in range(seq.group_released[g], end):
                 self._release(table[i])
             seq.group_released[g] = max(seq.group_released[g], end)

@@ -224,7 +224,7 @@ class Scheduler:
             seq.num_cached_tokens = cached
 
     def _check_fits(self, seq: Sequence) -> None:
-        need = self.blocks.blocks_to_hold(len(seq), self.max_num_batched_tokens)
+        need = self.blocks.groups.blocks_to_hold(len(seq), self.max_num_batched_tokens)
         if need > self.blocks.num_blocks:
             raise RuntimeError(
                 f"request {seq.request_id} needs {need} KV blocks but the cache "

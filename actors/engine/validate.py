@@ -54,7 +54,7 @@ class RequestValidator:
                 f"max_model_len={max_len}; shorten the prompt"
             )
         total = min(len(ids) + (params.max_tokens or max_len), max_len)
-        blocks = self.blocks.blocks_to_hold(total, self.config.max_num_batched_tokens)
+        blocks = self.blocks.groups.blocks_to_hold(total, self.config.max_num_batched_tokens)
         if blocks > self.config.num_kv_blocks:
             raise ValueError(
                 f"max_tokens: prompt + max_tokens = {total} tokens need {blocks} KV "

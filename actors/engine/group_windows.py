@@ -1,0 +1,45 @@
+"""The window arithmetic of KV cache groups (layer_kinds.KVGroups), torch-free: which of a
+group's blocks the next query still sees, and how many blocks a sequence can hold at most."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raylane.actors.engine.layer_kinds import first_live_block
+
+
+@dataclass(frozen=True)
+class GroupWindows:
+    windows: tuple[int | None, ...] = (None,)  # each group's window (None: full attention)
+    block_size: int = 16
+    # blocks wholly outside a window are freed as a sequence runs
+    # NOTE: off under speculative decoding: rejected drafts move a sequence back
+    frees: bool = True
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def reach(self, group: int) -> int | None:
+        """The window a group's blocks are kept for: one position of slack, since a grammar
+        skip recomputes the last position."""
+        window = self.windows[group]
+        return None if window is None else window + 1
+
+    def first_kept(self, group: int, num_computed: int) -> int:
+        """The group's first block the query at position `num_computed` can see."""
+        return first_live_block(num_computed, self.reach(group), self.block_size)
+
+    def blocks_to_hold(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks one sequence of `num_tokens` holds at once: every group's whole
+        table, or, where blocks outside a window are freed, the window and one step's reach
+        (`max_step_tokens`) with a block of slack at each end and the chain's root."""
+        total = -(-num_tokens // self.block_size)
+        held = 0
+        for group in range(self.num_groups):
+            reach = self.reach(group)
+            if reach is None or not self.frees:
+                held += total
+            else:
+                held += min(total, -(-(reach + max_step_tokens) // self.block_size) + 3)
+        return held

@@ -1,0 +1,140 @@
+"""Models mixing sliding and full layers through the engine, with a block table per KV cache
+group: tokens and logprobs equal Hugging Face's while the sliding groups hold O(window) blocks
+and the full group O(length); the prefix cache, preemption, async scheduling, the graph
+runner's eager replay and speculative decoding all give the same tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import make_gemma3, make_gpt_oss
+from tests.unit.test_engine_parity import assert_matches_hf, engine_for, greedy, prompts_for
+from tests.unit.test_windowed_models import assert_routing_matches_hf
+
+BLOCK, WINDOW, CHUNK, MAX_NEW = 4, 8, 16, 48
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def mixed_engine(model_dir: str, **kw):
+    kw = {"block_size": BLOCK, "max_num_batched_tokens": CHUNK, "num_kv_blocks": 64, **kw}
+    return engine_for(model_dir, **kw)
+
+
+def generate_counting_blocks(engine, prompts, params):
+    """Outputs, and per allocation the blocks the sequence holds: (full group, each sliding
+    group, the tokens they cover)."""
+    blocks = engine.block_manager
+    held: list[tuple[int, tuple[int, ...], int]] = []
+    allocate = blocks.allocate
+
+    def allocate_and_count(seq, num_new):
+        allocate(seq, num_new)
+        sliding = zip(seq.group_tables, seq.group_released)
+        covered = seq.num_computed_tokens + num_new
+        held.append((len(seq.block_table), tuple(len(t) - r for t, r in sliding), covered))
+
+    blocks.allocate = allocate_and_count
+    try:
+        return engine.generate(prompts, params, use_tqdm=False), held
+    finally:
+        blocks.allocate = allocate
+
+
+def assert_o_window(held, num_sliding_groups: int) -> None:
+    """Full group: every block of the sequence; sliding groups: the window (2 blocks), one of
+    slack, the block written and a chunk's reach (4 blocks) at most, 4 once decoding."""
+    for full, sliding, length in held:
+        assert full == -(-length // BLOCK) and len(sliding) == num_sliding_groups
+        assert max(sliding) <= 2 + 1 + 1 + CHUNK // BLOCK
+    decoding = [max(sliding) for _, sliding, length in held if length > 40]
+    assert decoding and max(decoding) <= 4
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_gpt_oss(tmp_path_factory.mktemp("mixed_gpt_oss"))  # sliding 8, full: 1:1
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_ref(gpt_oss_dir: str):
+    """Prompts longer than the window and a chunk, greedy to 81 and 97 tokens: the engine
+    equals HF and its routing too, in fewer blocks than the tables would hold unfreed."""
+    engine = mixed_engine(gpt_oss_dir, enable_return_routed_experts=True)
+    assert engine.block_manager.windows == (None, WINDOW)
+    prompts = prompts_for(engine.validator.vocab_size, seed=4, count=2)  # 17 and 33 tokens
+    params = greedy(MAX_NEW, return_routed_experts=True)
+    outs, held = generate_counting_blocks(engine, prompts, params)
+    assert_matches_hf(gpt_oss_dir, prompts, outs, max_new=MAX_NEW)
+    assert_routing_matches_hf(gpt_oss_dir, prompts, outs, num_moe_layers=2, top_k=2)
+    # unfreed, 81 + 97 tokens are 2 * (21 + 25) = 92 blocks of the 64: nobody was preempted
+    assert engine.scheduler.num_preemptions == 0
+    return engine, prompts, outs, held
+
+
+def test_gpt_oss_sliding_group_holds_o_window_blocks(gpt_oss_ref) -> None:
+    _, _, _, held = gpt_oss_ref
+    assert_o_window(held, num_sliding_groups=1)
+
+
+def test_gpt_oss_prefix_cache_warm_equals_cold(gpt_oss_dir, gpt_oss_ref) -> None:
+    # a pool roomy enough that the sliding group's freed window blocks are not evicted (in
+    # the 64-block engine decoding reuses them at once: a hit then needs them, so it is cut)
+    _, prompts, cold, _ = gpt_oss_ref
+    engine = mixed_engine(gpt_oss_dir, enable_return_routed_experts=True, num_kv_blocks=256)
+    params = greedy(MAX_NEW, return_routed_experts=True)
+    first = engine.generate(prompts, params, use_tqdm=False)
+    warm = engine.generate(prompts, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in warm] == [16, 32]
+    assert_same(first, cold, atol=1e-5)
+    assert_same(warm, cold, atol=1e-5)
+    for w, c in zip(warm, cold):  # the cached prefix's routing is the computed one's
+        np.testing.assert_array_equal(w.outputs[0].routed_experts, c.outputs[0].routed_experts)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"async_scheduling": True},
+        {"enforce_eager": False},  # the graph runner's eager replay of decode batches
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+        {"num_kv_blocks": 40},  # preemption: the two sequences cannot run side by side
+    ],
+    ids=["async", "graph_replay", "ngram_spec", "preemption"],
+)
+def test_gpt_oss_variants_equal_the_serial_eager_run(gpt_oss_dir, gpt_oss_ref, variant):
+    _, prompts, ref, _ = gpt_oss_ref
+    engine = mixed_engine(gpt_oss_dir, **variant)
+    outs = engine.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+    assert_same(outs, ref, atol=1e-5)
+    if "enforce_eager" in variant:
+        assert engine.stats.graph_replays > 0
+    if "num_kv_blocks" in variant:
+        assert engine.scheduler.num_preemptions > 0
+    if "speculative_config" in variant:
+        assert not engine.block_manager.frees_windows  # a rejected draft moves a sequence back
+    engine.shutdown()
+
+
+def assert_same(got, ref, atol: float) -> None:
+    for g, r in zip(got, ref):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        assert np.allclose(g.outputs[0].logprobs, r.outputs[0].logprobs, atol=atol)
+
+
+def test_gemma3_uneven_groups_match_hf_in_o_window_blocks(tmp_path_factory) -> None:
+    # 5 sliding to 2 full: groups of 2 layers, one full and three sliding (the last of one
+    # layer), sharing two sets of cache tensors
+    types = [SLIDING, SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL]
+    model_dir = make_gemma3(
+        tmp_path_factory.mktemp("mixed_gemma3"), num_hidden_layers=7, layer_types=types
+    )
+    engine = mixed_engine(model_dir, num_kv_blocks=256)  # roomy: the warm run hits
+    assert engine.block_manager.windows == (None, WINDOW, WINDOW, WINDOW)
+    prompts = prompts_for(engine.validator.vocab_size, seed=5, count=2)
+    cold, held = generate_counting_blocks(engine, prompts, greedy(MAX_NEW))
+    assert_matches_hf(model_dir, prompts, cold, max_new=MAX_NEW)
+    assert_o_window(held, num_sliding_groups=3)
+    warm = engine.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+    assert [o.num_cached_tokens for o in warm] == [16, 32]
+    assert_same(warm, cold, atol=1e-5)
