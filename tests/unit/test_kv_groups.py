@@ -113,3 +113,16 @@ def test_prefix_hit_is_cut_where_a_sliding_block_is_gone() -> None:
     assert second.group_tables[0][:3] == [bm.null_block] * 3 and len(second.block_table) == 5
     bm.free_sequence(second)
     assert bm.num_free_blocks == 64
+
+
+def test_bench_memory_counts_the_block_managers_held_blocks() -> None:
+    from raylane.actors.engine.layer_kinds import LayerKind, ModelLayout
+    from raylane.bench.hybrid import held_kv_bytes
+
+    kv = 10  # bytes per token per layer
+    sliding, full = LayerKind("sliding", kv, window=8), LayerKind("full", kv)
+    layout = ModelLayout((sliding, full, sliding, full))  # two groups of two layers
+    # at 100 tokens the full group holds 25 blocks; the sliding group the blocks of positions
+    # 91 (slack) .. 99 the next query sees: blocks 22, 23, 24; a block holds 2 layers' K/V
+    assert held_kv_bytes(layout, 100, block_size=4, chunk=16) == (25 + 3) * 4 * 2 * kv
+    assert held_kv_bytes(ModelLayout((full, full)), 100, block_size=4) == 25 * 4 * 2 * kv
