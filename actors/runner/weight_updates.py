@@ -9,6 +9,10 @@ parameters back, so a failed update leaves the old weights; `finish` keeps the n
 save buffers are kept from one update to the next (fresh memory costs page faults, ~3x the
 copy): a CPU copy of every parameter an update wrote, for the process's life.
 
+A draft model's tensors (`draft.<its HF name>`, runner/draft_runner.py) go to `draft`, the
+draft's own `RunnerWeights`, in the same transaction: checked, saved, rolled back and kept
+with the target's, whether they arrive in buckets or over the trainer's group.
+
 Received chunks are loaded on a worker thread while the next chunk arrives (two receive
 buffers, as vLLM's consumer double-buffers): the broadcast waits in gloo without the GIL, and
 the copy and the re-pack of the packed weights overlap it.
@@ -62,13 +66,14 @@ class RunnerWeights:
         mine, drafts = _split(specs, lambda spec: spec[0])
         if drafts:
             self._draft_check(drafts)
-        check_weights(
-            type(self.model),
-            self.hf_config,
-            self.tp,
-            self.dtype,
-            [(name, tuple(shape), torch_dtype(dtype)) for name, shape, dtype in mine],
-        )
+        if mine:
+            check_weights(
+                type(self.model),
+                self.hf_config,
+                self.tp,
+                self.dtype,
+                [(name, tuple(shape), torch_dtype(dtype)) for name, shape, dtype in mine],
+            )
         if begin and self._saved is None:
             self._saved = set()
         if begin and self.draft is not None:

@@ -20,8 +20,8 @@ class SpeculativeConfig:
       searched in the request's own prompt and output, the tokens after the latest match drafted.
     - "suffix": the longest suffix match over the request's tokens and its siblings' (the
       other samples of its `n` group), drafting the continuation seen most often.
-    - "draft_model": `model` (a path), a small model with the target's vocabulary, proposes
-      k tokens greedily (spec/draft_model.py).
+    - "draft_model": `model` (a path), a small model with the target's vocabulary, run on
+      the runners with a KV pool of its own, proposes k tokens (runner/draft_runner.py).
     - "mtp": the target's own MTP layer (DeepSeek-V3's num_nextn_predict_layers) drafts
       one token per step on the runner (runner/mtp_drafts.py); TP=1 only.
 

@@ -26,6 +26,11 @@ def check_draft_model(
             f"target's ({target_vocab_size}); a draft model needs the target's tokenizer"
         )
     _check_tokenizer(path, target_tokenizer)
+    if "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or []):
+        raise ValueError(
+            f"{_OWNER}.model: a draft with linear-attention layers is not supported (its "
+            "recurrent state would need slots of its own); use a full-attention draft"
+        )
     try:
         check_tp_shape(config, tensor_parallel_size)
     except ValueError as e:
