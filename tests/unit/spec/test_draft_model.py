@@ -158,3 +158,19 @@ def test_block_budget_pays_for_the_draft_pool(loopy_dir, reference, prompts, tmp
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         np.testing.assert_allclose(a.outputs[0].logprobs, b.outputs[0].logprobs, atol=1e-4)
     engine.shutdown()
+
+
+def test_sleep_releases_and_restores_the_draft(loopy_dir, prompts):
+    """Sleep level 2 frees both pools and spills both models' weights; after wake-up the
+    draft (the target itself) still has every draft accepted, and outputs are unchanged."""
+    engine = spec_engine(loopy_dir, draft_spec(loopy_dir))
+    params = greedy(max_tokens=16)
+    before = engine.generate(prompts[:2], params, use_tqdm=False)
+    sums = engine.upkeep.weight_checksums()
+    engine.upkeep.sleep(2)
+    engine.upkeep.wake_up()
+    assert engine.upkeep.weight_checksums() == sums
+    tap = Tap(engine, K)
+    assert_same(before, engine.generate(prompts[:2], params, use_tqdm=False))
+    assert 0 < tap.num_accepted == tap.num_draft_tokens
+    engine.shutdown()
