@@ -140,7 +140,7 @@ def test_draft_tensors_over_the_trainers_group(loopy_dir, other_dir, prompts, tm
 
     from raylane.actors.engine import EngineConfig
     from raylane.actors.engine.async_engine import AsyncLLMEngine
-    from raylane.session_server.backend import LocalBackend
+    from raylane.session_server.backend import local_backend
     from safetensors.torch import save_file
 
     from tests.unit.test_collective_weights import update
@@ -162,8 +162,9 @@ def test_draft_tensors_over_the_trainers_group(loopy_dir, other_dir, prompts, tm
     )
 
     async def go():
-        backend = LocalBackend(AsyncLLMEngine.from_config(config), "tiny")
-        engine = backend.engine.engine
+        async_engine = AsyncLLMEngine.from_config(config)
+        backend = local_backend(async_engine, "tiny")
+        engine = async_engine.engine
         trainer = Trainer(str(both), specs)
         try:
             await backend.control.init_weight_group(trainer.info())
@@ -171,11 +172,11 @@ def test_draft_tensors_over_the_trainers_group(loopy_dir, other_dir, prompts, tm
             assert draft_sums(engine) == want_sums
             tap = Tap(engine, K)
             for prompt, tokens in zip(prompts[:2], want):
-                assert await collect(backend.engine, prompt, params) == tokens
+                assert await collect(async_engine, prompt, params) == tokens
             assert 0 < tap.num_accepted == tap.num_draft_tokens
         finally:
             trainer.close()
-            await backend.engine.shutdown()
+            await async_engine.shutdown()
 
     asyncio.run(go())
 
