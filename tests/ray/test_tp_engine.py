@@ -34,7 +34,7 @@ from tests.ray.tp_helpers import (
     token_ids,
     wait_until,
 )
-from tests.tiny_models import make_llama, make_qwen3_next
+from tests.tiny_models import make_gpt_oss, make_llama, make_qwen3_next
 
 LENGTHS = (17, 33, 49, 70)  # 2 to 5 blocks of 16
 ATOL = 1e-4  # TP splits the matmul reductions: fp32 rounding differs, not the math
@@ -362,6 +362,32 @@ def test_qwen3_next_matches_tp1_through_state_snapshots(ray_cluster, tmp_path_fa
                     g.outputs[0].routed_experts, r.outputs[0].routed_experts
                 )
         assert [o.num_cached_tokens for o in got] == [32, 48]  # from the snapshots
+    finally:
+        pair.close()
+
+
+def test_gpt_oss_kv_groups_match_tp1_through_the_prefix_cache(ray_cluster, tmp_path_factory):
+    """gpt-oss at TP=2 with its sliding and full layers in separate KV cache groups (4-token
+    blocks, window 8: the sliding group frees blocks as it decodes, on every rank); the second
+    run's prefix hits take both groups' blocks."""
+    model_dir = make_gpt_oss(tmp_path_factory.mktemp("tp_gpt_oss"))
+    pair = _pair(
+        model_dir, block_size=4, max_num_batched_tokens=16, enable_return_routed_experts=True
+    )
+    tp = next(pair)
+    try:
+        assert tp.tp2.block_manager.windows == (None, 8)
+        prompts = prompts_for(tp.tp1.validator.vocab_size, (17, 33), seed=19)
+        params = greedy(24, logprobs=1, return_routed_experts=True)
+        for _ in range(2):
+            ref = tp.tp1.generate(prompts, params, use_tqdm=False)
+            got = tp.tp2.generate(prompts, params, use_tqdm=False)
+            assert_same_outputs(got, ref, ATOL)
+            for g, r in zip(got, ref):
+                np.testing.assert_array_equal(
+                    g.outputs[0].routed_experts, r.outputs[0].routed_experts
+                )
+        assert [o.num_cached_tokens for o in got] == [16, 32]
     finally:
         pair.close()
 
