@@ -58,9 +58,10 @@ def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def gpt_oss_ref(gpt_oss_dir: str):
-    """Prompts longer than the window and a chunk, greedy to 81 and 97 tokens: the engine
-    equals HF and its routing too, in fewer blocks than the tables would hold unfreed."""
-    engine = mixed_engine(gpt_oss_dir, enable_return_routed_experts=True)
+    """Prompts longer than the window and a chunk, greedy to 81 and 97 tokens, scheduled
+    serially: the engine equals HF and its routing too, in fewer blocks than the tables would
+    hold unfreed."""
+    engine = mixed_engine(gpt_oss_dir, enable_return_routed_experts=True, async_scheduling=False)
     assert engine.block_manager.windows == (None, WINDOW)
     prompts = prompts_for(engine.validator.vocab_size, seed=4, count=2)  # 17 and 33 tokens
     params = greedy(MAX_NEW, return_routed_experts=True)
