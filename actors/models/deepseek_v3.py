@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from raylane.actors.models.attention import Attention
 from raylane.actors.models.layers import TPGroup
 from raylane.actors.models.llama import (
     AttentionSpec,
@@ -25,9 +24,8 @@ from raylane.actors.models.llama import (
 )
 from raylane.actors.models.llama import LlamaForCausalLM as _Llama
 from raylane.actors.models.mla import MLASpec, MLAttention
-from raylane.actors.models.mtp import MtpLayer, mtp_checkpoint_name
+from raylane.actors.models.mtp import MtpHost, MtpLayer, mtp_checkpoint_name
 from raylane.actors.models.qwen3_moe import FusedMoE, expert_mapping
-from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.moe import (
     expert_forward,
     select_experts_grouped,
@@ -132,7 +130,7 @@ def is_moe_layer(config: Any, layer_idx: int) -> bool:
     return bool(config.n_routed_experts) and layer_idx >= (config.first_k_dense_replace or 0)
 
 
-class DeepseekV3ForCausalLM(_Llama):
+class DeepseekV3ForCausalLM(MtpHost, _Llama):
     stacked_params_mapping: ClassVar[list[tuple[str, str, Any]]] = [
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
@@ -180,30 +178,6 @@ class DeepseekV3ForCausalLM(_Llama):
         if ours is not None and ours.startswith("mtp_layers."):
             return ours if int(ours.split(".")[1]) < len(self.mtp_layers) else None
         return ours
-
-    def prune_unloaded(self, loaded: set[str]) -> bool:
-        """Drop the MTP layers when the checkpoint had none of their weights."""
-        if not len(self.mtp_layers) or any(n.startswith("mtp_layers.") for n in loaded):
-            return False
-        self.mtp_layers = nn.ModuleList()
-        return True
-
-    def attention_layers(self) -> list[Attention]:
-        mtp = [m for m in self.mtp_layers.modules() if isinstance(m, Attention)]
-        return super().attention_layers() + mtp
-
-    def mtp_forward(
-        self,
-        k: int,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        previous_hidden: torch.Tensor,
-        attn: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One step of MTP layer k (see the class docstring)."""
-        embeds = self.model.embed_tokens(input_ids)  # [T, H]
-        cos, sin = self.model.rotary_emb(positions)
-        return self.mtp_layers[k](embeds, previous_hidden, cos, sin, attn)
 
     def make_attention(self, config: Any, spec: AttentionSpec) -> nn.Module:
         return MLAttention(MLASpec.from_config(config), self.tp)

@@ -15,8 +15,10 @@ L = num_hidden_layers: `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, `shared_
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
+from raylane.actors.models.attention import Attention
 from raylane.actors.models.layers import ReplicatedLinear, TPGroup
 from raylane.actors.models.llama import LlamaDecoderLayer
 from raylane.kernels.attention.metadata import AttentionMetadata
@@ -69,3 +71,43 @@ def mtp_checkpoint_name(name: str, num_hidden_layers: int) -> str | None:
     if rest.startswith(_OWN):
         return f"mtp_layers.{k}.{rest}"
     return f"mtp_layers.{k}.mtp_block.{rest}"
+
+
+class MtpHost:
+    """What a model with MTP layers gives the runner (mixed in before the model's base class):
+    `mtp_layers` (loaded ones; empty when the checkpoint had none of their weights), their
+    attention layers after the main ones (cache rows at the same slots), and
+    `mtp_forward(k, input_ids, positions, previous_hidden, attn)`, one draft step over T
+    tokens (see DeepseekV3ForCausalLM's docstring). A model sets `mtp_layers` and says how
+    step k runs (`mtp_step`)."""
+
+    mtp_layers: nn.ModuleList
+    model: Any
+
+    def mtp_step(self, k: int) -> Any:
+        """The module that runs draft step k: (embeds, previous_hidden, cos, sin, attn) ->
+        (hidden, routed)."""
+        return self.mtp_layers[k]
+
+    def prune_unloaded(self, loaded: set[str]) -> bool:
+        """Drop the MTP layers when the checkpoint had none of their weights."""
+        if not len(self.mtp_layers) or any(n.startswith("mtp_layers.") for n in loaded):
+            return False
+        self.mtp_layers = nn.ModuleList()
+        return True
+
+    def attention_layers(self) -> list[Attention]:
+        mtp = [m for m in self.mtp_layers.modules() if isinstance(m, Attention)]
+        return super().attention_layers() + mtp  # type: ignore[misc]
+
+    def mtp_forward(
+        self,
+        k: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        embeds = self.model.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.model.rotary_emb(positions)
+        return self.mtp_step(k)(embeds, previous_hidden, cos, sin, attn)

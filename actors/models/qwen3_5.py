@@ -12,6 +12,7 @@ recurrent state) and its query / KV heads of the attention layers; out_proj and 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -30,7 +31,9 @@ from raylane.actors.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
+from raylane.actors.models.mtp import MtpHost
 from raylane.actors.models.qwen3_moe import SparseMoeBlock, expert_mapping
+from raylane.actors.models.qwen_mtp import QwenMtp, qwen_mtp_name
 from raylane.actors.models.tp_shape import split_evenly
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.linear_attention import LinearAttentionBackend, get_linear_backend
@@ -160,8 +163,10 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, h * d)))
 
 
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
-    """Qwen3.5's text model (`Qwen3_5ForCausalLM`, model type qwen3_5_text)."""
+class Qwen3_5ForCausalLM(MtpHost, LlamaForCausalLM):
+    """Qwen3.5's text model (`Qwen3_5ForCausalLM`, model type qwen3_5_text); with
+    `mtp_num_hidden_layers` in the config and `mtp.*` weights in the checkpoint, its MTP
+    module (qwen_mtp.py) for speculative decoding."""
 
     stacked_params_mapping: ClassVar[list[tuple[str, str, Any]]] = [
         ("gate_up_proj", "gate_proj", 0),
@@ -178,6 +183,13 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"layer_types: unknown {sorted(unknown)}; known: {LINEAR}, {FULL}")
         super().__init__(config, tp)
         self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        num_mtp = getattr(config, "mtp_num_hidden_layers", 0) or 0
+        spec = self.attention_spec(config)
+        # an MTP block's MLP is of layer 0's kind (dense, or the MoE), as vLLM builds it
+        blocks = [
+            self.decoder_layer(config, GatedAttention(spec, self.tp), 0) for _ in range(num_mtp)
+        ]
+        self.mtp_layers = nn.ModuleList([QwenMtp(config, blocks, self.tp)] if blocks else [])
 
     @classmethod
     def attention_spec(cls, config: Any) -> AttentionSpec:
@@ -194,11 +206,21 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def make_layer(self, config: Any, spec: AttentionSpec, layer_idx: int) -> LlamaDecoderLayer:
         linear = config.layer_types[layer_idx] == LINEAR
         mixer = self.linear_mixer(config) if linear else GatedAttention(spec, self.tp)
+        return self.decoder_layer(config, mixer, layer_idx)
+
+    def decoder_layer(self, config: Any, mixer: nn.Module, layer_idx: int) -> LlamaDecoderLayer:
         mlp, is_moe = self.make_mlp(config, layer_idx)
+        spec = self.attention_spec(config)
         layer = LlamaDecoderLayer(spec, mlp, is_moe=is_moe, tp=self.tp, self_attn=mixer)
         layer.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         layer.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         return layer
+
+    def rename_weight(self, name: str) -> str | None:
+        return qwen_mtp_name(name, bool(len(self.mtp_layers)))
+
+    def mtp_step(self, k: int) -> Any:
+        return functools.partial(self.mtp_layers[0], k)
 
     def linear_layers(self) -> list[GatedDeltaNet]:
         return [m for m in self.model.layers.modules() if isinstance(m, GatedDeltaNet)]

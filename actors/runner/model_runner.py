@@ -56,7 +56,8 @@ class ModelRunner:
         if config.mtp and not len(getattr(self.model, "mtp_layers", ())):
             raise ValueError(
                 "EngineConfig.speculative_config.method='mtp': the model has no MTP layers "
-                "(num_nextn_predict_layers, with their weights in the checkpoint)"
+                "(num_nextn_predict_layers or mtp_num_hidden_layers in its config, with their "
+                "weights in the checkpoint; a checkpoint transformers saved has none)"
             )
         self._hidden: torch.Tensor | None = None
         self.dtype = next(model.parameters()).dtype
