@@ -22,7 +22,8 @@ class SpeculativeConfig:
       other samples of its `n` group), drafting the continuation seen most often.
     - "draft_model": `model` (a path), a small model with the target's vocabulary, run on
       the runners with a KV pool of its own, proposes k tokens (runner/draft_runner.py).
-    - "mtp": the target's own MTP layer (DeepSeek-V3's num_nextn_predict_layers) drafts
+    - "mtp": the target's own MTP layer (DeepSeek-V3's num_nextn_predict_layers, Qwen3.5's
+      and Qwen3-Next's mtp_num_hidden_layers) drafts
       one token per step on the runner (runner/mtp_drafts.py); TP=1 only.
 
     `disable_by_batch_size`: a step with more decoding sequences than this drafts nothing
