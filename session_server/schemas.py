@@ -137,6 +137,7 @@ class SGLangSamplingParams(BaseModel):
     min_p: float = 0.0
     stop: StopList = None
     stop_token_ids: StopTokenIds = None
+    stop_regex: str | list[str] | None = None  # SGLang's frontend sends it; only empty is served
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = None

@@ -155,6 +155,20 @@ class ServerInfo(BaseModel):
     vllm_config: dict[str, Any]
 
 
+class ModelInfoAnswer(BaseModel):
+    """SGLang's /model_info: what it serves (its frontend reads `model_path`)."""
+
+    model_config = ConfigDict(extra="allow")
+    model_path: str
+    served_model_name: str
+    tokenizer_path: str
+    is_generation: bool
+    preferred_sampling_params: dict[str, Any] | None
+    weight_version: str
+    has_image_understanding: bool
+    has_audio_understanding: bool
+
+
 class Load(_Out):
     dp_rank: int  # the replica's index (raylane's replicas are SGLang's DP ranks)
     num_running_reqs: int

@@ -24,6 +24,7 @@ from raylane.session_server.trainer_api.schemas import (
     AbortRequestBody,
     Loads,
     Message,
+    ModelInfoAnswer,
     PauseGenerationBody,
     ServerInfo,
     WeightVersionText,
@@ -66,6 +67,23 @@ async def server_info(request: Request) -> dict:
                 "pipeline_parallel_size": 1,
             },
         },
+    }
+
+
+@router.get("/model_info", response_model=None, responses=ok(ModelInfoAnswer))
+@router.get("/get_model_info", response_model=None, responses=ok(ModelInfoAnswer))
+async def model_info(request: Request) -> dict:
+    """SGLang's model info (its frontend's `RuntimeEndpoint` asks it first)."""
+    info = info_of(request)
+    return {
+        "model_path": info.model_path,
+        "served_model_name": info.name,
+        "tokenizer_path": info.model_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": version_text(await control_of(request).weight_version()),
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
     }
 
 
