@@ -45,6 +45,11 @@ def test_sglang_abort_request_by_rid(trainer):
     last = run_midway(
         trainer, "sgl-abort", lambda: trainer.post("/abort_request", json={"rid": "sgl-abort"})
     )
+    finish = last["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and isinstance(finish["message"], str)  # SGLang's shape
+    last = run_midway(
+        trainer, "sgl-all", lambda: trainer.post("/abort_request", json={"abort_all": True})
+    )
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     response = trainer.post("/abort_request", json={})
     assert response.status_code == 400 and response.json()["error"]["param"] == "rid"

@@ -60,6 +60,35 @@ async def test_generate_in_cluster_equals_http_and_hf(client, url, tiny_llama_di
     assert text.prompt_token_ids == await client.tokenize("Hello, world!")
 
 
+async def test_verls_replica_serves_from_inside_the_cluster(url, ray_cluster, tiny_llama_dir):
+    """verl's replica without an address (raylane.integrations.verl): its server actor reaches
+    the Router over Ray handles; before the update below, so HF's weights are served."""
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout.replica import RolloutReplicaRegistry, TokenOutput
+
+    config = RolloutConfig(
+        name="raylane", tensor_model_parallel_size=1, response_length=8, prompt_length=64
+    )
+    replica = RolloutReplicaRegistry.get("raylane")(
+        replica_rank=0, config=config, model_config=None, gpus_per_node=1
+    )
+    await replica.init_standalone()
+    try:
+        assert replica.server_address == "raylane_server_0_0"  # no HTTP address given
+        sampling = {"temperature": 0.0, "ignore_eos": True, "logprobs": True}
+        out = await replica.server_handle.generate.remote(
+            prompt_ids=PROMPT, sampling_params=sampling, request_id="verl-in-cluster"
+        )
+        want, want_logprobs = hf_greedy(tiny_llama_dir, PROMPT, 8)
+        assert type(out) is TokenOutput and out.token_ids == want
+        assert out.log_probs == pytest.approx(want_logprobs, abs=1e-4)
+        await replica.abort_all_requests()
+        await replica.resume_generation()
+        await replica.clear_kv_cache()
+    finally:
+        ray_cluster.kill(replica.server_handle)
+
+
 async def test_update_reaches_both_replicas_through_the_object_store(
     client, ray_cluster, tiny_llama_dir, tmp_path
 ):
