@@ -63,6 +63,7 @@ def gpt_oss_ref(gpt_oss_dir: str):
     hold unfreed."""
     engine = mixed_engine(gpt_oss_dir, enable_return_routed_experts=True, async_scheduling=False)
     assert engine.block_manager.windows == (None, WINDOW)
+    assert engine.runner_info.kv_bytes_per_token == kv_bytes_per_layer(gpt_oss_dir)  # 1 of 2
     prompts = prompts_for(engine.validator.vocab_size, seed=4, count=2)  # 17 and 33 tokens
     params = greedy(MAX_NEW, return_routed_experts=True)
     outs, held = generate_counting_blocks(engine, prompts, params)
@@ -117,6 +118,14 @@ def test_gpt_oss_variants_equal_the_serial_eager_run(gpt_oss_dir, gpt_oss_ref, v
     engine.shutdown()
 
 
+def kv_bytes_per_layer(model_dir: str) -> int:
+    """K and V of one token in one layer, float32, from the HF config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return 2 * config.num_key_value_heads * config.head_dim * 4
+
+
 def assert_same(got, ref, atol: float) -> None:
     for g, r in zip(got, ref):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids
@@ -132,6 +141,8 @@ def test_gemma3_uneven_groups_match_hf_in_o_window_blocks(tmp_path_factory) -> N
     )
     engine = mixed_engine(model_dir, num_kv_blocks=256)  # roomy: the warm run hits
     assert engine.block_manager.windows == (None, WINDOW, WINDOW, WINDOW)
+    # a block holds one group's K/V: 2 of the 7 layers
+    assert engine.runner_info.kv_bytes_per_token == 2 * kv_bytes_per_layer(model_dir)
     prompts = prompts_for(engine.validator.vocab_size, seed=5, count=2)
     cold, held = generate_counting_blocks(engine, prompts, greedy(MAX_NEW))
     assert_matches_hf(model_dir, prompts, cold, max_new=MAX_NEW)
