@@ -139,31 +139,27 @@ class BlockManager:
     def _take_group_hits(self, seq: Sequence, hashes: list[int]) -> None:
         """Keep the hit only up to the longest prefix whose blocks the next query sees are
         cached in every other group too; the group tables start with null blocks before
-        them (never read, never freed)."""
-        for keep in range(len(seq.block_table), -1, -1):
-            found = [self._group_hit(seq, g, hashes, keep) for g in range(1, len(self.windows))]
-            if all(f is not None for f in found):
-                break
+        them (never read, never freed). Linear in the prefix: each group's cached blocks are
+        looked up once."""
+        keep, size = len(seq.block_table), self.block_size
+        tokens = [tuple(seq.block_tokens(i)) for i in range(keep)]
+        found = [
+            [self._cached(_group_hash(g, hashes[i]), tokens[i]) for i in range(keep)]
+            for g in range(1, len(self.windows))
+        ]
+        keep = self.groups.longest_hit(found, keep)
         self._cut_hit(seq, keep)
-        for g, (start, block_ids) in enumerate(cast(list[tuple[int, list[int]]], found)):
-            for block_id in block_ids:
+        for g, block_ids in enumerate(found):
+            start = self.groups.first_kept(g + 1, keep * size)
+            taken = cast(list[int], block_ids[start:keep])
+            for block_id in taken:
                 self._take(block_id)
-            seq.group_tables[g] = [self.null_block] * start + block_ids
+            seq.group_tables[g] = [self.null_block] * start + taken
             seq.group_released[g] = start
 
-    def _group_hit(
-        self, seq: Sequence, group: int, hashes: list[int], keep: int
-    ) -> tuple[int, list[int]] | None:
-        """(first block the query at `keep` blocks sees, the group's cached blocks from it to
-        `keep`), or None when one is not cached."""
-        start = self.groups.first_kept(group, keep * self.block_size)
-        block_ids = []
-        for i in range(start, keep):
-            block_id = self.cached.get(_group_hash(group, hashes[i]))
-            if block_id is None or self.blocks[block_id].tokens != tuple(seq.block_tokens(i)):
-                return None
-            block_ids.append(block_id)
-        return start, block_ids
+    def _cached(self, chain_hash: int, tokens: tuple[int, ...]) -> int | None:
+        block_id = self.cached.get(chain_hash)
+        return None if block_id is None or self.blocks[block_id].tokens != tokens else block_id
 
     def reserve_snapshot(self, seq: Sequence, num_blocks: int) -> int | None:
         """A snapshot slot for the sequence's state after its first `num_blocks` blocks, keyed

@@ -43,3 +43,23 @@ class GroupWindows:
             else:
                 held += min(total, -(-(reach + max_step_tokens) // self.block_size) + 3)
         return held
+
+    def longest_hit(self, found: list[list[int | None]], keep: int) -> int:
+        """The longest prefix, `keep` blocks at most, after which the next query finds every
+        block it sees in each group after the first (`found[g - 1][i]`: group g's cached
+        block i, None where it has none)."""
+        last_miss = [_last_misses(block_ids) for block_ids in found]
+        while keep and any(
+            misses[keep] >= self.first_kept(g + 1, keep * self.block_size)
+            for g, misses in enumerate(last_miss)
+        ):
+            keep -= 1
+        return keep
+
+
+def _last_misses(block_ids: list[int | None]) -> list[int]:
+    """[k]: the last index below k whose block is missing (None), -1 when none is."""
+    out = [-1]
+    for i, block_id in enumerate(block_ids):
+        out.append(i if block_id is None else out[-1])
+    return out

@@ -126,3 +126,26 @@ def test_bench_memory_counts_the_block_managers_held_blocks() -> None:
     # 91 (slack) .. 99 the next query sees: blocks 22, 23, 24; a block holds 2 layers' K/V
     assert held_kv_bytes(layout, 100, block_size=4, chunk=16) == (25 + 3) * 4 * 2 * kv
     assert held_kv_bytes(ModelLayout((full, full)), 100, block_size=4) == 25 * 4 * 2 * kv
+
+
+def test_longest_hit_equals_a_naive_search() -> None:
+    import random
+
+    from raylane.actors.engine.group_windows import GroupWindows
+
+    rng = random.Random(3)
+    for _ in range(300):
+        windows = (F, *rng.sample([3, 6, 9, 17], k=rng.randint(1, 3)))
+        groups = GroupWindows(windows, BS)
+        keep = rng.randint(0, 12)
+        found = [[None if rng.random() < 0.15 else 1 for _ in range(keep)] for _ in windows[1:]]
+
+        def whole(k: int) -> bool:  # every group has each block the query at block k sees
+            return all(
+                found[g - 1][i] is not None
+                for g in range(1, len(windows))
+                for i in range(groups.first_kept(g, k * BS), k)
+            )
+
+        want = next(k for k in range(keep, -1, -1) if whole(k))
+        assert groups.longest_hit(found, keep) == want
