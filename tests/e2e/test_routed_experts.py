@@ -141,3 +141,23 @@ def test_vllm_tokens_route_sends_routed_experts_as_npy(moe_trainer_http, moe_ref
     routed = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
     assert routed.dtype == np.int32
     np.testing.assert_array_equal(routed, want.routed_experts[start:])
+
+
+async def test_verls_token_output_carries_the_routed_experts(moe_http, moe_ref):
+    """verl's rollout server (raylane.integrations.verl) with enable_rollout_routing_replay:
+    `TokenOutput.routed_experts` is the engine's capture over the whole sequence."""
+    from raylane.client import RolloutClient
+    from raylane.integrations.verl import RaylaneRolloutServer, RoutesControl, ServerDefaults
+
+    url = str(moe_http.base_url)
+    defaults = ServerDefaults(response_length=6, routed_experts=True)
+    client, control = RolloutClient(url), RoutesControl(url)
+    try:
+        server = RaylaneRolloutServer(client, control, defaults)
+        out = await server.generate(PROMPT_IDS, {"temperature": 0.0, "ignore_eos": True}, "v")
+    finally:
+        await client.close()
+        await control.close()
+    want = reference(moe_ref, PROMPT_IDS, 6)
+    assert out.token_ids == want.token_ids and out.stop_reason == "completed"
+    np.testing.assert_array_equal(out.routed_experts, want.routed_experts)
