@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -32,6 +33,7 @@ from torch.distributed.distributed_c10d import (
 )
 
 GROUP = "weight_update_group"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def trainer_specs(model_dir: str) -> list[dict]:
@@ -54,13 +56,17 @@ def free_port() -> int:
 class Trainer:
     """Rank 0 in its own process; `send()` makes it broadcast the update once."""
 
+    backend = "gloo"
+    module = "tests.weight_trainer"  # the process's program (tests/gpu/nccl_trainer.py: NCCL)
+
     def __init__(self, v1_dir: str, specs: list[dict], world_size: int = 2, **plan) -> None:
         self.port = free_port()
         self.world_size = world_size
         plan = {"port": self.port, "world_size": world_size, "group": GROUP, **plan}
         plan.update(file=f"{v1_dir}/model.safetensors", names=[s["name"] for s in specs])
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, json.dumps(plan)],
+            [sys.executable, "-m", self.module, json.dumps(plan)],
+            cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -68,7 +74,17 @@ class Trainer:
 
     def info(self) -> dict:
         where = {"master_address": "127.0.0.1", "master_port": self.port, "rank_offset": 1}
-        return {**where, "world_size": self.world_size, "group_name": GROUP, "backend": "gloo"}
+        return {
+            **where,
+            "world_size": self.world_size,
+            "group_name": GROUP,
+            "backend": self.backend,
+        }
+
+    def line(self) -> str:
+        """The process's next line ("joined", "sent")."""
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().strip()
 
     def send(self) -> None:
         assert self.proc.stdin is not None

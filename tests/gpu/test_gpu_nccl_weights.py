@@ -14,58 +14,34 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from raylane.actors.engine import EngineConfig, SamplingParams
 from raylane.actors.engine.async_engine import AsyncLLMEngine
-from raylane.session_server.backend import LocalBackend
+from raylane.session_server.backend import local_backend
 
 from tests.gpu.device import ON_CUDA
 from tests.hf_reference import hf_greedy, perturbed_model
-from tests.weight_trainer import GROUP, free_port, trainer_specs
+from tests.weight_trainer import GROUP, Trainer, trainer_specs
 
 two_gpus = pytest.mark.skipif(
     not (ON_CUDA and torch.cuda.is_available() and torch.cuda.device_count() >= 2),
     reason="NCCL weight transfer needs two CUDA GPUs (NCCL refuses two ranks of one "
     "communicator on one GPU); the CPU's gloo path is tests/unit/test_collective_weights.py",
 )
-ROOT = Path(__file__).resolve().parents[2]
 SIDES = ["ctypes", "vllm"]
 PROMPTS = [[(7 * i + 3 * j) % 200 + 5 for j in range(12 + 5 * i)] for i in range(2)]
 
 
-class NcclTrainer:
+class NcclTrainer(Trainer):
+    """The trainer on cuda:1 (tests/gpu/nccl_trainer.py), vLLM's packed chunks."""
+
+    backend = "nccl"
+    module = "tests.gpu.nccl_trainer"
+
     def __init__(self, side: str, v1_dir: str, specs: list[dict]) -> None:
-        self.port = free_port()
-        plan = {"port": self.port, "world_size": 2, "device": "cuda:1", "side": side}
-        plan.update(file=f"{v1_dir}/model.safetensors", names=[s["name"] for s in specs])
-        plan.update(packed=True, buffer=1 << 16)  # vLLM's chunking, several chunks
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.gpu.nccl_trainer", json.dumps(plan)],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-
-    def info(self) -> dict:
-        where = {"master_address": "127.0.0.1", "master_port": self.port, "rank_offset": 1}
-        return {**where, "world_size": 2, "group_name": GROUP, "backend": "nccl"}
-
-    def line(self) -> str:
-        assert self.proc.stdout is not None
-        return self.proc.stdout.readline().strip()
-
-    def send(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        super().__init__(v1_dir, specs, device="cuda:1", side=side, packed=True, buffer=1 << 16)
 
 
 async def greedy(engine: AsyncLLMEngine) -> list[list[int]]:
@@ -109,10 +85,10 @@ def test_a_vllm_style_nccl_trainer_updates_the_engine(side, tiny_llama_dir, tmp_
             model=tiny_llama_dir, device="cuda", dtype="float32", max_model_len=512,
             num_kv_blocks=64, enforce_eager=True,
         )  # fmt: skip
-        backend = LocalBackend(AsyncLLMEngine.from_config(config), "tiny")
-        control, trainer = backend.control, NcclTrainer(side, v1_dir, specs)
+        engine = AsyncLLMEngine.from_config(config)
+        control, trainer = local_backend(engine, "tiny").control, NcclTrainer(side, v1_dir, specs)
         try:
-            before = await greedy(backend.engine)
+            before = await greedy(engine)
             await control.init_weight_group(trainer.info())  # joins with the trainer's comm
             assert trainer.line() == "joined"
             await control.pause("keep")
@@ -120,7 +96,7 @@ def test_a_vllm_style_nccl_trainer_updates_the_engine(side, tiny_llama_dir, tmp_
             with pytest.raises(ValueError, match="q_proj"):  # refused before a byte moved
                 await control.receive_weights(None, GROUP, bad, packing)
             await control.resume()
-            assert await greedy(backend.engine) == before
+            assert await greedy(engine) == before
             assert await control.weight_version() == 0
             trainer.close()  # the refusal left the group: a fresh one for the update
             trainer = NcclTrainer(side, v1_dir, specs)
@@ -133,9 +109,9 @@ def test_a_vllm_style_nccl_trainer_updates_the_engine(side, tiny_llama_dir, tmp_
             assert await control.commit_update(None) == 1
             await control.resume()
             assert trainer.line() == "sent"
-            assert await greedy(backend.engine) == want
+            assert await greedy(engine) == want
         finally:
             trainer.close()
-            await backend.engine.shutdown()
+            await engine.shutdown()
 
     asyncio.run(go())
