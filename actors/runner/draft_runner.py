@@ -3,18 +3,22 @@ sharded like the target, with a paged KV pool of its own indexed by the target's
 
 The pool has the target's number of blocks, so the engine's block tables, prefix cache and
 preemption serve both pools and nothing is allocated per step (the block budget counts the
-draft's bytes per block too: `ModelRunner`). Every step, before the target's forward:
+draft's bytes per block too: `ModelRunner`). The draft runs only for rows the plan asks to
+draft, before the target's forward:
 
-1. *Mirror*: one draft forward over the step's rows as fed (prefill chunks, decode tokens, a
-   verify row's first token), so the draft's pool holds every computed position. A row whose
-   pool lags behind the target's (the last draft of an all-accepted run was never fed to the
-   draft) starts that many positions earlier; rejected positions are written over later, as
-   the target's are.
-2. *Draft*: a row planned with k placeholder drafts takes its first draft from the mirror's
-   logits at its last row, then k - 1 batched decode forwards of the draft (positions
-   L + 1 .. L + k - 1, slots the engine allocated) draw the rest. Each draft is drawn with
-   `draw_drafts` (argmax for greedy requests, q for sampled ones; draft_sampling.py says which
-   rule verifies them), and where min(1, p/q) verifies them q stays on the runner
+1. *Catch up*: one draft forward over those rows, each from the first position whose KV the
+   sequence has not itself written into the pool (`RequestState.num_draft_computed`) through
+   its fed token. So a sequence pays for the draft only once it drafts: a batch where the
+   cost model drafts nothing runs no draft at all, and a prefix-cache hit's blocks (whose
+   draft rows someone else wrote, or nobody) are never trusted. Usually this is the fed
+   token alone, or the last draft and the fed token after an all-accepted run (that draft
+   was never fed to the draft model); rejected positions are written over, as the
+   target's are.
+2. *Draft*: each row's first draft comes from the catch-up's logits at its last row, then
+   k - 1 batched decode forwards of the draft (positions L + 1 .. L + k - 1, slots the
+   engine allocated) draw the rest. Each draft is drawn with `draw_drafts` (argmax for
+   greedy requests, q for sampled ones; draft_sampling.py says which rule verifies them),
+   and where min(1, p/q) verifies them q stays on the runner
    (`ScheduledRequest.draft_probs`). The row then is a verify row like any other.
 
 Every rank draws the same drafts: each holds the full logits rows (the LM head all-gathers)
@@ -61,18 +65,14 @@ class DraftRunner:
         self.kv = KVCache(num_blocks, self.block_size, self.layers(), None, self.dtype, self.device)
 
     def propose(
-        self,
-        scheduled: list[ScheduledRequest],
-        num_prefills: int,
-        inputs: InputPreparer,
-        sampler: Sampler,
+        self, scheduled: list[ScheduledRequest], inputs: InputPreparer, sampler: Sampler
     ) -> None:
-        """Mirror the step's rows into the draft's pool; give each row planned with
-        placeholder drafts its drafts (`drafts`, `num_new` 1 + k, `draft_probs`)."""
-        logits = self._mirror(scheduled, num_prefills, inputs)
+        """Give each row planned with placeholder drafts its drafts (`drafts`, `num_new`
+        1 + k, `draft_probs`)."""
         rows = [item for item in scheduled if item.num_to_draft]
         if not rows:
             return
+        logits = self._catch_up(rows, inputs)
         drafted: list[list[int]] = [[] for _ in rows]
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
         for j in range(max(item.num_to_draft for item in rows)):
@@ -90,29 +90,15 @@ class DraftRunner:
             item.draft_probs = torch.stack(q) if verified_by_ratio(item.state.params) else None
             item.state.num_draft_computed = item.state.num_computed_tokens + len(drafts)
 
-    def _mirror(
-        self, scheduled: list[ScheduledRequest], num_prefills: int, inputs: InputPreparer
-    ) -> torch.Tensor:
-        """One forward over the step's fed rows; the logits [R, V] at the last row of each
-        row that drafts (R of them, in order)."""
-        behind = [
-            max(0, it.state.num_computed_tokens - it.state.num_draft_computed) for it in scheduled
-        ]
-        # a lagging row has more than one query token: every row goes as a prefill chunk then
-        step = inputs.prepare(
-            scheduled, num_prefills if not any(behind) else len(scheduled), behind
-        )
+    def _catch_up(self, rows: list[ScheduledRequest], inputs: InputPreparer) -> torch.Tensor:
+        """One forward over each row's positions missing from the pool, through its fed
+        token; the logits [R, V] at each row's last position."""
+        behind = [it.state.num_computed_tokens - it.state.num_draft_computed for it in rows]
+        # chunks of different lengths: every row goes as a prefill chunk
+        step = inputs.prepare(rows, len(rows), [max(0, b) for b in behind])
         hidden, _ = self.model(step.input_ids, step.positions, step.attn)
-        for item in scheduled:
-            item.state.num_draft_computed = item.state.num_computed_tokens + item.num_new
-        picked = [
-            first + count - 1
-            for item, (first, count) in zip(scheduled, step.logits_rows)
-            if item.num_to_draft
-        ]
-        if not picked:
-            return hidden[:0]
-        index = step.logits_indices[torch.tensor(picked, device=hidden.device)]
+        ends = [first + count - 1 for first, count in step.logits_rows]
+        index = step.logits_indices[torch.tensor(ends, device=hidden.device)]
         return self.model.compute_logits(hidden.index_select(0, index))
 
     def _decode(self, rows: list[ScheduledRequest], tokens: list[int], j: int) -> torch.Tensor:

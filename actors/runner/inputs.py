@@ -39,8 +39,8 @@ class InputPreparer:
         num_prefills: int,
         behind: list[int] | None = None,
     ) -> StepInputs:
-        """`behind[i]`: entry i's chunk starts that many of its known tokens earlier (a draft
-        model's pool a few positions behind the target's, draft_runner.py)."""
+        """`behind[i]`: entry i's chunk starts that many of its known tokens earlier (the
+        positions a draft model's pool lacks, draft_runner.py)."""
         behind = behind or [0] * len(scheduled)
         ids: list[int] = []
         positions: list[int] = []

@@ -175,8 +175,8 @@ class ModelRunner:
             attach_draft_probs(scheduled)
         self.faults.check("prepare")
         num_prefills = sum(1 for item in entries[: plan.num_prefills] if item is not None)
-        if self.draft is not None:  # the draft mirrors the step and draws its placeholders
-            self.draft.propose(scheduled, num_prefills, self.inputs, self.sampler)
+        if self.draft is not None:  # the draft model draws the placeholder drafts
+            self.draft.propose(scheduled, self.inputs, self.sampler)
         step = self.inputs.prepare(scheduled, num_prefills)
         if self.state is not None:
             slots = [s for item, s in zip(entries, plan.state_slots) if item is not None]

@@ -69,8 +69,9 @@ class RequestState:
         # MTP (mtp_drafts.py): (output position, draft, q [V]) of the draft drawn for the
         # next step, where min(1, p/q) verifies it
         self.draft_proposal: tuple[int, int, Any] | None = None
-        # a draft model (draft_runner.py): positions whose KV the draft's pool holds
-        self.num_draft_computed = num_computed_tokens
+        # a draft model (draft_runner.py): the positions whose KV this sequence itself wrote
+        # into the draft's pool (a prefix-cache hit's blocks hold someone else's, or none)
+        self.num_draft_computed = 0
 
     @classmethod
     def from_plan(cls, new: NewRequest) -> RequestState:
@@ -128,6 +129,8 @@ class RequestState:
         for table, new_ids in zip(self.group_block_ids, delta.new_group_block_ids):
             table.extend(new_ids)
         self.num_computed_tokens = num_computed
+        # the draft's rows past the tokens computed now held rejected drafts
+        self.num_draft_computed = min(self.num_draft_computed, num_computed)
 
 
 @dataclass
@@ -197,7 +200,7 @@ class RequestTable:
             if seq_id not in self.failed:
                 state = self._get(seq_id)
                 state.block_ids, state.num_computed_tokens = [], 0
-                state.group_block_ids = []
+                state.group_block_ids, state.num_draft_computed = [], 0
         for new in plan.new_requests:
             self.states[new.seq_id] = RequestState.from_plan(new)
         for delta in plan.cached_requests:

@@ -174,3 +174,19 @@ def test_sleep_releases_and_restores_the_draft(loopy_dir, prompts):
     assert_same(before, engine.generate(prompts[:2], params, use_tqdm=False))
     assert 0 < tap.num_accepted == tap.num_draft_tokens
     engine.shutdown()
+
+
+def test_prefix_cache_hits_recompute_the_draft_rows(loopy_dir, reference, prompts):
+    """A prompt sent again hits the prefix cache, whose blocks' draft rows this sequence did
+    not write: the draft (the target itself) recomputes them and still has every draft
+    accepted; tokens are the reference's."""
+    engine = spec_engine(loopy_dir, draft_spec(loopy_dir))
+    params = greedy(max_tokens=16)
+    want = reference.generate(prompts[3:], params, use_tqdm=False)
+    engine.generate(prompts[3:], params, use_tqdm=False)
+    tap = Tap(engine, K)
+    got = engine.generate(prompts[3:], params, use_tqdm=False)
+    assert got[0].num_cached_tokens > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert 0 < tap.num_accepted == tap.num_draft_tokens
+    engine.shutdown()
