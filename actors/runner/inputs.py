@@ -7,12 +7,18 @@ state (never the engine's sequences), so every rank builds the same tensors from
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from raylane.actors.runner.requests import ScheduledRequest
 from raylane.kernels.attention import AttentionMetadata
-from raylane.kernels.attention.builder import SeqSlice, build_metadata
+from raylane.kernels.attention.builder import (
+    SeqSlice,
+    block_tables,
+    build_metadata,
+    slot_mapping,
+)
 
 
 @dataclass
@@ -54,32 +60,39 @@ class InputPreparer:
             rows = logit_rows(item, first_row)
             logits_rows.append((len(logits_idx), len(rows)))
             logits_idx.extend(rows)
-        attn = self._metadata(scheduled, num_prefills, behind, 0)
+        slices = _slices(scheduled, behind, 0)
+        attn = build_metadata(
+            slices[:num_prefills], slices[num_prefills:], self.block_size, self.device
+        )
         if self.num_groups > 1:
             attn.groups = [attn] + [
-                self._metadata(scheduled, num_prefills, behind, g)
-                for g in range(1, self.num_groups)
+                self._group(attn, _slices(scheduled, behind, g)) for g in range(1, self.num_groups)
             ]
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return StepInputs(
             as_tensor(ids), as_tensor(positions), attn, as_tensor(logits_idx), logits_rows
         )
 
-    def _metadata(
-        self,
-        scheduled: list[ScheduledRequest],
-        num_prefills: int,
-        behind: list[int],
-        group: int,
-    ) -> AttentionMetadata:
-        """One KV cache group's metadata: the rows' lengths over that group's block tables."""
-        slices = [
-            SeqSlice(i.num_new + back, i.context_len, i.state.table(group))
-            for i, back in zip(scheduled, behind)
-        ]
-        return build_metadata(
-            slices[:num_prefills], slices[num_prefills:], self.block_size, self.device
+    def _group(self, attn: AttentionMetadata, slices: list[SeqSlice]) -> AttentionMetadata:
+        """A KV cache group's metadata: `attn`'s rows and lengths (shared) over that group's
+        block tables and slot mapping."""
+        slots = torch.tensor(slot_mapping(slices, self.block_size), dtype=torch.long)
+        return dataclasses.replace(
+            attn,
+            slot_mapping=slots.to(self.device),
+            block_tables=block_tables(slices, self.block_size).to(self.device),
+            seqs=slices,
+            plan=None,
+            groups=None,
         )
+
+
+def _slices(scheduled: list[ScheduledRequest], behind: list[int], group: int) -> list[SeqSlice]:
+    """Each row's part of the step over KV cache group `group`'s block table, in flat order."""
+    return [
+        SeqSlice(item.num_new + back, item.context_len, item.state.table(group))
+        for item, back in zip(scheduled, behind)
+    ]
 
 
 def logit_rows(item: ScheduledRequest, first_row: int) -> list[int]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from raylane.kernels.attention.metadata import AttentionMetadata, SeqSlice
 
-__all__ = ["SeqSlice", "build_metadata", "slot_mapping"]
+__all__ = ["SeqSlice", "block_tables", "build_metadata", "slot_mapping"]
 
 
 def build_metadata(
@@ -16,11 +17,6 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Metadata for a step whose flat tokens are `prefills` then `decodes`, in that order."""
     seqs = prefills + decodes
-    width = max((-(-s.context_len // block_size) for s in seqs), default=1)
-    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
-    for i, s in enumerate(seqs):
-        used = -(-s.context_len // block_size)
-        tables[i, :used] = torch.tensor(s.block_table[:used], dtype=torch.int32)
     starts = [0]
     for s in seqs:
         starts.append(starts[-1] + s.num_new)
@@ -29,7 +25,7 @@ def build_metadata(
         slot_mapping=as_tensor(slot_mapping(seqs, block_size), torch.long),
         query_start_loc=as_tensor(starts, torch.int32),
         seq_lens=as_tensor([s.context_len for s in seqs], torch.int32),
-        block_tables=tables.to(device),
+        block_tables=block_tables(seqs, block_size).to(device),
         num_prefills=len(prefills),
         num_prefill_tokens=sum(s.num_new for s in prefills),
         max_query_len=max((s.num_new for s in seqs), default=0),
@@ -37,6 +33,15 @@ def build_metadata(
         block_size=block_size,
         seqs=seqs,
     )
+
+
+def block_tables(seqs: list[SeqSlice], block_size: int) -> torch.Tensor:
+    """[B, W] int32: each sequence's blocks up to its context, padded with 0 (built in numpy:
+    a tensor copy per row, or torch.tensor on nested lists, costs several times more)."""
+    used = [-(-s.context_len // block_size) for s in seqs]
+    width = max(used, default=1)
+    rows = [list(s.block_table[:n]) + [0] * (width - n) for s, n in zip(seqs, used)]
+    return torch.from_numpy(np.array(rows, dtype=np.int32).reshape(len(seqs), width))
 
 
 def slot_mapping(seqs: list[SeqSlice], block_size: int) -> list[int]:
