@@ -133,7 +133,8 @@ class RaylaneRolloutServer:
         kv_transfer_params: dict | None = None,
     ) -> Any:
         """One sample of `prompt_ids` as verl's `TokenOutput`."""
-        if any(x is not None for x in (image_data, video_data, audio_data, mm_processor_kwargs)):
+        media = (image_data, video_data, audio_data, mm_processor_kwargs or None)
+        if any(x is not None for x in media):
             raise ValueError("image_data / video_data / audio_data: text prompts only")
         if kv_transfer_params is not None:
             raise ValueError("kv_transfer_params: prefill/decode disaggregation is not served")
