@@ -32,8 +32,10 @@ class GroupWindows:
 
     def blocks_to_hold(self, num_tokens: int, max_step_tokens: int) -> int:
         """The most blocks one sequence of `num_tokens` holds at once: every group's whole
-        table, or, where blocks outside a window are freed, the window and one step's reach
-        (`max_step_tokens`) with a block of slack at each end and the chain's root."""
+        table, or, where blocks outside a window are freed, the window, one step's reach
+        (`max_step_tokens`) and one more step's (a sliding group 0 keeps the blocks its hash
+        chain has not reached, and async scheduling commits a step late), with a block of
+        slack at each end and the chain's root."""
         total = -(-num_tokens // self.block_size)
         held = 0
         for group in range(self.num_groups):
@@ -41,7 +43,7 @@ class GroupWindows:
             if reach is None or not self.frees:
                 held += total
             else:
-                held += min(total, -(-(reach + max_step_tokens) // self.block_size) + 3)
+                held += min(total, -(-(reach + 2 * max_step_tokens) // self.block_size) + 3)
         return held
 
     def longest_hit(self, found: list[list[int | None]], keep: int) -> int:
