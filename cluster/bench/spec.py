@@ -1,7 +1,8 @@
 """`raylane bench spec`: decode tok/s without speculation and with each method, same run.
 
 Workloads (each at every `--batch-sizes` value, in sequences):
-- copy: the answer repeats the prompt (chat: "repeat this text, fixing the typos"), greedy;
+- copy: the answer repeats the prompt (chat: "repeat this text, fixing the typos", a text of
+  ~110 tokens), greedy;
 - group: RL groups, `n=8` sampled answers (temperature 0.7, seeded) of one prompt per group;
 - random: random-token prompts continued by sampling at temperature 1 (nothing to predict).
 
@@ -80,10 +81,15 @@ def spec_of(method: str, args: argparse.Namespace) -> dict | None:
     return METHODS[method]
 
 
-def copy_prompts(tokenizer, batch: int) -> list[list[int]]:
+def copy_prompts(tokenizer, batch: int, texts_per_prompt: int = 1) -> list[list[int]]:
+    """Chat prompts asking to repeat `texts_per_prompt` of TEXTS (about 35 tokens each) with
+    two typos fixed. The copy workload joins three, so the answer (SmolLM2 repeats them,
+    with small edits, in ~100 tokens) covers the 96 tokens measured: with one, the answer
+    ended after ~40 tokens and the rest (ignore_eos) was free text, nothing to copy."""
     prompts = []
     for i in range(batch):
-        text = TEXTS[i % len(TEXTS)].replace("the", "teh", 1).replace("and", "adn", 1)
+        text = " ".join(TEXTS[(i + j) % len(TEXTS)] for j in range(texts_per_prompt))
+        text = text.replace("the", "teh", 1).replace("and", "adn", 1)
         messages = [
             {
                 "role": "user",
@@ -101,7 +107,7 @@ def workload(name: str, tokenizer, batch: int, output_len: int, vocab: int):
 
     if name == "copy":
         greedy = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        return copy_prompts(tokenizer, batch), [greedy] * batch
+        return copy_prompts(tokenizer, batch, texts_per_prompt=3), [greedy] * batch
     if name == "group":
         groups = max(1, batch // 8)
         prompts = copy_prompts(tokenizer, groups)

@@ -8,9 +8,9 @@ for all 1 + k positions; the scheduler still counts one new token, so after the 
 the accepted positions count as computed (`accepted`), the rejected slots are simply written
 over by later steps, and the prefix cache registers only blocks full of accepted tokens.
 
-Drafting needs the sequence's latest token on the host, so a sequence with a token in flight
-(async scheduling planned this step ahead) is not drafted; the engine plans speculative steps
-after the step before them returned (`LLMEngine.plan_ahead`).
+A sequence with a token in flight (async scheduling planned this step ahead) drafts past a
+guess of that token (`_past_pending`); the step after a verify step is planned once the verify
+step returned (`LLMEngine.plan_ahead`), as its accepted count decides the positions.
 """
 
 from __future__ import annotations
@@ -121,14 +121,9 @@ class Drafter:
         (runner/draft_runner.py), which keeps their q where min(1, p/q) verifies them."""
         if not self._may_draft(seq):
             return []
-        if seq.num_pending:
-            # its last token is in flight (an async step): look one token behind, only to
-            # learn whether drafting is worth a serial step
-            # (a draft model always has a proposal: no forward to learn that)
-            model_drafts = self.config.method in ("draft_model", "mtp")
-            self._has_match[seq.seq_id] = model_drafts or bool(self._lookup(seq, 1))
-            return []
         k = min(k, self._room(seq))
+        if seq.num_pending:
+            return self._past_pending(seq, k)
         drafts: list[int] = []
         if k > 0 and self.config.method == "draft_model":
             drafts = [PLACEHOLDER] * k
@@ -136,6 +131,20 @@ class Drafter:
             drafts = self._lookup(seq, k)
         self._has_match[seq.seq_id] = bool(drafts)
         return drafts
+
+    def _past_pending(self, seq: Sequence, k: int) -> list[int]:
+        """Drafts for a sequence whose last token is in flight (this step is planned ahead,
+        async): a lookup one token behind gives the continuation c; c[0] is a guess of the
+        token in flight and c[1:] the drafts after it. A wrong guess only costs a rejected
+        draft: the runner verifies the drafts after the token it really sampled, so outputs
+        stay exact. A draft model or MTP layer would need that token: no drafts, but they
+        always have a proposal for the step after (so that one is planned serially)."""
+        if self.config.method in ("draft_model", "mtp"):
+            self._has_match[seq.seq_id] = True
+            return []
+        found = self._lookup(seq, k + 1)
+        self._has_match[seq.seq_id] = bool(found)
+        return found[1:] if seq.num_pending == 1 else []
 
     def _lookup(self, seq: Sequence, k: int) -> list[int]:
         """Drafts that need no distribution: n-gram, suffix, the runner's MTP draft."""
@@ -155,7 +164,8 @@ class Drafter:
         max_tokens or the context length."""
         room = self.k
         if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            done = seq.num_output_tokens + seq.num_pending
+            room = min(room, seq.params.max_tokens - done - 1)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - len(seq))
         return room

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from raylane.actors.engine import SamplingParams
+from raylane.actors.runner.plan import PLACEHOLDER
 
 from tests.unit.async_helpers import drive, prompts_for
 from tests.unit.spec.helpers import Tap, spec_engine
@@ -134,4 +135,54 @@ def test_sampled_groups_with_sibling_drafts(loopy_dir, reference, prompts):
     got = engine.generate(prompts[:2], params, use_tqdm=False)
     assert_same(ref[:1], got[:1])  # seeded: the same samples whatever the seq ids
     assert engine.stats.spec_decode_num_draft_tokens > 0
+    engine.shutdown()
+
+
+def test_drafts_past_a_token_in_flight(loopy_dir, reference, prompts, monkeypatch):
+    """Async scheduling plans a step while the one before it runs: a row whose last token is
+    in flight drafts past a guess of it (the plan carries a placeholder, then the drafts).
+    Here the drafter always lets the next step be planned ahead, and its lookup is an oracle
+    (the reference's own tokens) spoiled at every other call, so blind drafts are accepted
+    and rejected. Greedy and seeded outputs, logprobs and max_tokens stops inside accepted
+    runs are the non-speculative ones."""
+    params = [
+        greedy(max_tokens=27),
+        greedy(max_tokens=41),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=40, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.3, seed=4, max_tokens=37, logprobs=2, ignore_eos=True),
+    ]
+    ref = reference.generate(prompts, params, use_tqdm=False)
+    full = {tuple(p): p + o.outputs[0].token_ids for p, o in zip(prompts, ref)}
+    engine = spec_engine(loopy_dir, NGRAM, async_scheduling=True)
+    calls = iter(range(10**6))
+
+    def oracle(seq, k):
+        n = len(seq.token_ids)
+        found = full[tuple(seq.token_ids[: seq.num_prompt_tokens])][n : n + k]
+        if next(calls) % 2 and len(found) > 1:
+            found[1] = (found[1] + 1) % engine.validator.vocab_size  # its first draft is wrong
+        return found
+
+    monkeypatch.setattr(engine.drafter, "wants_serial", lambda running: False)
+    monkeypatch.setattr(engine.drafter, "_lookup", oracle)
+    accepted: list[int] = []  # per row drafted past a placeholder, its accepted drafts
+    submit = engine.executor.submit
+
+    def tapped(plan):
+        future = submit(plan)
+        blind = {c.seq_id for c in plan.cached_requests if PLACEHOLDER in c.new_token_ids}
+        drafted = {seq_id for seq_id, _ in plan.draft_token_ids if seq_id in blind}
+        order = [seq_id for seq_id, _ in plan.scheduled]
+
+        def count(f):
+            for seq_id, extra in zip(order, f.result().extra):
+                if seq_id in drafted:
+                    accepted.append(len(extra.token_ids) if extra is not None else 0)
+
+        future.add_done_callback(count)
+        return future
+
+    engine.executor.submit = tapped  # type: ignore[method-assign]
+    assert_same(ref, engine.generate(prompts, params, use_tqdm=False))
+    assert max(accepted) == 4 and min(accepted) == 0  # guesses right and wrong
     engine.shutdown()
