@@ -22,6 +22,10 @@ BENCHES = {
         "raylane.bench.spec",
         "speculative decoding: decode tok/s off vs ngram vs suffix, by workload and batch size",
     ),
+    "spec-step": (
+        "raylane.bench.spec_step",
+        "speculative decoding at batch 1: one decode step vs one verify step, part by part",
+    ),
     "hybrid": (
         "raylane.bench.hybrid",
         "hybrid / windowed models: tok/s vs transformers; state memory per sequence",

@@ -54,6 +54,8 @@ class Cell:
     tokens: int
     acceptance: float | None = None  # accepted / draft tokens
     mean_accepted: float | None = None  # tokens per verify row (accepted + 1)
+    steps: int = 0  # engine steps (tok/s = tokens / steps / step time)
+    seconds: float = 0.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="off, ngram, suffix, draft (needs --draft-model), mtp (a model with MTP weights)",
     )
     parser.add_argument("--draft-model", help="method 'draft': the draft model's HF directory")
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="k, the drafts per step, of every method (default 4)",
+    )
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
@@ -74,11 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def spec_of(method: str, args: argparse.Namespace) -> dict | None:
     """The speculative_config of a `--methods` entry."""
+    k = args.num_speculative_tokens
     if method == "draft":
-        return {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": 4}
+        return {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k}
     if method == "mtp":
-        return {"method": "mtp", "num_speculative_tokens": 1}
-    return METHODS[method]
+        return {"method": "mtp", "num_speculative_tokens": k}
+    spec = METHODS[method]
+    return None if spec is None else {**spec, "num_speculative_tokens": k}
 
 
 def copy_prompts(tokenizer, batch: int, texts_per_prompt: int = 1) -> list[list[int]]:
@@ -166,11 +176,13 @@ def measure(engines, name: str, batch: int, prompts, params, repeats: int) -> li
         for method, engine in engines.items():
             spec = engine.stats.spec
             before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts)
+            steps = engine.stats.step_times.steps
             start = time.perf_counter()
             outs = engine.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
             cell = Cell(name, batch, method, tokens / seconds, tokens)
+            cell.steps, cell.seconds = engine.stats.step_times.steps - steps, seconds
             drafted = spec.num_draft_tokens - before[0]
             if drafted:
                 accepted = spec.num_accepted_tokens - before[1]
@@ -188,14 +200,18 @@ def measure(engines, name: str, batch: int, prompts, params, repeats: int) -> li
 
 def print_table(cells: list[Cell], header: bool) -> None:
     if header:
-        print("| workload | batch | method | tok/s | vs off | acceptance | mean accepted len |")
-        print("|---|---|---|---|---|---|---|")
+        print(
+            "| workload | batch | method | tok/s | vs off | acceptance | mean accepted len "
+            "| steps | ms/step |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
     base = cells[0].tok_s
     for c in cells:
         acc = "-" if c.acceptance is None else f"{c.acceptance:.0%}"
         mal = "-" if c.mean_accepted is None else f"{c.mean_accepted:.2f}"
         print(
             f"| {c.workload} | {c.batch} | {c.method} | {c.tok_s:.1f} | "
-            f"{c.tok_s / base:.2f}x | {acc} | {mal} |",
+            f"{c.tok_s / base:.2f}x | {acc} | {mal} | {c.steps} | "
+            f"{1000 * c.seconds / max(1, c.steps):.1f} |",
             flush=True,
         )
