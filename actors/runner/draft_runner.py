@@ -31,6 +31,7 @@ from typing import Any, cast
 
 import torch
 from raylane.actors.models import TPGroup, load_model
+from raylane.actors.runner import weight_checks
 from raylane.actors.runner.config import RunnerConfig
 from raylane.actors.runner.draft_sampling import draft_words, draw_drafts, verified_by_ratio
 from raylane.actors.runner.inputs import InputPreparer
@@ -38,7 +39,7 @@ from raylane.actors.runner.kv_cache import KVCache, bytes_per_token
 from raylane.actors.runner.requests import ScheduledRequest
 from raylane.actors.runner.sampler import Sampler
 from raylane.actors.runner.weight_spill import WeightSpill
-from raylane.actors.runner.weight_updates import RunnerWeights
+from raylane.actors.runner.weight_updates import DRAFT_PREFIX, RunnerWeights
 from raylane.kernels.attention.builder import SeqSlice, build_metadata
 
 
@@ -53,6 +54,11 @@ class DraftRunner:
         self.weights = RunnerWeights(self.model, hf_config, tp, device)
         self.spill = WeightSpill()  # a level-2 sleep's weights
         self.kv: KVCache | None = None
+
+    def checksums(self) -> dict[str, str]:
+        """Its parameters' checksums, named as its tensors are in an update (`draft.*`)."""
+        sums = weight_checks.weight_checksums(self.model)
+        return {f"{DRAFT_PREFIX}{name}": value for name, value in sums.items()}
 
     def layers(self) -> list:
         return self.model.attention_layers()

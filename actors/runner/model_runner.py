@@ -34,7 +34,7 @@ from raylane.actors.runner.result_builder import ResultBuilder
 from raylane.actors.runner.sampler import Sampler
 from raylane.actors.runner.state_cache import StateCache
 from raylane.actors.runner.weight_spill import WeightSpill
-from raylane.actors.runner.weight_updates import DRAFT_PREFIX, RunnerWeights
+from raylane.actors.runner.weight_updates import RunnerWeights
 from raylane.kernels.attention import get_backend
 
 
@@ -262,10 +262,7 @@ class ModelRunner:
 
     def weight_checksums(self) -> dict[str, str]:
         sums = weight_checks.weight_checksums(self.model)
-        if self.draft is not None:
-            draft = weight_checks.weight_checksums(self.draft.model)
-            sums.update({f"{DRAFT_PREFIX}{name}": value for name, value in draft.items()})
-        return sums
+        return sums | (self.draft.checksums() if self.draft is not None else {})
 
     def reset_weights(self, seed: int) -> None:
         self.weights.settle()  # the last commit's re-pack first
@@ -281,16 +278,18 @@ class ModelRunner:
     def release_weights(self) -> None:
         """Level-2 sleep: the weights spilled to a file and their memory freed."""
         self.weights.settle()  # the last commit's re-pack first
-        self.spill.release(self.model)
-        if self.draft is not None:
-            self.draft.spill.release(self.draft.model)
+        for model, spill in self._spills():
+            spill.release(model)
         self.graphs = None  # the graphs captured the old tensors
 
     def restore_weights(self) -> None:
         """The spilled weights back (before the KV cache, whose restore captures graphs)."""
-        self.spill.restore(self.model)
-        if self.draft is not None:
-            self.draft.spill.restore(self.draft.model)
+        for model, spill in self._spills():
+            spill.restore(model)
+
+    def _spills(self) -> list[tuple[Any, WeightSpill]]:
+        draft = [(self.draft.model, self.draft.spill)] if self.draft is not None else []
+        return [(self.model, self.spill), *draft]
 
     def restore_kv_cache(self) -> None:
         """A zeroed KV cache of the same number of blocks (the engine's block table is kept)."""

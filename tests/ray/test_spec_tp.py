@@ -36,15 +36,16 @@ def test_tp2_speculation_matches_tp1_without(ray_cluster, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_tp2_draft_model_with_sampled_drafts(ray_cluster, tmp_path):
-    """A draft model at TP=2, sharded on both ranks with its own KV pool: greedy and seeded
-    outputs (tokens and logprobs) are TP=1's without speculation; an unseeded sampled
-    request's drafts are drawn on the shards (the same on both: the verify forward feeds
-    them) and verified there (its tokens are its own: unseeded streams are keyed by seq id)."""
+    """A draft model at TP=2 (async scheduling on), sharded on both ranks with its own KV
+    pool: greedy and seeded outputs (tokens and logprobs) are TP=1's without speculation;
+    an unseeded sampled request's drafts are drawn on the shards (the same on both: the
+    verify forward feeds them) and verified there (its tokens are its own: unseeded streams
+    are keyed by seq id)."""
     model = make_loopy_llama(tmp_path / "loopy")
     draft = make_loopy_llama(tmp_path / "draft", attention_scale=0.03)
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
     tp1 = build(model, async_scheduling=False)
-    tp2 = build(model, tensor_parallel_size=2, async_scheduling=False, speculative_config=spec)
+    tp2 = build(model, tensor_parallel_size=2, async_scheduling=True, speculative_config=spec)
     drawn = []  # the drafts the shards drew, from each result
     submit = tp2.executor.submit
 
