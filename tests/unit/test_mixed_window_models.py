@@ -150,3 +150,20 @@ def test_gemma3_uneven_groups_match_hf_in_o_window_blocks(tmp_path_factory) -> N
     warm = engine.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
     assert [o.num_cached_tokens for o in warm] == [16, 32]
     assert_same(warm, cold, atol=1e-5)
+
+
+def test_gpt_oss_late_grammar_mask_redoes_its_row_inside_the_window(gpt_oss_dir) -> None:
+    # a row whose grammar mask was late computes its last position again, over both groups'
+    # tables (the sliding group keeps one position of slack for it): the same tokens and
+    # logprobs as the run without the stall
+    from tests.unit.test_grammar_late_masks import run
+
+    engine = mixed_engine(gpt_oss_dir, num_kv_blocks=256)  # room for max_tokens=200
+    engine.executor.mask_board.wait_s = 0.0  # a row not ready at the end of its forward
+    ref, _ = run(engine, slow=False, tag="0")
+    got, _ = run(engine, slow=True, tag="1")
+    assert engine.stats.grammar_skips >= 1
+    for name in ("c", "f"):
+        assert got[name]["ids"] == ref[name]["ids"], name
+        np.testing.assert_allclose(got[name]["lps"], ref[name]["lps"], atol=1e-5)
+    engine.shutdown()
