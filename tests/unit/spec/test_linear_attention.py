@@ -61,7 +61,7 @@ def run_counted(engine, prompts, params):
     ids=["ngram-serial", "suffix-async"],
 )
 def test_greedy_output_equals_no_speculation(qwen_dir, reference, prompts, spec, async_scheduling):
-    params = greedy(40)
+    params = greedy(32)
     ref = reference.generate(prompts, params, use_tqdm=False)
     engine = spec_engine(qwen_dir, spec, async_scheduling=async_scheduling)
     assert_same(ref, run_counted(engine, prompts, params))
