@@ -29,15 +29,17 @@ class OutputChannel:
         self.closed = False
         self._items: list[tuple[str, Any]] = []
         self._ready = asyncio.Event()
-        self._streams: dict[str, tuple[RequestStream, asyncio.Task]] = {}
+        self._streams: dict[str, RequestStream] = {}
 
     def start(self, stream: RequestStream) -> None:
-        """Forward an admitted request's outputs into this channel until it ends."""
+        """Forward an admitted request's outputs into this channel until it ends: the engine
+        hands each one over as it fans a step out (`RequestStream.forward`), with no task per
+        request waking on this replica's event loop."""
         if self.closed:
             stream.close()
             raise ChannelClosed("the output channel closed while the request was admitted")
-        task = asyncio.get_running_loop().create_task(self._forward(stream))
-        self._streams[stream.request_id] = (stream, task)
+        self._streams[stream.request_id] = stream
+        stream.forward(self._put)
 
     async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
         """Everything forwarded since the last batch, as soon as there is something. Every
@@ -54,21 +56,14 @@ class OutputChannel:
         `batches`."""
         self.closed = True
         self._ready.set()
-        for stream, task in list(self._streams.values()):
+        for stream in list(self._streams.values()):
             stream.close()
-            task.cancel()
         self._streams.clear()
 
-    async def _forward(self, stream: RequestStream) -> None:
-        try:
-            async for delta in stream:
-                self._put(stream.request_id, delta)
-        except Exception as e:  # RequestFailed, or the step loop died: the caller raises it
-            self._put(stream.request_id, e)
-        finally:
-            stream.close()
-            self._streams.pop(stream.request_id, None)
-
     def _put(self, request_id: str, item: Any) -> None:
+        """`item`: the request's delta, or the exception that ended it (RequestFailed, or the
+        step loop died): the caller raises it."""
         self._items.append((request_id, item))
         self._ready.set()
+        if isinstance(item, Exception) or item.finished:
+            self._streams.pop(request_id, None)

@@ -14,7 +14,7 @@ from raylane.actors.engine.llm_engine import LLMEngine, Prompt
 from raylane.actors.engine.output_accumulator import OutputAccumulator
 from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.plan_ahead import PlanAheadClock
-from raylane.actors.engine.request_stream import RequestStream
+from raylane.actors.engine.request_stream import OutputQueue, RequestStream
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.models.weights import TensorSpec
 
@@ -55,7 +55,7 @@ class AsyncLLMEngine:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._num_held = 0  # requests waiting for a resume
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, OutputQueue] = {}
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
@@ -102,7 +102,7 @@ class AsyncLLMEngine:
             self.engine.validator.check(prompt, params or SamplingParams())  # fail now, not later
             await self._admitted()
         self.engine.add_request(request_id, prompt, params)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = OutputQueue()
         self._queues[request_id] = queue
         self._start()
         return RequestStream(self._release, request_id, queue)
@@ -279,7 +279,7 @@ class AsyncLLMEngine:
                 self._fan_out(self.engine.end_step())
         except Exception as e:  # surface to every waiter instead of hanging them
             self._error = e
-            for queue in self._queues.values():
+            for queue in list(self._queues.values()):  # a forwarded stream releases itself
                 queue.put_nowait(e)
 
     async def _plan_ahead(self, due: asyncio.Future) -> None:

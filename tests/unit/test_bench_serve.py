@@ -83,3 +83,18 @@ def test_cpu_per_token_counts_the_server_and_not_the_load_generator():
     table = cpu.table(100, offline)  # HTTP: 3.0 server CPU s for 100 tokens, 30 ms a token
     assert "HTTP 30.0 ms, offline 20.0 ms (HTTP keeps 67% per CPU s)" in table
     assert "| ray::EngineReplica | 2.5 | 62.5% | 0.62 |" in table
+
+
+def test_replica_threads_split_main_busiest_and_the_rest():
+    import pytest
+    from raylane.bench.process_cpu import _by_role
+
+    before = {10: 1.0, 11: 5.0, 12: 0.5, 13: 0.1, 14: 0.0}
+    after = {10: 1.5, 11: 9.0, 12: 2.5, 13: 0.3, 14: 0.2, -1: 10}  # pid 10: the main thread
+    roles = _by_role(before, after)
+    assert roles == {
+        "main thread": 0.5,
+        "busiest other thread (the runner)": 4.0,
+        "2nd busiest other thread": 2.0,
+        "all other threads": pytest.approx(0.4),
+    }
