@@ -105,9 +105,9 @@ def _replica_threads() -> dict[int, float]:
 
 def _by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
     """The threads' CPU over the pass: the main thread, the two busiest others, the rest."""
-    main = after.pop(-1, None)
-    used = {tid: cpu_s - before.get(tid, 0.0) for tid, cpu_s in after.items() if tid != -1}
-    roles = {"main thread": used.pop(main, 0.0) if main else 0.0}
+    main = int(after.pop(-1, -1))
+    used = {tid: cpu_s - before.get(tid, 0.0) for tid, cpu_s in after.items()}
+    roles = {"main thread": used.pop(main, 0.0)}
     busiest = sorted(used.values(), reverse=True)
     roles["busiest other thread (the runner)"] = busiest[0] if busiest else 0.0
     roles["2nd busiest other thread"] = busiest[1] if len(busiest) > 1 else 0.0
