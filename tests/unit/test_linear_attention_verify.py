@@ -122,3 +122,60 @@ def _triton():
     from raylane.kernels.linear_attention.triton_backend import TritonLinearAttention
 
     return TritonLinearAttention()
+
+
+class _Layer:
+    """A linear-attention layer's state as the runner's StateCache sees it."""
+
+    backend = get_linear_backend("torch")
+
+    def state_shapes(self):
+        return [((C, W - 1), None), ((HV, DK, DV), torch.float32)]
+
+    def attach_state(self, tensors):
+        self.conv_state, self.recurrent_state = tensors
+
+
+def test_state_cache_accepts_and_snapshots_a_verify_row() -> None:
+    """The runner's StateCache around a step with a verify row (1 + 3 tokens, 2 drafts
+    accepted) and a decode, each saving its decode-row snapshot: the verify row's slot ends
+    after its 3 accepted tokens and its snapshot holds the state after its first token (the
+    block boundary the scheduler planned); the decode's snapshot is taken after the step."""
+    from raylane.actors.engine.sampling_params import SamplingParams
+    from raylane.actors.runner.requests import RequestState, ScheduledRequest
+    from raylane.actors.runner.state_cache import StateCache
+
+    layer = _Layer()
+    cache = StateCache([layer], num_slots=4, dtype=torch.float32, device="cpu", num_snapshots=2)
+    gen = torch.Generator().manual_seed(1)
+    for t in (layer.conv_state, layer.recurrent_state):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    before_conv, before = layer.conv_state.clone(), layer.recurrent_state.clone()
+    params = SamplingParams(temperature=0.0)
+    verify = ScheduledRequest(RequestState(7, 0, list(range(11)), [0], 10, params), 4, (1, 2, 3))
+    decode = ScheduledRequest(RequestState(8, 0, list(range(6)), [1], 5, params), 1)
+    m = cache.metadata([verify, decode], 1, [1, 2])
+    t = 5
+    x = torch.randn(t, C, generator=gen)
+    weight = torch.randn(C, W, generator=gen) * 0.5
+    q, k = (torch.randn(t, HK, DK, generator=gen) for _ in range(2))
+    v = torch.randn(t, HV, DV, generator=gen)
+    g = -F.softplus(torch.randn(t, HV, generator=gen))
+    beta = torch.randn(t, HV, generator=gen).sigmoid()
+    verify_conv(layer.backend, x, weight, layer.conv_state, m, "silu")
+    verify_delta_rule(layer.backend, q, k, v, g, beta, layer.recurrent_state, m)
+    assert m.verify is not None
+    m.verify.record(layer, m, x, q, k, v, g, beta)
+    saves = ((1, cache.num_snapshots + 1), (2, cache.num_snapshots + 2))  # the decode rows
+    cache.save_after(m, saves)
+    verify.num_accepted = 2
+    cache.accept(m, [verify, decode], saves)
+    _, states = naive(q[:4], k[:4], v[:4], g[:4], beta[:4], before[1])
+    _, conv_states = naive_conv(x[:4], weight, before_conv[1])
+    _, decoded = naive(q[4:], k[4:], v[4:], g[4:], beta[4:], before[2])
+    conv_snaps, snaps = cache.snapshots[0]
+    torch.testing.assert_close(layer.recurrent_state[1], states[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.conv_state[1], conv_states[2])
+    torch.testing.assert_close(snaps[cache.num_snapshots + 1], states[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv_snaps[cache.num_snapshots + 1], conv_states[0])
+    torch.testing.assert_close(snaps[cache.num_snapshots + 2], decoded[0], atol=1e-5, rtol=1e-5)
