@@ -61,3 +61,24 @@ def test_mtp_changes_no_token(tmp_path_factory):
     out, stats = run(path, spec, prompts, max_num_batched_tokens=16)
     assert_same(ref, out)
     assert stats.spec_decode_num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_linear_attention_spec_changes_no_token(tmp_path_factory, method):
+    """Qwen3.5 (Gated DeltaNet layers; the Triton linear-attention backend on CUDA): verify
+    rows leave only accepted tokens in the recurrent state; MTP from the checkpoint's mtp.*."""
+    from tests.tiny_models import make_qwen3_5
+    from tests.unit.spec.helpers import make_loopy
+    from tests.unit.spec.test_qwen_mtp import add_mtp
+
+    path = add_mtp(make_loopy(make_qwen3_5(tmp_path_factory.mktemp("qwen3_5"))))
+    spec = {**SPECS["ngram"], "adaptive": False} if method == "ngram" else None
+    if method == "mtp":
+        spec = {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}
+    base = prompts_for(VOCAB_SIZE, (9, 17, 30))
+    first, _ = run(path, None, base)
+    prompts = [p + o.outputs[0].token_ids[:24] + p for p, o in zip(base, first)]  # echoes
+    ref, _ = run(path, None, prompts)
+    out, stats = run(path, spec, prompts)
+    assert_same(ref, out)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
