@@ -3,8 +3,9 @@ checkpoints; transformers does not implement it, so the tiny checkpoints here ge
 in, and the reference for each draft is a naive computation in this file from those tensors,
 with Hugging Face's own decoder layer as the MTP block): greedy tokens and logprobs equal to
 the engine without speculation, drafts both accepted and rejected, every draft the runner
-proposed equal to the naive MTP run from scratch over the sequence's tokens at that step; a
-checkpoint without MTP weights refuses the method."""
+proposed equal to the naive MTP run from scratch over the sequence's tokens at that step, MTP
+weights updated under their checkpoint names; a checkpoint without MTP weights refuses the
+method."""
 
 from __future__ import annotations
 
@@ -131,6 +132,12 @@ def test_mtp_drafts_and_greedy_parity(tmp_path, make, options):
     assert tap.num_accepted == stats.spec_decode_num_accepted_tokens
     if "num_kv_blocks" in options:
         assert engine.scheduler.num_preemptions > 0
+    # the MTP weights take updates under their checkpoint names
+    before = engine.executor.collective_rpc("weight_checksums")[0]
+    fc = load_file(str(Path(path) / "model.safetensors"))["mtp.fc.weight"]
+    engine.update_weights([("mtp.fc.weight", fc * 0.5)])
+    after = engine.executor.collective_rpc("weight_checksums")[0]
+    assert [n for n in after if after[n] != before[n]] == ["mtp_layers.0.fc.weight"]
     engine.shutdown()
     naive = NaiveMtp(path)
     for tokens, draft in seen[:: max(1, len(seen) // 6)]:  # a sample: HF runs from scratch
