@@ -106,3 +106,14 @@ def test_qwen3_next(tmp_path):
     assert_same(ref_engine.generate(ps, params, use_tqdm=False), run_counted(engine, ps, params))
     ref_engine.shutdown()
     engine.shutdown()
+
+
+def test_seeded_sampling_equals_no_speculation(qwen_dir, reference, prompts):
+    """Sampled with a seed: every position draws with its own words, so the tokens (and
+    logprobs) are the non-speculative run's, accepted drafts or not."""
+    params = greedy(24, temperature=0.2, seed=3)  # sharp: drafts get accepted
+    engine = spec_engine(qwen_dir, NGRAM)
+    out = engine.generate(prompts, params, use_tqdm=False)
+    assert_same(reference.generate(prompts, params, use_tqdm=False), out)
+    assert engine.stats.spec_decode_num_accepted_tokens > 0
+    engine.shutdown()
