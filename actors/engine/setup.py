@@ -124,6 +124,7 @@ def runner_config(
         sample_on_every_rank=config.async_scheduling and config.tensor_parallel_size > 1,
         enforce_eager=config.enforce_eager,
         mtp=config.spec is not None and config.spec.method == "mtp",
+        num_mtp_drafts=config.spec.num_speculative_tokens if config.spec is not None else 1,
         draft_model_dir=config.spec.model if config.spec is not None else None,
         cudagraph_capture_sizes=config.capture_sizes,
         max_model_len=max_model_len,

@@ -35,6 +35,7 @@ class RunnerConfig:
     enforce_eager: bool | None = None
     # speculative_config method "mtp": run the MTP layer after each step (runner/mtp_drafts.py)
     mtp: bool = False
+    num_mtp_drafts: int = 1  # drafts per step: the MTP pass, then chained MTP steps
     # speculative_config method "draft_model": the draft's HF directory (runner/draft_runner.py)
     draft_model_dir: str | None = None
     cudagraph_capture_sizes: tuple[int, ...] = (1,)

@@ -207,7 +207,11 @@ class ModelRunner:
         )
         if self.config.mtp and result is not None:
             assert self._hidden is not None  # an eager forward ran (no graph replay)
-            result.mtp_drafts = mtp_drafts(self.model, scheduled, step, self._hidden, self.sampler)
+            # linear-attention models' chained steps would need their states: one draft
+            chained = self.config.num_mtp_drafts if self.state is None else 1
+            result.mtp_drafts = mtp_drafts(
+                self.model, scheduled, step, self._hidden, self.sampler, chained
+            )
         if not self.samples and self._draws(step):
             self.results.draw_only(scheduled, step, logits, masks)
         if self.state is not None:  # verify rows: the states of the accepted tokens only

@@ -144,9 +144,9 @@ class StepResult:
     # DSA models: the indexer's top-k positions (int32 [positions, dsa_layers, index_topk]),
     # reported like routed_experts
     indexer_topk: list[object | None] = field(default_factory=list)
-    # speculative method "mtp": per entry, the MTP layer's draft for the token after its
+    # speculative method "mtp": per entry, the MTP layers' drafts for the tokens after its
     # newest one (None where it sampled nothing); empty without MTP
-    mtp_drafts: list[int | None] = field(default_factory=list)
+    mtp_drafts: list[tuple[int, ...] | None] = field(default_factory=list)
     # per entry, the rank (1 = most likely) of each prompt token `prompt_logprobs` covers
     prompt_ranks: list[list[int]] = field(default_factory=list)
     # speculative method "draft_model": per entry, the drafts the runner's draft model drew

@@ -66,9 +66,9 @@ class RequestState:
         self.num_indexer_reported = 0  # likewise, indexer top-k (DSA)
         # its grammar mask was late (mask_board.py): it sampled nothing at its last step
         self.skipped = False
-        # MTP (mtp_drafts.py): (output position, draft, q [V]) of the draft drawn for the
-        # next step, where min(1, p/q) verifies it
-        self.draft_proposal: tuple[int, int, Any] | None = None
+        # MTP (mtp_drafts.py): (output position of the first, drafts, q [drafts, V]) of the
+        # drafts drawn for the next step, where min(1, p/q) verifies them
+        self.draft_proposal: tuple[int, tuple[int, ...], Any] | None = None
         # a draft model (draft_runner.py): the positions whose KV this sequence itself wrote
         # into the draft's pool (a prefix-cache hit's blocks hold someone else's, or none)
         self.num_draft_computed = 0

@@ -23,8 +23,8 @@ class SpeculativeConfig:
     - "draft_model": `model` (a path), a small model with the target's vocabulary, run on
       the runners with a KV pool of its own, proposes k tokens (runner/draft_runner.py).
     - "mtp": the target's own MTP layer (DeepSeek-V3's num_nextn_predict_layers, Qwen3.5's
-      and Qwen3-Next's mtp_num_hidden_layers) drafts
-      one token per step on the runner (runner/mtp_drafts.py); TP=1 only.
+      and Qwen3-Next's mtp_num_hidden_layers) draft on the runner (runner/mtp_drafts.py):
+      k chained MTP steps, the last layer reused where the checkpoint has fewer; TP=1 only.
 
     `disable_by_batch_size`: a step with more decoding sequences than this drafts nothing
     (vLLM's name); verifying a large batch costs more than the accepted tokens save.
@@ -48,11 +48,6 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"{_OWNER}.method must be one of {SPEC_METHODS}, got {self.method!r}")
         _positive("num_speculative_tokens", self.num_speculative_tokens)
-        if self.method == "mtp" and self.num_speculative_tokens != 1:
-            raise ValueError(
-                f"{_OWNER}.num_speculative_tokens must be 1 for method 'mtp' (one MTP step; "
-                f"chained MTP steps are not built), got {self.num_speculative_tokens}"
-            )
         if self.method == "draft_model":
             check_type(_OWNER, "model", self.model, str)
         elif self.model is not None:

@@ -48,8 +48,8 @@ class Drafter:
         self._offered = [0] * self.k
         self._hit = [0] * self.k
         self._has_match: dict[int, bool] = {}  # seq_id -> its tokens had a draft last time
-        # mtp: seq_id -> (its token count when the runner drafted, the draft after them)
-        self._mtp: dict[int, tuple[int, int]] = {}
+        # mtp: seq_id -> (its token count when the runner drafted, the drafts after them)
+        self._mtp: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.ngram = (
             NgramProposer(config.prompt_lookup_min or 1, config.prompt_lookup_max or 1)
             if config.method == "ngram"
@@ -100,8 +100,12 @@ class Drafter:
         """Propose drafts for the batch's decode rows and allocate their slots; rows with
         drafts move to the front part of the step (they are short prefill-like chunks)."""
         self.backoff.tick()
-        if not batch.decodes or not self.active(len(batch.decodes) + len(batch.prefills)):
-            return
+        if batch.decodes and self.active(len(batch.decodes) + len(batch.prefills)):
+            self._draft_decodes(batch)
+        if self.config.method == "mtp" and self.k > 1:
+            self._reserve_chain(batch)
+
+    def _draft_decodes(self, batch: SchedulerOutput) -> None:
         budget = self.max_num_batched_tokens - batch.num_tokens
         rows = len(batch.decodes) + sum(item.samples for item in batch.prefills)
         worth = self._worth(rows, batch.num_tokens)
@@ -151,8 +155,8 @@ class Drafter:
         if self.ngram is not None:
             return self.ngram.propose(seq.token_ids, k)
         if self.config.method == "mtp":
-            num_tokens, token = self._mtp.get(seq.seq_id, (-1, 0))
-            return [token] if num_tokens == len(seq.token_ids) else []
+            num_tokens, tokens = self._mtp.get(seq.seq_id, (-1, ()))
+            return list(tokens[:k]) if num_tokens == len(seq.token_ids) else []
         if self.suffix is None:
             return []
         if seq.seq_id not in self.suffix:
@@ -169,6 +173,20 @@ class Drafter:
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - len(seq))
         return room
+
+    def _reserve_chain(self, batch: SchedulerOutput) -> None:
+        """Chained MTP steps (runner/mtp_drafts.py) write their cache rows at the k - 1
+        positions after a sampling row's newest token: allocate their slots now where blocks
+        are free (the next step needs them anyway); a row without them drafts fewer."""
+        for item in batch.scheduled:
+            if not item.samples:
+                continue
+            end = item.start + item.num_new + len(item.drafts) + self.k - 1
+            if self.max_model_len is not None:
+                end = min(end, self.max_model_len)
+            need = self.blocks.blocks_needed(item.seq, end - item.start)
+            if need and self.blocks.can_allocate(need):
+                self.blocks.allocate(item.seq, end - item.start)
 
     def _allocate(self, seq: Sequence, num_drafts: int) -> bool:
         need = self.blocks.blocks_needed(seq, 1 + num_drafts)
@@ -191,10 +209,10 @@ class Drafter:
         seq.num_computed_tokens += num_accepted
         self.blocks.commit_full_blocks(seq, item.start + 1 + num_accepted)
 
-    def mtp_draft(self, seq: Sequence, token: int | None) -> None:
-        """The runner's MTP draft for the token after `seq`'s newest one."""
-        if token is not None:
-            self._mtp[seq.seq_id] = (len(seq.token_ids), token)
+    def mtp_draft(self, seq: Sequence, tokens: tuple[int, ...] | None) -> None:
+        """The runner's MTP drafts for the tokens after `seq`'s newest one."""
+        if tokens:
+            self._mtp[seq.seq_id] = (len(seq.token_ids), tokens)
 
     def forget(self, seq: Sequence) -> None:
         self._mtp.pop(seq.seq_id, None)

@@ -57,7 +57,6 @@ def test_engine_config_takes_a_dict_with_vllm_names():
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 2}, "lookahead"),
         ({"method": "ngram"}, "num_speculative_tokens"),
-        ({"method": "mtp", "num_speculative_tokens": 2}, "num_speculative_tokens"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
         ({"method": "draft_model", "num_speculative_tokens": 2, "model": 3}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),

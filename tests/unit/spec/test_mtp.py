@@ -24,15 +24,15 @@ def mtp_model(tmp_path_factory):
     return make_deepseek_v3_with_mtp(tmp_path_factory.mktemp("ds_mtp"))
 
 
-def record_drafts(engine) -> list[tuple[list[int], int]]:
-    """(the sequence's tokens when a plan carried its draft, the draft), from each plan."""
-    seen: list[tuple[list[int], int]] = []
+def record_drafts(engine) -> list[tuple[list[int], tuple[int, ...]]]:
+    """(the sequence's tokens when a plan carried its drafts, the drafts), from each plan."""
+    seen: list[tuple[list[int], tuple[int, ...]]] = []
     submit = engine.executor.submit
 
     def tapped(plan):
         running = {seq.seq_id: seq for seq in engine.scheduler.running}
         for seq_id, drafts in plan.draft_token_ids:
-            seen.append((list(running[seq_id].token_ids), drafts[0]))
+            seen.append((list(running[seq_id].token_ids), drafts))
         return submit(plan)
 
     engine.executor.submit = tapped
@@ -40,42 +40,56 @@ def record_drafts(engine) -> list[tuple[list[int], int]]:
 
 
 @torch.inference_mode()
-def hf_mtp_draft(main, mtp, tokens: list[int]) -> int:
-    """HF: the MTP layer at the newest token's row (hidden state at m - 2, embedding of token
-    m - 1) over the whole sequence, through the main model's LM head."""
+def hf_mtp_drafts(main, mtp, tokens: list[int], k: int) -> tuple[int, ...]:
+    """HF, from scratch: the MTP layer over the whole sequence (row p: the main model's
+    hidden state at p, the embedding of token p + 1); its row of the newest token gives draft
+    1 through the main model's LM head. Chained: draft j's embedding and the MTP output at
+    the row before it make one more row, and the layer runs again over every row (causal),
+    the last row giving draft j + 1 (the one layer reused, as vLLM and SGLang do)."""
     ids = torch.tensor(tokens)
-    m = len(tokens)
-    hidden = main.model(ids[:-1].unsqueeze(0)).last_hidden_state
-    embeds = main.model.embed_tokens(ids[1:]).unsqueeze(0)
-    position_ids = torch.arange(m - 1).unsqueeze(0)
-    cos_sin = main.model.rotary_emb(embeds, position_ids)
-    mask = torch.full((m - 1, m - 1), float("-inf")).triu(1).view(1, 1, m - 1, m - 1)
-    out = mtp.layers[0](embeds, hidden, cos_sin, mask, position_ids, cache=None)[0]
-    return int(main.lm_head(out.reshape(m - 1, -1)[-1]).argmax())
+    hidden = main.model(ids[:-1].unsqueeze(0)).last_hidden_state[0]  # [m - 1, H]
+    inputs = list(tokens[1:])
+    drafts: list[int] = []
+    for _ in range(k):
+        rows = len(inputs)
+        embeds = main.model.embed_tokens(torch.tensor(inputs)).unsqueeze(0)
+        position_ids = torch.arange(rows).unsqueeze(0)
+        cos_sin = main.model.rotary_emb(embeds, position_ids)
+        mask = torch.full((rows, rows), float("-inf")).triu(1).view(1, 1, rows, rows)
+        out = mtp.layers[0](embeds, hidden.unsqueeze(0), cos_sin, mask, position_ids, cache=None)
+        last = out[0].reshape(rows, -1)[-1]
+        drafts.append(int(main.lm_head(last).argmax()))
+        inputs.append(drafts[-1])
+        hidden = torch.cat([hidden, last.unsqueeze(0)])
+    return tuple(drafts)
 
 
-def test_mtp_greedy_parity_and_drafts_against_hf(mtp_model):
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_greedy_parity_and_drafts_against_hf(mtp_model, k):
+    """k = 3 chains two more MTP steps on the checkpoint's one layer; a tight KV pool (18
+    blocks for 47 + 16 tokens) leaves some rows without the chain's reserved slots."""
     path, main, mtp = mtp_model
-    prompts = [list(range(5, 5 + n)) for n in (7, 20)]
+    prompts = [list(range(5, 5 + n)) for n in (7, 20, 47)]
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
     reference = spec_engine(path, None)
     ref = reference.generate(prompts, params, use_tqdm=False)
     reference.shutdown()
-    engine = spec_engine(path, MTP, max_num_batched_tokens=16)  # chunked prefill too
+    spec = {**MTP, "num_speculative_tokens": k}
+    engine = spec_engine(path, spec, max_num_batched_tokens=16, num_kv_blocks=18)
     seen = record_drafts(engine)
     assert_same(ref, engine.generate(prompts, params, use_tqdm=False))
     assert len(seen) > 4
+    if k > 1:
+        assert max(len(d) for _, d in seen) == k
     # random MTP weights: the drafts are rejected (the accepted path: test_mtp_accepted_drafts)
-    for tokens, draft in seen:
-        assert draft == hf_mtp_draft(main, mtp, tokens)
+    for tokens, drafts in seen:
+        assert drafts == hf_mtp_drafts(main, mtp, tokens, len(drafts))
     engine.shutdown()
 
 
-def test_mtp_needs_mtp_layers_and_one_token(tiny_deepseek_dir):
+def test_mtp_needs_mtp_layers(tiny_deepseek_dir):
     with pytest.raises(ValueError, match="speculative_config.method='mtp'"):
         spec_engine(tiny_deepseek_dir, MTP)  # HF-saved: no MTP weights, the layers dropped
-    with pytest.raises(ValueError, match="num_speculative_tokens"):
-        spec_engine(tiny_deepseek_dir, {**MTP, "num_speculative_tokens": 2})
 
 
 def biased_copy(path: str, out: str, token: int = 7) -> str:
@@ -100,41 +114,52 @@ def biased_copy(path: str, out: str, token: int = 7) -> str:
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{}, {"async_scheduling": True}, {"num_kv_blocks": 4}],
-    ids=["serial", "async", "preemption"],
+    ("options", "k"),
+    [
+        ({}, 1),
+        ({"async_scheduling": True}, 1),
+        ({"num_kv_blocks": 4}, 1),
+        ({}, 3),
+        ({"async_scheduling": True}, 3),
+        ({"num_kv_blocks": 3}, 3),
+    ],
+    ids=["serial", "async", "preemption", "k3-serial", "k3-async", "k3-preemption"],
 )
-def test_mtp_accepted_drafts(mtp_model, tmp_path, options):
+def test_mtp_accepted_drafts(mtp_model, tmp_path, options, k):
     path = biased_copy(mtp_model[0], str(tmp_path / "biased"))
     prompts = [list(range(5, 5 + n)) for n in (7, 20)]
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
     reference = spec_engine(path, None)
     ref = reference.generate(prompts, params, use_tqdm=False)
     reference.shutdown()
-    engine = spec_engine(path, MTP, **options)
-    tap = Tap(engine, 1)
+    engine = spec_engine(path, {**MTP, "num_speculative_tokens": k}, **options)
+    tap = Tap(engine, k)
     assert_same(ref, engine.generate(prompts, params, use_tqdm=False))
     assert len({t for o in ref for t in o.outputs[0].token_ids}) > 2  # not one token repeated
     stats = engine.stats
     assert 0 < tap.num_accepted == stats.spec_decode_num_accepted_tokens
     assert tap.num_draft_tokens == stats.spec_decode_num_draft_tokens
+    assert tap.per_pos == stats.spec_decode_num_accepted_tokens_per_pos
+    if k > 1:
+        assert tap.per_pos[1] > 0  # chained drafts accepted too
     if "num_kv_blocks" in options:
         assert engine.scheduler.num_preemptions > 0
     engine.shutdown()
 
 
-def mtp_sampled_check(path: str, n: int = 600) -> tuple[float, int, Tap]:
-    """(chi-square p-value, dof, Tap) of n unseeded 3-token draws with MTP drafts against
-    HF's forward of the model."""
+def mtp_sampled_check(path: str, n: int = 600, k: int = 1) -> tuple[float, int, Tap]:
+    """(chi-square p-value, dof, Tap) of the first 3 tokens of n unseeded draws with k MTP
+    drafts per step against HF's forward of the model (2 + k tokens are drawn, so the first
+    verify step can take k drafts)."""
     from tests.unit.spec.helpers import chi_square_p_value, hf_probability
 
     prompt = list(range(5, 12))
-    engine = spec_engine(path, MTP, max_num_seqs=128)
-    tap = Tap(engine, 1)
-    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    engine = spec_engine(path, {**MTP, "num_speculative_tokens": k}, max_num_seqs=128)
+    tap = Tap(engine, k)
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=2 + k, ignore_eos=True)
     outs = engine.generate([prompt] * n, params, use_tqdm=False)
     engine.shutdown()
-    observed = Counter(tuple(o.outputs[0].token_ids) for o in outs)
+    observed = Counter(tuple(o.outputs[0].token_ids[:3]) for o in outs)
     probs = hf_probability(path, prompt, list(observed), 1.0, 3)
     return (*chi_square_p_value(observed, probs, n), tap)
 
@@ -166,3 +191,12 @@ def test_mtp_sampled_drafts(mtp_model, tmp_path, monkeypatch):
     reference = spec_engine(path, None)
     assert_same(reference.generate(prompts, seeded, use_tqdm=False), got)
     reference.shutdown()
+
+
+def test_chained_mtp_sampled_drafts(mtp_model, tmp_path):
+    """Unseeded sampled requests with 2 chained MTP drafts per step: each drawn from its
+    step's q, verified by min(1, p/q) against it; 3-token draws follow HF's forward."""
+    path = biased_copy(mtp_model[0], str(tmp_path / "biased"))
+    p_value, dof, tap = mtp_sampled_check(path, k=2)
+    assert tap.per_pos[1] > 0 and tap.num_accepted < tap.num_draft_tokens
+    assert dof >= 8 and p_value > 1e-3, (p_value, dof)
