@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config", help="a YAML file with ClusterConfig fields; flags win")
     parser.add_argument("--replicas", type=int, help="engine replicas (default 1)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        help="torch threads per engine replica (default: the cores split between replicas); "
+        "1 where other work shares the cores (docs/serving.md)",
+    )
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
     parser.add_argument("--served-model-name", help="the model id clients send")
@@ -180,6 +186,7 @@ def config_from_args(args: argparse.Namespace):
         for name in (
             "model",
             "replicas",
+            "torch_threads",
             "host",
             "port",
             "served_model_name",

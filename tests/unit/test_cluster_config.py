@@ -34,10 +34,13 @@ def test_yaml_then_env_then_flags(tmp_path, monkeypatch):
         "4",
         "--api-key",
         "only",
+        "--torch-threads",
+        "1",
     ]
     flags = config_from_args(build_parser(argv).parse_args(argv))
     assert (flags.port, flags.replicas, flags.api_keys) == (9100, 3, ("only",))
     assert flags.engine["max_num_seqs"] == 4
+    assert (flags.torch_threads, flags.replica_threads()) == (1, 1)
 
 
 def test_raylane_config_reaches_the_cli_and_the_serve_app(tmp_path, monkeypatch):
