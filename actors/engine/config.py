@@ -116,12 +116,6 @@ class EngineConfig:
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
-        spec = self.spec
-        if spec is not None and spec.method == "mtp" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "EngineConfig.speculative_config.method='mtp' runs with tensor_parallel_size=1 "
-                "only (the other ranks would need the sampled tokens)"
-            )
 
     @property
     def spec(self) -> SpeculativeConfig | None:

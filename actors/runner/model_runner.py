@@ -205,15 +205,15 @@ class ModelRunner:
         result = (
             self.results.result(self.kv, scheduled, step, logits, masks) if self.samples else None
         )
-        if self.config.mtp and result is not None:
+        if not self.samples and self._draws(step):
+            self.results.draw_only(scheduled, step, logits, masks)
+        if self.config.mtp:  # every rank: the MTP layers' collectives, the same drafts
             assert self._hidden is not None  # an eager forward ran (no graph replay)
             # linear-attention models' chained steps would need their states: one draft
             chained = self.config.num_mtp_drafts if self.state is None else 1
-            result.mtp_drafts = mtp_drafts(
-                self.model, scheduled, step, self._hidden, self.sampler, chained
-            )
-        if not self.samples and self._draws(step):
-            self.results.draw_only(scheduled, step, logits, masks)
+            drafts = mtp_drafts(self.model, scheduled, step, self._hidden, self.sampler, chained)
+            if result is not None:
+                result.mtp_drafts = drafts
         if self.state is not None:  # verify rows: the states of the accepted tokens only
             self.state.accept(step.attn.linear, scheduled, plan.snapshot_saves)
         self._advance(scheduled, step)
@@ -242,8 +242,10 @@ class ModelRunner:
         placeholders), and in a step with verify rows on a linear-attention model (every rank
         must feed the same accepted drafts into its slice of the recurrent state)."""
         linear = step.attn.linear
-        return self.config.sample_on_every_rank or (
-            linear is not None and linear.verify is not None
+        return (
+            self.config.sample_on_every_rank
+            or self.config.mtp  # every rank feeds the sampled tokens to the MTP layers
+            or (linear is not None and linear.verify is not None)
         )
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

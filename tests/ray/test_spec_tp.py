@@ -86,3 +86,26 @@ def test_tp2_speculation_on_a_linear_attention_model(ray_cluster, tmp_path):
     finally:
         tp1.shutdown()
         tp2.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_tp2_chained_mtp_matches_tp1_without(ray_cluster, tmp_path):
+    """DeepSeek-V3's MTP layer at TP=2 (async scheduling on), k = 2 chained steps on its one
+    layer: every rank draws the step's tokens and runs the MTP layers (their collectives),
+    and greedy and seeded outputs are TP=1's without speculation, drafts accepted."""
+    from tests.unit.spec.test_mtp import biased_copy
+    from tests.unit.test_mtp_layers import make_deepseek_v3_with_mtp
+
+    path, _, _ = make_deepseek_v3_with_mtp(tmp_path / "ds_mtp")
+    model = biased_copy(path, str(tmp_path / "biased"))
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    tp1 = build(model, async_scheduling=False)
+    tp2 = build(model, tensor_parallel_size=2, async_scheduling=True, speculative_config=spec)
+    try:
+        ps = [list(range(5, 5 + n)) for n in (7, 20)]
+        arrivals = {0: [("g0", ps[0], greedy(16)), ("s0", ps[1], seeded(5, 16))]}
+        assert_same(drive(tp2, arrivals), drive(tp1, arrivals), ATOL)
+        assert tp2.stats.spec_decode_num_accepted_tokens_per_pos[1] > 0
+    finally:
+        tp1.shutdown()
+        tp2.shutdown()

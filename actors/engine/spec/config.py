@@ -24,7 +24,7 @@ class SpeculativeConfig:
       the runners with a KV pool of its own, proposes k tokens (runner/draft_runner.py).
     - "mtp": the target's own MTP layer (DeepSeek-V3's num_nextn_predict_layers, Qwen3.5's
       and Qwen3-Next's mtp_num_hidden_layers) draft on the runner (runner/mtp_drafts.py):
-      k chained MTP steps, the last layer reused where the checkpoint has fewer; TP=1 only.
+      k chained MTP steps, the last layer reused where the checkpoint has fewer.
 
     `disable_by_batch_size`: a step with more decoding sequences than this drafts nothing
     (vLLM's name); verifying a large batch costs more than the accepted tokens save.
