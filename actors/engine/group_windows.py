@@ -12,8 +12,7 @@ from raylane.actors.engine.layer_kinds import first_live_block
 class GroupWindows:
     windows: tuple[int | None, ...] = (None,)  # each group's window (None: full attention)
     block_size: int = 16
-    # blocks wholly outside a window are freed as a sequence runs
-    # NOTE: off under speculative decoding: rejected drafts move a sequence back
+    # blocks wholly outside a window are freed as a sequence runs (setup._frees_windows)
     frees: bool = True
 
     @property

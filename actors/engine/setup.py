@@ -70,14 +70,23 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             config.enable_prefix_caching,
             SnapshotCache(info.num_state_snapshots) if info.num_state_snapshots else None,
             info.kv_group_windows,
-            # NOTE: rejected drafts move a sequence back, before blocks freed for its window
-            frees_windows=config.spec is None,
+            frees_windows=_frees_windows(config, info.kv_group_windows),
         ),
         stop_checker=StopChecker(eos, limits.max_model_len),
         vocab_size=limits.vocab_size,
         num_moe_layers=info.num_moe_layers,
         grammars=GrammarCompiler(tokenizer, info.vocab_size),
     )
+
+
+def _frees_windows(config: EngineConfig, windows: tuple[int | None, ...]) -> bool:
+    """Sliding groups free what falls out of their window, also under n-gram or suffix
+    speculation: a verify row's queries start at the sequence's computed count, which only
+    accepted drafts ever raise, so a rejection never brings a query before the kept window.
+    A draft model (or MTP layer) attends over group 0's table in its own pool with its own
+    reach: where group 0 slides (every layer of the target does), it keeps every block."""
+    spec = config.spec
+    return spec is None or spec.method not in ("draft_model", "mtp") or windows[0] is None
 
 
 def _check_draft(config: EngineConfig, vocab_size: int, tokenizer) -> None:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.hf_reference import perturbed_model
 from tests.tiny_models import make_gemma3, make_gpt_oss
+from tests.unit.spec.helpers import make_echo
 from tests.unit.test_engine_parity import assert_matches_hf, engine_for, greedy, prompts_for
 from tests.unit.test_windowed_models import assert_routing_matches_hf
 
-BLOCK, WINDOW, CHUNK, MAX_NEW = 4, 8, 16, 48
+BLOCK, WINDOW, CHUNK, MAX_NEW, K = 4, 8, 16, 48, 3
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -22,8 +24,8 @@ def mixed_engine(model_dir: str, **kw):
 
 
 def generate_counting_blocks(engine, prompts, params):
-    """Outputs, and per allocation the blocks the sequence holds: (full group, each sliding
-    group, the tokens they cover)."""
+    """Outputs, and per allocation the blocks the sequence holds: (group 0, each other group,
+    the tokens they cover)."""
     blocks = engine.block_manager
     held: list[tuple[int, tuple[int, ...], int]] = []
     allocate = blocks.allocate
@@ -32,7 +34,8 @@ def generate_counting_blocks(engine, prompts, params):
         allocate(seq, num_new)
         sliding = zip(seq.group_tables, seq.group_released)
         covered = seq.num_computed_tokens + num_new
-        held.append((len(seq.block_table), tuple(len(t) - r for t, r in sliding), covered))
+        live = len(seq.block_table) - seq.num_released_blocks
+        held.append((live, tuple(len(t) - r for t, r in sliding), covered))
 
     blocks.allocate = allocate_and_count
     try:
@@ -41,14 +44,16 @@ def generate_counting_blocks(engine, prompts, params):
         blocks.allocate = allocate
 
 
-def assert_o_window(held, num_sliding_groups: int) -> None:
-    """Full group: every block of the sequence; sliding groups: the window (2 blocks), one of
-    slack, the block written and a chunk's reach (4 blocks) at most, 4 once decoding."""
+def assert_o_window(held, num_sliding_groups: int, drafts: int = 0) -> None:
+    """Full group: every block of the sequence (at least); sliding groups: the window (2
+    blocks), one of slack, the block written and a chunk's reach (4 blocks) at most, once
+    decoding 4, or with `drafts` per step the blocks from the window's start (9 positions back,
+    the slack included) to the last draft: ceil((9 + drafts) / 4) + 1."""
     for full, sliding, length in held:
-        assert full == -(-length // BLOCK) and len(sliding) == num_sliding_groups
+        assert full >= -(-length // BLOCK) and len(sliding) == num_sliding_groups
         assert max(sliding) <= 2 + 1 + 1 + CHUNK // BLOCK
     decoding = [max(sliding) for _, sliding, length in held if length > 40]
-    assert decoding and max(decoding) <= 4
+    assert decoding and max(decoding) <= -(-(WINDOW + 1 + drafts) // BLOCK) + 1
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +104,9 @@ def test_gpt_oss_prefix_cache_warm_equals_cold(gpt_oss_dir, gpt_oss_ref) -> None
     [
         {"async_scheduling": True},
         {"enforce_eager": False},  # the graph runner's eager replay of decode batches
-        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
         {"num_kv_blocks": 40},  # preemption: the two sequences cannot run side by side
     ],
-    ids=["async", "graph_replay", "ngram_spec", "preemption"],
+    ids=["async", "graph_replay", "preemption"],
 )
 def test_gpt_oss_variants_equal_the_serial_eager_run(gpt_oss_dir, gpt_oss_ref, variant):
     _, prompts, ref, _ = gpt_oss_ref
@@ -113,9 +117,64 @@ def test_gpt_oss_variants_equal_the_serial_eager_run(gpt_oss_dir, gpt_oss_ref, v
         assert engine.stats.graph_replays > 0
     if "num_kv_blocks" in variant:
         assert engine.scheduler.num_preemptions > 0
-    if "speculative_config" in variant:
-        assert not engine.block_manager.frees_windows  # a rejected draft moves a sequence back
     engine.shutdown()
+
+
+def test_gpt_oss_draft_model_frees_windows_and_equals_the_serial_run(gpt_oss_dir, gpt_oss_ref):
+    # a draft near the target (its weights plus noise; it attends over the full group's
+    # table, which keeps every block), under async scheduling: the sliding group still frees
+    # what falls out of its window, tokens and logprobs are the serial run's, and the
+    # validator admits a 97-token request that unfreed tables (25 + 25 blocks) would refuse
+    _, prompts, ref, _ = gpt_oss_ref
+    draft = near_draft(gpt_oss_dir)
+    engine = spec_run(gpt_oss_dir, {"method": "draft_model", "model": draft}, num_kv_blocks=40)
+    assert_spec_run_equals(engine, prompts, ref, num_sliding_groups=1)
+
+
+def test_gpt_oss_ngram_speculation_frees_windows_and_equals_no_speculation(tmp_path) -> None:
+    # n-gram drafts on a model whose greedy output repeats for a while: against the same
+    # model without speculation, scheduled serially
+    model_dir = make_echo(make_gpt_oss(tmp_path / "echo"))
+    ref_engine = mixed_engine(model_dir, async_scheduling=False)
+    prompts = prompts_for(ref_engine.validator.vocab_size, seed=4, count=2)
+    ref = ref_engine.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+    ref_engine.shutdown()
+    engine = spec_run(model_dir, {"method": "ngram"}, num_kv_blocks=40)
+    assert_spec_run_equals(engine, prompts, ref, num_sliding_groups=1)
+
+
+def near_draft(model_dir: str) -> str:
+    """The model's weights plus a little noise, with its tokenizer: a draft often right."""
+    from transformers import AutoTokenizer
+
+    draft, _ = perturbed_model(model_dir, model_dir + "_draft", seed=1, scale=0.01)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(draft)
+    return draft
+
+
+def spec_run(model_dir: str, spec: dict, **kw):
+    """An engine speculating K tokens a step (always: the adaptive switch off), async
+    scheduling, whose sliding groups free their blocks."""
+    spec = {**spec, "num_speculative_tokens": K, "adaptive": False}
+    engine = mixed_engine(model_dir, speculative_config=spec, **kw)
+    assert engine.block_manager.frees_windows
+    return engine
+
+
+def assert_spec_run_equals(engine, prompts, ref, num_sliding_groups: int) -> None:
+    """The speculating engine's greedy outputs equal `ref`, drafts were accepted and rejected,
+    and its sliding tables stayed within the window and K drafts; then it shuts down."""
+    outs, held = generate_counting_blocks(engine, prompts, greedy(MAX_NEW))
+    assert_same(outs, ref, atol=1e-4)
+    assert_spec_ran(engine)
+    assert_o_window(held, num_sliding_groups, drafts=K)
+    engine.shutdown()
+
+
+def assert_spec_ran(engine) -> None:
+    """Drafts were verified, some accepted and some rejected."""
+    stats = engine.stats
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
 def kv_bytes_per_layer(model_dir: str) -> int:
@@ -150,6 +209,10 @@ def test_gemma3_uneven_groups_match_hf_in_o_window_blocks(tmp_path_factory) -> N
     warm = engine.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
     assert [o.num_cached_tokens for o in warm] == [16, 32]
     assert_same(warm, cold, atol=1e-5)
+    engine.shutdown()
+    # speculation by a draft near the target (a Gemma 3 too, over the full group's table)
+    engine = spec_run(model_dir, {"method": "draft_model", "model": near_draft(model_dir)})
+    assert_spec_run_equals(engine, prompts, cold, num_sliding_groups=3)
 
 
 def test_gpt_oss_late_grammar_mask_redoes_its_row_inside_the_window(gpt_oss_dir) -> None:

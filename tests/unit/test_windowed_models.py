@@ -73,3 +73,41 @@ def test_sliding_only_model_holds_o_window_blocks(tmp_path_factory) -> None:
     # being written, a chunk's reach (16 tokens: 4 blocks) and the chain's root bound it
     assert max(held[-20:]) <= 2 * (2 + 2)
     assert max(held) <= 2 * (2 + 4 + 2) < 25
+
+
+def test_sliding_only_model_under_speculation(tmp_path) -> None:
+    # every layer slides (window 8) and n-gram drafts are accepted and rejected, under async
+    # scheduling: the blocks outside the window are still freed, and tokens and logprobs are
+    # the run without speculation's. A draft model attends over the one table with a reach
+    # of its own: there every block is kept, and the tokens are the same.
+    from tests.unit.spec.helpers import make_echo
+    from tests.unit.test_mixed_window_models import (
+        K,
+        assert_same,
+        assert_spec_ran,
+        generate_counting_blocks,
+        mixed_engine,
+        spec_run,
+    )
+
+    sliding = ["sliding_attention", "sliding_attention"]
+    model_dir = make_echo(make_gpt_oss(tmp_path / "echo", layer_types=sliding))
+    ref_engine = mixed_engine(model_dir, async_scheduling=False)
+    assert ref_engine.block_manager.windows == (8,)
+    prompts = prompts_for(ref_engine.validator.vocab_size, seed=4, count=2)  # 17, 33 tokens
+    ref = ref_engine.generate(prompts, greedy(48), use_tqdm=False)
+    ref_engine.shutdown()
+    engine = spec_run(model_dir, {"method": "ngram"}, num_kv_blocks=14)  # 81 tokens: 21 blocks
+    outs, held = generate_counting_blocks(engine, prompts, greedy(48))
+    assert_same(outs, ref, atol=1e-4)
+    assert_spec_ran(engine)
+    # decoding: the window and its slack (9 positions) and K drafts, in 4-token blocks, and
+    # the hash chain's root (5 blocks), of the 21 the longer sequence would hold
+    decoding = [live for live, _, covered in held if covered > 40]
+    assert decoding and max(decoding) <= -(-(8 + 1 + K) // 4) + 2
+    engine.shutdown()
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": K}
+    engine = mixed_engine(model_dir, speculative_config=spec, num_kv_blocks=64)
+    assert not engine.block_manager.frees_windows
+    assert_same(engine.generate(prompts, greedy(48), use_tqdm=False), ref, atol=1e-4)
+    engine.shutdown()

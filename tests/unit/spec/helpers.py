@@ -40,6 +40,27 @@ def make_loopy(path: str | Path, attention_scale: float = 0.05) -> str:
     return str(path)
 
 
+def make_echo(path: str | Path, attention_scale: float = 0.2) -> str:
+    """Make the saved model at `path` echo: its LM head set to its embedding, every MLP's
+    (and expert's) down projection zeroed and attention's output scaled down, so greedy decoding
+    repeats tokens for a while and then moves on (n-gram drafts both accepted and rejected,
+    for models whose plain random weights never repeat), while attention still moves every
+    logprob."""
+    from safetensors.torch import load_file, save_file
+
+    weights_file = Path(path) / "model.safetensors"
+    weights = load_file(weights_file)
+    for name in weights:
+        if name.endswith("o_proj.weight"):
+            weights[name] = weights[name] * attention_scale
+        elif "down_proj" in name:
+            weights[name] = weights[name] * 0
+    if "lm_head.weight" in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return str(path)
+
+
 def sharpened_copy(model_dir: str, out: str | Path, factor: float = 2.5) -> str:
     """A copy of the model with its final norm scaled by `factor`: logits x factor, the same
     order, so as a draft its q is the model's distribution made sharper (its drafts are
