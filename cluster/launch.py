@@ -21,14 +21,6 @@ APP_NAME = "raylane"
 # serve` kept 81% of the offline engine's tok/s against 64-68% (2 cores, direct ingress, same
 # hour). Only the replica at nice 0 was worse: the ingress and proxy starved (TTFT 3 s).
 WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
-# The engine replica's OpenMP threads spin at most 20,000 times (GNU's default: 300,000) before
-# they sleep at a barrier. The forward's two threads run in lock-step; when the cores are shared,
-# a thread that spins out the full default while its partner waits for a core takes that core
-# from the partner: on the shared 2-core machine (load average 6-10) `bench serve` at 2 torch
-# threads burned 20-24 ms of CPU per output token at the default, 11-15 ms with this, and served
-# 2.2x the tok/s (two paired runs); 1 torch thread took 3.6-4.1 ms a token. On a quiet machine
-# the earlier stop measured no difference (79% of the offline engine; 2,000 spins cost 14%).
-ENGINE_THREADS_ENV = {"GOMP_SPINCOUNT": "20000"}
 # Ray's and Serve's background loops, slowed or off on a local cluster. Every wake-up of them
 # preempts one of the replica's lock-step OpenMP threads and so stalls both: an idle `raylane
 # serve` burned 12% of one core (Serve's controller alone 3%), with these 7%, and `bench serve`
@@ -54,9 +46,8 @@ CONTROL_PLANE_ENV = {
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Join `address`, or start a fresh local cluster (its workers at nice 0 with a short OpenMP
-    spin, its background loops slowed: `WORKER_PRIORITY_ENV`, `ENGINE_THREADS_ENV`,
-    `CONTROL_PLANE_ENV`)."""
+    """Join `address`, or start a fresh local cluster (its workers at nice 0 and its background
+    loops slowed: `WORKER_PRIORITY_ENV`, `CONTROL_PLANE_ENV`)."""
     import ray
 
     if ray.is_initialized():
@@ -66,7 +57,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     env = {
         key: value
-        for key, value in {**WORKER_PRIORITY_ENV, **ENGINE_THREADS_ENV, **CONTROL_PLANE_ENV}.items()
+        for key, value in {**WORKER_PRIORITY_ENV, **CONTROL_PLANE_ENV}.items()
         if key not in os.environ
     }
     with _environment(env):  # read by the raylet, whose workers (Serve's actors) inherit it

@@ -1,7 +1,6 @@
-"""A local cluster's workers run at nice 0 with a short OpenMP spin and Ray's and Serve's
-background loops slowed (`launch.WORKER_PRIORITY_ENV`, `ENGINE_THREADS_ENV`,
-`CONTROL_PLANE_ENV`), a user's own setting wins, and the driver's environment is left as it
-was."""
+"""A local cluster's workers run at nice 0 with Ray's and Serve's background loops slowed
+(`launch.WORKER_PRIORITY_ENV`, `launch.CONTROL_PLANE_ENV`), a user's own setting wins, and the
+driver's environment is left as it was."""
 
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ def worker_env():
 def test_workers_get_the_priority_and_the_slowed_loops(worker_env):
     _, (niceness, env) = worker_env
     assert niceness == 0
-    for key, value in {**launch.CONTROL_PLANE_ENV, **launch.ENGINE_THREADS_ENV}.items():
+    for key, value in launch.CONTROL_PLANE_ENV.items():
         if key != USER_KEY:
             assert env.get(key) == value, key
 
@@ -48,6 +47,6 @@ def test_a_users_own_setting_wins_and_the_driver_keeps_its_environment(worker_en
     driver, (_, env) = worker_env
     assert env[USER_KEY] == "0.25"
     assert driver[USER_KEY] == "0.25"
-    for key in (*launch.CONTROL_PLANE_ENV, *launch.WORKER_PRIORITY_ENV, *launch.ENGINE_THREADS_ENV):
+    for key in (*launch.CONTROL_PLANE_ENV, *launch.WORKER_PRIORITY_ENV):
         if key != USER_KEY:
             assert key not in driver, key
