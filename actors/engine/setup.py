@@ -136,6 +136,7 @@ def runner_config(
         num_mtp_drafts=config.spec.num_speculative_tokens if config.spec is not None else 1,
         draft_model_dir=config.spec.model if config.spec is not None else None,
         cudagraph_capture_sizes=config.capture_sizes,
+        num_speculative_tokens=config.spec.num_speculative_tokens if config.spec else 0,
         max_model_len=max_model_len,
         num_state_slots=config.state_slots,
         num_state_snapshots=config.state_snapshots,

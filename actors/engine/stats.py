@@ -170,6 +170,7 @@ class EngineStats:
         self.steps_planned_ahead = 0  # launched while the step before was in flight (async)
         self.grammar_skips = 0  # rows that sat out a step: their grammar mask was late
         self.graph_replays = 0  # decode steps replayed from a captured graph (eager on CPU)
+        self.verify_graph_replays = 0  # of them, speculative verify steps (graph_runner.py)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.spec = SpecStats()  # speculative decoding (sized by the engine's config)

@@ -115,5 +115,6 @@ class StepPipeline:
         if self.drafter is not None:
             self.drafter.observe(step.scheduled, result.timings)
         self.stats.graph_replays += result.graph_replayed
+        self.stats.verify_graph_replays += result.verify_graph_replayed
         self.launcher.post_masks(self._in_flight)
         return outputs

@@ -39,6 +39,8 @@ class RunnerConfig:
     # speculative_config method "draft_model": the draft's HF directory (runner/draft_runner.py)
     draft_model_dir: str | None = None
     cudagraph_capture_sizes: tuple[int, ...] = (1,)
+    # speculative decoding's k: the graph runner also captures verify rows of 1 + k tokens
+    num_speculative_tokens: int = 0
     max_model_len: int = 2048  # the longest context a captured graph's block tables hold
     # linear-attention models: the state slots (the engine's scheduler hands them out)
     num_state_slots: int = 128

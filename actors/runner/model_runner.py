@@ -125,10 +125,22 @@ class ModelRunner:
             config.max_model_len,
             self.device,
             self.state,
+            width=self._verify_width(config),
         )
         if self.device.type == "cuda":
             graphs.capture()
         return graphs
+
+    def _verify_width(self, config: RunnerConfig) -> int:
+        """Query tokens per row of the verify graphs (1 + k), or 1 for none: not where a
+        verify row needs host-side work in its forward (a linear-attention state's verify
+        records, a DSA indexer's per-token selections), nor under the torch backend, whose
+        prefill path plans on the host (MTP steps never replay: they need hidden states)."""
+        host_work = self.state is not None or self.kv.indexer is not None or config.mtp
+        if host_work or not config.num_speculative_tokens:
+            return 1
+        backend = self.model.attention_layers()[0].backend.name
+        return 1 if backend == "torch" else 1 + config.num_speculative_tokens
 
     @property
     def samples(self) -> bool:
@@ -185,12 +197,7 @@ class ModelRunner:
             step.attn.linear = self.state.metadata(scheduled, num_prefills, slots)
         prepared = time.perf_counter()
         self.faults.check("forward")
-        graphs = self.graphs
-        # MTP needs the hidden states, which a replayed graph does not return
-        replayed = graphs is not None and not self.config.mtp and graphs.fits(step)
-        logits, routed = (
-            graphs.run(step) if graphs is not None and replayed else self._forward(step)
-        )
+        logits, routed, replayed, verify = self._run_forward(step, scheduled)
         if routed is not None:
             self.kv.store_routing(step.attn.slot_mapping, routed)
         if self.kv.indexer is not None:  # DSA: the step's selections, per KV slot
@@ -226,7 +233,7 @@ class ModelRunner:
                 [i for i, item in enumerate(entries) if item is not None], len(entries)
             )
         finished = time.perf_counter()
-        result.graph_replayed = replayed
+        result.graph_replayed, result.verify_graph_replayed = replayed, verify
         result.timings = {
             "started_at": start,
             "prepare": prepared - start,
@@ -247,6 +254,18 @@ class ModelRunner:
             or self.config.mtp  # every rank feeds the sampled tokens to the MTP layers
             or (linear is not None and linear.verify is not None)
         )
+
+    def _run_forward(self, step: StepInputs, scheduled: list[ScheduledRequest]):
+        """(logits, routed, replayed, replayed a verify graph): a decode batch or a verify
+        batch that a graph holds replays it, anything else runs eagerly."""
+        graphs = self.graphs
+        if graphs is not None and not self.config.mtp:  # MTP needs the hidden states
+            if graphs.fits(step):
+                return *graphs.run(step), True, False
+            sample_rows_only = all(item.num_sample_rows == item.num_new for item in scheduled)
+            if graphs.fits_verify(step, sample_rows_only):
+                return *graphs.run_verify(step), True, True
+        return *self._forward(step), False, False
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Eager: (logits [rows, vocab] of the rows that need them, routed [T, ...] or None)."""

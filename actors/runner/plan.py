@@ -136,6 +136,7 @@ class StepResult:
     # finished_at by the runner, sent_at and received_at by the executor
     timings: dict[str, float] = field(default_factory=dict)
     graph_replayed: bool = False  # the forward replayed a captured (or, on CPU, eager) graph
+    verify_graph_replayed: bool = False  # ... a verify graph (graph_runner.py)
     # rows whose grammar mask was late: they sampled nothing and recompute their last position
     skipped_seq_ids: tuple[int, ...] = ()
     # speculative decoding: per entry, the tokens after `token_ids[i]` when drafts were
@@ -185,6 +186,7 @@ class StepResult:
             for row, value in zip(rows, getattr(self, name)):
                 column[row] = value
         out.timings, out.graph_replayed = self.timings, self.graph_replayed
+        out.verify_graph_replayed = self.verify_graph_replayed
         out.skipped_seq_ids = self.skipped_seq_ids
         for name in ("mtp_drafts", "drafts"):  # columns only some steps have
             if getattr(self, name):

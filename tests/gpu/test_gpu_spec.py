@@ -28,8 +28,9 @@ PARAMS = SamplingParams(
 )
 
 
-def run(model_dir: str, spec: dict | None, prompts, **kw):
-    engine = engine_for(model_dir, None, max_num_seqs=8, speculative_config=spec, **kw)
+def run(model_dir: str, spec: dict | None, prompts, enforce_eager: bool | None = None, **kw):
+    kw.setdefault("max_num_seqs", 8)
+    engine = engine_for(model_dir, enforce_eager, speculative_config=spec, **kw)
     try:
         return engine.generate(prompts, PARAMS, use_tqdm=False), engine.stats
     finally:
@@ -82,3 +83,19 @@ def test_linear_attention_spec_changes_no_token(tmp_path_factory, method):
     out, stats = run(path, spec, prompts)
     assert_same(ref, out)
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_verify_graphs_change_no_token(loopy_dir):
+    """n-gram verify steps replayed from CUDA graphs of rows x (1 + k) tokens (rows 1, 2, 4
+    at k = 4 under sizes up to 20): greedy tokens and logprobs equal eager speculation's and
+    no speculation's, and the engine counted verify replays."""
+    spec = {**SPECS["ngram"], "adaptive": False}
+    prompts = prompts_for(VOCAB_SIZE, (9, 17, 30, 45))
+    kw = {"cudagraph_capture_sizes": (1, 2, 4, 8, 16, 20), "max_num_seqs": 20}
+    ref, _ = run(loopy_dir, None, prompts, enforce_eager=True, **kw)
+    eager, _ = run(loopy_dir, spec, prompts, enforce_eager=True, **kw)
+    graphs, stats = run(loopy_dir, spec, prompts, enforce_eager=False, **kw)
+    assert_same(ref, eager)
+    assert_same(ref, graphs)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert 0 < stats.verify_graph_replays < stats.graph_replays

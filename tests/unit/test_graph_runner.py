@@ -94,7 +94,7 @@ def test_padding_goes_to_the_next_size_and_the_scratch_block():
     graphs.seq_lens[:] = 7
     for tables in graphs.group_tables:
         tables.fill_(5)
-    graphs._reset_padding(3, 8)
+    graphs._pad(3, 8)
     assert graphs.seq_lens.tolist() == [7, 7, 7, 1, 1, 1, 1, 1]
     for slots, tables in zip(graphs.slot_mappings, graphs.group_tables):
         assert slots[3:].tolist() == [36] * 5

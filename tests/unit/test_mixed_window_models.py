@@ -99,14 +99,25 @@ def test_gpt_oss_prefix_cache_warm_equals_cold(gpt_oss_dir, gpt_oss_ref) -> None
         np.testing.assert_array_equal(w.outputs[0].routed_experts, c.outputs[0].routed_experts)
 
 
+# drafts wherever a 1-token match is found, whatever the measured cost
+NGRAM_EVERY_STEP = {
+    "method": "ngram",
+    "num_speculative_tokens": 2,
+    "prompt_lookup_min": 1,
+    "adaptive": False,
+}
+
+
 @pytest.mark.parametrize(
     "variant",
     [
         {"async_scheduling": True},
         {"enforce_eager": False},  # the graph runner's eager replay of decode batches
+        # verify rows replayed: sliding and full groups' tables, sinks, routed experts
+        {"speculative_config": NGRAM_EVERY_STEP, "enforce_eager": False},
         {"num_kv_blocks": 40},  # preemption: the two sequences cannot run side by side
     ],
-    ids=["async", "graph_replay", "preemption"],
+    ids=["async", "graph_replay", "ngram_spec_graphs", "preemption"],
 )
 def test_gpt_oss_variants_equal_the_serial_eager_run(gpt_oss_dir, gpt_oss_ref, variant):
     _, prompts, ref, _ = gpt_oss_ref
@@ -115,6 +126,8 @@ def test_gpt_oss_variants_equal_the_serial_eager_run(gpt_oss_dir, gpt_oss_ref, v
     assert_same(outs, ref, atol=1e-5)
     if "enforce_eager" in variant:
         assert engine.stats.graph_replays > 0
+        if "speculative_config" in variant:
+            assert engine.stats.verify_graph_replays > 0
     if "num_kv_blocks" in variant:
         assert engine.scheduler.num_preemptions > 0
     engine.shutdown()
