@@ -49,7 +49,7 @@ COUNTERS = {
     "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
     "steps_planned_ahead": "Engine steps planned while the step before ran (async scheduling).",
     "grammar_skips": "Constrained rows that sat out a step: their grammar mask was not ready.",
-    "graph_replays": "Decode steps replayed from a captured CUDA graph (an eager replay on CPU).",
+    "graph_replays": "Decode and verify steps replayed from a CUDA graph (an eager replay on CPU).",
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Histogram of time to first token in seconds.",

@@ -169,7 +169,7 @@ class EngineStats:
         self.step_times = StepTimes()
         self.steps_planned_ahead = 0  # launched while the step before was in flight (async)
         self.grammar_skips = 0  # rows that sat out a step: their grammar mask was late
-        self.graph_replays = 0  # decode steps replayed from a captured graph (eager on CPU)
+        self.graph_replays = 0  # decode and verify steps replayed from a graph (eager on CPU)
         self.verify_graph_replays = 0  # of them, speculative verify steps (graph_runner.py)
         self.prompt_tokens = 0
         self.generation_tokens = 0

@@ -107,3 +107,18 @@ def test_grid_layout():
     assert not verify_fits(seqs, 4, 4)  # a row wider than the graph
     assert not verify_fits([SeqSlice(2, 4, [0])], 5, 4)  # less context than the width
     assert not verify_fits([SeqSlice(1, 9, [0])] * 2, 5, 4)  # a decode batch
+
+
+def test_draft_model_verify_steps_replay(loopy_dir, prompts):
+    """A draft model (the target itself: every draft accepted) drafts eagerly; the target's
+    verify steps replay, with the outputs of no speculation."""
+    spec = {"method": "draft_model", "model": loopy_dir, "num_speculative_tokens": K}
+    ref_engine = engine(loopy_dir, None, graphs=False)
+    ref = ref_engine.generate(prompts, params(), use_tqdm=False)
+    ref_engine.shutdown()
+    drafted = engine(loopy_dir, {**spec, "adaptive": False}, graphs=True)
+    assert_same(ref, drafted.generate(prompts, params(), use_tqdm=False))
+    stats = drafted.stats
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert stats.verify_graph_replays > 0
+    drafted.shutdown()
