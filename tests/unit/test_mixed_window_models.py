@@ -144,16 +144,21 @@ def test_gpt_oss_draft_model_frees_windows_and_equals_the_serial_run(gpt_oss_dir
     assert_spec_run_equals(engine, prompts, ref, num_sliding_groups=1)
 
 
-def test_gpt_oss_ngram_speculation_frees_windows_and_equals_no_speculation(tmp_path) -> None:
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "verify_graphs"])
+def test_gpt_oss_ngram_speculation_frees_windows_and_equals_no_speculation(
+    tmp_path, graphs
+) -> None:
     # n-gram drafts on a model whose greedy output repeats for a while: against the same
-    # model without speculation, scheduled serially
+    # model without speculation, scheduled serially; with graphs, verify steps replay over
+    # sliding tables whose blocks outside the window were freed
     model_dir = make_echo(make_gpt_oss(tmp_path / "echo"))
     ref_engine = mixed_engine(model_dir, async_scheduling=False)
     prompts = prompts_for(ref_engine.validator.vocab_size, seed=4, count=2)
     ref = ref_engine.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
     ref_engine.shutdown()
-    engine = spec_run(model_dir, {"method": "ngram"}, num_kv_blocks=40)
+    engine = spec_run(model_dir, {"method": "ngram"}, num_kv_blocks=40, enforce_eager=not graphs)
     assert_spec_run_equals(engine, prompts, ref, num_sliding_groups=1)
+    assert (engine.stats.verify_graph_replays > 0) == graphs
 
 
 def near_draft(model_dir: str) -> str:
