@@ -19,10 +19,18 @@ pytestmark = needs_device
 SLIDING, FULL = "sliding_attention", "full_attention"
 MODELS = {  # name -> (builder, overrides, the KV cache groups' windows)
     "gpt_oss": ("make_gpt_oss", {}, (None, 8)),
-    "gemma3_uneven": (
+    "gemma3_two_full_groups": (  # 5 sliding + 2 full: groups of 1 layer (the gcd)
         "make_gemma3",
         {"num_hidden_layers": 7, "layer_types": [SLIDING, SLIDING, FULL] + [SLIDING] * 3 + [FULL]},
-        (None, 8, 8, 8),
+        (None, None, 8, 8, 8, 8, 8),
+    ),
+    "gemma3_uneven": (  # 5 sliding + 3 full: groups of 3, the last sliding one of 2 layers
+        "make_gemma3",
+        {
+            "num_hidden_layers": 8,
+            "layer_types": [SLIDING, SLIDING, FULL] + [SLIDING] * 3 + [FULL] * 2,
+        },
+        (None, 8, 8),
     ),
 }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from raylane.actors.engine.block_manager import BlockManager
-from raylane.actors.engine.layer_kinds import kv_groups
+from raylane.actors.engine.layer_kinds import group_size_for, kv_groups
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.engine.sequence import Sequence
 
@@ -23,12 +23,19 @@ def make_seq(tokens: list[int]) -> Sequence:
     [
         ([S, F] * 3, (F, S), 3),  # gpt-oss: alternating, equal counts
         ([S] * 5 + [F], (F, S, S, S, S, S), 1),  # Gemma 3: five sliding to one full
-        ([S, S, F, S, S, S, F], (F, S, S, S), 2),  # uneven: the last sliding group has 1
+        # Gemma 3 1B: 22 sliding + 4 full in groups of 2 (the gcd), none padded
+        ([S] * 5 + [F] + [S] * 17 + [F] * 3, (F, F) + (S,) * 11, 2),
+        ([S, S, F, S, S, S, F], (F, F, S, S, S, S, S), 1),  # gcd 1: 7 groups, not 2 x 4
+        # uneven: gcd 1 would make 8 groups, over twice the 3 of the rarest kind's count: the
+        # last sliding group has 2 layers in blocks sized for 3
+        ([S, S, F, S, S, S, F, F], (F, S, S), 3),
         ([F, F, F], (F,), 3),  # one kind: one group of every layer
         ([S, S], (S,), 2),
     ],
 )
-def test_layers_split_into_groups_of_the_rarest_kinds_count(windows, want_groups, want_size):
+def test_layers_split_into_groups_that_waste_no_rows_unless_too_many(
+    windows, want_groups, want_size
+):
     groups = kv_groups(windows)
     assert groups.windows == want_groups and groups.group_size == want_size
     # every layer sits in a group of its own window, at an index below the group size, and
@@ -149,3 +156,18 @@ def test_longest_hit_equals_a_naive_search() -> None:
 
         want = next(k for k in range(keep, -1, -1) if whole(k))
         assert groups.longest_hit(found, keep) == want
+
+
+@pytest.mark.parametrize(
+    "counts, want",
+    [
+        ([18, 18], 18),  # gpt-oss
+        ([22, 4], 2),  # Gemma 3 1B: the gcd, 13 groups, none padded
+        ([40, 8], 8),  # Gemma 3 12B
+        ([29, 5], 5),  # Gemma 3 4B: gcd 1 would be 34 groups against 7: one layer padded
+        ([52, 10], 10),  # Gemma 3 27B: gcd 2 would be 31 groups against 7
+        ([7], 7),
+    ],
+)
+def test_group_size_is_the_gcd_unless_it_more_than_doubles_the_groups(counts, want) -> None:
+    assert group_size_for(counts) == want

@@ -24,18 +24,20 @@ def mixed_engine(model_dir: str, **kw):
 
 
 def generate_counting_blocks(engine, prompts, params):
-    """Outputs, and per allocation the blocks the sequence holds: (group 0, each other group,
-    the tokens they cover)."""
+    """Outputs, and per allocation the blocks the sequence holds: (group 0, each sliding
+    group after it, the tokens they cover); a full group after the first holds what it does."""
     blocks = engine.block_manager
     held: list[tuple[int, tuple[int, ...], int]] = []
     allocate = blocks.allocate
 
     def allocate_and_count(seq, num_new):
         allocate(seq, num_new)
-        sliding = zip(seq.group_tables, seq.group_released)
-        covered = seq.num_computed_tokens + num_new
+        tables = zip(blocks.windows[1:], seq.group_tables, seq.group_released)
         live = len(seq.block_table) - seq.num_released_blocks
-        held.append((live, tuple(len(t) - r for t, r in sliding), covered))
+        held_by = [(window, len(table) - released) for window, table, released in tables]
+        assert all(n == live for window, n in held_by if window is None)
+        sliding = tuple(n for window, n in held_by if window is not None)
+        held.append((live, sliding, seq.num_computed_tokens + num_new))
 
     blocks.allocate = allocate_and_count
     try:
@@ -209,28 +211,42 @@ def assert_same(got, ref, atol: float) -> None:
         assert np.allclose(g.outputs[0].logprobs, r.outputs[0].logprobs, atol=atol)
 
 
-def test_gemma3_uneven_groups_match_hf_in_o_window_blocks(tmp_path_factory) -> None:
-    # 5 sliding to 2 full: groups of 2 layers, one full and three sliding (the last of one
-    # layer), sharing two sets of cache tensors
-    types = [SLIDING, SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL]
+@pytest.mark.parametrize(
+    "types, groups, size",
+    [
+        # 5 sliding to 2 full: groups of 1 layer (the gcd), two of them full
+        ([SLIDING, SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL], (None,) * 2 + (WINDOW,) * 5, 1),
+        # 5 sliding to 3 full: groups of 3, one full and two sliding (the last of two layers)
+        (
+            [SLIDING, SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL, FULL],
+            (None,) + (WINDOW,) * 2,
+            3,
+        ),
+    ],
+    ids=["two_full_groups", "uneven"],
+)
+def test_gemma3_groups_match_hf_in_o_window_blocks(tmp_path_factory, types, groups, size) -> None:
     model_dir = make_gemma3(
-        tmp_path_factory.mktemp("mixed_gemma3"), num_hidden_layers=7, layer_types=types
+        tmp_path_factory.mktemp("mixed_gemma3"), num_hidden_layers=len(types), layer_types=types
     )
     engine = mixed_engine(model_dir, num_kv_blocks=256)  # roomy: the warm run hits
-    assert engine.block_manager.windows == (None, WINDOW, WINDOW, WINDOW)
-    # a block holds one group's K/V: 2 of the 7 layers
-    assert engine.runner_info.kv_bytes_per_token == 2 * kv_bytes_per_layer(model_dir)
+    assert engine.block_manager.windows == groups
+    # a block holds one group's K/V: `size` of the layers
+    assert engine.runner_info.kv_bytes_per_token == size * kv_bytes_per_layer(model_dir)
     prompts = prompts_for(engine.validator.vocab_size, seed=5, count=2)
     cold, held = generate_counting_blocks(engine, prompts, greedy(MAX_NEW))
     assert_matches_hf(model_dir, prompts, cold, max_new=MAX_NEW)
-    assert_o_window(held, num_sliding_groups=3)
+    num_sliding = groups.count(WINDOW)
+    assert_o_window(held, num_sliding_groups=num_sliding)
     warm = engine.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
     assert [o.num_cached_tokens for o in warm] == [16, 32]
     assert_same(warm, cold, atol=1e-5)
     engine.shutdown()
     # speculation by a draft near the target (a Gemma 3 too, over the full group's table)
-    engine = spec_run(model_dir, {"method": "draft_model", "model": near_draft(model_dir)})
-    assert_spec_run_equals(engine, prompts, cold, num_sliding_groups=3)
+    engine = spec_run(
+        model_dir, {"method": "draft_model", "model": near_draft(model_dir)}, num_kv_blocks=256
+    )
+    assert_spec_run_equals(engine, prompts, cold, num_sliding_groups=num_sliding)
 
 
 def test_gpt_oss_late_grammar_mask_redoes_its_row_inside_the_window(gpt_oss_dir) -> None:
