@@ -31,6 +31,7 @@ def generate_counting_blocks(engine, prompts, params):
     allocate = blocks.allocate
 
     def allocate_and_count(seq, num_new):
+        assert_window_held(blocks, seq)
         allocate(seq, num_new)
         tables = zip(blocks.windows[1:], seq.group_tables, seq.group_released)
         live = len(seq.block_table) - seq.num_released_blocks
@@ -44,6 +45,19 @@ def generate_counting_blocks(engine, prompts, params):
         return engine.generate(prompts, params, use_tqdm=False), held
     finally:
         blocks.allocate = allocate
+
+
+def assert_window_held(blocks, seq) -> None:
+    """Every block the sequence's next query (at its computed count: a verify row's first)
+    sees is still held: from the one holding the earliest position a sliding layer attends
+    to (window - 1 back) through the last computed one."""
+    at = seq.num_computed_tokens
+    tables = [(blocks.windows[0], seq.block_table, seq.num_released_blocks)]
+    tables += list(zip(blocks.windows[1:], seq.group_tables, seq.group_released))
+    for window, table, released in tables:
+        first = 0 if window is None else max(0, at - window + 1) // BLOCK
+        assert released <= first
+        assert all(blocks.blocks[b].ref_count > 0 for b in table[first : -(-at // BLOCK)])
 
 
 def assert_o_window(held, num_sliding_groups: int, drafts: int = 0) -> None:
