@@ -160,19 +160,23 @@ def test_gpt_oss_draft_model_frees_windows_and_equals_the_serial_run(gpt_oss_dir
     assert_spec_run_equals(engine, prompts, ref, num_sliding_groups=1)
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "verify_graphs"])
+@pytest.mark.parametrize(
+    "method, graphs",
+    [("ngram", False), ("ngram", True), ("suffix", False)],
+    ids=["eager", "verify_graphs", "suffix"],
+)
 def test_gpt_oss_ngram_speculation_frees_windows_and_equals_no_speculation(
-    tmp_path, graphs
+    tmp_path, method, graphs
 ) -> None:
-    # n-gram drafts on a model whose greedy output repeats for a while: against the same
-    # model without speculation, scheduled serially; with graphs, verify steps replay over
-    # sliding tables whose blocks outside the window were freed
+    # n-gram (or suffix) drafts on a model whose greedy output repeats for a while: against
+    # the same model without speculation, scheduled serially; with graphs, verify steps
+    # replay over sliding tables whose blocks outside the window were freed
     model_dir = make_echo(make_gpt_oss(tmp_path / "echo"))
     ref_engine = mixed_engine(model_dir, async_scheduling=False)
     prompts = prompts_for(ref_engine.validator.vocab_size, seed=4, count=2)
     ref = ref_engine.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
     ref_engine.shutdown()
-    engine = spec_run(model_dir, {"method": "ngram"}, num_kv_blocks=40, enforce_eager=not graphs)
+    engine = spec_run(model_dir, {"method": method}, num_kv_blocks=40, enforce_eager=not graphs)
     assert_spec_run_equals(engine, prompts, ref, num_sliding_groups=1)
     assert (engine.stats.verify_graph_replays > 0) == graphs
 
