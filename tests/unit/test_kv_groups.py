@@ -78,7 +78,8 @@ def test_sliding_group_holds_o_window_blocks_and_maps_the_window() -> None:
     assert bm.num_free_blocks == num_blocks and seq.group_tables == []
 
 
-def test_no_freeing_under_speculation_holds_every_block() -> None:
+def test_no_freeing_holds_every_block() -> None:
+    # what a draft model over a model whose layers all slide gets (setup._frees_windows)
     bm = BlockManager(64, BS, windows=(F, S), frees_windows=False)
     seq = make_seq(list(range(7)))
     held = run_decode(bm, seq, 30)
