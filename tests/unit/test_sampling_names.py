@@ -23,8 +23,9 @@ from raylane.session_server.schemas import (
     SGLangSamplingParams,
 )
 
-# SGLang fields accepted and ignored (byte-level tokenizers have no spaces to add)
-_SGLANG_IGNORED = {"spaces_between_special_tokens"}
+# SGLang fields accepted and ignored (byte-level tokenizers have no spaces to add), and
+# `stop_regex`, which SGLang's own client always sends: served empty, a 400 otherwise
+_SGLANG_IGNORED = {"spaces_between_special_tokens", "stop_regex"}
 # every copied field away from its default, so a dropped or misnamed one shows
 _ODD = {
     "n": 1,
