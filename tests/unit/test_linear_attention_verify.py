@@ -21,6 +21,8 @@ from raylane.kernels.linear_attention.verify import (  # noqa: E402
     verify_delta_rule,
 )
 
+from tests.unit.test_triton_linear_attention import step_meta  # noqa: E402
+
 HK, HV, DK, DV, W = 1, 2, 8, 6, 4
 C = 2 * HK * DK + HV * DV
 LENS = [9, 4, 3, 1]  # a prefill chunk, two verify rows (1 + 3 and 1 + 2 tokens), a decode
@@ -52,19 +54,18 @@ def naive_conv(x, weight, state):
 
 
 def meta() -> StateMetadata:
-    qsl = [0]
-    for n in LENS:
-        qsl.append(qsl[-1] + n)
-    return StateMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        state_slots=torch.tensor(SLOTS),
-        num_prefills=3,
-        num_prefill_tokens=qsl[3],
-        max_query_len=max(LENS),
-        query_start_loc_host=qsl,
-        state_slots_host=SLOTS,
-        verify=VerifyRows(VERIFY, [LENS[i] for i in VERIFY]),
-    )
+    return step_meta(LENS, SLOTS, 3, VerifyRows(VERIFY, [LENS[i] for i in VERIFY]))
+
+
+def inputs(t: int, gen: torch.Generator):
+    """(x, conv weight, q, k, v, g, beta) of `t` tokens at this file's widths."""
+    x = torch.randn(t, C, generator=gen)
+    weight = torch.randn(C, W, generator=gen) * 0.5
+    q, k = (torch.randn(t, HK, DK, generator=gen) for _ in range(2))
+    v = torch.randn(t, HV, DV, generator=gen)
+    g = -F.softplus(torch.randn(t, HV, generator=gen))
+    beta = torch.randn(t, HV, generator=gen).sigmoid()
+    return x, weight, q, k, v, g, beta
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
@@ -74,12 +75,7 @@ def test_verify_rows_leave_only_accepted_tokens_in_the_state(backend_name: str) 
     backend = get_linear_backend(backend_name) if backend_name == "torch" else _triton()
     gen = torch.Generator().manual_seed(0)
     t = sum(LENS)
-    x = torch.randn(t, C, generator=gen)
-    weight = torch.randn(C, W, generator=gen) * 0.5
-    q, k = (torch.randn(t, HK, DK, generator=gen) for _ in range(2))
-    v = torch.randn(t, HV, DV, generator=gen)
-    g = -F.softplus(torch.randn(t, HV, generator=gen))
-    beta = torch.randn(t, HV, generator=gen).sigmoid()
+    x, weight, q, k, v, g, beta = inputs(t, gen)
     conv = torch.randn(7, C, W - 1, generator=gen)
     state = torch.randn(7, HV, DK, DV, generator=gen)
     before_conv, before = conv.clone(), state.clone()
@@ -156,12 +152,7 @@ def test_state_cache_accepts_and_snapshots_a_verify_row() -> None:
     decode = ScheduledRequest(RequestState(8, 0, list(range(6)), [1], 5, params), 1)
     m = cache.metadata([verify, decode], 1, [1, 2])
     t = 5
-    x = torch.randn(t, C, generator=gen)
-    weight = torch.randn(C, W, generator=gen) * 0.5
-    q, k = (torch.randn(t, HK, DK, generator=gen) for _ in range(2))
-    v = torch.randn(t, HV, DV, generator=gen)
-    g = -F.softplus(torch.randn(t, HV, generator=gen))
-    beta = torch.randn(t, HV, generator=gen).sigmoid()
+    x, weight, q, k, v, g, beta = inputs(t, gen)
     verify_conv(layer.backend, x, weight, layer.conv_state, m, "silu")
     verify_delta_rule(layer.backend, q, k, v, g, beta, layer.recurrent_state, m)
     assert m.verify is not None

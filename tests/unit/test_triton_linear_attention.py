@@ -22,18 +22,22 @@ LENS = [9, 2, 1, 1]  # two prefill chunks (one shorter than the conv's history),
 SLOTS = [4, 0, 2, 5]
 
 
-def step_meta() -> StateMetadata:
+def step_meta(
+    lens: list[int] = LENS, slots: list[int] = SLOTS, num_prefills: int = 2, verify=None
+) -> StateMetadata:
+    """A step's rows of `lens` tokens in `slots`, the first `num_prefills` run as chunks."""
     qsl = [0]
-    for n in LENS:
+    for n in lens:
         qsl.append(qsl[-1] + n)
     return StateMetadata(
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        state_slots=torch.tensor(SLOTS),
-        num_prefills=2,
-        num_prefill_tokens=qsl[2],
-        max_query_len=max(LENS),
+        state_slots=torch.tensor(slots),
+        num_prefills=num_prefills,
+        num_prefill_tokens=qsl[num_prefills],
+        max_query_len=max(lens),
         query_start_loc_host=qsl,
-        state_slots_host=SLOTS,
+        state_slots_host=slots,
+        verify=verify,
     )
 
 
