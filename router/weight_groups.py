@@ -11,17 +11,17 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from raylane.actors.runner.group_info import GroupInfo
-from raylane.router.control_parts import ReplicaCalls, Update, all_or_none, manifest
+from raylane.router.broadcast import ReplicaBroadcast
+from raylane.router.control_parts import Update, all_or_none, manifest
 from raylane.router.errors import ControlConflict, ReplicasFailed
 
 T = TypeVar("T")
 
 
-class WeightGroups:
+class WeightGroups(ReplicaBroadcast):
     """`ControlPlane`'s methods for the trainer's groups (`_groups`: group name -> the
     replicas in it)."""
 
-    calls: ReplicaCalls
     _lock: asyncio.Lock
     _update: Update | None
     _groups: dict[str, list[str]]
@@ -29,9 +29,6 @@ class WeightGroups:
     _detached_failure: BaseException | None = None  # a detached join's or receive's
 
     def _open(self, update_id: str | None) -> Update:
-        raise NotImplementedError  # ControlPlane's
-
-    def _reachable(self) -> list[str]:
         raise NotImplementedError  # ControlPlane's
 
     async def _resume_after_commit(self) -> None:

@@ -1,32 +1,22 @@
-"""Paged KV blocks: reference counts, a hash chain over full blocks, LRU eviction of cached ones."""
+"""Paged KV blocks per sequence: a hash chain over full blocks, KV cache groups, sliding windows."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import cast
 
+from raylane.actors.engine.block_pool import BlockPool
 from raylane.actors.engine.group_windows import GroupWindows
 from raylane.actors.engine.layer_kinds import first_live_block
 from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.state_slots import SnapshotCache
 
 
-class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "tokens")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash: int | None = None
-        self.tokens: tuple[int, ...] | None = None
-
-
-class BlockManager:
+class BlockManager(BlockPool):
     """Hands out KV blocks and takes them back; never looks at tensors.
 
     A full block is registered under `hash((parent_hash, tokens))`, so two sequences with the same
-    prefix map to the same chain. A block whose count drops to 0 keeps its hash and waits in the
-    free list, oldest first; it is evicted only when a fresh block is needed.
+    prefix map to the same chain. The blocks themselves, their counts, the free list and the
+    hash -> block map are its base's, `BlockPool`.
 
     A model that mixes sliding and full layers has several KV cache groups (`windows`, one
     per group, see layer_kinds.KVGroups): a sequence holds one table per group over the one
@@ -51,6 +41,7 @@ class BlockManager:
         frees_windows: bool = True,
     ):
         assert snapshots is None or len(windows) == 1, "state snapshots with KV cache groups"
+        super().__init__(num_blocks)
         self.block_size = block_size
         frees = frees_windows and any(w is not None for w in windows)
         self.groups = GroupWindows(windows, block_size, frees)
@@ -58,20 +49,9 @@ class BlockManager:
         # a prefix hit then stops at the longest cached prefix that has one
         self.snapshots = snapshots
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # chain hash -> block id
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_hits = 0  # of those, tokens found
         self.version = 0  # the weights' version: new sequences root their chains at it
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free)
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -80,15 +60,6 @@ class BlockManager:
     @property
     def frees_windows(self) -> bool:
         return self.groups.frees
-
-    @property
-    def null_block(self) -> int:
-        """A table entry for a block never read (before a window): the runner's scratch
-        block, which is never handed out."""
-        return len(self.blocks)
-
-    def usage(self) -> float:
-        return 1.0 - len(self.free) / len(self.blocks)
 
     # --- allocation ---------------------------------------------------------------------------
 
@@ -157,10 +128,6 @@ class BlockManager:
             seq.group_tables[g] = [self.null_block] * start + taken
             seq.group_released[g] = start
 
-    def _cached(self, chain_hash: int, tokens: tuple[int, ...]) -> int | None:
-        block_id = self.cached.get(chain_hash)
-        return None if block_id is None or self.blocks[block_id].tokens != tokens else block_id
-
     def reserve_snapshot(self, seq: Sequence, num_blocks: int) -> int | None:
         """A snapshot slot for the sequence's state after its first `num_blocks` blocks, keyed
         by their chain hash (None: snapshots are off, or that prefix has one)."""
@@ -176,9 +143,6 @@ class BlockManager:
         groups = seq.group_tables or [[]] * (len(self.windows) - 1)
         return sum(max(0, total - len(table)) for table in [seq.block_table, *groups])
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free)
-
     def allocate(self, seq: Sequence, num_new: int) -> None:
         """Extend the sequence's tables (one per group) to cover `num_new` more tokens."""
         self._start_groups(seq)
@@ -187,24 +151,10 @@ class BlockManager:
             while len(table) < total:
                 table.append(self._fresh())
 
-    def _fresh(self) -> int:
-        block_id, _ = self.free.popitem(last=False)  # least recently freed
-        block = self.blocks[block_id]
-        if block.hash is not None and self.cached.get(block.hash) == block_id:
-            del self.cached[block.hash]  # evict
-        block.hash, block.tokens, block.ref_count = None, None, 1
-        return block_id
-
     def _start_groups(self, seq: Sequence) -> None:
         if len(seq.group_tables) != len(self.windows) - 1:
             seq.group_tables = [[] for _ in self.windows[1:]]
             seq.group_released = [0] * len(seq.group_tables)
-
-    def _take(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free[block_id]
-        block.ref_count += 1
 
     # --- after a step -------------------------------------------------------------------------
 
@@ -236,10 +186,6 @@ class BlockManager:
                 if i >= seq.group_released[g] and group_block.hash is None:
                     self._register(group_block, _group_hash(g + 1, parent), tokens)
             seq.num_hashed_blocks = i + 1
-
-    def _register(self, block: Block, chain_hash: int, tokens: tuple[int, ...]) -> None:
-        block.hash, block.tokens = chain_hash, tokens
-        self.cached.setdefault(chain_hash, block.block_id)
 
     def free_outside_window(self, seq: Sequence, window: int) -> None:
         """Release the sequence's leading blocks that the next query cannot see (every paged
@@ -278,19 +224,11 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.num_released_blocks = 0
 
-    def _release(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free[block_id] = None
-
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after new weights); blocks in use are untouched."""
-        self.cached.clear()
+        self._forget_hashes()
         if self.snapshots is not None:
             self.snapshots.clear()
-        for block in self.blocks:
-            block.hash, block.tokens = None, None
 
 
 def _root(version: int, salt: str | None = None) -> int:

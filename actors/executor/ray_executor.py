@@ -26,7 +26,6 @@ owner (a Serve replica) is replaced.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -34,6 +33,7 @@ from typing import Any
 
 from raylane.actors.executor.base import ExecutorError, result_or_step_failed
 from raylane.actors.executor.placement import ShardPlacement, place_shards, shard_bundle
+from raylane.actors.executor.ray_calls import ensure_ray, gather
 from raylane.actors.executor.step_channel import ShardFailed, StepChannels
 from raylane.actors.models.weights import Payload
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
@@ -252,58 +252,8 @@ class RayExecutor:
     def _gather(
         self, refs: list, timeout_s: float | None = None, kill_on_error: bool = False
     ) -> list:
-        """Wait for every rank; the first failure anywhere raises at once."""
-        import ray
-
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pending = list(refs)
-        try:
-            while pending:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-                if not ready:
-                    raise TimeoutError(f"shards did not answer within {timeout_s:.0f} s")
-                ray.get(ready)  # raises a failed rank's error while its peers still wait
-            return ray.get(refs)
-        except ray.exceptions.RayTaskError as e:
-            if kill_on_error:
-                self._fail(e)
-                raise ExecutorError(f"a shard failed mid-step: {e.cause!r}") from e
-            _drain(refs)  # the same error on the other ranks: read it, or Ray logs it as unhandled
-            raise e.as_instanceof_cause() from None
-        except (ray.exceptions.RayActorError, TimeoutError) as e:
-            self._fail(e)
-            raise ExecutorError(f"a shard died: {e}") from e
-
-
-def ensure_ray() -> None:
-    """Connect to `RAY_ADDRESS` if set, else start a light local Ray (never someone else's)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    for key, value in (
-        ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
-        ("RAY_AUTH_MODE", "disabled"),
-        ("RAY_USAGE_STATS_ENABLED", "0"),
-    ):
-        os.environ.setdefault(key, value)
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"])
-    else:
-        ray.init(
-            address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False
-        )
-
-
-def _drain(refs: list) -> None:
-    import ray
-
-    for ref in refs:
-        try:
-            ray.get(ref)
-        except Exception:  # noqa: S110 (the first error is the one raised)
-            pass
+        """Wait for every rank (`ray_calls.gather`); a dead rank ends the group."""
+        return gather(refs, self._fail, timeout_s, kill_on_error)
 
 
 def _custom(bundle: dict[str, float]) -> dict[str, float]:
