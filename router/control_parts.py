@@ -81,7 +81,7 @@ def check_version(version: int, current: int) -> None:
 
 async def all_or_none(ids: list[str], call: Callable[[str], Awaitable[Any]]) -> dict[str, Any]:
     """`call` on every replica at once; all must succeed (a `ValueError` first, else the first
-    error, raises). Unlike `ControlPlane._everywhere` no replica is reported failed: a trainer
+    error, raises). Unlike `ReplicaBroadcast._everywhere` no replica is reported failed: a trainer
     that never came, or left, fails every rank at once."""
     results = await asyncio.gather(*(call(rid) for rid in ids), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
