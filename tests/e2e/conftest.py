@@ -14,6 +14,7 @@ from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from raylane.session_server.app import build_app
 from raylane.session_server.backend import Backend, local_backend
 
+from tests.e2e.admin_helpers import ADMIN_KEY, USER_KEY, keyed_client
 from tests.e2e.server import ServerThread
 
 API_KEY = "sk-raylane-test"
@@ -137,3 +138,43 @@ def trainer(trainer_server, trainer_engine) -> Iterator[httpx.Client]:
         deadline = time.monotonic() + 10
         while trainer_engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+# --- the admin routes (tests/e2e/test_admin*.py) ------------------------------------------------
+# NOTE: module-scoped, so each module's updates reach no other module's server
+
+
+@pytest.fixture(scope="module")
+def admin_engine(tiny_llama_dir) -> LLMEngine:
+    return LLMEngine(tiny_config(tiny_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def admin_server(admin_engine) -> Iterator[ServerThread]:
+    backend = local_backend(AsyncLLMEngine(admin_engine), MODEL)
+    app = build_app(backend, api_keys=[USER_KEY], admin_api_key=ADMIN_KEY, max_body_bytes=MAX_BODY)
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture
+def user(admin_server) -> Iterator[httpx.Client]:
+    with keyed_client(admin_server, USER_KEY) as client:
+        yield client
+
+
+@pytest.fixture
+def admin(admin_server) -> Iterator[httpx.Client]:
+    with keyed_client(admin_server, ADMIN_KEY) as client:
+        yield client
+        client.post("/admin/resume")  # whatever a test left paused
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_llama_dir, tmp_path_factory) -> dict[str, tuple[str, list]]:
+    """{"v0": the checkpoint, "v1": v0 plus seeded noise}: (model dir, named HF tensors)."""
+    from tests.hf_reference import hf_model, perturbed_model
+
+    v0 = [(n, p.detach().clone()) for n, p in hf_model(tiny_llama_dir).named_parameters()]
+    v1 = perturbed_model(tiny_llama_dir, str(tmp_path_factory.mktemp("tiny_llama_admin_v1")), 23)
+    return {"v0": (tiny_llama_dir, v0), "v1": v1}
