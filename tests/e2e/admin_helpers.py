@@ -1,5 +1,6 @@
 """What the admin-route tests share (tests/e2e/test_admin*.py; their server and clients are
-fixtures in tests/e2e/conftest.py): keys, a prompt, and the calls they make over HTTP."""
+fixtures in tests/e2e/conftest.py): keys, a prompt, and the calls they make over HTTP. Other
+e2e tests take the prompt and `run_midway` from here too."""
 
 from __future__ import annotations
 

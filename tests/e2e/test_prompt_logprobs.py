@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.test_admin import PROMPT
+from tests.e2e.admin_helpers import PROMPT
 from tests.hf_reference import hf_model
 
 

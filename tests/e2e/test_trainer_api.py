@@ -15,9 +15,9 @@ import httpx
 import pytest
 from raylane.session_server.app import build_app
 
+from tests.e2e.admin_helpers import LONG, PROMPT, run_midway
 from tests.e2e.conftest import MAX_BODY
 from tests.e2e.server import ServerThread
-from tests.e2e.test_admin import LONG, PROMPT, run_midway
 from tests.hf_reference import hf_greedy
 
 ADMIN_KEY = "trainer-admin"

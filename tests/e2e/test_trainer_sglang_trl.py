@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.test_admin import LONG, PROMPT, run_midway
+from tests.e2e.admin_helpers import LONG, PROMPT, run_midway
 from tests.hf_reference import hf_greedy
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.test_admin import PROMPT
+from tests.e2e.admin_helpers import PROMPT
 from tests.hf_reference import hf_greedy
 
 vllm_client = pytest.importorskip("trl.generation.vllm_client")

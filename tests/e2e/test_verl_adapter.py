@@ -15,8 +15,8 @@ from raylane.integrations import verl as adapter
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
+from tests.e2e.admin_helpers import PROMPT
 from tests.e2e.conftest import API_KEY
-from tests.e2e.test_admin import PROMPT
 from tests.hf_reference import hf_greedy
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
