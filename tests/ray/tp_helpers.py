@@ -1,13 +1,16 @@
-"""Helpers for the tensor-parallel engine tests: engines, prompts, output comparison, and what
-the Ray control plane says about an engine's shard actors and placement group."""
+"""Helpers for the tensor-parallel engine tests: engines, prompts, TP=N against TP=1 pairs,
+output comparison, and what the Ray control plane says about an engine's shard actors and
+placement group."""
 
 from __future__ import annotations
 
 import random
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
+import torch
 from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 from raylane.actors.engine.outputs import RequestOutput
 
@@ -66,6 +69,44 @@ def assert_same_prompt_logprobs(
             assert g.keys() == r.keys()
             for token, value in r.items():
                 assert abs(g[token] - value) <= atol, (token, g[token], value)
+
+
+# --- TP=N against TP=1 ------------------------------------------------------------------------
+
+LENGTHS = (17, 33, 49, 70)  # 2 to 5 blocks of 16
+ATOL = 1e-4  # TP splits the matmul reductions: fp32 rounding differs, not the math
+
+
+class Pair(NamedTuple):
+    tp1: LLMEngine  # the reference: in process
+    tp2: LLMEngine  # Ray shards
+
+
+def tp_pair(model_dir: str, tp: int = 2, **kw):
+    tp1 = build(model_dir, **kw)
+    tp2 = None
+    try:
+        tp2 = build(model_dir, tensor_parallel_size=tp, **kw)
+        yield Pair(tp1, tp2)
+    finally:
+        tp1.shutdown()
+        if tp2 is not None:
+            tp2.shutdown()
+
+
+def check_greedy_parity(pair: Pair) -> None:
+    prompts = prompts_for(pair.tp1.validator.vocab_size, LENGTHS)
+    params = greedy(12, logprobs=2)
+    ref = pair.tp1.generate(prompts, params, use_tqdm=False)
+    got = pair.tp2.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in got)
+    assert_same_outputs(got, ref, ATOL)
+
+
+def checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(f"{model_dir}/model.safetensors")
 
 
 # --- the Ray control plane ----------------------------------------------------------------------
