@@ -10,8 +10,9 @@ The norms are zero-centred (1 + w), as the model's.
 Checkpoint layout (the official Qwen3.5 / Qwen3-Next checkpoints; `mtp_num_hidden_layers` in
 the config): `mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.norm`
 shared by the blocks `mtp.layers.{i}.*` (named as a main decoder layer's). Here they load as
-`mtp_layers.0.*` (one predictor; its block i serves draft step i). transformers does not
-implement the module (it drops `mtp.*` on load), so a checkpoint HF saved has none of them.
+`mtp_layers.0.*` (one predictor; the runner runs its block 0 at every draft step, chained
+ones included). transformers does not implement the module (it drops `mtp.*` on load), so a
+checkpoint HF saved has none of them.
 """
 
 from __future__ import annotations

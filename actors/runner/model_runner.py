@@ -185,9 +185,10 @@ class ModelRunner(RunnerUpkeep):
             self.results.draw_only(scheduled, step, logits, masks)
         if self.config.mtp:  # every rank: the MTP layers' collectives, the same drafts
             assert self._hidden is not None  # an eager forward ran (no graph replay)
-            # linear-attention models' chained steps would need their states: one draft
-            chained = self.config.num_mtp_drafts if self.state is None else 1
-            drafts = mtp_drafts(self.model, scheduled, step, self._hidden, self.sampler, chained)
+            # (chained steps run only the MTP block's full attention: no linear state)
+            drafts = mtp_drafts(
+                self.model, scheduled, step, self._hidden, self.sampler, self.config.num_mtp_drafts
+            )
             if result is not None:
                 result.mtp_drafts = drafts
         if self.state is not None:  # verify rows: the states of the accepted tokens only

@@ -21,10 +21,14 @@ draft j + 1 comes from one more MTP step, a decode row at the position after dra
 predecessor, taking draft j's embedding and the previous MTP step's output hidden state
 (normed, as Hugging Face's MtpModel chains its layers) in place of the main model's, which
 does not exist yet. Step j runs MTP layer min(j, layers - 1): the last layer is reused when
-the checkpoint has fewer layers than drafts. Its cache rows sit at positions the next step
-computes (the engine reserved their slots, `Drafter`); the next step's MTP pass writes them
-over with the main model's hidden states before any row reads them. A row whose block table
-does not cover the position (no slot reserved: the pool was full) stops its chain there.
+the checkpoint has fewer layers than drafts (Qwen3.5's and Qwen3-Next's one `mtp` module: its
+block 0 every step). An MTP layer's block is full attention (MLA, or Qwen's gated attention):
+a chained step's metadata carries no linear-attention state (`attn.linear` None), so on
+hybrid models it reads and writes only the MTP layer's paged rows, never a sequence's
+recurrent state. A chained step's cache rows sit at positions the next step computes (the
+engine reserved their slots, `Drafter`); the next step's MTP pass writes them over with the
+main model's hidden states before any row reads them. A row whose block table does not
+cover the position (no slot reserved: the pool was full) stops its chain there.
 """
 
 from __future__ import annotations

@@ -109,3 +109,26 @@ def test_tp2_chained_mtp_matches_tp1_without(ray_cluster, tmp_path):
     finally:
         tp1.shutdown()
         tp2.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_tp2_chained_mtp_on_a_linear_attention_model(ray_cluster, tmp_path):
+    """Qwen3.5's MTP module at TP=2 (async scheduling on), k = 3 chained steps (only the MTP
+    block's attention, no recurrent state): greedy and seeded outputs are TP=1's without
+    speculation, chained drafts accepted at positions 2 and 3."""
+    from tests.unit.spec.test_qwen_mtp import add_mtp
+
+    # next token mostly from the current one; the MTP module an exact copy of that path
+    model = add_mtp(make_loopy(make_qwen3_5(tmp_path / "qwen3_5"), 0.01), scale=0.0)
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+    tp1 = build(model, async_scheduling=False)
+    tp2 = build(model, tensor_parallel_size=2, async_scheduling=True, speculative_config=spec)
+    try:
+        ps = echo_prompts(tp1, count=2)
+        arrivals = {0: [("g0", ps[0], greedy(24)), ("s0", ps[1], seeded(5, 16))]}
+        assert_same(drive(tp2, arrivals), drive(tp1, arrivals), ATOL)
+        per_pos = tp2.stats.spec_decode_num_accepted_tokens_per_pos
+        assert per_pos[1] > 0 and per_pos[2] > 0
+    finally:
+        tp1.shutdown()
+        tp2.shutdown()

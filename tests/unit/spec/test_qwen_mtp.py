@@ -27,11 +27,11 @@ from tests.unit.spec.test_parity import assert_same
 FULL = 2  # the tiny models' full-attention layer: the MTP block is built like it
 
 
-def add_mtp(path: str, seed: int = 0) -> str:
+def add_mtp(path: str, seed: int = 0, scale: float = 1.0) -> str:
     """Write an MTP module into the checkpoint at `path` (and `mtp_num_hidden_layers: 1` into
     its config): its block a noisy copy of the full-attention layer, `fc` passing the token's
-    embedding through (plus noise), so its drafts often agree with the loopy model's next
-    token and sometimes do not."""
+    embedding through (plus noise, times `scale`), so its drafts often agree with the loopy
+    model's next token and sometimes do not."""
     gen = torch.Generator().manual_seed(seed)
     config_file = Path(path) / "config.json"
     config = json.loads(config_file.read_text())
@@ -39,7 +39,7 @@ def add_mtp(path: str, seed: int = 0) -> str:
     config_file.write_text(json.dumps(config))
     file = Path(path) / "model.safetensors"
     tensors = load_file(file)
-    noise = lambda t, s: t + s * torch.randn(t.shape, generator=gen)  # noqa: E731
+    noise = lambda t, s: t + scale * s * torch.randn(t.shape, generator=gen)  # noqa: E731
     prefix = f"model.layers.{FULL}."
     for name in [n for n in tensors if n.startswith(prefix)]:
         tensors["mtp.layers.0." + name.removeprefix(prefix)] = noise(tensors[name], 0.02)
@@ -87,29 +87,47 @@ class NaiveMtp:
         self.block.eval()
 
     @torch.inference_mode()
-    def draft(self, tokens: list[int]) -> int:
-        """The MTP row of the newest token (hidden state at m - 2, embedding of token m - 1)
-        over the whole sequence, through the main LM head: its argmax."""
-        ids = torch.tensor(tokens)
-        seen: dict = {}  # the full-attention layer's rotary embeddings and causal mask
+    def drafts(self, tokens: list[int], k: int = 1) -> tuple[int, ...]:
+        """From scratch: the MTP module over the whole sequence (row p: the main model's
+        hidden state at p, the embedding of token p + 1); the newest token's row gives draft 1
+        through the main LM head (argmax). Chained: draft j's embedding and the MTP output
+        (after `mtp.norm`) at the row before it make one more row, and the module runs again
+        over every row (causal), the last row giving draft j + 1 (block 0 each time)."""
+        hidden = self._main(tokens[:-1])[0][0]  # [m - 1, H], after the final norm
+        inputs, drafts = list(tokens[1:]), []
+        for _ in range(k):
+            out = self._mtp(inputs, hidden)[-1]
+            drafts.append(int(self.hf.lm_head(out).argmax()))
+            inputs.append(drafts[-1])
+            hidden = torch.cat([hidden, out.unsqueeze(0)])
+        return tuple(drafts)
+
+    def _main(self, ids: list[int]) -> tuple[torch.Tensor, dict]:
+        """(the main model's last hidden state [1, T, H], the keyword arguments its
+        full-attention layer got: rotary embeddings and causal mask for T positions)."""
+        seen: dict = {}
 
         def grab(module, args, kwargs):
             seen.update(kwargs)
 
         handle = self.hf.model.layers[FULL].register_forward_pre_hook(grab, with_kwargs=True)
-        hidden = self.hf.model(ids[:-1].unsqueeze(0)).last_hidden_state  # after the final norm
+        hidden = self.hf.model(torch.tensor(ids).unsqueeze(0)).last_hidden_state
         handle.remove()
-        embeds = self.hf.model.embed_tokens(ids[1:]).unsqueeze(0)
+        keep = ("position_embeddings", "attention_mask", "position_ids")
+        return hidden, {k: v for k, v in seen.items() if k in keep}
+
+    def _mtp(self, inputs: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """The module's rows [T, H] for tokens p + 1 (`inputs`) and hidden states [T, H]."""
+        _, kwargs = self._main(inputs)  # (for T positions' rotary embeddings and mask)
+        embeds = self.hf.model.embed_tokens(torch.tensor(inputs))
         w, eps = self.w, self.eps
         x = torch.cat(
             [rms(embeds, w["mtp.pre_fc_norm_embedding.weight"], eps),
              rms(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1,
         ) @ w["mtp.fc.weight"].T  # fmt: skip
-        keep = ("position_embeddings", "attention_mask", "position_ids")
-        out = self.block(x, **{k: v for k, v in seen.items() if k in keep})
+        out = self.block(x.unsqueeze(0), **kwargs)
         out = out[0] if isinstance(out, tuple) else out
-        out = rms(out, w["mtp.norm.weight"], eps)
-        return int(self.hf.lm_head(out[0, -1]).argmax())
+        return rms(out[0], w["mtp.norm.weight"], eps)
 
 
 @pytest.mark.parametrize(
@@ -141,7 +159,7 @@ def test_mtp_drafts_and_greedy_parity(tmp_path, make, options):
     engine.shutdown()
     naive = NaiveMtp(path)
     for tokens, drafts in seen[:: max(1, len(seen) // 6)]:  # a sample: HF runs from scratch
-        assert drafts == (naive.draft(tokens),)  # k = 1: one draft per plan
+        assert drafts == naive.drafts(tokens)  # k = 1: one draft per plan
 
 
 def test_mtp_needs_mtp_weights(tmp_path):
