@@ -40,6 +40,17 @@ def wait_healthy(ray, count: int, timeout_s: float = 120.0) -> list[str]:
     """The ids of `count` healthy replicas, once the Router sees them all: on 2 cores, while the
     test driver computes a reference, a replica's heartbeats can lag long enough for the Router
     to skip it for a moment."""
+    return _wait_replicas(ray, count, timeout_s, healthy_only=True)
+
+
+def wait_registered(ray, count: int, timeout_s: float = 600.0) -> list[str]:
+    """The ids of `count` replicas that started (loaded their engine and registered with the
+    Router), healthy or not at this moment: for a test about where replicas run, not whether
+    their heartbeats keep up on a loaded machine. The deadline is a safety net only."""
+    return _wait_replicas(ray, count, timeout_s, healthy_only=False)
+
+
+def _wait_replicas(ray, count: int, timeout_s: float, healthy_only: bool) -> list[str]:
     import time
 
     from raylane.router.actor import NAMESPACE, ROUTER_NAME
@@ -47,10 +58,12 @@ def wait_healthy(ray, count: int, timeout_s: float = 120.0) -> list[str]:
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     deadline = time.monotonic() + timeout_s
     while True:
-        ids = sorted(r["replica_id"] for r in ray.get(router.replicas.remote()) if r["healthy"])
+        rows = ray.get(router.replicas.remote())
+        ids = sorted(r["replica_id"] for r in rows if r["healthy"] or not healthy_only)
         if len(ids) == count:
             return ids
-        assert time.monotonic() < deadline, f"{len(ids)} of {count} replicas healthy"
+        state = "healthy" if healthy_only else "registered"
+        assert time.monotonic() < deadline, f"{len(ids)} of {count} replicas {state}"
         time.sleep(0.1)
 
 
