@@ -1,7 +1,7 @@
 """`raylane serve`'s default HTTP path on its local cluster: the ingress replica answers on the
 configured port itself (cluster/listener.py) and Serve runs no proxy; everything a client does
 through it matches the reference. `--no-direct-ingress` (Serve's proxy) is tested beside it,
-each on a cluster of its own (Serve starts its proxies, or not, once per cluster).
+each on the session's shared cluster in turn (Serve, its proxies included, is stopped between).
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from tests.ray.test_serve_tp import alive_actors
 from tests.support import ray_cluster as shared_ray
 
 PROMPT = [5, 6, 7, 8, 9]
-pytestmark = pytest.mark.own_ray_cluster
 INGRESS_CLASS = "ServeReplica:raylane:Ingress"
 
 
 @pytest.fixture(scope="module", params=[None, False], ids=["direct-by-default", "serve-proxy"])
-def served(request, tiny_llama_dir):
+def served(request, ray_cluster, tiny_llama_dir):
     """(url, whether the ingress replica should answer itself)"""
     from raylane import launch
 
@@ -34,12 +33,10 @@ def served(request, tiny_llama_dir):
         direct_ingress=request.param,
         engine={"num_kv_blocks": 128, "max_model_len": 256},
     )
-    shared_ray.leave_shared()
-    launch.start_ray(num_cpus=2)
     try:
         yield launch.deploy(config), request.param is None
     finally:
-        launch.shutdown()
+        shared_ray.stop_apps()
 
 
 @pytest.fixture
