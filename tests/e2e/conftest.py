@@ -23,7 +23,8 @@ MAX_BODY = 1 << 20
 
 
 def tiny_config(model_dir: str, **overrides) -> EngineConfig:
-    return EngineConfig(model=model_dir, num_kv_blocks=128, max_model_len=256, **overrides)
+    options = {"num_kv_blocks": 128, "max_model_len": 256, **overrides}
+    return EngineConfig(model=model_dir, **options)
 
 
 class ProbeBackend:
