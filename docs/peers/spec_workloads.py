@@ -1,4 +1,4 @@
-"""Dump `raylane bench spec`'s workloads (prompts as token ids, sampling params) to JSON.
+r"""Dump `raylane bench spec`'s workloads (prompts as token ids, sampling params) to JSON.
 
 The prompts come from raylane's own builder (`raylane.bench.spec.workload`) with the model's own
 tokenizer, so `vllm_spec.py` sends vLLM exactly the prompts `raylane bench spec` measures.
@@ -38,7 +38,9 @@ def cells(model_dir: str, workloads: list[str], batches: list[int], output_len: 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2's)")
     parser.add_argument("--workloads", default="copy,random", metavar="W[,W...]")

@@ -1,4 +1,4 @@
-"""vLLM's CPU build on `raylane bench spec`'s workloads: without speculation and with ngram.
+r"""vLLM's CPU build on `raylane bench spec`'s workloads: without speculation and with ngram.
 
 Reads the JSON of `spec_workloads.py` (the same token-id prompts and sampling params raylane
 measures), runs each cell on two `vllm.LLM` engines that differ only in `speculative_config`
@@ -135,7 +135,9 @@ def print_rows(cell: dict, best: dict[str, dict], header: bool) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("workloads", help="the JSON written by spec_workloads.py")
     parser.add_argument("--model", help="HF directory (default: the JSON's model_dir)")
     parser.add_argument("--repeats", type=int, default=2)
