@@ -10,9 +10,10 @@
 # MODEL_DIR: an HF directory (default: the embedded SmolLM2's converted directory, which
 # `docs/peers/spec_workloads.py` prints). ROUNDS (default 1): raylane then vLLM, ROUNDS times.
 # Env: VENV (the vLLM venv), PORT (default 8311), VLLM_CPU_OMP_THREADS_BIND (default vLLM's auto),
-# VLLM_CPU_KVCACHE_SPACE (default 2). Logs go to $LOGS (default a fresh /tmp dir).
+# VLLM_CPU_KVCACHE_SPACE (default 2), RAYLANE_ARGS (more `raylane serve` flags, e.g.
+# "--torch-threads 1" on a machine other work shares). Logs go to $LOGS (default a fresh /tmp dir).
 set -euo pipefail
-[[ ${1:-} == -h || ${1:-} == --help ]] && { sed -n '2,12p' "$0"; exit 0; }
+[[ ${1:-} == -h || ${1:-} == --help ]] && { sed -n '2,14p' "$0"; exit 0; }
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 VENV=${VENV:-${TMPDIR:-/tmp}/vllm-cpu-peer}
 MODEL=${1:-$("$REPO/.venv/bin/python" -c 'from raylane.models import default_model_path as d; print(d())')}
@@ -54,7 +55,7 @@ serve() {  # $1: raylane | vllm, $2: round; sets TOKS, the output tok/s
   local log=$LOGS/$1-$2
   if [[ $1 == raylane ]]; then
     "$REPO/.venv/bin/raylane" serve --model "$MODEL" --max-model-len 512 --port "$PORT" \
-      --served-model-name "$NAME" >"$log.server" 2>&1 &
+      --served-model-name "$NAME" ${RAYLANE_ARGS:-} >"$log.server" 2>&1 &
   else
     (cd /tmp && exec env LD_PRELOAD="$PRELOAD" VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} \
       VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-auto} "$VENV/bin/vllm" serve "$MODEL" \
@@ -69,7 +70,7 @@ serve() {  # $1: raylane | vllm, $2: round; sets TOKS, the output tok/s
   TOKS=$(awk -F: '/Output token throughput/ {gsub(/ /, "", $2); print $2}' "$log.client")
 }
 
-echo "logs: $LOGS; model: $MODEL; $(uptime)"
+echo "logs: $LOGS; model: $MODEL; raylane serve flags: ${RAYLANE_ARGS:-none}; $(uptime)"
 for round in $(seq "$ROUNDS"); do
   serve raylane "$round"; r=$TOKS
   serve vllm "$round"; v=$TOKS
