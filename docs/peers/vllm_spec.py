@@ -19,7 +19,10 @@ The script needs its `__main__` guard: vLLM spawns its engine core, which re-imp
 module (a script without the guard fails with "Engine core initialization failed"). On 2 cores,
 vLLM's default `VLLM_CPU_OMP_THREADS_BIND=auto` runs the model worker's OpenMP threads on core 0
 alone and reserves core 1 for the engine core (scheduler); `VLLM_CPU_OMP_THREADS_BIND=0-1` gives
-the worker both cores, beside the scheduler (`nobind` leaves the OpenMP settings alone).
+the worker both cores, beside the scheduler (`nobind` leaves the OpenMP settings alone). The
+value is `auto`, `nobind` or a CPU list: `all` makes the engine core fail at start-up
+(`ValueError: invalid literal for int() with base 10: 'all'`, then "Engine core
+initialization failed").
 """
 
 from __future__ import annotations
