@@ -4,9 +4,9 @@ Reads the JSON of `spec_workloads.py` (the same token-id prompts and sampling pa
 measures), runs each cell on two `vllm.LLM` engines that differ only in `speculative_config`
 (alternating, the best of --repeats, after one warm-up run each), and prints a table like
 `raylane bench spec`'s: output tok/s over the whole `generate`, the ratio to no speculation,
-CPU seconds of the engine processes (a measure the machine's load moves less), ngram's
-acceptance and mean accepted length (vLLM's spec-decode counters), and whether the outputs
-equal the run without speculation. Not a test (pytest never imports docs/).
+CPU seconds of this process and of the engine's own processes (a measure the machine's load
+moves less), ngram's acceptance and mean accepted length (vLLM's spec-decode counters), and
+whether the outputs equal the run without speculation. Not a test (pytest never imports docs/).
 
 Run with the peer's venv, from a directory outside the project (vLLM spawns its engine core):
 
@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
 
 import psutil
 
@@ -50,10 +51,17 @@ def ngram_config(args: argparse.Namespace) -> dict:
     }
 
 
-def build(model_dir: str, spec: dict | None, args: argparse.Namespace):
+@dataclass
+class Engine:
+    llm: object
+    pids: list[int]  # the processes vLLM started for it (engine core, model worker)
+
+
+def build(model_dir: str, spec: dict | None, args: argparse.Namespace) -> Engine:
     from vllm import LLM
 
-    return LLM(
+    before = own_children()
+    llm = LLM(
         model=model_dir,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
@@ -62,6 +70,11 @@ def build(model_dir: str, spec: dict | None, args: argparse.Namespace):
         disable_log_stats=False,  # the spec-decode counters
         seed=0,
     )
+    return Engine(llm, sorted(own_children() - before))
+
+
+def own_children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 def counters(llm) -> tuple[float, ...]:
@@ -69,25 +82,25 @@ def counters(llm) -> tuple[float, ...]:
     return tuple(float(values.get(name, 0)) for name in COUNTERS)
 
 
-def cpu_seconds() -> float:
-    """User + system CPU of this process and every live child (vLLM's engine core)."""
-    me = psutil.Process()
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of this process and of one engine's processes (not the other's)."""
     total = 0.0
-    for p in [me, *me.children(recursive=True)]:
+    for pid in [os.getpid(), *pids]:
         try:
-            t = p.cpu_times()
+            t = psutil.Process(pid).cpu_times()
             total += t.user + t.system
         except psutil.NoSuchProcess:
             pass
     return total
 
 
-def run_once(llm, prompts, params) -> dict:
-    before, cpu0 = counters(llm), cpu_seconds()
+def run_once(engine: Engine, prompts, params) -> dict:
+    llm = engine.llm
+    before, cpu0 = counters(llm), cpu_seconds(engine.pids)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    cpu, after = cpu_seconds() - cpu0, counters(llm)
+    cpu, after = cpu_seconds(engine.pids) - cpu0, counters(llm)
     ids = [list(c.token_ids) for o in outs for c in o.outputs]
     tokens = sum(len(t) for t in ids)
     drafts, drafted, accepted = (a - b for a, b in zip(after, before))
@@ -106,12 +119,12 @@ def measure(engines: dict, cell: dict, repeats: int) -> dict[str, dict]:
 
     prompts = [{"prompt_token_ids": p} for p in cell["prompts"]]
     params = [SamplingParams(**p) for p in cell["params"]]
-    for llm in engines.values():
-        llm.generate(prompts, params, use_tqdm=False)  # warm
+    for engine in engines.values():
+        engine.llm.generate(prompts, params, use_tqdm=False)  # warm
     best: dict[str, dict] = {}
     for _ in range(repeats):
-        for method, llm in engines.items():
-            r = run_once(llm, prompts, params)
+        for method, engine in engines.items():
+            r = run_once(engine, prompts, params)
             if method not in best or r["tok_s"] > best[method]["tok_s"]:
                 best[method] = r
     return best
