@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--torch-threads",
         type=int,
         default=None,
-        help="torch threads of the engine replica (default: all cores)",
+        help="torch threads of the engine replica and of the offline engine (default: all cores)",
     )
     parser.add_argument(
         "--serve-proxy",
@@ -83,9 +83,18 @@ class OfflineEngine:
     """The same requests through LLMEngine.generate, at most `concurrency` running at once. Built
     and warmed once (`warm`), before any Ray process starts."""
 
-    def __init__(self, model_dir: str, concurrency: int, warm: list[tuple[str, int]]):
+    def __init__(
+        self,
+        model_dir: str,
+        concurrency: int,
+        warm: list[tuple[str, int]],
+        torch_threads: int | None = None,
+    ):
+        import torch
         from raylane.actors.engine import EngineConfig, LLMEngine
 
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
         self.engine = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=concurrency))
         self.run(warm)
 
@@ -128,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         print_channel_bytes(model_dir, round_work(args, 0)[0], args.clients)
     offline = None
     if not args.skip_offline:
-        offline = OfflineEngine(model_dir, args.clients, round_work(args, 0)[1])
+        offline = OfflineEngine(model_dir, args.clients, round_work(args, 0)[1], args.torch_threads)
     cpu = ProcessCpu()
     how = ", Serve's proxy" if args.serve_proxy else ""
     http = Rows(f"raylane HTTP ({args.clients} clients{how})")
