@@ -98,3 +98,16 @@ def test_replica_threads_split_main_busiest_and_the_rest():
         "2nd busiest other thread": 2.0,
         "all other threads": pytest.approx(0.4),
     }
+
+
+def test_torch_threads_apply_to_the_offline_engine_too(tiny_llama_dir):
+    import torch
+    from raylane.bench.serve import OfflineEngine
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        OfflineEngine(tiny_llama_dir, 2, [("river", 2)], torch_threads=1)
+        assert torch.get_num_threads() == 1  # as the replica's, not all cores
+    finally:
+        torch.set_num_threads(before)
