@@ -42,6 +42,7 @@ class LaunchedStep:
     timer: StepTimer
     step_id: int = -1
     late: dict[int, Sequence] = field(default_factory=dict)  # rows whose masks follow
+    ahead: bool = False  # launched while the step before it ran (async scheduling)
 
 
 class StepLauncher:

@@ -67,8 +67,11 @@ class StepPipeline:
         ):
             return False
         self._in_flight = self.launcher.launch()
-        self.stats.steps_planned_ahead += self._in_flight is not None
-        return self._in_flight is not None
+        if self._in_flight is None:
+            return False
+        self._in_flight.ahead = True
+        self.stats.steps_planned_ahead += 1
+        return True
 
     def _speculating(self) -> bool:
         """The due step verifies drafts (how many tokens it adds is unknown until it returns),
@@ -113,7 +116,7 @@ class StepPipeline:
         step.timer.mark("postprocess")
         self.stats.step_times.add(step.timer, result.timings)
         if self.drafter is not None:
-            self.drafter.observe(step.scheduled, result.timings)
+            self.drafter.observe(step.scheduled, result.timings, step.ahead)
         self.stats.graph_replays += result.graph_replayed
         self.stats.verify_graph_replays += result.verify_graph_replayed
         self.launcher.post_masks(self._in_flight)

@@ -26,6 +26,8 @@ from raylane.actors.engine.spec.ngram import NgramProposer
 from raylane.actors.engine.spec.suffix import SuffixIndex
 from raylane.actors.runner.plan import PLACEHOLDER
 
+ACCEPTANCE_DECAY = 0.99  # per drafted row: the measured acceptance follows the workload
+
 
 class Drafter:
     def __init__(
@@ -44,9 +46,10 @@ class Drafter:
         self.stats = stats
         self.backoff = Backoff()
         self.cost = CostModel()
-        # per draft position j: drafts that reached it, and those accepted through it
-        self._offered = [0] * self.k
-        self._hit = [0] * self.k
+        # per draft position j: drafts that reached it, and those accepted through it (decayed)
+        self._offered = [0.0] * self.k
+        self._hit = [0.0] * self.k
+        self._finished_at: float | None = None  # when the runner finished the last step
         self._has_match: dict[int, bool] = {}  # seq_id -> its tokens had a draft last time
         # mtp: seq_id -> (its token count when the runner drafted, the drafts after them)
         self._mtp: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -67,31 +70,57 @@ class Drafter:
         return limit is None or num_decoding <= limit
 
     def wants_serial(self, running: list[Sequence]) -> bool:
-        """The next step would draft for some running sequence, so it should be planned after
-        the step in flight returns (its last tokens known); else async planning goes on."""
-        if not self.active(len(running)) or self._worth(len(running), len(running)) == 0:
+        """The next step should draft with the tokens in flight known, so it should be planned
+        after the step in flight returns: some running sequence had a match last time, and
+        the drafts expected of such rows pay for the verify step and for the two steps
+        planned without the async overlap (it and the step after it). Else async planning
+        goes on (and rows draft past a guess of their token in flight)."""
+        num = len(running)
+        depth = self._worth(num, num) if self.active(num) else 0
+        if depth == 0:
             return False
-        return any(
-            self._has_match.get(seq.seq_id, True) and self._may_draft(seq) for seq in running
-        )
+        rows = sum(self._has_match.get(s.seq_id, True) and self._may_draft(s) for s in running)
+        return rows > 0 and self._pays(num, num, [depth] * rows, serial=2)
 
     def _worth(self, num_rows: int, num_tokens: int) -> int:
-        """How many leading draft positions pay for their verify cost (CostModel), by the
-        acceptance measured at each position (optimistic until measured)."""
+        """How many leading draft positions pay for their own tokens' compute (CostModel),
+        by the acceptance measured at each position (optimistic until measured)."""
         if not self.config.adaptive:
             return self.k
         threshold = self.cost.threshold(num_rows, num_tokens)
         for j in range(self.k):
-            if (self._hit[j] + 1) / (self._offered[j] + 1) <= threshold:
+            if self._acceptance(j) <= threshold:
                 return j
         return self.k
 
-    def observe(self, scheduled: list[ScheduledSeq], timings: dict[str, float]) -> None:
-        """A decode or verify step's runner time, for the cost model (prefill chunks would
-        add attention costs the linear fit does not describe)."""
+    def _acceptance(self, j: int) -> float:
+        """P(accepted > j) for a draft that reached position j, as measured (prior: 1/1)."""
+        return (self._hit[j] + 1) / (self._offered[j] + 1)
+
+    def _pays(self, num_rows: int, num_tokens: int, lengths: list[int], serial: int) -> bool:
+        """Do drafts of these lengths, in a step of `num_rows` sampling rows and `num_tokens`
+        tokens, pay for the verify step and `serial` steps planned serially (CostModel)?"""
+        if not self.config.adaptive:
+            return True
+        expected = sum(self._acceptance(j) for n in lengths for j in range(n))
+        return self.cost.pays(num_rows, num_tokens, expected, sum(lengths), serial)
+
+    def observe(
+        self, scheduled: list[ScheduledSeq], timings: dict[str, float], ahead: bool
+    ) -> None:
+        """A step's runner time and the runner's idle time before it (`ahead`: it was planned
+        while the step before ran), for the cost model. Only decode and verify steps' times
+        are fitted (prefill chunks add attention costs the linear fit does not describe)."""
+        seconds = sum(timings.get(k, 0.0) for k in ("prepare", "forward", "sample"))
+        if self._finished_at is not None and "started_at" in timings:
+            gap = timings["started_at"] - self._finished_at
+            if 0.0 <= gap < 2 * seconds:  # longer: the engine had no work, not host work
+                self.cost.observe_gap(ahead, gap)
+        self._finished_at = timings.get("finished_at")
         if scheduled and all(item.is_decode for item in scheduled) and "forward" in timings:
-            seconds = sum(timings.get(k, 0.0) for k in ("prepare", "forward", "sample"))
-            self.cost.observe(sum(1 + len(item.drafts) for item in scheduled), seconds)
+            verifies = any(item.drafts for item in scheduled)
+            self.stats.num_verify_steps += verifies
+            self.cost.observe(sum(1 + len(item.drafts) for item in scheduled), seconds, verifies)
 
     def _may_draft(self, seq: Sequence) -> bool:
         return seq.matcher is None and self.backoff.ready(seq.seq_id) and self._room(seq) > 0
@@ -109,12 +138,21 @@ class Drafter:
         budget = self.max_num_batched_tokens - batch.num_tokens
         rows = len(batch.decodes) + sum(item.samples for item in batch.prefills)
         worth = self._worth(rows, batch.num_tokens)
-        drafted: list[ScheduledSeq] = []
+        if worth == 0:
+            return
+        proposed: list[tuple[ScheduledSeq, list[int]]] = []
         for item in batch.decodes:
             drafts = self._propose(item.seq, min(worth, budget))
-            if drafts and self._allocate(item.seq, len(drafts)):
-                item.drafts = tuple(drafts)
+            if drafts:
+                proposed.append((item, drafts))
                 budget -= len(drafts)
+        lengths = [len(drafts) for _, drafts in proposed]
+        if not proposed or not self._pays(rows, batch.num_tokens, lengths, serial=1):
+            return  # the step after a verify step is planned serially: one lost overlap
+        drafted: list[ScheduledSeq] = []
+        for item, drafts in proposed:
+            if self._allocate(item.seq, len(drafts)):
+                item.drafts = tuple(drafts)
                 drafted.append(item)
         if drafted:
             batch.prefills += drafted
@@ -200,9 +238,9 @@ class Drafter:
         computed KV now (the rejected ones are not); full blocks of them join the prefix cache."""
         self.stats.record(len(item.drafts), num_accepted)
         self.backoff.record(item.seq.seq_id, len(item.drafts), num_accepted)
-        for j in range(len(item.drafts)):
-            self._offered[j] += 1
-            self._hit[j] += j < num_accepted
+        for j in range(self.k):
+            self._offered[j] = ACCEPTANCE_DECAY * self._offered[j] + (j < len(item.drafts))
+            self._hit[j] = ACCEPTANCE_DECAY * self._hit[j] + (j < num_accepted)
         seq = item.seq
         if seq.num_preemptions != item.preemptions or seq.is_finished:
             return

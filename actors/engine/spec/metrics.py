@@ -13,6 +13,7 @@ class SpecStats:
         self.num_drafts = 0  # sequences that carried drafts into a step
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_verify_steps = 0  # decode steps that verified drafts (not exported)
         # [k]: how often the draft at position i (0-based) was accepted
         self.accepted_per_pos = [0] * num_speculative_tokens
 

@@ -218,6 +218,7 @@ def test_cost_model_fits_step_times_and_prices_a_draft():
         model.observe(tokens, 0.020 + 0.001 * tokens)
     a, b = model.fit()
     assert abs(a - 0.020) < 1e-9 and abs(b - 0.001) < 1e-9
+    assert model.verify_s == 0.0  # no verify step seen
     assert abs(model.threshold(1, 1) - 0.001 / 0.021) < 1e-9  # batch 1: weights dominate
     assert abs(model.threshold(32, 32) - 0.032 / 0.052) < 1e-9
 

@@ -1,0 +1,104 @@
+"""When drafting pays (spec/cost_model.py and the Drafter's decision): fed step times and
+acceptance rates whose outcome is worked out by hand here; and an engine on text nothing can
+predict stops drafting once it has measured that."""
+
+from __future__ import annotations
+
+from raylane.actors.engine import SamplingParams
+from raylane.actors.engine.block_manager import BlockManager
+from raylane.actors.engine.sequence import Sequence
+from raylane.actors.engine.spec.config import SpeculativeConfig
+from raylane.actors.engine.spec.cost_model import MIN_STEPS, WARMUP_STEPS, CostModel
+from raylane.actors.engine.spec.drafter import Drafter
+from raylane.actors.engine.spec.metrics import SpecStats
+
+from tests.unit.spec.helpers import spec_engine
+
+# a runner whose step takes 20 ms + 1 ms per token, and 15 ms more when it verifies drafts
+A, B, C = 0.020, 0.001, 0.015
+
+
+def fitted(model: CostModel) -> CostModel:
+    for i in range(WARMUP_STEPS + MIN_STEPS + 40):
+        rows = 1 + i % 32
+        drafts = (i % 3) * (1 + i % 4)  # a third of the steps plain, the others verify
+        tokens = rows + drafts
+        model.observe(tokens, A + B * tokens + C * (drafts > 0), verifies=drafts > 0)
+    return model
+
+
+def test_the_fit_separates_a_verify_steps_fixed_cost():
+    model = fitted(CostModel())
+    a, b = model.fit()
+    assert abs(a - A) < 1e-9 and abs(b - B) < 1e-9 and abs(model.verify_s - C) < 1e-9
+
+
+def test_no_acceptance_at_batch_32_is_off_and_high_acceptance_at_batch_1_is_on():
+    model = fitted(CostModel())
+    # batch 32: a token is worth (20 + 32) / 32 ms; 128 draft tokens cost 128 ms + 15 ms
+    assert not model.pays(32, 32, expected=0.0, num_drafts=128, serial=1)
+    assert not model.pays(32, 32, expected=80.0, num_drafts=128, serial=1)  # 130 < 143 ms
+    assert model.pays(32, 32, expected=100.0, num_drafts=128, serial=1)  # 162.5 > 143 ms
+    # batch 1: a token is worth 21 ms; 4 drafts cost 4 + 15 ms
+    assert model.pays(1, 1, expected=3.0, num_drafts=4, serial=1)
+    assert not model.pays(1, 1, expected=0.8, num_drafts=4, serial=1)  # 16.8 < 19 ms
+
+
+def test_the_lost_overlap_is_measured_and_priced():
+    model = fitted(CostModel())
+    assert model.overlap_s == 0.0  # nothing measured yet: free
+    for _ in range(50):
+        model.observe_gap(ahead=True, seconds=0.001)
+        model.observe_gap(ahead=False, seconds=0.011)
+    assert abs(model.overlap_s - 0.010) < 1e-9
+    # batch 1, one draft accepted for sure: 21 ms against 1 + 15 ms, + 10 ms per serial step
+    assert model.pays(1, 1, expected=1.0, num_drafts=1, serial=0)
+    assert not model.pays(1, 1, expected=1.0, num_drafts=1, serial=1)
+
+
+def drafter_with(acceptance: list[float]) -> Drafter:
+    config = SpeculativeConfig("ngram", 4, prompt_lookup_min=1)
+    drafter = Drafter(config, BlockManager(64, 16), 256, None, SpecStats(4))
+    fitted(drafter.cost)
+    drafter._offered = [1000.0] * 4
+    drafter._hit = [1000.0 * p for p in acceptance]
+    return drafter
+
+
+def running(num: int) -> list[Sequence]:
+    return [Sequence("r", i, [1, 2, 3], SamplingParams(max_tokens=64), 16) for i in range(num)]
+
+
+def test_the_drafter_plans_serially_only_where_drafts_pay():
+    assert not drafter_with([0.0] * 4).wants_serial(running(1))  # no position pays at all
+    drafter = drafter_with([0.7, 0.3, 0.1, 0.0])
+    # batch 1: positions 0-2 pay for their compute (> 1 / 21); 1.1 tokens x 21 ms = 23 ms
+    # against 3 + 15 ms
+    assert drafter._worth(1, 1) == 3
+    assert drafter.wants_serial(running(1))
+    # batch 32: a token is worth 1.625 ms, so position 0 pays for its own compute (0.7 > 1 /
+    # 1.625), but 32 rows x 0.7 x 1.625 ms = 36 ms does not pay 32 + 15 ms
+    assert drafter._worth(32, 32) == 1
+    assert not drafter.wants_serial(running(32))
+
+
+def test_random_text_stops_drafting_after_warm_up(tiny_llama_dir):
+    """A tiny random model sampled at temperature 1: suffix lookups find matches (a small
+    vocabulary repeats tokens) that are rarely right. After a warm-up run the engine has
+    measured that; the next run drafts in (almost) no step."""
+    engine = spec_engine(
+        tiny_llama_dir, {"method": "suffix", "num_speculative_tokens": 4}, async_scheduling=True
+    )
+    vocab = engine.validator.vocab_size
+    prompts = [[(7 * i + 13 * j) % vocab for j in range(24)] for i in range(16)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=48) for i in range(16)]
+    engine.generate(prompts, params, use_tqdm=False)
+    spec, stats = engine.stats.spec, engine.stats
+    assert spec.num_verify_steps > 0  # the warm-up drafted (and measured what it cost)
+    verify_steps, steps = spec.num_verify_steps, stats.step_times.steps
+    ahead = stats.steps_planned_ahead
+    engine.generate(prompts, params, use_tqdm=False)
+    steps = stats.step_times.steps - steps
+    assert spec.num_verify_steps - verify_steps <= steps // 10
+    assert stats.steps_planned_ahead - ahead >= steps * 9 // 10  # the async overlap kept
+    engine.shutdown()
