@@ -3,10 +3,12 @@
 The runner time of a plain decode step with T query tokens is fitted online as a + b * T
 (a: reading the weights and fixed costs; b: the compute each token adds), by least squares
 over decayed sums of recent steps, so the fit follows the load. A step that verifies drafts
-costs that for its tokens plus `c`, measured as the decayed mean of what verify steps took
-beyond it: on the CPU its rows take the chunked-prefill path (measured at 2x a decode step at
-batch 16, where a + b * T predicted 1.3x). b is fitted on plain steps only: the draft count
-of verify steps varies too little (and their time too much) to tell b from c.
+costs that for its tokens plus `c`, the decayed mean of what verify steps took beyond it: on
+the CPU their rows take the chunked-prefill path (measured at 2x a decode step at batch 16,
+where a + b * T predicted 1.3x). The mean decays on plain steps too, so an estimate that no
+verify step refreshed lapses and the next drafts measure it again (one slow verify step in a
+load spike does not turn drafting off for good). b is fitted on plain steps only: the draft
+count of verify steps varies too little (and their time too much) to tell b from c.
 
 Drafting also costs the async overlap: a step planned after the step before it returned (the
 step after a verify step always is, and the step that drafts with known tokens) leaves the
@@ -51,6 +53,9 @@ class CostModel:
                 self.verify_excess = d * self.verify_excess + excess
             return
         self.plain_steps += 1
+        # the verify estimate fades too: unrefreshed, it stops counting (`verify_s`), so one
+        # slow verify step (a load spike) does not turn drafting off for good
+        self.verify_n, self.verify_excess = d * self.verify_n, d * self.verify_excess
         self.n = d * self.n + 1
         self.sx = d * self.sx + num_tokens
         self.sy = d * self.sy + seconds
@@ -71,8 +76,11 @@ class CostModel:
 
     @property
     def verify_s(self) -> float:
-        """c: what a verify step costs beyond its tokens (0 until measured)."""
-        return max(0.0, self.verify_excess / self.verify_n) if self.verify_n else 0.0
+        """c: what a verify step costs beyond its tokens (0 until measured, and again once
+        the measurements faded below one step's weight)."""
+        if self.verify_n < 1.0:
+            return 0.0
+        return max(0.0, self.verify_excess / self.verify_n)
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b) with a, b >= 0 (b = 0 while every plain step had the same T), or None

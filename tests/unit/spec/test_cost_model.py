@@ -32,6 +32,10 @@ def test_the_fit_separates_a_verify_steps_fixed_cost():
     a, b = model.fit()
     assert abs(a - A) < 1e-9 and abs(b - B) < 1e-9 and abs(model.verify_s - C) < 1e-9
 
+    for _ in range(200):  # plain steps only: the verify estimate lapses (re-measured later)
+        model.observe(8, A + B * 8)
+    assert model.verify_s == 0.0 and model.fit() is not None
+
 
 def test_no_acceptance_at_batch_32_is_off_and_high_acceptance_at_batch_1_is_on():
     model = fitted(CostModel())
