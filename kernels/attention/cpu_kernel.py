@@ -1,31 +1,23 @@
 """The C paged-attention kernel for the CPU: built once per machine, loaded with ctypes.
 
 The source is plain C (csrc/paged_attention.c, no torch headers), so a build takes about a
-second. The shared object is cached under `$RAYLANE_KERNEL_CACHE` (default
-`~/.cache/raylane/kernels`) in a directory named by a hash of the source, the compiler and its
-flags, and the CPU flags of this machine (`-march=native` code must not run on another CPU).
+second; kernels/cpu_build.py builds and caches it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+from raylane.kernels.cpu_build import DTYPES, load_library
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-# no -ffast-math: results must not depend on the compiler reassociating float math
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DTYPES = DTYPES
 _ERRORS = {  # return codes of raylane_paged_attention
     1: "sizes must be positive and num_heads a multiple of num_kv_heads",
     2: "dtype is not supported by this build (float16 needs compiler support)",
@@ -190,10 +182,7 @@ def _checked_sizes(
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        # NOTE: torch is imported first (top of this module), so the library's libgomp.so.1
-        # resolves to the copy torch already loaded: one OpenMP thread pool, not two
-        # competing for the cores (a torch built on Intel's libiomp5 would still get two)
-        lib = ctypes.CDLL(str(_build()))
+        lib = load_library(_SOURCE)
     except Exception as e:  # is_available() must never raise: whatever broke, say so and go on
         logger.warning("CPU paged-attention kernel unavailable: %s", e)
         return None
@@ -210,46 +199,3 @@ def _library() -> ctypes.CDLL | None:
     )
     fn.restype = ctypes.c_int
     return lib
-
-
-def _build() -> Path:
-    """Path of the shared object, compiling it first unless this machine already has it."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise OSError("no C compiler found (set CC)")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()])
-    ).hexdigest()[:16]
-    root = os.environ.get("RAYLANE_KERNEL_CACHE") or Path.home() / ".cache/raylane/kernels"
-    target = Path(root) / key / "paged_attention.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # several processes may build at once: each compiles to its own name in the same directory
-    # and renames it into place, so nobody ever loads a half-written file
-    fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(_SOURCE)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed:\n{result.stderr.strip()}")
-        os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache dir needs it readable
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from raylane.kernels import cpu_build
 from raylane.kernels.attention import cpu_kernel
 
 if not cpu_kernel.is_available():
@@ -311,10 +312,10 @@ def test_bad_arguments_raise_value_error(name, bad, match):
 
 def test_builds_once_into_the_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYLANE_KERNEL_CACHE", str(tmp_path))
-    path = cpu_kernel._build()
+    path = cpu_build._build(cpu_kernel._SOURCE)
     assert path.parent.parent == tmp_path and path.name == "paged_attention.so"
     built = path.stat().st_mtime_ns
-    assert cpu_kernel._build() == path and path.stat().st_mtime_ns == built
+    assert cpu_build._build(cpu_kernel._SOURCE) == path and path.stat().st_mtime_ns == built
     assert [p.name for p in path.parent.iterdir()] == ["paged_attention.so"]  # no temp left
 
 
@@ -323,7 +324,7 @@ def test_the_8_lane_build_for_cpus_without_avx512(tmp_path, monkeypatch):
     # the kernel works on 16 keys at a time with AVX-512 and 8 without; this machine may only
     # ever build the first, so build the second explicitly
     monkeypatch.setenv("RAYLANE_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel, "_FLAGS", [*cpu_kernel._FLAGS, "-mno-avx512f"])
+    monkeypatch.setattr(cpu_build, "_FLAGS", [*cpu_build._FLAGS, "-mno-avx512f"])
     cpu_kernel._library.cache_clear()
     try:
         assert cpu_kernel.is_available() and str(tmp_path) in cpu_kernel._library()._name

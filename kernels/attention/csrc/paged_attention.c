@@ -38,7 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+#include "cpu_math.h" /* kernels/csrc: dtypes, bf16, exp_clamped */
 
 /* Return codes; cpu_kernel.py turns them into exceptions. */
 enum {
@@ -58,13 +58,6 @@ enum {
 #define SHORT_TILE 4
 /* ...as many as keep one chunk's keys and values, in float, within this many bytes (~L1) */
 #define CHUNK_BYTES (32 * 1024)
-
-#if defined(__FLT16_MAX__)
-typedef _Float16 half_t;
-#define HAVE_F16 1
-#else
-#define HAVE_F16 0
-#endif
 
 /*
  * One vector register of floats; a chunk is LANES keys. With AVX-512 that is 16, otherwise 8
@@ -130,23 +123,6 @@ typedef struct {
 
 /* ---- element conversion --------------------------------------------------------------- */
 
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
-    return (uint16_t)(bits >> 16);
-}
-
-static inline size_t elem_size(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
-
 /* d elements of `dtype` at src -> floats times `mul` */
 static void load_row(const void *src, int dtype, int d, float mul, float *restrict dst) {
     if (dtype == DTYPE_F32) {
@@ -193,32 +169,6 @@ static inline vec load_vec(const float *p) {
 }
 
 static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
-
-/*
- * exp(x) for x <= 88 (the softmax asks for exp(score - ref), at most e^RESCALE_MARGIN), within
- * ~2 ulp of expf. Cody-Waite reduction x = k ln2 + r, |r| <= ln2 / 2, then the Taylor series
- * of exp(r) to r^7 (truncation error < 5e-9). Below -87 the result is clamped to exp(-87) ~
- * 1.6e-38, which is nothing next to the running sum (always >= 1).
- */
-static inline float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    /* round x / ln2 to nearest: adding 1.5 * 2^23 pushes the fraction bits out */
-    float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-    float r = x - k * 0.693145752f; /* ln2 split in two: the high part times k is exact */
-    r = r - k * 1.42860677e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)k + 127) << 23; /* 2^k, a normal float: -126 <= k <= 127 */
-    float two_k;
-    memcpy(&two_k, &bits, sizeof two_k);
-    return p * two_k;
-}
 
 /*
  * The scores of one query against a chunk of LANES keys are LANES dot products. Each key first
