@@ -24,5 +24,5 @@ packages = [
 setup(
     package_dir=package_dir,
     packages=packages,
-    package_data={"raylane.kernels": ["attention/csrc/*.c"]},
+    package_data={"raylane.kernels": ["attention/csrc/*.c", "csrc/*.c", "csrc/*.h"]},
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,8 @@ def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    """`act(gate) * up` for a gated MLP; `hidden_act` picks the activation (default silu)."""
+    """`act(gate) * up` for a gated MLP; `hidden_act` picks the activation (default silu).
+    `ops` (kernels/fused_ops.py): as RMSNorm's, None runs act_and_mul."""
 
     def __init__(self, hidden_act: str = "silu") -> None:
         super().__init__()
@@ -41,6 +43,9 @@ class SiluAndMul(nn.Module):
                 f"hidden_act: {hidden_act!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
             )
         self.hidden_act = hidden_act
+        self.ops: Any = None  # a FusedOps, set by the runner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return act_and_mul(x, self.hidden_act)
+        if self.ops is None:
+            return act_and_mul(x, self.hidden_act)
+        return self.ops.act_and_mul(x, self.hidden_act)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,20 +17,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(input_dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Without `residual`: rms_norm(x). With it: (rms_norm(x + residual), x + residual)."""
+    if residual is None:
+        return rms_norm(x, weight, eps)
+    x = residual + x  # [T, D], in the model dtype like HF's residual add
+    return rms_norm(x, weight, eps), x
+
+
 class RMSNorm(nn.Module):
+    """`ops` (kernels/fused_ops.py) is the torch reference until the runner swaps in the
+    implementation it chose at start-up for the device."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops: Any = None  # a FusedOps; None: add_rms_norm
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        x = residual + x  # [T, D], in the model dtype like HF's residual add
-        return rms_norm(x, self.weight, self.eps), x
+        if self.ops is None:
+            return add_rms_norm(x, self.weight, self.eps, residual)
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -36,7 +51,8 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is stored as an offset from 1 and applied in float32 before
-    the cast back (`(x_hat * (1 + w)).to(dtype)`, as HF's Gemma3RMSNorm)."""
+    the cast back (`(x_hat * (1 + w)).to(dtype)`, as HF's Gemma3RMSNorm). Always torch ops:
+    `ops` is ignored."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)

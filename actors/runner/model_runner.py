@@ -35,6 +35,7 @@ from raylane.actors.runner.state_cache import StateCache
 from raylane.actors.runner.weight_spill import WeightSpill
 from raylane.actors.runner.weight_updates import RunnerWeights
 from raylane.kernels.attention import get_backend
+from raylane.kernels.fused_ops import attach_fused_ops, get_fused_ops
 
 
 class ModelRunner(RunnerUpkeep):
@@ -71,6 +72,9 @@ class ModelRunner(RunnerUpkeep):
             self.weights.draft = self.draft.weights
         layers = self.model.attention_layers()
         self._attach_backend([*layers, *(self.draft.layers() if self.draft is not None else [])])
+        fused = get_fused_ops("auto", self.device)  # RMSNorm and gated activations
+        for net in [self.model, *([self.draft.model] if self.draft is not None else [])]:
+            attach_fused_ops(net, fused)
         linear: list[Any] = getattr(self.model, "linear_layers", list)()
         self.state = (
             StateCache(

@@ -1,0 +1,129 @@
+/*
+ * Fused elementwise ops of a decoder layer on the CPU, one pass over each row instead of the
+ * 4-7 eager torch ops (and as many temporaries) they take otherwise:
+ *   raylane_rms_norm:    [residual_out = x + residual;] out = weight * rmsnorm(x) (HF's
+ *                        LlamaRMSNorm: statistics in float32, normalised row cast to the dtype,
+ *                        then the weight product in the dtype)
+ *   raylane_silu_and_mul x [N, 2I] laid out [gate | up] -> out [N, I] = silu(gate) * up
+ * Rows of x and residual are `*_stride` elements apart (last dim contiguous); outputs are
+ * contiguous. Small calls (decode shapes) stay on the calling thread: splitting 100 KB of work
+ * across cores costs more in the fork/join than it saves, and on a busy machine the wait for a
+ * descheduled worker dominates. Large ones (prefill) split rows over `threads` OpenMP threads.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cpu_math.h"
+
+/* elements per call below which one thread does it all (~1 MB of float32) */
+#define PARALLEL_MIN (1 << 18)
+
+static inline float load(const void *p, int64_t i, int dtype) {
+    return dtype == DTYPE_F32 ? ((const float *)p)[i] : bf16_to_float(((const uint16_t *)p)[i]);
+}
+
+/* a float as stored in `dtype` and read back: the rounding of a cast to the model dtype */
+static inline float round_to(float f, int dtype) {
+    return dtype == DTYPE_F32 ? f : bf16_to_float(float_to_bf16(f));
+}
+
+static inline void store(void *p, int64_t i, float f, int dtype) {
+    if (dtype == DTYPE_F32)
+        ((float *)p)[i] = f;
+    else
+        ((uint16_t *)p)[i] = float_to_bf16(f);
+}
+
+static void norm_row_f32(const float *restrict x, const float *restrict residual,
+                         float *restrict res_out, const float *restrict w, float *restrict out,
+                         int64_t d, float eps) {
+    float sq = 0.0f;
+    if (residual) {
+#pragma omp simd reduction(+ : sq)
+        for (int64_t i = 0; i < d; ++i) {
+            const float s = x[i] + residual[i];
+            res_out[i] = s;
+            sq += s * s;
+        }
+        x = res_out;
+    } else {
+#pragma omp simd reduction(+ : sq)
+        for (int64_t i = 0; i < d; ++i) sq += x[i] * x[i];
+    }
+    const float inv = 1.0f / sqrtf(sq / (float)d + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+static void norm_row_16(const void *x, const void *residual, void *res_out, const void *w,
+                        void *out, int64_t d, float eps, int dtype) {
+    float sq = 0.0f;
+    for (int64_t i = 0; i < d; ++i) {
+        float s = load(x, i, dtype);
+        if (residual) {
+            s = round_to(s + load(residual, i, dtype), dtype); /* the add runs in the dtype */
+            store(res_out, i, s, dtype);
+        }
+        sq += s * s;
+    }
+    const void *src = residual ? res_out : x;
+    const float inv = 1.0f / sqrtf(sq / (float)d + eps);
+    for (int64_t i = 0; i < d; ++i)
+        store(out, i, load(w, i, dtype) * round_to(load(src, i, dtype) * inv, dtype), dtype);
+}
+
+/* residual, res_out: both NULL for a plain norm. Returns 0, or 2 for an unsupported dtype. */
+int raylane_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride,
+                     void *res_out, const void *weight, void *out, int64_t rows, int64_t d,
+                     float eps, int dtype, int threads) {
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 2;
+    const size_t es = elem_size(dtype);
+    const char *xs = x, *rs = residual;
+    char *ro = res_out, *o = out;
+#pragma omp parallel for num_threads(threads) if (rows * d >= PARALLEL_MIN) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const void *xr = xs + r * x_stride * es;
+        const void *rr = residual ? rs + r * res_stride * es : NULL;
+        void *ror = residual ? ro + r * d * es : NULL;
+        if (dtype == DTYPE_F32)
+            norm_row_f32(xr, rr, ror, weight, (void *)(o + r * d * es), d, eps);
+        else
+            norm_row_16(xr, rr, ror, weight, o + r * d * es, d, eps, dtype);
+    }
+    return 0;
+}
+
+/* silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1 so exp never overflows; past
+ * exp_clamped's floor e is 0, as libm's expf would round it (silu(-200) = -0, like torch) */
+static inline float silu(float g) {
+    const float e = fabsf(g) > 87.0f ? 0.0f : exp_clamped(-fabsf(g));
+    return g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e));
+}
+
+int raylane_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t inter,
+                         int dtype, int threads) {
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 2;
+    const size_t es = elem_size(dtype);
+    const char *xs = x;
+    char *o = out;
+#pragma omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_MIN) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const void *gate = xs + r * x_stride * es;
+        const void *up = xs + (r * x_stride + inter) * es;
+        void *dst = o + r * inter * es;
+        if (dtype == DTYPE_F32) {
+            const float *restrict g = gate, *restrict u = up;
+            float *restrict y = dst;
+#pragma omp simd
+            for (int64_t i = 0; i < inter; ++i) y[i] = silu(g[i]) * u[i];
+        } else { /* torch: silu in float rounded to bf16, then the bf16 product */
+            for (int64_t i = 0; i < inter; ++i) {
+                const float a = round_to(silu(load(gate, i, dtype)), dtype);
+                store(dst, i, a * load(up, i, dtype), dtype);
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,154 @@
+"""Fused elementwise ops of a decoder layer (RMSNorm with its residual add, gated activation),
+from a registry: one implementation is chosen at start-up for the model's device, never by
+checks in model code.
+
+- "torch": the eager reference ops (kernels/norm.py, kernels/activation.py); any device.
+- "cpu": csrc/elementwise.c through ctypes, one pass per row and no temporaries, on float32 and
+  bfloat16 rows with a contiguous last dim; other calls (float16, odd layouts, activations
+  other than SiLU) take the torch ops. Matches them within float32 rounding (sum order,
+  the SiLU exp polynomial).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from raylane.kernels.activation import act_and_mul
+from raylane.kernels.cpu_build import DTYPES, load_library
+from raylane.kernels.norm import add_rms_norm
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "elementwise.c"
+_C_DTYPES = (torch.float32, torch.bfloat16)
+_C_ACTS = ("silu", "swish")
+
+
+class FusedOps(Protocol):
+    name: str
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> norm(x); with `residual`: (norm(x + residual), x + residual)."""
+        ...
+
+    def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """x [T, 2 * I] laid out [gate | up] -> act(gate) * up, [T, I]."""
+        ...
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x, weight, eps, residual):
+        return add_rms_norm(x, weight, eps, residual)
+
+    def act_and_mul(self, x, act):
+        return act_and_mul(x, act)
+
+
+class CpuOps(TorchOps):
+    name = "cpu"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._norm, self._act = lib.raylane_rms_norm, lib.raylane_silu_and_mul
+
+    def rms_norm(self, x, weight, eps, residual):
+        d = x.shape[-1]
+        if not (_rows_ok(x) and weight.dtype == x.dtype and weight.is_contiguous()) or (
+            residual is not None and not (_rows_ok(residual) and residual.shape == x.shape)
+        ):
+            return super().rms_norm(x, weight, eps, residual)
+        x2 = x.view(-1, d) if x.dim() != 2 else x
+        out = torch.empty(x.shape, dtype=x.dtype)
+        res_out, res_ptr, res_stride = None, None, 0
+        if residual is not None:
+            res_out = torch.empty(x.shape, dtype=x.dtype)
+            r2 = residual.view(-1, d) if residual.dim() != 2 else residual
+            res_ptr, res_stride = r2.data_ptr(), r2.stride(0)
+        rows = x2.shape[0]
+        self._norm(
+            x2.data_ptr(), x2.stride(0), res_ptr, res_stride,
+            None if res_out is None else res_out.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            rows, d, eps, DTYPES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        return out if res_out is None else (out, res_out)
+
+    def act_and_mul(self, x, act):
+        if act not in _C_ACTS or not _rows_ok(x):
+            return super().act_and_mul(x, act)
+        x2 = x.view(-1, x.shape[-1]) if x.dim() != 2 else x
+        inter = x.shape[-1] // 2
+        out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype)
+        self._act(
+            x2.data_ptr(), x2.stride(0), out.data_ptr(), x2.shape[0], inter,
+            DTYPES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """A CPU tensor the C code can read as [rows, D]: a supported dtype, D contiguous, and
+    either 2-D (any row stride) or contiguous; no autograd (the C ops have no backward)."""
+    return (
+        t.dtype in _C_DTYPES
+        and t.is_cpu
+        and not (t.requires_grad and torch.is_grad_enabled())
+        and t.shape[-1] > 0
+        and t.numel() > 0
+        and (t.is_contiguous() or (t.dim() == 2 and t.stride(1) == 1))
+    )
+
+
+@functools.cache
+def _cpu_library() -> ctypes.CDLL | None:
+    try:
+        lib = load_library(_SOURCE)
+    except Exception as e:  # never raises: whatever broke, say so and use the torch ops
+        logger.warning("CPU elementwise kernels unavailable: %s", e)
+        return None
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    # x, x_stride, residual, res_stride, res_out, weight, out, rows, d, eps, dtype, threads
+    lib.raylane_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32, i32]
+    lib.raylane_silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i32, i32]
+    lib.raylane_rms_norm.restype = lib.raylane_silu_and_mul.restype = ctypes.c_int
+    return lib
+
+
+def _has_cpu_kernels(device: torch.device) -> bool:
+    return device.type == "cpu" and _cpu_library() is not None
+
+
+# name -> (is_available, factory), in order of preference for "auto"
+_OPS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], FusedOps]]] = {
+    "cpu": (_has_cpu_kernels, lambda: CpuOps(_cpu_library())),
+    "torch": (lambda device: True, TorchOps),
+}
+
+
+def get_fused_ops(name: str = "auto", device: torch.device | str = "cpu") -> FusedOps:
+    """The named implementation, or with "auto" the first available on `device`."""
+    device = torch.device(device)
+    names = [n for n, (ok, _) in _OPS.items() if ok(device)]
+    if name == "auto":
+        name = names[0]
+    if name not in names:
+        raise ValueError(f"fused ops {name!r} not available on {device}; available: {names}")
+    return _OPS[name][1]()
+
+
+def attach_fused_ops(model: torch.nn.Module, ops: FusedOps) -> None:
+    """Hand `ops` to every RMSNorm and gated activation of `model` (once, at start-up)."""
+    from raylane.kernels.activation import SiluAndMul
+    from raylane.kernels.norm import RMSNorm
+
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SiluAndMul)):
+            module.ops = ops
