@@ -126,9 +126,16 @@ def _has_cpu_kernels(device: torch.device) -> bool:
     return device.type == "cpu" and _cpu_library() is not None
 
 
+def _cpu_ops() -> FusedOps:
+    lib = _cpu_library()
+    if lib is None:
+        raise RuntimeError("the CPU elementwise kernels did not build (see the warning above)")
+    return CpuOps(lib)
+
+
 # name -> (is_available, factory), in order of preference for "auto"
 _OPS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], FusedOps]]] = {
-    "cpu": (_has_cpu_kernels, lambda: CpuOps(_cpu_library())),
+    "cpu": (_has_cpu_kernels, _cpu_ops),
     "torch": (lambda device: True, TorchOps),
 }
 
