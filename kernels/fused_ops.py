@@ -62,10 +62,11 @@ class CpuOps(TorchOps):
 
     def rms_norm(self, x, weight, eps, residual):
         d = x.shape[-1]
-        if not (_rows_ok(x) and weight.dtype == x.dtype and weight.is_contiguous()) or (
-            residual is not None and not (_rows_ok(residual) and residual.shape == x.shape)
+        if not (_c_ok(x) and weight.dtype == x.dtype and weight.is_contiguous()) or (
+            residual is not None and not (_c_ok(residual) and residual.shape == x.shape)
         ):
             return super().rms_norm(x, weight, eps, residual)
+        x, residual = _as_rows(x), None if residual is None else _as_rows(residual)
         x2 = x.view(-1, d) if x.dim() != 2 else x
         out = torch.empty(x.shape, dtype=x.dtype)
         res_out, res_ptr, res_stride = None, None, 0
@@ -82,8 +83,9 @@ class CpuOps(TorchOps):
         return out if res_out is None else (out, res_out)
 
     def act_and_mul(self, x, act):
-        if act not in _C_ACTS or not _rows_ok(x):
+        if act not in _C_ACTS or not _c_ok(x):
             return super().act_and_mul(x, act)
+        x = _as_rows(x)
         x2 = x.view(-1, x.shape[-1]) if x.dim() != 2 else x
         inter = x.shape[-1] // 2
         out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype)
@@ -94,17 +96,25 @@ class CpuOps(TorchOps):
         return out
 
 
-def _rows_ok(t: torch.Tensor) -> bool:
-    """A CPU tensor the C code can read as [rows, D]: a supported dtype, D contiguous, and
-    either 2-D (any row stride) or contiguous; no autograd (the C ops have no backward)."""
+def _c_ok(t: torch.Tensor) -> bool:
+    """A tensor the C code computes: a supported dtype on the CPU, not empty, no autograd (the
+    C ops have no backward). The choice must not depend on the layout or the number of rows: a
+    layout-based fallback to the torch ops (a [T, H, D] view is contiguous only at T = 1) would
+    round a sequence's values differently with the batch it shares a step with."""
     return (
         t.dtype in _C_DTYPES
         and t.is_cpu
         and not (t.requires_grad and torch.is_grad_enabled())
-        and t.shape[-1] > 0
         and t.numel() > 0
-        and (t.is_contiguous() or (t.dim() == 2 and t.stride(1) == 1))
     )
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself where the C code can read it as [rows, D] (2-D with D contiguous, or
+    contiguous), else a contiguous copy."""
+    if t.is_contiguous() or (t.dim() == 2 and t.stride(1) == 1):
+        return t
+    return t.contiguous()
 
 
 @functools.cache

@@ -36,23 +36,31 @@ static inline void store(void *p, int64_t i, float f, int dtype) {
         ((uint16_t *)p)[i] = float_to_bf16(f);
 }
 
+/* sum of v[i]^2 in a fixed order: LANES partial sums, element i always in lane i % LANES,
+ * then the lanes and the tail in order. `omp simd reduction` lets the compiler peel a loop to
+ * align it, so a row's lanes (and its rounding) would depend on its address, and a sequence's
+ * logprobs on the batch it shares a step with. Without -ffast-math this order is kept. */
+#define LANES 16
+static float sum_squares(const float *restrict v, int64_t d) {
+    float acc[LANES] = {0.0f};
+    int64_t i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int j = 0; j < LANES; ++j) acc[j] += v[i + j] * v[i + j];
+    float sq = 0.0f;
+    for (int j = 0; j < LANES; ++j) sq += acc[j];
+    for (; i < d; ++i) sq += v[i] * v[i];
+    return sq;
+}
+
 static void norm_row_f32(const float *restrict x, const float *restrict residual,
                          float *restrict res_out, const float *restrict w, float *restrict out,
                          int64_t d, float eps) {
-    float sq = 0.0f;
     if (residual) {
-#pragma omp simd reduction(+ : sq)
-        for (int64_t i = 0; i < d; ++i) {
-            const float s = x[i] + residual[i];
-            res_out[i] = s;
-            sq += s * s;
-        }
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) res_out[i] = x[i] + residual[i];
         x = res_out;
-    } else {
-#pragma omp simd reduction(+ : sq)
-        for (int64_t i = 0; i < d; ++i) sq += x[i] * x[i];
     }
-    const float inv = 1.0f / sqrtf(sq / (float)d + eps);
+    const float inv = 1.0f / sqrtf(sum_squares(x, d) / (float)d + eps);
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) out[i] = w[i] * (x[i] * inv);
 }

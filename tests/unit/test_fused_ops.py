@@ -87,9 +87,27 @@ def test_silu_and_mul_reads_strided_rows(cpu_ops):
     torch.testing.assert_close(cpu_ops.act_and_mul(x, "silu"), REF.act_and_mul(x, "silu"))
 
 
+def test_a_rows_values_do_not_depend_on_the_layout_or_the_batch(cpu_ops):
+    # qwen3's q/k norms see [T, H, D] views of the qkv output: contiguous only at T = 1. Every
+    # layout must take the same code, or a sequence's logprobs change with its batch.
+    qkv = torch.randn(5, 3 * 4 * 32)
+    heads = qkv[:, : 4 * 32].view(5, 4, 32)  # [T, H, D], rows 32 apart within a token only
+    w = torch.rand(32)
+    batch = cpu_ops.rms_norm(heads, w, 1e-6, None)
+    for t in range(5):
+        alone = cpu_ops.rms_norm(qkv[t : t + 1, : 4 * 32].view(1, 4, 32), w, 1e-6, None)
+        assert torch.equal(batch[t : t + 1], alone)
+    assert torch.equal(batch, cpu_ops.rms_norm(heads.contiguous(), w, 1e-6, None))
+    x, r = torch.randn(4, 6, 16).transpose(0, 1), torch.randn(6, 4, 16)
+    w16 = torch.rand(16)
+    out, res = cpu_ops.rms_norm(x, w16, 1e-6, r)  # a strided 3-D x: the C code, on a copy
+    ref_out, ref_res = REF.rms_norm(x, w16, 1e-6, r)
+    assert torch.equal(res, ref_res)
+    torch.testing.assert_close(out, ref_out, rtol=2e-6, atol=1e-6)
+
+
 def test_what_the_c_code_does_not_serve_takes_the_torch_ops(cpu_ops):
-    x, w, r = torch.randn(4, 6, 16).transpose(0, 1), torch.rand(16), torch.randn(6, 4, 16)
-    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-6, r)[0], REF.rms_norm(x, w, 1e-6, r)[0])
+    w = torch.rand(16)
     h = torch.randn(3, 16).half()
     assert torch.equal(
         cpu_ops.rms_norm(h, w.half(), 1e-6, None), REF.rms_norm(h, w.half(), 1e-6, None)
