@@ -27,6 +27,14 @@ from raylane.actors.engine.spec.suffix import SuffixIndex
 from raylane.actors.runner.plan import PLACEHOLDER
 
 ACCEPTANCE_DECAY = 0.99  # per drafted row: the measured acceptance follows the workload
+# A proposal's quality: the length of the match its drafts follow (1, 2, 3, 4+ tokens; a draft
+# model's and MTP's drafts count as 1). Acceptance is measured per class: on free text a
+# 1-token suffix match is mostly wrong, a 4-token one mostly right.
+NUM_CLASSES = 4
+
+
+def match_class(match: int) -> int:
+    return min(max(match, 1), NUM_CLASSES) - 1
 
 
 class Drafter:
@@ -46,11 +54,14 @@ class Drafter:
         self.stats = stats
         self.backoff = Backoff()
         self.cost = CostModel()
-        # per draft position j: drafts that reached it, and those accepted through it (decayed)
-        self._offered = [0.0] * self.k
-        self._hit = [0.0] * self.k
+        # per match class and draft position j: drafts that reached j, and those accepted
+        # through it (decayed)
+        self._offered = [[0.0] * self.k for _ in range(NUM_CLASSES)]
+        self._hit = [[0.0] * self.k for _ in range(NUM_CLASSES)]
         self._finished_at: float | None = None  # when the runner finished the last step
-        self._has_match: dict[int, bool] = {}  # seq_id -> its tokens had a draft last time
+        # seq_id -> the match class of its last proposal (None: it had none; unknown: the best)
+        self._last_class: dict[int, int | None] = {}
+        self._drafted_class: dict[int, int] = {}  # seq_id -> the class of its drafts in flight
         # mtp: seq_id -> (its token count when the runner drafted, the drafts after them)
         self._mtp: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.ngram = (
@@ -76,34 +87,53 @@ class Drafter:
         planned without the async overlap (it and the step after it). Else async planning
         goes on (and rows draft past a guess of their token in flight)."""
         num = len(running)
-        depth = self._worth(num, num) if self.active(num) else 0
-        if depth == 0:
+        if not self.active(num):
             return False
-        rows = sum(self._has_match.get(s.seq_id, True) and self._may_draft(s) for s in running)
-        return rows > 0 and self._pays(num, num, [depth] * rows, serial=2)
+        depths = self._depths(num, num)
+        if not any(depths):
+            return False
+        drafts = []
+        for seq in running:
+            cls = self._last_class.get(seq.seq_id, NUM_CLASSES - 1)
+            if cls is not None and depths[cls] and self._may_draft(seq):
+                drafts.append((cls, depths[cls]))
+        return bool(drafts) and self._pays(num, num, drafts, serial=2)
 
     def _worth(self, num_rows: int, num_tokens: int) -> int:
-        """How many leading draft positions pay for their own tokens' compute (CostModel),
-        by the acceptance measured at each position (optimistic until measured)."""
+        """How many leading draft positions pay for their own tokens' compute, for the best
+        match class (see `_depths`)."""
+        return max(self._depths(num_rows, num_tokens))
+
+    def _depths(self, num_rows: int, num_tokens: int) -> list[int]:
+        """Per match class: how many leading draft positions pay for their own tokens'
+        compute (CostModel), by the acceptance measured at each position (optimistic until
+        measured)."""
         if not self.config.adaptive:
-            return self.k
+            return [self.k] * NUM_CLASSES
         threshold = self.cost.threshold(num_rows, num_tokens)
-        for j in range(self.k):
-            if self._acceptance(j) <= threshold:
-                return j
-        return self.k
+        depths = []
+        for cls in range(NUM_CLASSES):
+            j = 0
+            while j < self.k and self._acceptance(cls, j) > threshold:
+                j += 1
+            depths.append(j)
+        return depths
 
-    def _acceptance(self, j: int) -> float:
-        """P(accepted > j) for a draft that reached position j, as measured (prior: 1/1)."""
-        return (self._hit[j] + 1) / (self._offered[j] + 1)
+    def _acceptance(self, cls: int, j: int) -> float:
+        """P(accepted > j) for a draft of match class `cls` that reached position j, as
+        measured (prior: 1/1)."""
+        return (self._hit[cls][j] + 1) / (self._offered[cls][j] + 1)
 
-    def _pays(self, num_rows: int, num_tokens: int, lengths: list[int], serial: int) -> bool:
-        """Do drafts of these lengths, in a step of `num_rows` sampling rows and `num_tokens`
-        tokens, pay for the verify step and `serial` steps planned serially (CostModel)?"""
+    def _pays(
+        self, num_rows: int, num_tokens: int, drafts: list[tuple[int, int]], serial: int
+    ) -> bool:
+        """Do drafts of these (match class, length)s, in a step of `num_rows` sampling rows
+        and `num_tokens` tokens, pay for the verify step and `serial` steps planned serially
+        (CostModel)?"""
         if not self.config.adaptive:
             return True
-        expected = sum(self._acceptance(j) for n in lengths for j in range(n))
-        return self.cost.pays(num_rows, num_tokens, expected, sum(lengths), serial)
+        expected = sum(self._acceptance(cls, j) for cls, n in drafts for j in range(n))
+        return self.cost.pays(num_rows, num_tokens, expected, sum(n for _, n in drafts), serial)
 
     def observe(
         self, scheduled: list[ScheduledSeq], timings: dict[str, float], ahead: bool
@@ -137,44 +167,49 @@ class Drafter:
     def _draft_decodes(self, batch: SchedulerOutput) -> None:
         budget = self.max_num_batched_tokens - batch.num_tokens
         rows = len(batch.decodes) + sum(item.samples for item in batch.prefills)
-        worth = self._worth(rows, batch.num_tokens)
+        depths = self._depths(rows, batch.num_tokens)
+        worth = max(depths)
         if worth == 0:
             return
-        proposed: list[tuple[ScheduledSeq, list[int]]] = []
+        proposed: list[tuple[ScheduledSeq, list[int], int]] = []
         for item in batch.decodes:
-            drafts = self._propose(item.seq, min(worth, budget))
+            drafts, cls = self._propose(item.seq, min(worth, budget))
+            drafts = drafts[: depths[cls]]  # the positions that pay for this match class
             if drafts:
-                proposed.append((item, drafts))
+                proposed.append((item, drafts, cls))
                 budget -= len(drafts)
-        lengths = [len(drafts) for _, drafts in proposed]
-        if not proposed or not self._pays(rows, batch.num_tokens, lengths, serial=1):
+        classed = [(cls, len(drafts)) for _, drafts, cls in proposed]
+        if not proposed or not self._pays(rows, batch.num_tokens, classed, serial=1):
             return  # the step after a verify step is planned serially: one lost overlap
         drafted: list[ScheduledSeq] = []
-        for item, drafts in proposed:
+        for item, drafts, cls in proposed:
             if self._allocate(item.seq, len(drafts)):
                 item.drafts = tuple(drafts)
+                self._drafted_class[item.seq.seq_id] = cls
                 drafted.append(item)
         if drafted:
             batch.prefills += drafted
             batch.decodes = [item for item in batch.decodes if not item.drafts]
 
-    def _propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k drafts; a draft model's are placeholders, drawn on the runner
-        (runner/draft_runner.py), which keeps their q where min(1, p/q) verifies them."""
+    def _propose(self, seq: Sequence, k: int) -> tuple[list[int], int]:
+        """Up to k drafts and their match class; a draft model's are placeholders, drawn on
+        the runner (runner/draft_runner.py), which keeps their q where min(1, p/q) verifies
+        them."""
         if not self._may_draft(seq):
-            return []
+            return [], 0
         k = min(k, self._room(seq))
         if seq.num_pending:
             return self._past_pending(seq, k)
         drafts: list[int] = []
+        match = 1
         if k > 0 and self.config.method == "draft_model":
             drafts = [PLACEHOLDER] * k
         elif k > 0:
-            drafts = self._lookup(seq, k)
-        self._has_match[seq.seq_id] = bool(drafts)
-        return drafts
+            drafts, match = self._lookup(seq, k)
+        self._last_class[seq.seq_id] = match_class(match) if drafts else None
+        return drafts, match_class(match)
 
-    def _past_pending(self, seq: Sequence, k: int) -> list[int]:
+    def _past_pending(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """Drafts for a sequence whose last token is in flight (this step is planned ahead,
         async): a lookup one token behind gives the continuation c; c[0] is a guess of the
         token in flight and c[1:] the drafts after it. A wrong guess only costs a rejected
@@ -182,24 +217,26 @@ class Drafter:
         stay exact. A draft model or MTP layer would need that token: no drafts, but they
         always have a proposal for the step after (so that one is planned serially)."""
         if self.config.method in ("draft_model", "mtp"):
-            self._has_match[seq.seq_id] = True
-            return []
-        found = self._lookup(seq, k + 1)
-        self._has_match[seq.seq_id] = bool(found)
-        return found[1:] if seq.num_pending == 1 else []
+            self._last_class[seq.seq_id] = 0
+            return [], 0
+        found, match = self._lookup(seq, k + 1)
+        cls = match_class(match)
+        self._last_class[seq.seq_id] = cls if found else None
+        return (found[1:] if seq.num_pending == 1 else []), cls
 
-    def _lookup(self, seq: Sequence, k: int) -> list[int]:
-        """Drafts that need no distribution: n-gram, suffix, the runner's MTP draft."""
+    def _lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
+        """Drafts that need no distribution (n-gram, suffix, the runner's MTP draft) and the
+        length of the match they follow."""
         if self.ngram is not None:
-            return self.ngram.propose(seq.token_ids, k)
+            return self.ngram.propose_matched(seq.token_ids, k)
         if self.config.method == "mtp":
             num_tokens, tokens = self._mtp.get(seq.seq_id, (-1, ()))
-            return list(tokens[:k]) if num_tokens == len(seq.token_ids) else []
+            return (list(tokens[:k]) if num_tokens == len(seq.token_ids) else []), 1
         if self.suffix is None:
-            return []
+            return [], 0
         if seq.seq_id not in self.suffix:
             self.suffix.add(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
-        return self.suffix.propose(seq.seq_id, k)
+        return self.suffix.propose_matched(seq.seq_id, k)
 
     def _room(self, seq: Sequence) -> int:
         """Drafts worth verifying: the step yields at most drafts + 1 tokens, and none past
@@ -238,9 +275,12 @@ class Drafter:
         computed KV now (the rejected ones are not); full blocks of them join the prefix cache."""
         self.stats.record(len(item.drafts), num_accepted)
         self.backoff.record(item.seq.seq_id, len(item.drafts), num_accepted)
-        for j in range(self.k):
-            self._offered[j] = ACCEPTANCE_DECAY * self._offered[j] + (j < len(item.drafts))
-            self._hit[j] = ACCEPTANCE_DECAY * self._hit[j] + (j < num_accepted)
+        if item.drafts:
+            cls = self._drafted_class.pop(item.seq.seq_id, 0)
+            offered, hit = self._offered[cls], self._hit[cls]
+            for j in range(self.k):
+                offered[j] = ACCEPTANCE_DECAY * offered[j] + (j < len(item.drafts))
+                hit[j] = ACCEPTANCE_DECAY * hit[j] + (j < num_accepted)
         seq = item.seq
         if seq.num_preemptions != item.preemptions or seq.is_finished:
             return
@@ -255,6 +295,7 @@ class Drafter:
     def forget(self, seq: Sequence) -> None:
         self._mtp.pop(seq.seq_id, None)
         self.backoff.forget(seq.seq_id)
-        self._has_match.pop(seq.seq_id, None)
+        self._last_class.pop(seq.seq_id, None)
+        self._drafted_class.pop(seq.seq_id, None)
         if self.suffix is not None:
             self.suffix.remove(seq.seq_id)

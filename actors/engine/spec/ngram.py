@@ -14,9 +14,13 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return self.propose_matched(token_ids, k)[0]
+
+    def propose_matched(self, token_ids: list[int], k: int) -> tuple[list[int], int]:
+        """(drafts, the length of the match they follow)."""
         length = len(token_ids)
         if k < 1 or length <= self.min_n:
-            return []
+            return [], 0
         tokens = np.asarray(token_ids, dtype=np.int64)
         # end positions (exclusive) of earlier occurrences of the last token, newest first
         ends = np.flatnonzero(tokens[:-1] == tokens[-1])[::-1] + 1
@@ -28,8 +32,8 @@ class NgramProposer:
                 if n == self.max_n:
                     break
         if best_n < self.min_n:
-            return []
-        return token_ids[best_end : best_end + k]
+            return [], 0
+        return token_ids[best_end : best_end + k], best_n
 
 
 def _match_len(tokens: np.ndarray, end: int, max_n: int) -> int:

@@ -75,6 +75,10 @@ class SuffixIndex:
 
     def propose(self, member: int, k: int) -> list[int]:
         """Up to k draft tokens for the member's next positions."""
+        return self.propose_matched(member, k)[0]
+
+    def propose_matched(self, member: int, k: int) -> tuple[list[int], int]:
+        """(drafts, the length of the suffix match they follow)."""
         group = self._groups[self._group_of[member]]
         self._catch_up(group)
         tokens = group.tokens[member]
@@ -84,8 +88,8 @@ class SuffixIndex:
             # not the tail itself; not a member evicted since the index was built
             occ = [o for o in grams if o != (member, length) and o[0] in group.tokens]
             if occ:
-                return self._follow(group, occ, k)
-        return []
+                return self._follow(group, occ, k), n
+        return [], 0
 
     def _follow(self, group: _Group, occ: list[tuple[int, int]], k: int) -> list[int]:
         drafts: list[int] = []

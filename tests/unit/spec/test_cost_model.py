@@ -9,7 +9,7 @@ from raylane.actors.engine.block_manager import BlockManager
 from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.spec.config import SpeculativeConfig
 from raylane.actors.engine.spec.cost_model import MIN_STEPS, WARMUP_STEPS, CostModel
-from raylane.actors.engine.spec.drafter import Drafter
+from raylane.actors.engine.spec.drafter import NUM_CLASSES, Drafter
 from raylane.actors.engine.spec.metrics import SpecStats
 
 from tests.unit.spec.helpers import spec_engine
@@ -64,8 +64,8 @@ def drafter_with(acceptance: list[float]) -> Drafter:
     config = SpeculativeConfig("ngram", 4, prompt_lookup_min=1)
     drafter = Drafter(config, BlockManager(64, 16), 256, None, SpecStats(4))
     fitted(drafter.cost)
-    drafter._offered = [1000.0] * 4
-    drafter._hit = [1000.0 * p for p in acceptance]
+    drafter._offered = [[1000.0] * 4 for _ in range(NUM_CLASSES)]
+    drafter._hit = [[1000.0 * p for p in acceptance] for _ in range(NUM_CLASSES)]
     return drafter
 
 
@@ -106,3 +106,34 @@ def test_random_text_stops_drafting_after_warm_up(tiny_llama_dir):
     assert spec.num_verify_steps - verify_steps <= steps // 10
     assert stats.steps_planned_ahead - ahead >= steps * 9 // 10  # the async overlap kept
     engine.shutdown()
+
+
+def test_acceptance_is_measured_per_match_class_and_trims_each_proposal():
+    """A 1-token match is mostly wrong, a 4-token one mostly right (as measured on the bench's
+    RL groups): the class of each proposal sets how many of its drafts pay, and its verify
+    results count only for its class."""
+    drafter = drafter_with([0.0] * 4)
+    drafter._hit[0] = [100.0, 40.0, 10.0, 0.0]  # 1-token matches: 10%, 4%, 1%, 0%
+    drafter._hit[3] = [900.0, 700.0, 400.0, 100.0]  # 4+: 90%, 70%, 40%, 10%
+    # batch 4: threshold 4 ms / 24 ms = 0.17: no 1-token-match draft pays, three 4+ ones do
+    assert abs(drafter.cost.threshold(4, 4) - 4 / 24) < 1e-9
+    assert drafter._depths(4, 4) == [0, 0, 0, 3]
+    assert drafter._worth(4, 4) == 3
+    rows = running(4)
+    drafter._last_class = {seq.seq_id: 0 for seq in rows}
+    assert not drafter.wants_serial(rows)  # their last proposals were all 1-token matches
+
+    class Item:  # what `accepted` reads of a ScheduledSeq
+        def __init__(self, seq: Sequence, drafts: tuple[int, ...]):
+            self.seq, self.drafts, self.start = seq, drafts, 3
+            self.preemptions = seq.num_preemptions
+
+    before = [list(row) for row in drafter._offered]
+    drafter._drafted_class[rows[0].seq_id] = 1
+    drafter.accepted(Item(rows[0], (5, 6)), 2)
+    for cls in range(NUM_CLASSES):
+        if cls != 1:
+            assert drafter._offered[cls] == before[cls]
+    assert drafter._offered[1] == [0.99 * before[1][0] + 1, 0.99 * before[1][1] + 1] + [
+        0.99 * x for x in before[1][2:]
+    ]
