@@ -27,6 +27,12 @@ from raylane.actors.engine.spec.suffix import SuffixIndex
 from raylane.actors.runner.plan import PLACEHOLDER
 
 ACCEPTANCE_DECAY = 0.99  # per drafted row: the measured acceptance follows the workload
+# per decode step that drafted nothing: a measurement nothing refreshes fades, so drafting
+# is tried again once the workload may have changed (random text, then text that repeats).
+# Slowly: while any class pays, every decoding row is looked up each step, and on random
+# text at batch 16 those lookups (the suffix index catching up) cost 3 % of the step time
+# when 0.99 made them come back within ~100 steps.
+IDLE_DECAY = 0.999
 # A proposal's quality: the length of the match its drafts follow (1, 2, 3, 4+ tokens; a draft
 # model's and MTP's drafts count as 1). Acceptance is measured per class: on free text a
 # 1-token suffix match is mostly wrong, a 4-token one mostly right.
@@ -53,6 +59,12 @@ class Drafter:
         self.max_model_len = max_model_len
         self.stats = stats
         self.backoff = Backoff()
+        # the batch's lookups: a step whose matches did not pay (cut to no position by their
+        # class, or not worth the verify step) skips the lookups of the next 1, 2, 4 .. 16
+        # steps (one that paid resets it); lookups cost host time (the
+        # suffix index catching up) whether or not their drafts are then sent. Only the
+        # cost model's verdict counts: with `adaptive` off every proposal is sent.
+        self.lookups = Backoff()
         self.cost = CostModel()
         # per match class and draft position j: drafts that reached j, and those accepted
         # through it (decayed)
@@ -62,6 +74,7 @@ class Drafter:
         # seq_id -> the match class of its last proposal (None: it had none; unknown: the best)
         self._last_class: dict[int, int | None] = {}
         self._drafted_class: dict[int, int] = {}  # seq_id -> the class of its drafts in flight
+        self._rates: list[list[float]] | None = None  # [j][class] -> `_acceptance`, cached
         # mtp: seq_id -> (its token count when the runner drafted, the drafts after them)
         self._mtp: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.ngram = (
@@ -121,8 +134,25 @@ class Drafter:
 
     def _acceptance(self, cls: int, j: int) -> float:
         """P(accepted > j) for a draft of match class `cls` that reached position j, as
-        measured (prior: 1/1)."""
-        return (self._hit[cls][j] + 1) / (self._offered[cls][j] + 1)
+        measured; its prior (weight 1) is the rate of all classes pooled (theirs: 1/1). So a
+        class never seen takes what the others measured: on random text, where no 4-token
+        match occurs, that class does not stay optimistic and keep the lookups going."""
+        if self._rates is None:  # the table, until the next verify result changes it
+            self._rates = [self._rates_at(pos) for pos in range(self.k)]
+        return self._rates[j][cls]
+
+    def _fade(self) -> None:
+        """A decode step without drafts: the acceptance measured so far weighs less (against
+        the prior, which turns optimistic as the counts fade)."""
+        for rows in (self._offered, self._hit):
+            for row in rows:
+                row[:] = [IDLE_DECAY * x for x in row]
+        self._rates = None
+
+    def _rates_at(self, j: int) -> list[float]:
+        hit, offered = sum(row[j] for row in self._hit), sum(row[j] for row in self._offered)
+        pooled = (hit + 1) / (offered + 1)
+        return [(h[j] + pooled) / (o[j] + 1) for h, o in zip(self._hit, self._offered)]
 
     def _pays(
         self, num_rows: int, num_tokens: int, drafts: list[tuple[int, int]], serial: int
@@ -159,8 +189,11 @@ class Drafter:
         """Propose drafts for the batch's decode rows and allocate their slots; rows with
         drafts move to the front part of the step (they are short prefill-like chunks)."""
         self.backoff.tick()
+        self.lookups.tick()
         if batch.decodes and self.active(len(batch.decodes) + len(batch.prefills)):
             self._draft_decodes(batch)
+            if not any(item.drafts for item in batch.prefills):
+                self._fade()
         if self.config.method == "mtp" and self.k > 1:
             self._reserve_chain(batch)
 
@@ -169,17 +202,23 @@ class Drafter:
         rows = len(batch.decodes) + sum(item.samples for item in batch.prefills)
         depths = self._depths(rows, batch.num_tokens)
         worth = max(depths)
-        if worth == 0:
+        if worth == 0 or not self.lookups.ready(0):
             return
         proposed: list[tuple[ScheduledSeq, list[int], int]] = []
+        found = False
         for item in batch.decodes:
             drafts, cls = self._propose(item.seq, min(worth, budget))
+            found = found or bool(drafts)
             drafts = drafts[: depths[cls]]  # the positions that pay for this match class
             if drafts:
                 proposed.append((item, drafts, cls))
                 budget -= len(drafts)
+        if not found:
+            return  # no match at all: that says nothing of what drafts would pay
         classed = [(cls, len(drafts)) for _, drafts, cls in proposed]
-        if not proposed or not self._pays(rows, batch.num_tokens, classed, serial=1):
+        paid = bool(proposed) and self._pays(rows, batch.num_tokens, classed, serial=1)
+        self.lookups.record(0, 1, int(paid))
+        if not paid:
             return  # the step after a verify step is planned serially: one lost overlap
         drafted: list[ScheduledSeq] = []
         for item, drafts, cls in proposed:
@@ -277,6 +316,7 @@ class Drafter:
         self.backoff.record(item.seq.seq_id, len(item.drafts), num_accepted)
         if item.drafts:
             cls = self._drafted_class.pop(item.seq.seq_id, 0)
+            self._rates = None
             offered, hit = self._offered[cls], self._hit[cls]
             for j in range(self.k):
                 offered[j] = ACCEPTANCE_DECAY * offered[j] + (j < len(item.drafts))

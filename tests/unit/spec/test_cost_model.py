@@ -9,7 +9,7 @@ from raylane.actors.engine.block_manager import BlockManager
 from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.spec.config import SpeculativeConfig
 from raylane.actors.engine.spec.cost_model import MIN_STEPS, WARMUP_STEPS, CostModel
-from raylane.actors.engine.spec.drafter import NUM_CLASSES, Drafter
+from raylane.actors.engine.spec.drafter import IDLE_DECAY, NUM_CLASSES, Drafter
 from raylane.actors.engine.spec.metrics import SpecStats
 
 from tests.unit.spec.helpers import spec_engine
@@ -137,3 +137,71 @@ def test_acceptance_is_measured_per_match_class_and_trims_each_proposal():
     assert drafter._offered[1] == [0.99 * before[1][0] + 1, 0.99 * before[1][1] + 1] + [
         0.99 * x for x in before[1][2:]
     ]
+
+
+def test_a_match_class_never_seen_takes_the_pooled_rate():
+    """Random text: 1-token matches are measured (2 accepted of 100), longer ones never occur.
+    An optimistic prior for those would keep every row's lookups going on every step."""
+    config = SpeculativeConfig("suffix", 4)
+    drafter = Drafter(config, BlockManager(64, 16), 256, None, SpecStats(4))
+    fitted(drafter.cost)
+    drafter._offered[0] = [100.0] * 4
+    drafter._hit[0] = [2.0, 0.0, 0.0, 0.0]
+    pooled = 3 / 101
+    assert abs(drafter._acceptance(0, 0) - (2 + pooled) / 101) < 1e-12
+    assert drafter._acceptance(3, 0) == pooled  # nothing measured: the pooled rate itself
+    assert drafter._worth(4, 4) == 0  # threshold 0.17: no class pays, so no lookups
+    assert not drafter.wants_serial(running(4))
+
+
+def test_a_measurement_nothing_refreshes_fades_and_drafting_is_tried_again():
+    """After 100 rejected drafts no position pays at batch 4; decode steps that draft nothing
+    fade that evidence (IDLE_DECAY each), and once the pooled rate p = 1 / (100 * IDLE_DECAY^n + 1), which
+    the classes never seen take, exceeds the threshold 1/6, position 0 pays again: the
+    workload may have changed."""
+    drafter = drafter_with([0.0] * 4)
+    drafter._offered = [[100.0] * 4] + [[0.0] * 4 for _ in range(NUM_CLASSES - 1)]
+    drafter._hit = [[0.0] * 4 for _ in range(NUM_CLASSES)]
+    assert drafter._worth(4, 4) == 0
+    steps = 0
+    while drafter._worth(4, 4) == 0:
+        drafter._fade()
+        steps += 1
+    # by hand: c = 100 * IDLE_DECAY^n; 1 / (c + 1) > 1/6 first when c < 5
+    expected = next(n for n in range(100_000) if 100 * IDLE_DECAY**n < 5)
+    assert steps == expected
+
+
+def test_lookups_back_off_while_the_proposals_do_not_pay():
+    """Proposals that never pay (a 1-token match at 1 % acceptance): the batch's lookups run
+    on steps 1, 3, 6, 11, 20, 37, 54, ... (skipping 1, 2, 4, 8, 16, 16 steps); a step that
+    pays resets the backoff."""
+    from raylane.actors.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+    drafter = drafter_with([0.0] * 4)
+    drafter._hit[0] = [10.0, 0.0, 0.0, 0.0]  # 1 %: below every threshold of a batch of 4
+    drafter._hit[3] = [900.0] * 4  # 4-token matches pay: the lookups themselves may
+    seqs = running(4)
+    for seq in seqs:
+        seq.num_computed_tokens = len(seq) - 1  # a decode row each
+    looked: list[int] = []
+    answer = {"match": 1}
+
+    def lookup(seq, k):
+        looked.append(drafter.lookups.step)
+        return [7] * k, answer["match"]
+
+    drafter._lookup = lookup
+    for _ in range(60):
+        drafter.draft(SchedulerOutput(decodes=[ScheduledSeq(seq, 1) for seq in seqs]))
+    steps = sorted(set(looked))
+    assert steps == [1, 3, 6, 11, 20, 37, 54]
+    answer["match"] = 4  # now they pay
+    looked.clear()
+    for _ in range(20):
+        batch = SchedulerOutput(decodes=[ScheduledSeq(seq, 1) for seq in seqs])
+        drafter.draft(batch)
+        for item in batch.prefills:  # undo the draft, so every step starts alike
+            item.drafts = ()
+    # the skip in force runs out (54 + 16 + 1), then every step looks up
+    assert sorted(set(looked)) == list(range(71, 81))
