@@ -156,9 +156,9 @@ def test_a_match_class_never_seen_takes_the_pooled_rate():
 
 def test_a_measurement_nothing_refreshes_fades_and_drafting_is_tried_again():
     """After 100 rejected drafts no position pays at batch 4; decode steps that draft nothing
-    fade that evidence (IDLE_DECAY each), and once the pooled rate p = 1 / (100 * IDLE_DECAY^n + 1), which
-    the classes never seen take, exceeds the threshold 1/6, position 0 pays again: the
-    workload may have changed."""
+    fade that evidence (IDLE_DECAY each), and once the pooled rate p = 1 / (100 * IDLE_DECAY^n
+    + 1), which the classes never seen take, exceeds the threshold 1/6, position 0 pays
+    again: the workload may have changed."""
     drafter = drafter_with([0.0] * 4)
     drafter._offered = [[100.0] * 4] + [[0.0] * 4 for _ in range(NUM_CLASSES - 1)]
     drafter._hit = [[0.0] * 4 for _ in range(NUM_CLASSES)]
