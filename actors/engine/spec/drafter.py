@@ -18,6 +18,7 @@ from __future__ import annotations
 from raylane.actors.engine.block_manager import BlockManager
 from raylane.actors.engine.scheduler import ScheduledSeq, SchedulerOutput
 from raylane.actors.engine.sequence import Sequence
+from raylane.actors.engine.spec.acceptance import NUM_CLASSES, AcceptanceTable, match_class
 from raylane.actors.engine.spec.backoff import Backoff
 from raylane.actors.engine.spec.config import SpeculativeConfig
 from raylane.actors.engine.spec.cost_model import CostModel
@@ -25,22 +26,6 @@ from raylane.actors.engine.spec.metrics import SpecStats
 from raylane.actors.engine.spec.ngram import NgramProposer
 from raylane.actors.engine.spec.suffix import SuffixIndex
 from raylane.actors.runner.plan import PLACEHOLDER
-
-ACCEPTANCE_DECAY = 0.99  # per drafted row: the measured acceptance follows the workload
-# per decode step that drafted nothing: a measurement nothing refreshes fades, so drafting
-# is tried again once the workload may have changed (random text, then text that repeats).
-# Slowly: while any class pays, every decoding row is looked up each step, and on random
-# text at batch 16 those lookups (the suffix index catching up) cost 3 % of the step time
-# when 0.99 made them come back within ~100 steps.
-IDLE_DECAY = 0.999
-# A proposal's quality: the length of the match its drafts follow (1, 2, 3, 4+ tokens; a draft
-# model's and MTP's drafts count as 1). Acceptance is measured per class: on free text a
-# 1-token suffix match is mostly wrong, a 4-token one mostly right.
-NUM_CLASSES = 4
-
-
-def match_class(match: int) -> int:
-    return min(max(match, 1), NUM_CLASSES) - 1
 
 
 class Drafter:
@@ -61,20 +46,16 @@ class Drafter:
         self.backoff = Backoff()
         # the batch's lookups: a step whose matches did not pay (cut to no position by their
         # class, or not worth the verify step) skips the lookups of the next 1, 2, 4 .. 16
-        # steps (one that paid resets it); lookups cost host time (the
-        # suffix index catching up) whether or not their drafts are then sent. Only the
-        # cost model's verdict counts: with `adaptive` off every proposal is sent.
+        # steps (one that paid resets it); lookups cost host time (the suffix index catching
+        # up) whether or not their drafts are then sent. Only the cost model's verdict
+        # counts: with `adaptive` off every proposal is sent.
         self.lookups = Backoff()
         self.cost = CostModel()
-        # per match class and draft position j: drafts that reached j, and those accepted
-        # through it (decayed)
-        self._offered = [[0.0] * self.k for _ in range(NUM_CLASSES)]
-        self._hit = [[0.0] * self.k for _ in range(NUM_CLASSES)]
+        self.acceptance = AcceptanceTable(self.k)  # per match class and draft position
         self._finished_at: float | None = None  # when the runner finished the last step
         # seq_id -> the match class of its last proposal (None: it had none; unknown: the best)
         self._last_class: dict[int, int | None] = {}
         self._drafted_class: dict[int, int] = {}  # seq_id -> the class of its drafts in flight
-        self._rates: list[list[float]] | None = None  # [j][class] -> `_acceptance`, cached
         # mtp: seq_id -> (its token count when the runner drafted, the drafts after them)
         self._mtp: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.ngram = (
@@ -123,36 +104,7 @@ class Drafter:
         measured)."""
         if not self.config.adaptive:
             return [self.k] * NUM_CLASSES
-        threshold = self.cost.threshold(num_rows, num_tokens)
-        depths = []
-        for cls in range(NUM_CLASSES):
-            j = 0
-            while j < self.k and self._acceptance(cls, j) > threshold:
-                j += 1
-            depths.append(j)
-        return depths
-
-    def _acceptance(self, cls: int, j: int) -> float:
-        """P(accepted > j) for a draft of match class `cls` that reached position j, as
-        measured; its prior (weight 1) is the rate of all classes pooled (theirs: 1/1). So a
-        class never seen takes what the others measured: on random text, where no 4-token
-        match occurs, that class does not stay optimistic and keep the lookups going."""
-        if self._rates is None:  # the table, until the next verify result changes it
-            self._rates = [self._rates_at(pos) for pos in range(self.k)]
-        return self._rates[j][cls]
-
-    def _fade(self) -> None:
-        """A decode step without drafts: the acceptance measured so far weighs less (against
-        the prior, which turns optimistic as the counts fade)."""
-        for rows in (self._offered, self._hit):
-            for row in rows:
-                row[:] = [IDLE_DECAY * x for x in row]
-        self._rates = None
-
-    def _rates_at(self, j: int) -> list[float]:
-        hit, offered = sum(row[j] for row in self._hit), sum(row[j] for row in self._offered)
-        pooled = (hit + 1) / (offered + 1)
-        return [(h[j] + pooled) / (o[j] + 1) for h, o in zip(self._hit, self._offered)]
+        return self.acceptance.depths(self.cost.threshold(num_rows, num_tokens))
 
     def _pays(
         self, num_rows: int, num_tokens: int, drafts: list[tuple[int, int]], serial: int
@@ -162,7 +114,7 @@ class Drafter:
         (CostModel)?"""
         if not self.config.adaptive:
             return True
-        expected = sum(self._acceptance(cls, j) for cls, n in drafts for j in range(n))
+        expected = self.acceptance.expected(drafts)
         return self.cost.pays(num_rows, num_tokens, expected, sum(n for _, n in drafts), serial)
 
     def observe(
@@ -193,7 +145,7 @@ class Drafter:
         if batch.decodes and self.active(len(batch.decodes) + len(batch.prefills)):
             self._draft_decodes(batch)
             if not any(item.drafts for item in batch.prefills):
-                self._fade()
+                self.acceptance.fade()
         if self.config.method == "mtp" and self.k > 1:
             self._reserve_chain(batch)
 
@@ -316,11 +268,7 @@ class Drafter:
         self.backoff.record(item.seq.seq_id, len(item.drafts), num_accepted)
         if item.drafts:
             cls = self._drafted_class.pop(item.seq.seq_id, 0)
-            self._rates = None
-            offered, hit = self._offered[cls], self._hit[cls]
-            for j in range(self.k):
-                offered[j] = ACCEPTANCE_DECAY * offered[j] + (j < len(item.drafts))
-                hit[j] = ACCEPTANCE_DECAY * hit[j] + (j < num_accepted)
+            self.acceptance.record(cls, len(item.drafts), num_accepted)
         seq = item.seq
         if seq.num_preemptions != item.preemptions or seq.is_finished:
             return

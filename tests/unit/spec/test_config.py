@@ -225,7 +225,8 @@ def test_cost_model_fits_step_times_and_prices_a_draft():
 
 def test_adaptive_drafts_only_the_positions_that_pay():
     from raylane.actors.engine.block_manager import BlockManager
-    from raylane.actors.engine.spec.drafter import NUM_CLASSES, Drafter
+    from raylane.actors.engine.spec.acceptance import NUM_CLASSES
+    from raylane.actors.engine.spec.drafter import Drafter
 
     config = SpeculativeConfig("ngram", 4, prompt_lookup_min=1)
     drafter = Drafter(config, BlockManager(8, 16), 256, None, SpecStats(4))
@@ -233,8 +234,8 @@ def test_adaptive_drafts_only_the_positions_that_pay():
         tokens = 4 + i % 20
         drafter.cost.observe(tokens, 0.004 + 0.004 * tokens)
     # measured acceptance falls with the position: 90%, 60%, 30%, 10%
-    drafter._offered = [[100.0] * 4 for _ in range(NUM_CLASSES)]
-    drafter._hit = [[90.0, 60.0, 30.0, 10.0] for _ in range(NUM_CLASSES)]
+    drafter.acceptance.offered = [[100.0] * 4 for _ in range(NUM_CLASSES)]
+    drafter.acceptance.hit = [[90.0, 60.0, 30.0, 10.0] for _ in range(NUM_CLASSES)]
     assert drafter._worth(1, 1) == 2  # threshold 0.004 / 0.008 = 0.5: positions 0 and 1
     assert drafter._worth(2, 2) == 1  # threshold 0.67: position 0
     assert drafter._worth(32, 32) == 0  # threshold 0.97: none, and no serial step for it

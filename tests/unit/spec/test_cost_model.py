@@ -7,9 +7,10 @@ from __future__ import annotations
 from raylane.actors.engine import SamplingParams
 from raylane.actors.engine.block_manager import BlockManager
 from raylane.actors.engine.sequence import Sequence
+from raylane.actors.engine.spec.acceptance import IDLE_DECAY, NUM_CLASSES
 from raylane.actors.engine.spec.config import SpeculativeConfig
 from raylane.actors.engine.spec.cost_model import MIN_STEPS, WARMUP_STEPS, CostModel
-from raylane.actors.engine.spec.drafter import IDLE_DECAY, NUM_CLASSES, Drafter
+from raylane.actors.engine.spec.drafter import Drafter
 from raylane.actors.engine.spec.metrics import SpecStats
 
 from tests.unit.spec.helpers import spec_engine
@@ -64,8 +65,8 @@ def drafter_with(acceptance: list[float]) -> Drafter:
     config = SpeculativeConfig("ngram", 4, prompt_lookup_min=1)
     drafter = Drafter(config, BlockManager(64, 16), 256, None, SpecStats(4))
     fitted(drafter.cost)
-    drafter._offered = [[1000.0] * 4 for _ in range(NUM_CLASSES)]
-    drafter._hit = [[1000.0 * p for p in acceptance] for _ in range(NUM_CLASSES)]
+    drafter.acceptance.offered = [[1000.0] * 4 for _ in range(NUM_CLASSES)]
+    drafter.acceptance.hit = [[1000.0 * p for p in acceptance] for _ in range(NUM_CLASSES)]
     return drafter
 
 
@@ -113,8 +114,8 @@ def test_acceptance_is_measured_per_match_class_and_trims_each_proposal():
     RL groups): the class of each proposal sets how many of its drafts pay, and its verify
     results count only for its class."""
     drafter = drafter_with([0.0] * 4)
-    drafter._hit[0] = [100.0, 40.0, 10.0, 0.0]  # 1-token matches: 10%, 4%, 1%, 0%
-    drafter._hit[3] = [900.0, 700.0, 400.0, 100.0]  # 4+: 90%, 70%, 40%, 10%
+    drafter.acceptance.hit[0] = [100.0, 40.0, 10.0, 0.0]  # 1-token matches: 10%, 4%, 1%, 0%
+    drafter.acceptance.hit[3] = [900.0, 700.0, 400.0, 100.0]  # 4+: 90%, 70%, 40%, 10%
     # batch 4: threshold 4 ms / 24 ms = 0.17: no 1-token-match draft pays, three 4+ ones do
     assert abs(drafter.cost.threshold(4, 4) - 4 / 24) < 1e-9
     assert drafter._depths(4, 4) == [0, 0, 0, 3]
@@ -128,13 +129,13 @@ def test_acceptance_is_measured_per_match_class_and_trims_each_proposal():
             self.seq, self.drafts, self.start = seq, drafts, 3
             self.preemptions = seq.num_preemptions
 
-    before = [list(row) for row in drafter._offered]
+    before = [list(row) for row in drafter.acceptance.offered]
     drafter._drafted_class[rows[0].seq_id] = 1
     drafter.accepted(Item(rows[0], (5, 6)), 2)
     for cls in range(NUM_CLASSES):
         if cls != 1:
-            assert drafter._offered[cls] == before[cls]
-    assert drafter._offered[1] == [0.99 * before[1][0] + 1, 0.99 * before[1][1] + 1] + [
+            assert drafter.acceptance.offered[cls] == before[cls]
+    assert drafter.acceptance.offered[1] == [0.99 * before[1][0] + 1, 0.99 * before[1][1] + 1] + [
         0.99 * x for x in before[1][2:]
     ]
 
@@ -145,11 +146,11 @@ def test_a_match_class_never_seen_takes_the_pooled_rate():
     config = SpeculativeConfig("suffix", 4)
     drafter = Drafter(config, BlockManager(64, 16), 256, None, SpecStats(4))
     fitted(drafter.cost)
-    drafter._offered[0] = [100.0] * 4
-    drafter._hit[0] = [2.0, 0.0, 0.0, 0.0]
+    drafter.acceptance.offered[0] = [100.0] * 4
+    drafter.acceptance.hit[0] = [2.0, 0.0, 0.0, 0.0]
     pooled = 3 / 101
-    assert abs(drafter._acceptance(0, 0) - (2 + pooled) / 101) < 1e-12
-    assert drafter._acceptance(3, 0) == pooled  # nothing measured: the pooled rate itself
+    assert abs(drafter.acceptance.rate(0, 0) - (2 + pooled) / 101) < 1e-12
+    assert drafter.acceptance.rate(3, 0) == pooled  # nothing measured: the pooled rate itself
     assert drafter._worth(4, 4) == 0  # threshold 0.17: no class pays, so no lookups
     assert not drafter.wants_serial(running(4))
 
@@ -160,12 +161,12 @@ def test_a_measurement_nothing_refreshes_fades_and_drafting_is_tried_again():
     + 1), which the classes never seen take, exceeds the threshold 1/6, position 0 pays
     again: the workload may have changed."""
     drafter = drafter_with([0.0] * 4)
-    drafter._offered = [[100.0] * 4] + [[0.0] * 4 for _ in range(NUM_CLASSES - 1)]
-    drafter._hit = [[0.0] * 4 for _ in range(NUM_CLASSES)]
+    drafter.acceptance.offered = [[100.0] * 4] + [[0.0] * 4 for _ in range(NUM_CLASSES - 1)]
+    drafter.acceptance.hit = [[0.0] * 4 for _ in range(NUM_CLASSES)]
     assert drafter._worth(4, 4) == 0
     steps = 0
     while drafter._worth(4, 4) == 0:
-        drafter._fade()
+        drafter.acceptance.fade()
         steps += 1
     # by hand: c = 100 * IDLE_DECAY^n; 1 / (c + 1) > 1/6 first when c < 5
     expected = next(n for n in range(100_000) if 100 * IDLE_DECAY**n < 5)
@@ -179,8 +180,8 @@ def test_lookups_back_off_while_the_proposals_do_not_pay():
     from raylane.actors.engine.scheduler import ScheduledSeq, SchedulerOutput
 
     drafter = drafter_with([0.0] * 4)
-    drafter._hit[0] = [10.0, 0.0, 0.0, 0.0]  # 1 %: below every threshold of a batch of 4
-    drafter._hit[3] = [900.0] * 4  # 4-token matches pay: the lookups themselves may
+    drafter.acceptance.hit[0] = [10.0, 0.0, 0.0, 0.0]  # 1 %: below every threshold of a batch of 4
+    drafter.acceptance.hit[3] = [900.0] * 4  # 4-token matches pay: the lookups themselves may
     seqs = running(4)
     for seq in seqs:
         seq.num_computed_tokens = len(seq) - 1  # a decode row each
