@@ -1,12 +1,12 @@
-"""Fused elementwise ops of a decoder layer (RMSNorm with its residual add, gated activation),
-from a registry: one implementation is chosen at start-up for the model's device, never by
-checks in model code.
+"""Fused elementwise ops of a decoder layer (RMSNorm with its residual add, gated activation,
+rotate-half RoPE), from a registry: one implementation is chosen at start-up for the model's
+device, never by checks in model code.
 
 - "torch": the eager reference ops (kernels/norm.py, kernels/activation.py); any device.
 - "cpu": csrc/elementwise.c through ctypes, one pass per row and no temporaries, on float32 and
   bfloat16 rows with a contiguous last dim; other calls (float16, odd layouts, activations
   other than SiLU) take the torch ops. Matches them within float32 rounding (sum order,
-  the SiLU exp polynomial).
+  the SiLU exp polynomial); RoPE bit for bit (each product and the sum rounded on its own).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from raylane.kernels.activation import act_and_mul
 from raylane.kernels.cpu_build import DTYPES, load_library
 from raylane.kernels.norm import add_rms_norm
+from raylane.kernels.rotary import apply_rotary
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,10 @@ class FusedOps(Protocol):
         """x [T, 2 * I] laid out [gate | up] -> act(gate) * up, [T, I]."""
         ...
 
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated by cos/sin [T, R] (kernels/rotary.py's `apply_rotary`)."""
+        ...
+
 
 class TorchOps:
     name = "torch"
@@ -53,12 +58,16 @@ class TorchOps:
     def act_and_mul(self, x, act):
         return act_and_mul(x, act)
 
+    def rotary(self, x, cos, sin):
+        return apply_rotary(x, cos, sin)
+
 
 class CpuOps(TorchOps):
     name = "cpu"
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._norm, self._act = lib.raylane_rms_norm, lib.raylane_silu_and_mul
+        self._rotary = lib.raylane_rotary
 
     def rms_norm(self, x, weight, eps, residual):
         d = x.shape[-1]
@@ -95,6 +104,22 @@ class CpuOps(TorchOps):
         )  # fmt: skip
         return out
 
+    def rotary(self, x, cos, sin):
+        t, h, d = x.shape
+        # partial rotary (R < D) and odd widths are a model's constant: the torch ops, always
+        if not (_c_ok(x) and cos.shape == (t, d) and sin.shape == cos.shape and d % 2 == 0):
+            return super().rotary(x, cos, sin)
+        if x.stride(2) != 1 or x.stride(1) != d:  # heads not D apart in a row: copied
+            x = x.contiguous()
+        cos = cos.to(x.dtype).contiguous()
+        sin = sin.to(x.dtype).contiguous()
+        out = torch.empty((t, h, d), dtype=x.dtype)
+        self._rotary(
+            x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+            t, h, d, DTYPES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
 
 def _c_ok(t: torch.Tensor) -> bool:
     """A tensor the C code computes: a supported dtype on the CPU, not empty, no autograd (the
@@ -128,7 +153,10 @@ def _cpu_library() -> ctypes.CDLL | None:
     # x, x_stride, residual, res_stride, res_out, weight, out, rows, d, eps, dtype, threads
     lib.raylane_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32, i32]
     lib.raylane_silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i32, i32]
+    # x, x_stride, cos, sin, out, rows, heads, d, dtype, threads
+    lib.raylane_rotary.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i32]
     lib.raylane_rms_norm.restype = lib.raylane_silu_and_mul.restype = ctypes.c_int
+    lib.raylane_rotary.restype = ctypes.c_int
     return lib
 
 
@@ -162,10 +190,11 @@ def get_fused_ops(name: str = "auto", device: torch.device | str = "cpu") -> Fus
 
 
 def attach_fused_ops(model: torch.nn.Module, ops: FusedOps) -> None:
-    """Hand `ops` to every RMSNorm and gated activation of `model` (once, at start-up)."""
+    """Hand `ops` to every RMSNorm, gated activation and RoPE of `model` (once, at start-up)."""
     from raylane.kernels.activation import SiluAndMul
     from raylane.kernels.norm import RMSNorm
+    from raylane.kernels.rotary import Rotary
 
     for module in model.modules():
-        if isinstance(module, (RMSNorm, SiluAndMul)):
+        if isinstance(module, (RMSNorm, SiluAndMul, Rotary)):
             module.ops = ops

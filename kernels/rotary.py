@@ -114,6 +114,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+class Rotary(nn.Module):
+    """`apply_rotary` as a module, so the runner can hand it the fused ops it chose for the
+    device at start-up (kernels/fused_ops.py); until then (`ops` None), the torch ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Any = None  # a FusedOps
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.ops is None:
+            return apply_rotary(x, cos, sin)
+        return self.ops.rotary(x, cos, sin)
+
+
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """DeepSeek's layout: x [T, H, D] rotated in pairs (x0, x1), (x2, x3), ...; the result is
     laid out [evens' rotation | odds' rotation], as HF's `apply_rotary_pos_emb_interleave`.

@@ -22,7 +22,7 @@ from raylane.actors.models.layers import (
 from raylane.kernels.activation import SiluAndMul
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.norm import RMSNorm
-from raylane.kernels.rotary import RotaryEmbedding, apply_rotary, rope_parameters_of
+from raylane.kernels.rotary import Rotary, RotaryEmbedding, rope_parameters_of
 from torch import nn
 
 
@@ -93,6 +93,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+        self.rotary = Rotary()
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
@@ -101,12 +102,12 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)  # [T, KVH, D]
         if self.q_norm is None or self.k_norm is None:  # rotate q, k heads at once: [T, H + KVH, D]
-            qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
+            qk = self.rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]  # NOTE: views, row stride (H + KVH) * D
         else:
             q = self.q_norm(qkv[:, : h * d].view(t, h, d))
             k = self.k_norm(qkv[:, h * d : (h + kvh) * d].view(t, kvh, d))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         out = self.attn(q, k, v, attn)  # [T, H, D]
         return self.o_proj(out.reshape(t, h * d))
 

@@ -5,6 +5,8 @@
  *                        LlamaRMSNorm: statistics in float32, normalised row cast to the dtype,
  *                        then the weight product in the dtype)
  *   raylane_silu_and_mul x [N, 2I] laid out [gate | up] -> out [N, I] = silu(gate) * up
+ *   raylane_rotary       x [T, H, D] (heads D apart) -> out [T, H, D] = x * cos + rotate_half(x)
+ *                        * sin, cos/sin [T, D] (HF's rotate-half RoPE over the whole head)
  * Rows of x and residual are `*_stride` elements apart (last dim contiguous); outputs are
  * contiguous. Small calls (decode shapes) stay on the calling thread: splitting 100 KB of work
  * across cores costs more in the fork/join than it saves, and on a busy machine the wait for a
@@ -130,6 +132,51 @@ int raylane_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t row
             for (int64_t i = 0; i < inter; ++i) {
                 const float a = round_to(silu(load(gate, i, dtype)), dtype);
                 store(dst, i, a * load(up, i, dtype), dtype);
+            }
+        }
+    }
+    return 0;
+}
+
+/*
+ * out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] for x = [x1, x2]: as the three
+ * torch ops compute it, each product and the sum rounded to the dtype on its own. Never
+ * contracted into an FMA (GNU C would by default), which would round differently from torch.
+ */
+__attribute__((optimize("fp-contract=off"))) int raylane_rotary(
+    const void *x, int64_t x_stride, const void *cos, const void *sin, void *out, int64_t rows,
+    int64_t heads, int64_t d, int dtype, int threads) {
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 2;
+    if (d % 2) return 1;
+    const size_t es = elem_size(dtype);
+    const int64_t half = d / 2;
+    const char *xs = x, *cs = cos, *ss = sin;
+    char *o = out;
+#pragma omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN) \
+    schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const void *c = cs + r * d * es, *sn = ss + r * d * es;
+        for (int64_t h = 0; h < heads; ++h) {
+            const void *xr = xs + (r * x_stride + h * d) * es;
+            void *dst = o + (r * heads + h) * d * es;
+            if (dtype == DTYPE_F32) {
+                const float *restrict xv = xr, *restrict cv = c, *restrict sv = sn;
+                float *restrict y = dst;
+                for (int64_t i = 0; i < half; ++i) {
+                    const float a = xv[i] * cv[i], b = -xv[i + half] * sv[i];
+                    y[i] = a + b;
+                }
+                for (int64_t i = half; i < d; ++i) {
+                    const float a = xv[i] * cv[i], b = xv[i - half] * sv[i];
+                    y[i] = a + b;
+                }
+            } else {
+                for (int64_t i = 0; i < d; ++i) {
+                    const float rot = i < half ? -load(xr, i + half, dtype) : load(xr, i - half, dtype);
+                    const float a = round_to(load(xr, i, dtype) * load(c, i, dtype), dtype);
+                    const float b = round_to(rot * load(sn, i, dtype), dtype);
+                    store(dst, i, a + b, dtype);
+                }
             }
         }
     }

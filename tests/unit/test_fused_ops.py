@@ -106,6 +106,39 @@ def test_a_rows_values_do_not_depend_on_the_layout_or_the_batch(cpu_ops):
     torch.testing.assert_close(out, ref_out, rtol=2e-6, atol=1e-6)
 
 
+def _hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb on x [T, H, D] (it takes [B, H, T, D] and [B, T, D])."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q = x.transpose(0, 1).unsqueeze(0)
+    out, _ = apply_rotary_pos_emb(q, q, cos.unsqueeze(0), sin.unsqueeze(0))
+    return out[0].transpose(0, 1)
+
+
+# tokens x heads x head dim: one token, odd head counts, a decode batch of SmolLM2's q + k
+# heads, and a prefill large enough to run on all threads
+ROPE_SHAPES = [(1, 1, 2), (3, 5, 64), (32, 12, 64), (7, 3, 128), (700, 12, 64)]
+
+
+@pytest.mark.parametrize("tokens,heads,dim", ROPE_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_hf_bit_for_bit(cpu_ops, tokens, heads, dim, dtype, monkeypatch):
+    """Each product and the sum rounded on its own, as HF's three ops: equal, not close. The
+    input is a strided slice of a wider row (q and k heads of a fused qkv projection)."""
+    g = torch.Generator().manual_seed(tokens * heads + dim)
+    qkv = (torch.randn(tokens, heads + 2, dim, generator=g) * 4).to(dtype)
+    x = qkv[:, :heads]  # rows (heads + 2) * dim apart
+    angles = torch.rand(tokens, dim // 2, generator=g) * 100
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    with monkeypatch.context() as m:  # the C code, not the torch ops it falls back to
+        m.setattr(TorchOps, "rotary", lambda *a: pytest.fail("took the torch ops"))
+        out = cpu_ops.rotary(x, cos, sin)
+    assert out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out, _hf_rotary(x, cos, sin))
+    assert torch.equal(out, REF.rotary(x, cos, sin))
+
+
 def test_what_the_c_code_does_not_serve_takes_the_torch_ops(cpu_ops):
     w = torch.rand(16)
     h = torch.randn(3, 16).half()
@@ -114,6 +147,10 @@ def test_what_the_c_code_does_not_serve_takes_the_torch_ops(cpu_ops):
     )
     y = torch.randn(3, 20)
     assert torch.equal(cpu_ops.act_and_mul(y, "gelu"), REF.act_and_mul(y, "gelu"))
+    x, cos = torch.randn(4, 3, 16), torch.rand(4, 8)  # partial rotary: 8 of 16 dims
+    assert torch.equal(cpu_ops.rotary(x, cos, cos), REF.rotary(x, cos, cos))
+    assert torch.equal(cpu_ops.rotary(x.half(), cos.half(), cos.half()),
+                       REF.rotary(x.half(), cos.half(), cos.half()))  # fmt: skip
     w32 = torch.rand(20)  # a weight in another dtype than x: torch's promotion rules
     assert torch.equal(
         cpu_ops.rms_norm(y.bfloat16(), w32, 1e-6, None), REF.rms_norm(y.bfloat16(), w32, 1e-6, None)
