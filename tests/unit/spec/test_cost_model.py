@@ -173,36 +173,48 @@ def test_a_measurement_nothing_refreshes_fades_and_drafting_is_tried_again():
     assert steps == expected
 
 
-def test_lookups_back_off_while_the_proposals_do_not_pay():
-    """Proposals that never pay (a 1-token match at 1 % acceptance): the batch's lookups run
-    on steps 1, 3, 6, 11, 20, 37, 54, ... (skipping 1, 2, 4, 8, 16, 16 steps); a step that
-    pays resets the backoff."""
+def test_lookups_back_off_while_the_proposals_do_not_pay(monkeypatch):
+    """Proposals that never pay (a 1-token match at 1 % acceptance). While the lookups are
+    cheap (under 1 % of the 24 ms step the fit predicts for a batch of 4) every step looks
+    up. Once they cost more (0.2 ms a row here), the batch's lookups run on 1, 3, 6, 11, 20,
+    37, 54 steps after (skipping 1, 2, 4, 8, 16, 16 steps); a step that pays resets it. The
+    drafter's clock is a fake that only the lookups advance."""
+    import types
+
+    import raylane.actors.engine.spec.drafter as drafter_module
     from raylane.actors.engine.scheduler import ScheduledSeq, SchedulerOutput
 
     drafter = drafter_with([0.0] * 4)
-    drafter.acceptance.hit[0] = [10.0, 0.0, 0.0, 0.0]  # 1 %: below every threshold of a batch of 4
+    drafter.acceptance.hit[0] = [10.0, 0.0, 0.0, 0.0]  # 1 %: below every threshold at batch 4
     drafter.acceptance.hit[3] = [900.0] * 4  # 4-token matches pay: the lookups themselves may
     seqs = running(4)
     for seq in seqs:
         seq.num_computed_tokens = len(seq) - 1  # a decode row each
     looked: list[int] = []
-    answer = {"match": 1}
+    answer = {"match": 1, "seconds": 0.0}
+    clock = {"now": 0.0}
+    monkeypatch.setattr(
+        drafter_module, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"])
+    )
 
     def lookup(seq, k):
         looked.append(drafter.lookups.step)
+        clock["now"] += answer["seconds"]
         return [7] * k, answer["match"]
 
+    def run(steps: int) -> list[int]:
+        looked.clear()
+        for _ in range(steps):
+            batch = SchedulerOutput(decodes=[ScheduledSeq(seq, 1) for seq in seqs])
+            drafter.draft(batch)
+            for item in batch.prefills:  # undo a draft, so every step starts alike
+                item.drafts = ()
+        return sorted(set(looked))
+
     drafter._lookup = lookup
-    for _ in range(60):
-        drafter.draft(SchedulerOutput(decodes=[ScheduledSeq(seq, 1) for seq in seqs]))
-    steps = sorted(set(looked))
-    assert steps == [1, 3, 6, 11, 20, 37, 54]
+    assert run(10) == list(range(1, 11))  # cheap: every step
+    answer["seconds"] = 0.0002  # 0.8 ms a step: 3 % of it
+    assert run(60) == [s + 10 for s in (1, 3, 6, 11, 20, 37, 54)]
     answer["match"] = 4  # now they pay
-    looked.clear()
-    for _ in range(20):
-        batch = SchedulerOutput(decodes=[ScheduledSeq(seq, 1) for seq in seqs])
-        drafter.draft(batch)
-        for item in batch.prefills:  # undo the draft, so every step starts alike
-            item.drafts = ()
-    # the skip in force runs out (54 + 16 + 1), then every step looks up
-    assert sorted(set(looked)) == list(range(71, 81))
+    # the skip in force runs out (64 + 16 + 1), then every step looks up
+    assert run(20) == list(range(81, 91))
