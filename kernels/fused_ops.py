@@ -106,13 +106,14 @@ class CpuOps(TorchOps):
 
     def rotary(self, x, cos, sin):
         t, h, d = x.shape
-        # partial rotary (R < D) and odd widths are a model's constant: the torch ops, always
-        if not (_c_ok(x) and cos.shape == (t, d) and sin.shape == cos.shape and d % 2 == 0):
+        # partial rotary (R < D), odd widths and cos/sin in another dtype (torch would promote
+        # the result) are a model's constants: the torch ops, always
+        same = cos.dtype == sin.dtype == x.dtype and cos.shape == sin.shape == (t, d)
+        if not (_c_ok(x) and same and d % 2 == 0):
             return super().rotary(x, cos, sin)
         if x.stride(2) != 1 or x.stride(1) != d:  # heads not D apart in a row: copied
             x = x.contiguous()
-        cos = cos.to(x.dtype).contiguous()
-        sin = sin.to(x.dtype).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
         out = torch.empty((t, h, d), dtype=x.dtype)
         self._rotary(
             x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),

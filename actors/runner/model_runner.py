@@ -72,7 +72,7 @@ class ModelRunner(RunnerUpkeep):
             self.weights.draft = self.draft.weights
         layers = self.model.attention_layers()
         self._attach_backend([*layers, *(self.draft.layers() if self.draft is not None else [])])
-        fused = get_fused_ops("auto", self.device)  # RMSNorm and gated activations
+        fused = get_fused_ops("auto", self.device)  # RMSNorm, gated activations, RoPE
         for net in [self.model, *([self.draft.model] if self.draft is not None else [])]:
             attach_fused_ops(net, fused)
         linear: list[Any] = getattr(self.model, "linear_layers", list)()
