@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import psutil
 import pytest
 from raylane import launch
 
@@ -29,22 +30,27 @@ def worker_env():
         def probe() -> tuple[int, dict[str, str]]:
             return os.nice(0), dict(os.environ)
 
-        yield env, ray.get(probe.remote())
+        raylets = [p for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
+        assert len(raylets) == 1, raylets
+        yield env, ray.get(probe.remote()), raylets[0].environ()
     finally:
         os.environ.pop(USER_KEY)
         launch.shutdown()
 
 
 def test_workers_get_the_priority_and_the_slowed_loops(worker_env):
-    _, (niceness, env) = worker_env
+    _, (niceness, env), raylet_env = worker_env
     assert niceness == 0
     for key, value in launch.CONTROL_PLANE_ENV.items():
         if key != USER_KEY:
             assert env.get(key) == value, key
+            # the raylet reads its own timers (RAY_raylet_*, RAY_memory_monitor_*, ...) from
+            # its environment at start, and starts the dashboard agent with it
+            assert raylet_env.get(key) == value, key
 
 
 def test_a_users_own_setting_wins_and_the_driver_keeps_its_environment(worker_env):
-    driver, (_, env) = worker_env
+    driver, (_, env), _ = worker_env
     assert env[USER_KEY] == "0.25"
     assert driver[USER_KEY] == "0.25"
     for key in (*launch.CONTROL_PLANE_ENV, *launch.WORKER_PRIORITY_ENV):
