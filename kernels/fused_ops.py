@@ -106,10 +106,11 @@ class CpuOps(TorchOps):
 
     def rotary(self, x, cos, sin):
         t, h, d = x.shape
-        # partial rotary (R < D), odd widths and cos/sin in another dtype (torch would promote
-        # the result) are a model's constants: the torch ops, always
-        same = cos.dtype == sin.dtype == x.dtype and cos.shape == sin.shape == (t, d)
-        if not (_c_ok(x) and same and d % 2 == 0):
+        r = cos.shape[-1]  # < d: partial rotary (the leading r dims of each head)
+        # odd widths and cos/sin in another dtype (torch would promote the result) are a
+        # model's constants: the torch ops, always
+        same = cos.dtype == sin.dtype == x.dtype and cos.shape == sin.shape == (t, r)
+        if not (_c_ok(x) and same and r % 2 == 0 and 2 <= r <= d):
             return super().rotary(x, cos, sin)
         if x.stride(2) != 1 or x.stride(1) != d:  # heads not D apart in a row: copied
             x = x.contiguous()
@@ -117,7 +118,7 @@ class CpuOps(TorchOps):
         out = torch.empty((t, h, d), dtype=x.dtype)
         self._rotary(
             x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-            t, h, d, DTYPES[x.dtype], torch.get_num_threads(),
+            t, h, d, r, DTYPES[x.dtype], torch.get_num_threads(),
         )  # fmt: skip
         return out
 
@@ -154,8 +155,8 @@ def _cpu_library() -> ctypes.CDLL | None:
     # x, x_stride, residual, res_stride, res_out, weight, out, rows, d, eps, dtype, threads
     lib.raylane_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32, i32]
     lib.raylane_silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i32, i32]
-    # x, x_stride, cos, sin, out, rows, heads, d, dtype, threads
-    lib.raylane_rotary.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i32]
+    # x, x_stride, cos, sin, out, rows, heads, d, rotary dims, dtype, threads
+    lib.raylane_rotary.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
     lib.raylane_rms_norm.restype = lib.raylane_silu_and_mul.restype = ctypes.c_int
     lib.raylane_rotary.restype = ctypes.c_int
     return lib

@@ -22,7 +22,7 @@ from raylane.actors.models.layers import (
 from raylane.actors.models.llama import AttentionSpec, LlamaForCausalLM, LlamaMLP
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.norm import GemmaRMSNorm
-from raylane.kernels.rotary import RotaryEmbedding, apply_rotary
+from raylane.kernels.rotary import Rotary, RotaryEmbedding
 from torch import nn
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -58,13 +58,14 @@ class Gemma3Attention(nn.Module):
         window = config.sliding_window if layer_type == SLIDING else None
         scale = config.query_pre_attn_scalar**-0.5
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, scale, window=window)
+        self.rotary = Rotary()
 
     def forward(self, hidden, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], attn):
         t, d, h, kvh = hidden.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
         cos, sin = rope[self.layer_type]
-        q = apply_rotary(self.q_norm(qkv[:, : h * d].view(t, h, d)), cos, sin)
-        k = apply_rotary(self.k_norm(qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)), cos, sin)
+        q = self.rotary(self.q_norm(qkv[:, : h * d].view(t, h, d)), cos, sin)
+        k = self.rotary(self.k_norm(qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)), cos, sin)
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
         return self.o_proj(self.attn(q, k, v, attn).reshape(t, h * d))
 

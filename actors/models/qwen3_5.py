@@ -39,7 +39,7 @@ from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.linear_attention import LinearAttentionBackend, get_linear_backend
 from raylane.kernels.linear_attention.verify import verify_conv, verify_delta_rule
 from raylane.kernels.norm import GemmaRMSNorm
-from raylane.kernels.rotary import apply_rotary
+from raylane.kernels.rotary import Rotary
 from torch import nn
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -152,12 +152,13 @@ class GatedAttention(nn.Module):
         self.q_norm = GemmaRMSNorm(d, spec.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, spec.rms_norm_eps)
         self.attn = Attention(self.h, self.kvh, d, d**-0.5)
+        self.rotary = Rotary()
 
     def forward(self, hidden, cos, sin, attn: AttentionMetadata) -> torch.Tensor:
         t, h, kvh, d = hidden.shape[0], self.h, self.kvh, self.d
         q, gate = self.q_proj(hidden).view(t, h, 2 * d).split(d, dim=-1)  # per head [q | gate]
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(hidden).view(t, kvh, d)), cos, sin)
+        q = self.rotary(self.q_norm(q), cos, sin)
+        k = self.rotary(self.k_norm(self.k_proj(hidden).view(t, kvh, d)), cos, sin)
         v = self.v_proj(hidden).view(t, kvh, d)
         out = self.attn(q, k, v, attn).reshape(t, h * d)
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, h * d)))

@@ -6,7 +6,8 @@
  *                        then the weight product in the dtype)
  *   raylane_silu_and_mul x [N, 2I] laid out [gate | up] -> out [N, I] = silu(gate) * up
  *   raylane_rotary       x [T, H, D] (heads D apart) -> out [T, H, D] = x * cos + rotate_half(x)
- *                        * sin, cos/sin [T, D] (HF's rotate-half RoPE over the whole head)
+ *                        * sin over each head's leading R dims, cos/sin [T, R] (HF's rotate-half
+ *                        RoPE; R < D: partial rotary, the other D - R dims copied as they are)
  * Rows of x and residual are `*_stride` elements apart (last dim contiguous); outputs are
  * contiguous. Small calls (decode shapes) stay on the calling thread: splitting 100 KB of work
  * across cores costs more in the fork/join than it saves, and on a busy machine the wait for a
@@ -16,6 +17,7 @@
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_math.h"
 
@@ -145,39 +147,40 @@ int raylane_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t row
  */
 __attribute__((optimize("fp-contract=off"))) int raylane_rotary(
     const void *x, int64_t x_stride, const void *cos, const void *sin, void *out, int64_t rows,
-    int64_t heads, int64_t d, int dtype, int threads) {
+    int64_t heads, int64_t d, int64_t rot, int dtype, int threads) {
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 2;
-    if (d % 2) return 1;
+    if (rot % 2 || rot < 2 || rot > d) return 1;
     const size_t es = elem_size(dtype);
-    const int64_t half = d / 2;
+    const int64_t half = rot / 2;
     const char *xs = x, *cs = cos, *ss = sin;
     char *o = out;
 #pragma omp parallel for num_threads(threads) if (rows * heads * d >= PARALLEL_MIN) \
     schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-        const void *c = cs + r * d * es, *sn = ss + r * d * es;
+        const void *c = cs + r * rot * es, *sn = ss + r * rot * es;
         for (int64_t h = 0; h < heads; ++h) {
-            const void *xr = xs + (r * x_stride + h * d) * es;
-            void *dst = o + (r * heads + h) * d * es;
+            const char *xr = xs + (r * x_stride + h * d) * es;
+            char *dst = o + (r * heads + h) * d * es;
             if (dtype == DTYPE_F32) {
-                const float *restrict xv = xr, *restrict cv = c, *restrict sv = sn;
-                float *restrict y = dst;
+                const float *restrict xv = (const float *)xr, *restrict cv = c, *restrict sv = sn;
+                float *restrict y = (float *)dst;
                 for (int64_t i = 0; i < half; ++i) {
                     const float a = xv[i] * cv[i], b = -xv[i + half] * sv[i];
                     y[i] = a + b;
                 }
-                for (int64_t i = half; i < d; ++i) {
+                for (int64_t i = half; i < rot; ++i) {
                     const float a = xv[i] * cv[i], b = xv[i - half] * sv[i];
                     y[i] = a + b;
                 }
             } else {
-                for (int64_t i = 0; i < d; ++i) {
-                    const float rot = i < half ? -load(xr, i + half, dtype) : load(xr, i - half, dtype);
+                for (int64_t i = 0; i < rot; ++i) {
+                    const float rot_x = i < half ? -load(xr, i + half, dtype) : load(xr, i - half, dtype);
                     const float a = round_to(load(xr, i, dtype) * load(c, i, dtype), dtype);
-                    const float b = round_to(rot * load(sn, i, dtype), dtype);
+                    const float b = round_to(rot_x * load(sn, i, dtype), dtype);
                     store(dst, i, a + b, dtype);
                 }
             }
+            if (rot < d) memcpy(dst + rot * es, xr + rot * es, (size_t)(d - rot) * es);
         }
     }
     return 0;

@@ -7,9 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from raylane.actors.models import load_model
-from raylane.kernels.fused_ops import TorchOps, attach_fused_ops, get_fused_ops
+from raylane.kernels.fused_ops import CpuOps, TorchOps, attach_fused_ops, get_fused_ops
 
-from tests.tiny_models import attach_kv_cache, make_llama, make_qwen3, run_prefill
+from tests.tiny_models import (
+    attach_kv_cache,
+    make_gemma3,
+    make_llama,
+    make_qwen3,
+    make_qwen3_5,
+    run_prefill,
+)
 
 cpu_ops = pytest.fixture(scope="module")(lambda: get_fused_ops("cpu", "cpu"))
 REF = TorchOps()
@@ -107,28 +114,43 @@ def test_a_rows_values_do_not_depend_on_the_layout_or_the_batch(cpu_ops):
 
 
 def _hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's apply_rotary_pos_emb on x [T, H, D] (it takes [B, H, T, D] and [B, T, D])."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    """HF's apply_rotary_pos_emb on x [T, H, D] (it takes [B, H, T, D] and [B, T, D]): Llama's
+    over the whole head, Qwen3-Next's (the leading R dims, the rest passed through) for a
+    partial rotary."""
+    if cos.shape[-1] == x.shape[-1]:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    else:
+        from transformers.models.qwen3_next.modeling_qwen3_next import apply_rotary_pos_emb
 
     q = x.transpose(0, 1).unsqueeze(0)
     out, _ = apply_rotary_pos_emb(q, q, cos.unsqueeze(0), sin.unsqueeze(0))
     return out[0].transpose(0, 1)
 
 
-# tokens x heads x head dim: one token, odd head counts, a decode batch of SmolLM2's q + k
-# heads, and a prefill large enough to run on all threads
-ROPE_SHAPES = [(1, 1, 2), (3, 5, 64), (32, 12, 64), (7, 3, 128), (700, 12, 64)]
+# tokens x heads x head dim x rotary dims: one token, odd head counts, a decode batch of
+# SmolLM2's q + k heads, a prefill large enough to run on all threads, and partial rotaries
+# (Qwen3.5's 64 of 256 dims, GLM's half)
+ROPE_SHAPES = [
+    (1, 1, 2, 2),
+    (3, 5, 64, 64),
+    (32, 12, 64, 64),
+    (7, 3, 128, 128),
+    (700, 12, 64, 64),
+    (5, 4, 256, 64),
+    (9, 3, 64, 32),
+    (600, 8, 64, 2),
+]
 
 
-@pytest.mark.parametrize("tokens,heads,dim", ROPE_SHAPES)
+@pytest.mark.parametrize("tokens,heads,dim,rot", ROPE_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_equals_hf_bit_for_bit(cpu_ops, tokens, heads, dim, dtype, monkeypatch):
+def test_rotary_equals_hf_bit_for_bit(cpu_ops, tokens, heads, dim, rot, dtype, monkeypatch):
     """Each product and the sum rounded on its own, as HF's three ops: equal, not close. The
     input is a strided slice of a wider row (q and k heads of a fused qkv projection)."""
-    g = torch.Generator().manual_seed(tokens * heads + dim)
+    g = torch.Generator().manual_seed(tokens * heads + dim + rot)
     qkv = (torch.randn(tokens, heads + 2, dim, generator=g) * 4).to(dtype)
     x = qkv[:, :heads]  # rows (heads + 2) * dim apart
-    angles = torch.rand(tokens, dim // 2, generator=g) * 100
+    angles = torch.rand(tokens, rot // 2, generator=g) * 100
     emb = torch.cat([angles, angles], dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     with monkeypatch.context() as m:  # the C code, not the torch ops it falls back to
@@ -147,10 +169,11 @@ def test_what_the_c_code_does_not_serve_takes_the_torch_ops(cpu_ops):
     )
     y = torch.randn(3, 20)
     assert torch.equal(cpu_ops.act_and_mul(y, "gelu"), REF.act_and_mul(y, "gelu"))
-    x, cos = torch.randn(4, 3, 16), torch.rand(4, 8)  # partial rotary: 8 of 16 dims
-    assert torch.equal(cpu_ops.rotary(x, cos, cos), REF.rotary(x, cos, cos))
+    x, cos = torch.randn(4, 3, 16), torch.rand(4, 8)  # float16; an odd rotary width
     assert torch.equal(cpu_ops.rotary(x.half(), cos.half(), cos.half()),
                        REF.rotary(x.half(), cos.half(), cos.half()))  # fmt: skip
+    odd = torch.rand(4, 7)
+    assert torch.equal(cpu_ops.rotary(x, odd, odd), REF.rotary(x, odd, odd))
     w32 = torch.rand(20)  # a weight in another dtype than x: torch's promotion rules
     assert torch.equal(
         cpu_ops.rms_norm(y.bfloat16(), w32, 1e-6, None), REF.rms_norm(y.bfloat16(), w32, 1e-6, None)
@@ -183,3 +206,42 @@ def test_tiny_models_with_the_c_kernels_match_hf(tmp_path, make, cpu_ops):
     logits, _ = run_prefill(ours, ids, start=30)  # a chunk over a cached prefix
     torch.testing.assert_close(logits, ref[30:], atol=1e-4, rtol=0)
     assert torch.equal(logits.argmax(-1), ref[30:].argmax(-1))
+
+
+@pytest.mark.parametrize("make,partial", [(make_gemma3, False), (make_qwen3_5, True)])
+def test_gemma3_and_qwen3_5_rope_runs_in_c_with_the_torch_ops_outputs(
+    tmp_path, make, partial, monkeypatch
+):
+    """Their attention hands RoPE to the runner's fused ops: in the engine every call takes the C
+    kernel (Qwen3.5's partial rotary too), and greedy tokens and logprobs equal a run on the
+    torch ops exactly (the C kernel rounds as they do; HF parity: test_windowed_models,
+    test_hybrid_models)."""
+    from tests.unit.test_engine_parity import engine_for, greedy, prompts_for
+
+    path = make(tmp_path)
+
+    def run():
+        engine = engine_for(path, max_num_batched_tokens=32)
+        try:
+            prompts = prompts_for(engine.validator.vocab_size, seed=5, count=3)
+            return engine.generate(prompts, greedy(6), use_tqdm=False)
+        finally:
+            engine.shutdown()
+
+    with monkeypatch.context() as m:
+        m.setattr(CpuOps, "rotary", TorchOps.rotary)
+        ref = run()
+    widths, real = [], CpuOps.rotary
+
+    def spy(self, x, cos, sin):
+        widths.append((cos.shape[-1], x.shape[-1]))
+        return real(self, x, cos, sin)
+
+    with monkeypatch.context() as m:
+        m.setattr(CpuOps, "rotary", spy)
+        m.setattr(TorchOps, "rotary", lambda *a: pytest.fail("took the torch ops"))
+        got = run()
+    assert widths and all((r < d) == partial for r, d in widths)
+    for g, r in zip(got, ref):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        assert g.outputs[0].logprobs == r.outputs[0].logprobs
