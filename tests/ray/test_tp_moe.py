@@ -63,7 +63,8 @@ class TestDeepseekV3(TestQwen3Moe):
     replicated, grouped routing with shared experts (split by intermediate size)."""
 
     @pytest.fixture(scope="class")
-    def moe(self, ray_cluster, tiny_deepseek_dir):
+    @classmethod
+    def moe(cls, ray_cluster, tiny_deepseek_dir):
         yield from tp_pair(tiny_deepseek_dir, enable_return_routed_experts=True)
 
 
