@@ -38,3 +38,23 @@ class Backoff:
     def forget(self, seq_id: int) -> None:
         self._skip.pop(seq_id, None)
         self._resume.pop(seq_id, None)
+
+
+# lookups that found nothing worth sending back off only where they took more than this
+# share of the step they prepare (at batch 1 a lookup is ~0.1 % of the step: always tried)
+LOOKUP_SHARE = 0.01
+
+
+class LookupBackoff(Backoff):
+    """The batch's lookups (one key, 0): a step whose lookups found nothing that pays (no
+    match, a match cut to no position by its class, or drafts not worth the verify step) and
+    took over LOOKUP_SHARE of the step skips the lookups of the next 1, 2, 4 .. 16 steps (one
+    that paid resets it). Lookups cost host time whether or not drafts follow, and it is the
+    engine thread's, which the runner thread waits on for the GIL: on random text at batch 32,
+    n-gram lookups that found nothing made every step 10 % longer."""
+
+    def after_step(self, paid: bool, seconds: float, step_s: float | None) -> None:
+        """The lookups took `seconds` for a step the cost model predicts at `step_s` (None:
+        not fitted yet, counted as costly)."""
+        if paid or step_s is None or seconds > LOOKUP_SHARE * step_s:
+            self.record(0, 1, int(paid))

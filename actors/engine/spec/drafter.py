@@ -21,17 +21,13 @@ from raylane.actors.engine.block_manager import BlockManager
 from raylane.actors.engine.scheduler import ScheduledSeq, SchedulerOutput
 from raylane.actors.engine.sequence import Sequence
 from raylane.actors.engine.spec.acceptance import NUM_CLASSES, AcceptanceTable, match_class
-from raylane.actors.engine.spec.backoff import Backoff
+from raylane.actors.engine.spec.backoff import Backoff, LookupBackoff
 from raylane.actors.engine.spec.config import SpeculativeConfig
 from raylane.actors.engine.spec.cost_model import CostModel
 from raylane.actors.engine.spec.metrics import SpecStats
 from raylane.actors.engine.spec.ngram import NgramProposer
 from raylane.actors.engine.spec.suffix import SuffixIndex
 from raylane.actors.runner.plan import PLACEHOLDER
-
-# lookups that found nothing worth sending back off only where they took more than this
-# share of the step they prepare (at batch 1 a lookup is ~0.1 % of the step: always tried)
-LOOKUP_SHARE = 0.01
 
 
 class Drafter:
@@ -50,14 +46,8 @@ class Drafter:
         self.max_model_len = max_model_len
         self.stats = stats
         self.backoff = Backoff()
-        # the batch's lookups: a step whose lookups found nothing that pays (no match, a
-        # match cut to no position by its class, or drafts not worth the verify step) and
-        # took over LOOKUP_SHARE of the step skips the lookups of the next 1, 2, 4 .. 16
-        # steps (one that paid resets it). Lookups cost host time whether or not drafts
-        # follow, and it is the engine thread's, which the runner thread waits on for the
-        # GIL: on random text at batch 32, n-gram lookups that found nothing made every
-        # step 10 % longer. With `adaptive` off every proposal is sent, nothing backs off.
-        self.lookups = Backoff()
+        # the batch's lookups; with `adaptive` off every proposal is sent, nothing backs off
+        self.lookups = LookupBackoff()
         self.cost = CostModel()
         self.acceptance = AcceptanceTable(self.k)  # per match class and draft position
         self._finished_at: float | None = None  # when the runner finished the last step
@@ -114,13 +104,10 @@ class Drafter:
             return [self.k] * NUM_CLASSES
         return self.acceptance.depths(self.cost.threshold(num_rows, num_tokens))
 
-    def _costly(self, seconds: float, num_tokens: int) -> bool:
-        """Did lookups that took `seconds` cost over LOOKUP_SHARE of a step of `num_tokens`
-        tokens (CostModel's fit; unfitted: yes)?"""
-        if not self.config.adaptive:
-            return False
+    def _step_s(self, num_tokens: int) -> float | None:
+        """A plain step of `num_tokens` tokens as CostModel's fit predicts it (None: unfitted)."""
         fit = self.cost.fit()
-        return fit is None or seconds > LOOKUP_SHARE * (fit[0] + fit[1] * num_tokens)
+        return None if fit is None else fit[0] + fit[1] * num_tokens
 
     def _pays(
         self, num_rows: int, num_tokens: int, drafts: list[tuple[int, int]], serial: int
@@ -182,8 +169,9 @@ class Drafter:
                 budget -= len(drafts)
         classed = [(cls, len(drafts)) for _, drafts, cls in proposed]
         paid = bool(proposed) and self._pays(rows, batch.num_tokens, classed, serial=1)
-        if paid or self._costly(time.perf_counter() - start, batch.num_tokens):
-            self.lookups.record(0, 1, int(paid))
+        if paid or self.config.adaptive:
+            seconds = time.perf_counter() - start
+            self.lookups.after_step(paid, seconds, self._step_s(batch.num_tokens))
         if not paid:
             return  # the step after a verify step is planned serially: one lost overlap
         drafted: list[ScheduledSeq] = []
