@@ -31,6 +31,11 @@ class OutputChannel:
         self._ready = asyncio.Event()
         self._streams: dict[str, RequestStream] = {}
 
+    @property
+    def num_held(self) -> int:
+        """Requests admitted on this channel that have not ended."""
+        return len(self._streams)
+
     def start(self, stream: RequestStream) -> None:
         """Forward an admitted request's outputs into this channel until it ends: the engine
         hands each one over as it fans a step out (`RequestStream.forward`), with no task per

@@ -76,6 +76,7 @@ class EngineReplica(ReplicaControl):
                         self.engine.weight_version,
                         self.engine.num_requests,
                         self._admitted,
+                        {cid: ch.num_held for cid, ch in self._channels.items() if ch.num_held},
                     )
                 else:
                     await self.router.report_failure.remote(self.replica_id)

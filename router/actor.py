@@ -52,6 +52,7 @@ class Router:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.forget_after_s = forget_after_s
         self._beats: dict[str, int] = {}  # heartbeats received, per replica
+        self._held_on: dict[str, dict[str, int]] = {}  # per replica: requests held per channel
         self.replica_set = ReplicaSet(_own_handle, self.unregister, NAMESPACE)
         # with a DSN, sessions are written through to PostgreSQL and outlive a restart (Ray
         # restarts the actor with the same arguments); without one a restart loses them
@@ -81,9 +82,11 @@ class Router:
         weight_version: int | None = None,
         held: int | None = None,
         admitted: int | None = None,
+        held_on: dict[str, int] | None = None,
     ) -> None:
-        """The replica is alive, at this weight version, holding `held` requests, having
-        admitted `admitted` since it started (None: it does not say)."""
+        """The replica is alive, at this weight version, holding `held` requests (`held_on`:
+        how many on each output channel that has some), having admitted `admitted` since it
+        started (None: it does not say)."""
         state = self.policy.replicas.get(replica_id)
         if state is None:  # the Router restarted and lost its table: re-learn the replica
             self.policy.add(replica_id, time.monotonic())
@@ -95,12 +98,14 @@ class Router:
             self.policy.set_version(replica_id, weight_version)
         if held is not None:
             state.report(held)
+            self._held_on[replica_id] = held_on or {}
         if admitted is not None:
             state.routed = admitted
 
     def unregister(self, replica_id: str) -> None:
         self.policy.remove(replica_id)
         self._beats.pop(replica_id, None)
+        self._held_on.pop(replica_id, None)
 
     def report_failure(self, replica_id: str) -> None:
         """A caller saw this replica fail: skip it until its next heartbeat."""
@@ -117,9 +122,9 @@ class Router:
         if spec is not None:
             self.deploy(spec)
         self.replica_set.adopt()
-        handles, beats = self.replica_set.handles, self._beats
+        handles, beats, held_on = self.replica_set.handles, self._beats, self._held_on
         return [
-            {**row, "handle": handles[rid], "beat": beats.get(rid)}
+            {**row, "handle": handles[rid], "beat": beats.get(rid), "held_on": held_on.get(rid, {})}
             for row in self.replicas()
             if (rid := row["replica_id"]) in handles
         ]

@@ -18,17 +18,19 @@ def _hash(text: str) -> int:
 
 @dataclass
 class ReplicaState:
-    """What the Router knows of one replica.
+    """What one process knows of one replica.
 
-    `in_flight` is self-healing: the replica's own count of the requests it holds, from its
-    last heartbeat, plus the requests routed to it since, minus those reported done since. A
-    `done` that never comes (an ingress that died mid-request) is forgotten at the next
-    heartbeat instead of holding a slot for good.
+    `in_flight` is what the replica held at its last heartbeat, less the requests this process
+    had on it then (`report`), plus this process's own requests on it now (`own`, counted
+    exactly as they start and finish). Only other processes' requests are stale, by at most a
+    heartbeat: a heartbeat sent while this process's request ran does not keep counting that
+    request once it finished. A process that dies takes its own count with it, and the replica
+    aborts its requests when their channel lapses, so no count outlives its request.
     """
 
     replica_id: str
-    reported: int = 0  # requests the replica held at its last heartbeat
-    since_report: int = 0  # started minus finished since then (may go below 0 for a while)
+    reported: int = 0  # the others' requests the replica held at its last heartbeat
+    own: int = 0  # this process's requests on it now: started and not yet finished
     routed: int = 0  # requests routed to it since it registered
     healthy: bool = True
     last_seen: float = 0.0  # monotonic time of its last heartbeat
@@ -36,11 +38,12 @@ class ReplicaState:
 
     @property
     def in_flight(self) -> int:
-        return max(0, self.reported + self.since_report)
+        return self.reported + self.own
 
-    def report(self, held: int) -> None:
-        """The replica's own count, as its heartbeat carried it."""
-        self.reported, self.since_report = held, 0
+    def report(self, held: int, own_held: int = 0) -> None:
+        """The replica's own count, as its heartbeat carried it: `held` requests, `own_held` of
+        them this process's."""
+        self.reported = max(0, held - own_held)
 
 
 class HashRing:
@@ -144,10 +147,10 @@ class RoutingPolicy:
 
     def started(self, replica_id: str) -> None:
         if replica_id in self.replicas:
-            self.replicas[replica_id].since_report += 1
+            self.replicas[replica_id].own += 1
             self.replicas[replica_id].routed += 1
 
     def finished(self, replica_id: str) -> None:
         state = self.replicas.get(replica_id)
-        if state is not None and state.in_flight > 0:
-            state.since_report -= 1
+        if state is not None and state.own > 0:
+            state.own -= 1

@@ -68,6 +68,15 @@ class ReplicaChannels:
             if submitted and not finished and not channel.lost:
                 handle.abort.remote([request_id])
 
+    def channel_id(self, replica_id: str) -> str | None:
+        """The id of the open channel to `replica_id`, if there is one."""
+        opening = self._channels.get(replica_id)
+        if opening is None or not opening.done() or opening.cancelled():
+            return None
+        if opening.exception() is not None or opening.result().lost:
+            return None
+        return opening.result().id
+
     async def _channel(self, replica_id: str, handle: Any) -> _Channel:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # channels (and their tasks) belong to one event loop

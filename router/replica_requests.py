@@ -34,6 +34,7 @@ class ReplicaRequests:
     def __init__(self, view: ReplicaView) -> None:
         self.channels = ReplicaChannels()
         self.view = view
+        view.channel_of = self.channels.channel_id  # the view counts this process's requests
 
     async def generate(
         self,

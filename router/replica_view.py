@@ -3,9 +3,10 @@
 The HTTP ingress, the in-cluster rollout client and the Router's own session turns each keep a
 `ReplicaView`: refreshed in the background (`REFRESH_S`), never per request, so choosing a
 replica is a local call and a request's only crossings are to its replica and back. The view
-counts the requests this process has in flight on each replica on top of what the replica
-itself reported at its last heartbeat (`ReplicaState`), and the `RoutingPolicy` picks: sticky by
-routing key, else least loaded, only among healthy replicas at the cluster's weight version.
+counts the requests this process has in flight on each replica itself, and adds the others'
+as the replica reported them at its last heartbeat: its count less those on this process's own
+output channel (`channel_of`; `ReplicaState`). The `RoutingPolicy` picks: sticky by routing
+key, else least loaded, only among healthy replicas at the cluster's weight version.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ REFRESH_S = 0.5
 
 class ReplicaView:
     """`fetch()` returns the Router's table rows (`Router.table`); `report` tells the Router
-    a replica failed a request."""
+    a replica failed a request; `channel_of(replica_id)` is the id of this process's output
+    channel to that replica, if one is open (`ReplicaRequests` sets it)."""
 
     def __init__(
         self,
@@ -38,6 +40,7 @@ class ReplicaView:
         self.refresh_s = refresh_s
         self.policy = RoutingPolicy(capacity)
         self.handles: dict[str, Any] = {}
+        self.channel_of: Callable[[str], str | None] = lambda replica_id: None
         self._beats: dict[str, int] = {}  # the heartbeat each replica's count came from
         self._first: asyncio.Task | None = None
         self._loop_task: asyncio.Task | None = None
@@ -58,7 +61,8 @@ class ReplicaView:
                 self.policy.set_version(rid, row["weight_version"])
             if self._beats.get(rid) != row["beat"]:  # a new heartbeat: the replica's own count
                 self._beats[rid] = row["beat"]
-                state.report(row["held"])
+                channel = self.channel_of(rid)
+                state.report(row["held"], row["held_on"].get(channel, 0) if channel else 0)
 
     async def choose(self, routing_key: str | None = None) -> str | None:
         """A replica for one request, counted in flight until `done`; None when every

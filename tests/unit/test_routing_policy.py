@@ -72,22 +72,15 @@ def test_no_replica_means_no_choice():
     assert policy.choose() is None and policy.choose("key") is None
 
 
-def test_a_lost_done_heals_at_the_next_heartbeat():
-    """An ingress that died mid-request never says `done`: the slot must not stay taken."""
-    policy = policy_with("a", capacity=2)
-    for _ in range(2):
-        policy.started(policy.choose())  # routed; one ingress dies, the other finishes
-    policy.finished("a")
-    assert policy.choose() == "a"  # one slot left
-    policy.started("a")
-    assert policy.choose() is None  # full: one real request and one leaked count
-    policy.replicas["a"].report(1)  # the replica's heartbeat: it holds only the real one
-    assert policy.replicas["a"].in_flight == 1 and policy.choose() == "a"
-    policy.started("a")  # routed after the report, still counted until the next one
-    assert policy.replicas["a"].in_flight == 2 and policy.choose() is None
-    policy.finished("a")
-    policy.finished("a")
-    policy.finished("a")  # a done that crossed the report: never below zero
+def test_a_report_counts_the_others_requests_and_this_process_counts_its_own():
+    policy = policy_with("a", capacity=3)
+    policy.started(policy.choose())  # this process's request
+    policy.replicas["a"].report(3, own_held=1)  # the replica holds it and 2 of others
+    assert policy.replicas["a"].in_flight == 3 and policy.choose() is None
+    policy.finished("a")  # ours ends: its slot frees at once, not at the next heartbeat
+    assert policy.replicas["a"].in_flight == 2 and policy.choose() == "a"
+    policy.replicas["a"].report(0)  # the others' ended too
+    policy.finished("a")  # a done with nothing of ours in flight: never below zero
     assert policy.replicas["a"].in_flight == 0
 
 
@@ -107,15 +100,59 @@ def test_a_view_takes_the_count_from_the_routers_heartbeats():
     async def main():
         view = ReplicaView(fetch, 1, router.report_failure, refresh_s=3600)  # by hand below
         assert await view.choose() == "r1" and view.handle("r1") == "r1's handle"
-        assert await view.choose() is None  # full; then the process that sent it died
-        router.heartbeat("r1", 0, held=0)  # the replica's own count
-        view.apply(await router.table())
-        assert await view.choose() == "r1"
-        router.heartbeat("r1", 0, held=1)
+        assert await view.choose() is None  # full with this process's request
+        view.done("r1")
+        assert await view.choose() == "r1"  # its slot frees at once
+        view.done("r1")
+        router.heartbeat("r1", 0, held=1)  # another process's request
         view.apply(await router.table())
         assert await view.choose() is None
         view.apply(await router.table())  # the same heartbeat again: counts stay
-        view.done("r1")  # the request the replica reported ends
-        assert view.policy.replicas["r1"].in_flight == 0 and await view.choose() == "r1"
+        assert await view.choose() is None
+        router.heartbeat("r1", 0, held=0)  # it ended
+        view.apply(await router.table())
+        assert await view.choose() == "r1"
+
+    asyncio.run(main())
+
+
+def test_a_heartbeat_sent_while_this_process_ran_a_request_forgets_it_once_it_ended():
+    """The race that sent sequential requests all to one replica: the replica's heartbeat
+    counts the request, it finishes, then the view applies that heartbeat. The request held on
+    this process's own channel is this process's count, not the report's."""
+    import asyncio
+
+    from raylane.router.actor import Router
+    from raylane.router.replica_view import ReplicaView
+
+    router = Router(capacity=4)
+    for rid in ("r1", "r2"):
+        router.replica_set.handles[rid] = f"{rid}'s handle"
+        router.register(rid)
+
+    async def main():
+        view = ReplicaView(router.table, 4, router.report_failure, refresh_s=3600)
+        view.channel_of = {"r1": "mine-r1", "r2": "mine-r2"}.get
+        first = await view.choose()
+        other = "r2" if first == "r1" else "r1"
+        # its heartbeat while the request runs: one held, on this process's channel, and
+        # one of another process's on a channel of its own
+        router.heartbeat(first, 0, held=2, held_on={f"mine-{first}": 1, "theirs": 1})
+        view.done(first)
+        view.apply(await router.table())
+        assert view.policy.replicas[first].in_flight == 1  # only the other process's
+        router.heartbeat(first, 0, held=1, held_on={"theirs": 1})
+        router.heartbeat(other, 0, held=0)
+        view.apply(await router.table())
+        assert await view.choose() == other  # least loaded: the other process's request
+        view.done(other)
+        router.heartbeat(first, 0, held=0)
+        view.apply(await router.table())
+        # both idle now: two sequential requests go one to each
+        picks = []
+        for _ in range(2):
+            picks.append(await view.choose())
+            view.done(picks[-1])
+        assert sorted(picks) == ["r1", "r2"]
 
     asyncio.run(main())
