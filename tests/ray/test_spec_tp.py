@@ -9,7 +9,7 @@ from raylane.actors.engine import SamplingParams
 from tests.ray.tp_helpers import build
 from tests.tiny_models import make_qwen3_5
 from tests.unit.async_helpers import assert_same, drive, greedy, prompts_for, seeded
-from tests.unit.spec.helpers import make_loopy, make_loopy_llama
+from tests.unit.spec.helpers import make_loopy, make_loopy_llama, on_results
 from tests.unit.spec.test_linear_attention import echo_prompts
 
 ATOL = 1e-4  # TP splits the matmul reductions: fp32 rounding differs, not the math
@@ -47,14 +47,7 @@ def test_tp2_draft_model_with_sampled_drafts(ray_cluster, tmp_path):
     tp1 = build(model, async_scheduling=False)
     tp2 = build(model, tensor_parallel_size=2, async_scheduling=True, speculative_config=spec)
     drawn = []  # the drafts the shards drew, from each result
-    submit = tp2.executor.submit
-
-    def tapped(plan):
-        future = submit(plan)
-        future.add_done_callback(lambda f: drawn.extend(d for d in f.result().drafts if d))
-        return future
-
-    tp2.executor.submit = tapped
+    on_results(tp2, lambda plan, result: drawn.extend(d for d in result.drafts if d))
     try:
         ps = prompts_for(tp1.validator.vocab_size, (9, 17, 30))
         arrivals = {0: [("g0", ps[0], greedy(32)), ("s0", ps[1], seeded(5, 24))]}

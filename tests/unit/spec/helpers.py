@@ -5,7 +5,10 @@ the step plans and results themselves (independently of the engine's counters)."
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 from raylane.actors.engine import EngineConfig, LLMEngine
@@ -83,6 +86,31 @@ def spec_engine(model_dir: str, spec: dict | None, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, speculative_config=spec, **kw))
 
 
+def on_results(engine: LLMEngine, see: Callable[[StepPlan, Any], None]) -> None:
+    """Wrap the engine's executor so that `see(plan, result)` runs on each step's result before
+    the engine gets it. (A callback added to the executor's own future may run after the engine
+    already took the result and went on: under load, a test read its counts before the last
+    step's were in.) What `see` raises fails the step."""
+    submit = engine.executor.submit
+
+    def tapped(plan: StepPlan) -> Future:
+        seen: Future = Future()
+
+        def done(step: Future) -> None:
+            try:
+                result = step.result()
+                see(plan, result)
+            except BaseException as e:
+                seen.set_exception(e)
+            else:
+                seen.set_result(result)
+
+        submit(plan).add_done_callback(done)
+        return seen
+
+    engine.executor.submit = tapped  # type: ignore[method-assign]
+
+
 class Tap:
     """Wraps an engine's executor: counts drafts from each plan and accepted tokens from each
     result's extra tokens (per draft position too)."""
@@ -90,16 +118,12 @@ class Tap:
     def __init__(self, engine: LLMEngine, k: int):
         self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
         self.per_pos = [0] * k
-        submit = engine.executor.submit
-
-        def tapped(plan: StepPlan):
-            future = submit(plan)
-            drafts = dict(plan.draft_token_ids)
-            order = [seq_id for seq_id, _ in plan.scheduled]
-            future.add_done_callback(lambda f: self._count(drafts, order, f.result()))
-            return future
-
-        engine.executor.submit = tapped  # type: ignore[method-assign]
+        on_results(
+            engine,
+            lambda plan, result: self._count(
+                dict(plan.draft_token_ids), [seq_id for seq_id, _ in plan.scheduled], result
+            ),
+        )
 
     def _count(self, drafts: dict, order: list[int], result) -> None:
         self.num_drafts += len(drafts)

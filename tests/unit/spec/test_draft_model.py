@@ -11,7 +11,7 @@ from raylane.actors.engine import SamplingParams
 
 from tests.hf_reference import perturbed_model
 from tests.tiny_models import make_llama
-from tests.unit.spec.helpers import Tap, make_loopy_llama, spec_engine
+from tests.unit.spec.helpers import Tap, make_loopy_llama, on_results, spec_engine
 from tests.unit.spec.test_parity import K, assert_same, greedy
 from tests.unit.spec.test_rl import run_with_update
 
@@ -101,7 +101,6 @@ def test_rejected_drafts_are_rolled_back(loopy_dir, other_dir, prompts):
     engine = spec_engine(loopy_dir, draft_spec(other_dir))
     steps: list[tuple[int, list[int], int]] = []  # (tokens made before, drafts, accepted)
     made = [0]
-    submit = engine.executor.submit
 
     def record(result) -> None:
         if result.token_ids[0] is None:
@@ -111,12 +110,7 @@ def test_rejected_drafts_are_rolled_back(loopy_dir, other_dir, prompts):
             steps.append((made[0], list(result.drafts[0]), extra))
         made[0] += 1 + extra
 
-    def tapped(plan):
-        future = submit(plan)
-        future.add_done_callback(lambda f: record(f.result()))
-        return future
-
-    engine.executor.submit = tapped
+    on_results(engine, lambda plan, result: record(result))
     prompt = list(prompts[1])
     out = engine.generate([prompt], greedy(max_tokens=32), use_tqdm=False)[0].outputs[0]
     engine.shutdown()

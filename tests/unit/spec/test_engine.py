@@ -11,7 +11,7 @@ from raylane.actors.engine import SamplingParams
 from raylane.actors.runner.plan import PLACEHOLDER
 
 from tests.unit.async_helpers import drive, prompts_for
-from tests.unit.spec.helpers import Tap, spec_engine
+from tests.unit.spec.helpers import Tap, on_results, spec_engine
 from tests.unit.spec.test_parity import NGRAM, SUFFIX, assert_same, greedy
 
 LENGTHS = (9, 17, 30, 45)
@@ -166,23 +166,16 @@ def test_drafts_past_a_token_in_flight(loopy_dir, reference, prompts, monkeypatc
     monkeypatch.setattr(engine.drafter, "wants_serial", lambda running: False)
     monkeypatch.setattr(engine.drafter, "_lookup", oracle)
     accepted: list[int] = []  # per row drafted past a placeholder, its accepted drafts
-    submit = engine.executor.submit
 
-    def tapped(plan):
-        future = submit(plan)
+    def count(plan, result) -> None:
         blind = {c.seq_id for c in plan.cached_requests if PLACEHOLDER in c.new_token_ids}
         drafted = {seq_id for seq_id, _ in plan.draft_token_ids if seq_id in blind}
         order = [seq_id for seq_id, _ in plan.scheduled]
+        for seq_id, extra in zip(order, result.extra):
+            if seq_id in drafted:
+                accepted.append(len(extra.token_ids) if extra is not None else 0)
 
-        def count(f):
-            for seq_id, extra in zip(order, f.result().extra):
-                if seq_id in drafted:
-                    accepted.append(len(extra.token_ids) if extra is not None else 0)
-
-        future.add_done_callback(count)
-        return future
-
-    engine.executor.submit = tapped  # type: ignore[method-assign]
+    on_results(engine, count)
     assert_same(ref, engine.generate(prompts, params, use_tqdm=False))
     assert max(accepted) == 4 and min(accepted) == 0  # guesses right and wrong
     engine.shutdown()
