@@ -33,22 +33,30 @@ serve: install
 demo: install
 	$(VENV)/bin/raylane generate
 
-# Two pytest runs side by side: the tests that use the Ray cluster (`-m ray`: one cluster for
-# them all) and the rest. The Ray half mostly waits on Ray and HTTP, so on 2 cores the two take
-# ~9 minutes together against ~15 one after the other. The rest reports as it runs; the Ray
-# half's report (.pytest-ray.log) is printed when both are done. Either failing fails the target.
+# Two pytest runs side by side, $(1) in the background and $(2) in the foreground: on 2 cores one
+# half mostly waits (on Ray, HTTP or PostgreSQL) while the other computes. The foreground reports
+# as it runs; the background's report (.pytest-2.log, titled $(3)) is printed when both are done.
+# Either failing fails the target.
+define side_by_side
+	@$(PY) -m pytest -q -ra --durations=15 -o cache_dir=.pytest_cache/2 $(1) \
+		> .pytest-2.log 2>&1 & bg=$$!; \
+	trap 'kill $$bg 2>/dev/null' INT TERM; \
+	$(PY) -m pytest -q -ra --durations=15 $(2); fg=$$?; \
+	echo "=== $(3), run beside the above:"; \
+	wait $$bg; bg_rc=$$?; cat .pytest-2.log; \
+	test $$fg -eq 0 && test $$bg_rc -eq 0
+endef
+FAST := -m "not slow and not ray"
+
+# everything: the tests on the Ray cluster (one cluster for them all) beside the rest; ~9 minutes
+# on 2 cores against ~15 one after the other
 test: install
-	@$(PY) -m pytest -q -ra --durations=15 -o cache_dir=.pytest_cache/ray -m ray tests \
-		> .pytest-ray.log 2>&1 & ray=$$!; \
-	trap 'kill $$ray 2>/dev/null' INT TERM; \
-	$(PY) -m pytest -q -ra --durations=15 -m "not ray" tests; rest=$$?; \
-	echo "=== the tests on the Ray cluster (-m ray), run beside the above:"; \
-	wait $$ray; ray_rc=$$?; cat .pytest-ray.log; \
-	test $$rest -eq 0 && test $$ray_rc -eq 0
+	$(call side_by_side,-m ray tests,-m "not ray" tests,the tests on the Ray cluster (-m ray))
 
 # without the slow tests and those that start Ray clusters (`make test` runs everything)
 test-fast: install
-	$(PY) -m pytest -q -ra -m "not slow and not ray" tests
+	$(call side_by_side,$(FAST) tests/e2e tests/pg tests/unit/spec,$(FAST) tests \
+		--ignore=tests/e2e --ignore=tests/pg --ignore=tests/unit/spec,tests/e2e tests/pg tests/unit/spec)
 
 # ruff (lint and format) over the tree, then mypy over the packages as they install.
 lint: install
