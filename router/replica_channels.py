@@ -70,26 +70,28 @@ class ReplicaChannels:
 
     def channel_id(self, replica_id: str) -> str | None:
         """The id of the open channel to `replica_id`, if there is one."""
-        opening = self._channels.get(replica_id)
-        if opening is None or not opening.done() or opening.cancelled():
-            return None
-        if opening.exception() is not None or opening.result().lost:
-            return None
-        return opening.result().id
+        channel = _opened(self._channels.get(replica_id))
+        return None if channel is None else channel.id
 
     async def _channel(self, replica_id: str, handle: Any) -> _Channel:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # channels (and their tasks) belong to one event loop
             self._loop, self._channels = loop, {}
         opening = self._channels.get(replica_id)
-        if opening is None or (
-            opening.done()
-            and (opening.cancelled() or opening.exception() is not None or opening.result().lost)
-        ):
+        if opening is None or (opening.done() and _opened(opening) is None):
             # its own task: a request that leaves while it opens does not cancel it for others
             opening = loop.create_task(_Channel.open(handle, replica_id))
             self._channels[replica_id] = opening
         return await asyncio.shield(opening)
+
+
+def _opened(opening: asyncio.Task | None) -> _Channel | None:
+    """The channel `opening` opened, while it is open (None: still opening, failed or lost)."""
+    if opening is None or not opening.done() or opening.cancelled():
+        return None
+    if opening.exception() is not None or opening.result().lost:
+        return None
+    return opening.result()
 
 
 class _Channel:

@@ -118,14 +118,11 @@ class Tap:
     def __init__(self, engine: LLMEngine, k: int):
         self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
         self.per_pos = [0] * k
-        on_results(
-            engine,
-            lambda plan, result: self._count(
-                dict(plan.draft_token_ids), [seq_id for seq_id, _ in plan.scheduled], result
-            ),
-        )
+        on_results(engine, self._count)
 
-    def _count(self, drafts: dict, order: list[int], result) -> None:
+    def _count(self, plan: StepPlan, result) -> None:
+        drafts = dict(plan.draft_token_ids)
+        order = [seq_id for seq_id, _ in plan.scheduled]
         self.num_drafts += len(drafts)
         self.num_draft_tokens += sum(len(d) for d in drafts.values())
         for seq_id, extra in zip(order, result.extra):
