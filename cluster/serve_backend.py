@@ -33,7 +33,7 @@ def router_view(router: Any, capacity: int, spec: ReplicaSpec | None = None) -> 
     """A `ReplicaView` of the Router's table (with `spec`: the app's, which the Router then
     runs). A failed request's replica is reported to the Router, once, off the request path."""
     return ReplicaView(
-        lambda: call_router(router.table.remote(spec)),
+        lambda known: call_router(router.table.remote(spec, known)),
         capacity,
         report=lambda replica_id: router.report_failure.remote(replica_id),
     )

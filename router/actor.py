@@ -18,7 +18,7 @@ included, runs on the actor's event loop, so none may block.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Collection
 from contextlib import aclosing
 from typing import Any
 
@@ -57,7 +57,9 @@ class Router:
         # with a DSN, sessions are written through to PostgreSQL and outlive a restart (Ray
         # restarts the actor with the same arguments); without one a restart loses them
         # in this process: the table is read before each turn's choice
-        view = ReplicaView(self.table, capacity, self.report_failure, refresh_s=0)
+        view = ReplicaView(
+            lambda known: self.table(None, known), capacity, self.report_failure, refresh_s=0
+        )
         self.sessions = SessionHost(view, store=open_session_store(sessions_dsn))
         self.plane = ControlPlane(self, ActorCalls(self.replica_set.handles))
 
@@ -116,15 +118,24 @@ class Router:
         self._expire()
         return bool(self.policy.routable())
 
-    async def table(self, spec: ReplicaSpec | None = None) -> list[dict]:
-        """The replicas with their actor handles, for a `ReplicaView`. The Serve app's ingress
-        sends its `spec` along, so a restarted Router runs its replicas again."""
+    async def table(
+        self, spec: ReplicaSpec | None = None, known: Collection[str] = ()
+    ) -> list[dict]:
+        """The replicas, for a `ReplicaView`, with the actor handles of those not in `known`
+        (the caller has them already: a replica id names one actor for good, so a refresh
+        every `REFRESH_S` does not ship and register every handle again). The Serve app's
+        ingress sends its `spec` along, so a restarted Router runs its replicas again."""
         if spec is not None:
             self.deploy(spec)
         self.replica_set.adopt()
         handles, beats, held_on = self.replica_set.handles, self._beats, self._held_on
         return [
-            {**row, "handle": handles[rid], "beat": beats.get(rid), "held_on": held_on.get(rid, {})}
+            {
+                **row,
+                "handle": None if rid in known else handles[rid],
+                "beat": beats.get(rid),
+                "held_on": held_on.get(rid, {}),
+            }
             for row in self.replicas()
             if (rid := row["replica_id"]) in handles
         ]

@@ -24,13 +24,14 @@ REFRESH_S = 0.5
 
 
 class ReplicaView:
-    """`fetch()` returns the Router's table rows (`Router.table`); `report` tells the Router
+    """`fetch(known)` returns the Router's table rows (`Router.table`), with the handles of the
+    replicas not in `known` (those this view holds already); `report` tells the Router
     a replica failed a request; `channel_of(replica_id)` is the id of this process's output
     channel to that replica, if one is open (`ReplicaRequests` sets it)."""
 
     def __init__(
         self,
-        fetch: Callable[[], Awaitable[list[dict]]],
+        fetch: Callable[[list[str]], Awaitable[list[dict]]],
         capacity: int,
         report: Callable[[str], Any],
         refresh_s: float = REFRESH_S,
@@ -46,15 +47,19 @@ class ReplicaView:
         self._loop_task: asyncio.Task | None = None
 
     def apply(self, rows: list[dict]) -> None:
-        """Take the Router's table: replicas, their handles, health, versions and load."""
+        """Take the Router's table: replicas, their handles (only those new to this view),
+        health, versions and load."""
         for rid in set(self.policy.replicas) - {r["replica_id"] for r in rows}:
             self.policy.remove(rid)
             self.handles.pop(rid, None)
             self._beats.pop(rid, None)
         for row in rows:
             rid = row["replica_id"]
+            if row["handle"] is not None:
+                self.handles[rid] = row["handle"]
+            elif rid not in self.handles:  # listed without one: the next table brings it
+                continue
             self.policy.add(rid)
-            self.handles[rid] = row["handle"]
             state = self.policy.replicas[rid]
             state.healthy = row["healthy"]
             if row["weight_version"] is not None:
@@ -98,7 +103,7 @@ class ReplicaView:
         """The first table, fetched once; then the background refresh keeps it current
         (`refresh_s` 0: fetched before every choice, for a table in this process)."""
         if self.refresh_s == 0:
-            self.apply(await self.fetch())
+            self.apply(await self.fetch(list(self.handles)))
             return
         loop = asyncio.get_running_loop()
         # tasks belong to one event loop: a caller on another loop starts its own
@@ -110,7 +115,7 @@ class ReplicaView:
 
     async def _refresh(self) -> None:
         try:
-            self.apply(await self.fetch())
+            self.apply(await self.fetch(list(self.handles)))
         except Exception as e:  # the Router restarts: keep routing on the last table
             log.warning("could not refresh the replica table: %r", e)
 

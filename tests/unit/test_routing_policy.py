@@ -94,8 +94,11 @@ def test_a_view_takes_the_count_from_the_routers_heartbeats():
     router.replica_set.handles["r1"] = "r1's handle"  # as if it had started r1
     router.register("r1")
 
-    async def fetch():
-        return await router.table()
+    fetched = []  # the table rows each refresh received
+
+    async def fetch(known):
+        fetched.append(await router.table(None, known))
+        return fetched[-1]
 
     async def main():
         view = ReplicaView(fetch, 1, router.report_failure, refresh_s=3600)  # by hand below
@@ -112,6 +115,19 @@ def test_a_view_takes_the_count_from_the_routers_heartbeats():
         router.heartbeat("r1", 0, held=0)  # it ended
         view.apply(await router.table())
         assert await view.choose() == "r1"
+        view.done("r1")
+        # a refresh ships only the handles the view lacks: r1's came with the first table
+        router.replica_set.handles["r2"] = "r2's handle"
+        router.register("r2")
+        await view._refresh()
+        assert [r["handle"] for r in fetched[0]] == ["r1's handle"]
+        assert {r["replica_id"]: r["handle"] for r in fetched[-1]} == {
+            "r1": None,
+            "r2": "r2's handle",
+        }
+        assert view.handle("r1") == "r1's handle" and view.handle("r2") == "r2's handle"
+        picks = {await view.choose(), await view.choose()}
+        assert picks == {"r1", "r2"}  # both routable, each with its own handle
 
     asyncio.run(main())
 
@@ -131,7 +147,9 @@ def test_a_heartbeat_sent_while_this_process_ran_a_request_forgets_it_once_it_en
         router.register(rid)
 
     async def main():
-        view = ReplicaView(router.table, 4, router.report_failure, refresh_s=3600)
+        view = ReplicaView(
+            lambda known: router.table(None, known), 4, router.report_failure, refresh_s=3600
+        )
         view.channel_of = {"r1": "mine-r1", "r2": "mine-r2"}.get
         first = await view.choose()
         other = "r2" if first == "r1" else "r1"
