@@ -13,6 +13,7 @@ from typing import Any, cast
 from raylane.actors.engine.errors import EnginePaused, RequestFailed, WeightTransferFailed
 from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.output_channel import ChannelClosed
 from raylane.actors.replica_control import ReplicaControl
 from raylane.router.errors import ReplicaFailed
 from raylane.router.remote import Remote, verbs
@@ -55,6 +56,8 @@ def unwrapped(error: Exception) -> Exception:
         return RequestFailed(str(cause))
     if isinstance(cause, WeightTransferFailed):
         return WeightTransferFailed(str(cause))
+    if isinstance(cause, ChannelClosed):
+        return ChannelClosed(str(cause))
     return error
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.output_channel import ChannelClosed
 from raylane.router.replica_calls import unwrapped
 
 # a channel with no request for this long is closed (it holds a call open on its replica); long
@@ -48,15 +49,9 @@ class ReplicaChannels:
         """The engine's deltas for one request on replica `replica_id` (`handle`: its actor
         handle). A ValueError (bad input), EnginePaused or RequestFailed raised there arrives
         as itself."""
-        channel = await self._channel(replica_id, handle)
-        queue = channel.subscribe(request_id)
-        finished = submitted = False
+        channel, queue = await self._submit(replica_id, handle, prompt_ids, params, request_id)
+        finished = False
         try:
-            try:
-                await handle.submit.remote(prompt_ids, params, request_id, channel.id)
-            except Exception as e:
-                raise unwrapped(e) from None
-            submitted = True
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -65,8 +60,36 @@ class ReplicaChannels:
                 yield item
         finally:
             channel.unsubscribe(request_id)
-            if submitted and not finished and not channel.lost:
+            if not finished and not channel.lost:
                 handle.abort.remote([request_id])
+
+    async def _submit(
+        self,
+        replica_id: str,
+        handle: Any,
+        prompt_ids: list[int] | str,
+        params: SamplingParams,
+        request_id: str,
+    ) -> tuple[_Channel, asyncio.Queue]:
+        """Submit the request on this process's channel to the replica: the channel and the
+        request's queue on it. A channel the replica closed before this process noticed (its
+        lease lapsed: this process's event loop did not run for `CHANNEL_LEASE_S`, e.g. a
+        trainer's `run_until_complete` between batches) is opened again, once; the replica
+        admitted nothing on it."""
+        for attempt in range(2):
+            channel = await self._channel(replica_id, handle)
+            queue = channel.subscribe(request_id)
+            try:
+                await handle.submit.remote(prompt_ids, params, request_id, channel.id)
+            except BaseException as e:  # a cancelled caller too: its queue goes
+                channel.unsubscribe(request_id)
+                error = unwrapped(e) if isinstance(e, Exception) else e
+                if attempt or not isinstance(error, ChannelClosed):
+                    raise error from None
+                channel.drop()
+            else:
+                return channel, queue
+        raise AssertionError("unreachable")
 
     def channel_id(self, replica_id: str) -> str | None:
         """The id of the open channel to `replica_id`, if there is one."""
@@ -136,9 +159,13 @@ class _Channel:
     def _close_idle(self) -> None:
         self._idle = None
         if not self._queues:
-            self.lost = True  # the next request opens a new one
-            if self._task is not None:
-                self._task.cancel()
+            self.drop()
+
+    def drop(self) -> None:
+        """Stop using this channel (the next request opens a new one) and close it."""
+        self.lost = True
+        if self._task is not None:
+            self._task.cancel()
 
     async def _renew(self, handle: Any) -> None:
         while True:

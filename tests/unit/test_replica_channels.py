@@ -256,3 +256,25 @@ async def test_a_channel_whose_caller_stops_renewing_is_closed(replica, monkeypa
     with pytest.raises(RuntimeError, match="closed the output channel"):
         async for _ in stream:
             pass
+
+
+async def test_a_channel_the_replica_closed_unnoticed_is_opened_again(replica):
+    """A caller whose event loop did not run for the channel lease (a trainer's
+    `run_until_complete` between batches): the replica closed its channel, and the next request
+    is submitted on it before the caller noticed. It is sent again on a new channel, once, and
+    answers as a serial run does."""
+    engine = replica.engine.engine
+    ps = prompts(engine.validator.vocab_size, 2)
+    want = engine.generate([ps[1]], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    handle = LocalHandle(replica)
+    channels = ReplicaChannels()
+    await collect(channels, handle, ps[0], greedy(), "before")
+    (first,) = replica._channels
+    await asyncio.sleep(0.01)
+    replica.close_lapsed_channels(lease_s=0.0)  # no renewal since it opened: closed
+    assert replica._channels[first].closed and channels.channel_id("r1") == first  # unnoticed
+    outs = await collect(channels, handle, ps[1], greedy(), "after")
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == want
+    assert len(replica._channels) == 1 and first not in replica._channels
+    assert channels.channel_id("r1") != first
+    await wait_idle(replica)
