@@ -76,20 +76,13 @@ class ReplicaChannels:
         lease lapsed: this process's event loop did not run for `CHANNEL_LEASE_S`, e.g. a
         trainer's `run_until_complete` between batches) is opened again, once; the replica
         admitted nothing on it."""
-        for attempt in range(2):
-            channel = await self._channel(replica_id, handle)
-            queue = channel.subscribe(request_id)
-            try:
-                await handle.submit.remote(prompt_ids, params, request_id, channel.id)
-            except BaseException as e:  # a cancelled caller too: its queue goes
-                channel.unsubscribe(request_id)
-                error = unwrapped(e) if isinstance(e, Exception) else e
-                if attempt or not isinstance(error, ChannelClosed):
-                    raise error from None
-                channel.drop()
-            else:
-                return channel, queue
-        raise AssertionError("unreachable")
+        channel = await self._channel(replica_id, handle)
+        try:
+            return channel, await _submitted(channel, handle, prompt_ids, params, request_id)
+        except ChannelClosed:
+            channel.drop()
+        channel = await self._channel(replica_id, handle)
+        return channel, await _submitted(channel, handle, prompt_ids, params, request_id)
 
     def channel_id(self, replica_id: str) -> str | None:
         """The id of the open channel to `replica_id`, if there is one."""
@@ -106,6 +99,24 @@ class ReplicaChannels:
             opening = loop.create_task(_Channel.open(handle, replica_id))
             self._channels[replica_id] = opening
         return await asyncio.shield(opening)
+
+
+async def _submitted(
+    channel: _Channel,
+    handle: Any,
+    prompt_ids: list[int] | str,
+    params: SamplingParams,
+    request_id: str,
+) -> asyncio.Queue:
+    """Submit the request on `channel`: its queue there. What the replica raised arrives as
+    itself; a failed or cancelled submit leaves no queue behind."""
+    queue = channel.subscribe(request_id)
+    try:
+        await handle.submit.remote(prompt_ids, params, request_id, channel.id)
+    except BaseException as e:
+        channel.unsubscribe(request_id)
+        raise (unwrapped(e) if isinstance(e, Exception) else e) from None
+    return queue
 
 
 def _opened(opening: asyncio.Task | None) -> _Channel | None:
