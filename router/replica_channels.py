@@ -33,6 +33,11 @@ class ChannelLost(RuntimeError):
     """The channel's call to its replica ended: the replica died or was replaced."""
 
 
+class ChannelLapsed(ChannelLost):
+    """The replica closed the channel because this process stopped renewing it (its event loop
+    did not run for the replica's lease): the replica is fine, the requests on it are aborted."""
+
+
 class ReplicaChannels:
     def __init__(self) -> None:
         self._channels: dict[str, asyncio.Task] = {}  # replica id -> its _Channel
@@ -80,7 +85,7 @@ class ReplicaChannels:
         try:
             return channel, await _submitted(channel, handle, prompt_ids, params, request_id)
         except ChannelClosed:
-            channel.drop()
+            channel.drop(_lapsed(replica_id))  # so did any other request still on it
         channel = await self._channel(replica_id, handle)
         return channel, await _submitted(channel, handle, prompt_ids, params, request_id)
 
@@ -137,6 +142,7 @@ class _Channel:
         self._task: asyncio.Task | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._renewing: asyncio.Task | None = None
+        self._dropped: ChannelLost | None = None  # why `drop` closed it, if it said
 
     @classmethod
     async def open(cls, handle: Any, replica_id: str) -> _Channel:
@@ -172,9 +178,11 @@ class _Channel:
         if not self._queues:
             self.drop()
 
-    def drop(self) -> None:
-        """Stop using this channel (the next request opens a new one) and close it."""
+    def drop(self, why: ChannelLost | None = None) -> None:
+        """Stop using this channel (the next request opens a new one) and close it; requests
+        still on it fail with `why`."""
         self.lost = True
+        self._dropped = why
         if self._task is not None:
             self._task.cancel()
 
@@ -187,15 +195,18 @@ class _Channel:
                 return
 
     async def _pump(self, stream: Any) -> None:
-        error: BaseException = ChannelLost(f"replica {self.replica_id} closed the output channel")
+        error: BaseException = ChannelLost(f"the output channel to replica {self.replica_id} ended")
         try:
             async for ref in stream:
                 for request_id, item in await ref:
                     queue = self._queues.get(request_id)
                     if queue is not None:
                         queue.put_nowait(item)
+            # the call ends without an error only when the replica closed the channel by lease
+            error = _lapsed(self.replica_id)
         except asyncio.CancelledError:
             _cancel(stream)
+            error = self._dropped or error
             raise
         except Exception as e:
             error = ChannelLost(
@@ -207,6 +218,13 @@ class _Channel:
                 self._renewing.cancel()
             for queue in self._queues.values():
                 queue.put_nowait(error)
+
+
+def _lapsed(replica_id: str) -> ChannelLapsed:
+    return ChannelLapsed(
+        f"replica {replica_id} closed the output channel: this process did not renew it in "
+        f"time (was its event loop blocked?)"
+    )
 
 
 def _cancel(stream: Any) -> None:

@@ -5,7 +5,8 @@ the `Requests` (router/generator.py) over the replicas.
 `ReplicaRequests.generate` asks its process's `ReplicaView` (router/replica_view.py: a copy of
 the Router's table, chosen on locally) for a replica, streams the request from it over that
 replica's output channel (router/replica_channels.py) through its actor handle, reports the
-replica when it failed, and says done. No call goes to the Router.
+replica when it failed (not when this process let its output channel lapse), and says done.
+No call goes to the Router.
 Its failures are two `RouterError`s: `ReplicasBusy` (429) and `ReplicaFailed` (503); a
 ValueError (bad input), EnginePaused and RequestFailed (its step failed; the replica is fine)
 pass through as themselves.
@@ -24,7 +25,7 @@ from raylane.actors.engine.errors import EnginePaused, RequestFailed
 from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.errors import ReplicaFailed, ReplicasBusy
-from raylane.router.replica_channels import ReplicaChannels
+from raylane.router.replica_channels import ChannelLapsed, ReplicaChannels
 from raylane.router.replica_view import ReplicaView
 
 
@@ -54,6 +55,8 @@ class ReplicaRequests:
         # the request's fault, a pause, or a step that failed only it: the replica is fine
         except (ValueError, EnginePaused, RequestFailed):
             raise
+        except ChannelLapsed as e:  # this process stalled, not the replica: nothing to report
+            raise ReplicaFailed(f"{e}; send it again") from e
         except Exception as e:
             self.view.report_failure(replica_id)
             raise ReplicaFailed(

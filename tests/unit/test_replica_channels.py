@@ -278,3 +278,51 @@ async def test_a_channel_the_replica_closed_unnoticed_is_opened_again(replica):
     assert len(replica._channels) == 1 and first not in replica._channels
     assert channels.channel_id("r1") != first
     await wait_idle(replica)
+
+
+async def test_a_lapsed_channel_fails_its_requests_without_blaming_the_replica(
+    replica, monkeypatch
+):
+    """A request in flight when the replica closes its caller's channel by lease (the caller's
+    event loop stalled) fails with "send it again", and the replica stays routable: its
+    caller stalled, it did not fail. A channel whose call failed does report it."""
+    import raylane.router.replica_channels as channels_module
+    from raylane.router.actor import Router
+    from raylane.router.errors import ReplicaFailed
+    from raylane.router.replica_requests import ReplicaRequests
+    from raylane.router.replica_view import ReplicaView
+
+    monkeypatch.setattr(channels_module, "RENEW_S", 3600.0)  # the stalled caller renews nothing
+    router = Router(capacity=4)  # the plain class, in process
+    router.replica_set.handles["r1"] = LocalHandle(replica)
+    router.register("r1")
+    view = ReplicaView(
+        lambda known: router.table(None, known), 4, router.report_failure, refresh_s=3600
+    )
+    requests = ReplicaRequests(view)
+    ps = prompts(replica.engine.engine.validator.vocab_size, 3)
+    params = greedy(200)
+
+    stream = requests.generate(ps[0], params, "stalled")
+    await anext(stream)
+    replica.close_lapsed_channels(lease_s=0.0)  # not renewed since it opened: closed
+    with pytest.raises(ReplicaFailed, match="did not renew it in time"):
+        async for _ in stream:
+            pass
+    await wait_idle(replica)  # aborted there
+    assert view.policy.replicas["r1"].healthy and router.policy.replicas["r1"].healthy
+
+    # the next request reopens a channel and answers as a serial run does
+    engine = replica.engine.engine
+    want = engine.generate([ps[1]], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    outs = [out async for out in cumulative(requests.generate(ps[1], greedy(), "after"))]
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == want
+
+    stream = requests.generate(ps[2], params, "lost")  # this time the channel's call fails
+    await anext(stream)
+    (channel,) = [t.result() for t in requests.channels._channels.values()]
+    channel._task.cancel()
+    with pytest.raises(ReplicaFailed, match="failed while serving"):
+        async for _ in stream:
+            pass
+    assert not view.policy.replicas["r1"].healthy and not router.policy.replicas["r1"].healthy
