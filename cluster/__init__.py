@@ -18,6 +18,7 @@ _EXPORTS = {
     "EngineConfig": "raylane.actors.engine.config",
     "SamplingParams": "raylane.actors.engine.sampling_params",
     "StructuredOutputsParams": "raylane.actors.engine.sampling_params",
+    "RequestOutputKind": "raylane.actors.engine.sampling_params",
     "RequestOutput": "raylane.actors.engine.outputs",
     "CompletionOutput": "raylane.actors.engine.outputs",
     "RolloutClient": "raylane.client.rollout_client",
@@ -29,7 +30,11 @@ if TYPE_CHECKING:
     from raylane.actors.engine.config import EngineConfig
     from raylane.actors.engine.llm_engine import LLMEngine
     from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
-    from raylane.actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
+    from raylane.actors.engine.sampling_params import (
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
     from raylane.client.rollout_client import RolloutClient
     from raylane.config import ClusterConfig
 
@@ -53,6 +58,7 @@ __all__ = [
     "EngineConfig",
     "LLMEngine",
     "RequestOutput",
+    "RequestOutputKind",
     "RolloutClient",
     "SamplingParams",
     "StructuredOutputsParams",

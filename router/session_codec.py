@@ -16,12 +16,16 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from raylane.actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from raylane.actors.engine.sampling_params import (
+    DATA_FIELDS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from raylane.router.session import Session
 from raylane.router.trajectory import Trajectory, TurnRecord
 
 FORMAT = 1  # bump when the layout changes; `decode_session` refuses formats it does not know
-_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+_PARAM_NAMES = frozenset(DATA_FIELDS)
 
 
 def encode_session(session: Session) -> dict[str, Any]:

@@ -9,11 +9,11 @@ generated, hence a rollback checkpoint.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.sampling_params import DATA_FIELDS, SamplingParams
 from raylane.router.messages import Message
 
 
@@ -55,7 +55,7 @@ class TurnRecord:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the blobs (their shape says whether one is held)."""
         experts = self.routed_experts
-        params = {f.name: getattr(self.params, f.name) for f in fields(self.params) if f.init}
+        params = {name: getattr(self.params, name) for name in DATA_FIELDS}
         return {
             "new_messages": self.new_messages,
             "reply": self.reply,

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from raylane.actors.engine.config import EngineConfig
 from raylane.actors.engine.outputs import CompletionOutput, RequestOutput
-from raylane.actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from raylane.actors.engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 
 def __getattr__(name: str):
@@ -26,6 +30,7 @@ __all__ = [
     "EngineConfig",
     "LLMEngine",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
 ]

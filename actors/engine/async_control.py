@@ -104,7 +104,8 @@ class AsyncEngineControl:
 
     def finish_weight_update(self, version: int | None = None) -> int:
         """Switch to the new weights; requests past their max_weight_lag end as "stale"."""
-        self._fan_out(self.engine.finish_weight_update(version))
+        self.engine.finish_weight_update(version)
+        self._fan_out(self.engine.drain())  # the requests it ended as "stale"
         return self.engine.weight_version
 
     def flush_cache(self) -> None:

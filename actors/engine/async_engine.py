@@ -11,7 +11,7 @@ from contextlib import aclosing
 from raylane.actors.engine.async_control import AsyncEngineControl
 from raylane.actors.engine.config import EngineConfig
 from raylane.actors.engine.llm_engine import LLMEngine, Prompt
-from raylane.actors.engine.output_accumulator import OutputAccumulator
+from raylane.actors.engine.output_shaper import OutputShaper
 from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.plan_ahead import PlanAheadClock
 from raylane.actors.engine.request_stream import OutputQueue, RequestStream
@@ -28,9 +28,10 @@ GIL_SWITCH_INTERVAL_S = 5e-4
 class AsyncLLMEngine(AsyncEngineControl):
     """Steps the engine in a task on the event loop and fans outputs out to per-request queues.
 
-    `generate` yields cumulative `RequestOutput`s (built from the engine's deltas by an
-    `OutputAccumulator`); `add_request` gives the deltas themselves (`EngineCoreOutput`), for
-    callers that stream them on. Leaving either early (break, cancel, a client disconnect)
+    `generate` yields `RequestOutput`s in the request's `output_kind`, as vLLM's does
+    (cumulative by default; built from the engine's deltas by an `OutputShaper`);
+    `add_request` gives the deltas themselves (`EngineCoreOutput`), for callers that stream
+    them on. Leaving either early (break, cancel, a client disconnect)
     aborts the request and frees its blocks. The engine's bookkeeping runs
     on the loop's thread; the model runs on the executor's side (a worker thread, or shard
     actors), and the loop awaits each step, so it serves other tasks while the model computes.
@@ -71,11 +72,12 @@ class AsyncLLMEngine(AsyncEngineControl):
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
-        acc = OutputAccumulator()
+        shaper = OutputShaper((params or SamplingParams()).output_kind)
         async with aclosing(self.generate_deltas(prompt, params, request_id)) as deltas:
             async for delta in deltas:
-                acc.add(delta)
-                yield acc.output()
+                out = shaper.shape(delta)
+                if out is not None:
+                    yield out
 
     async def generate_deltas(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str
@@ -100,7 +102,7 @@ class AsyncLLMEngine(AsyncEngineControl):
         if self._paused is not None:
             self.engine.validator.check(prompt, params or SamplingParams())  # fail now, not later
             await self._admitted()
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.admit(request_id, prompt, params)
         queue = OutputQueue()
         self._queues[request_id] = queue
         self._start()
@@ -114,7 +116,7 @@ class AsyncLLMEngine(AsyncEngineControl):
             request_ids = list(self.engine.requests)
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         requests = [r for rid in ids if (r := self.engine.requests.get(rid)) is not None]
-        self._fan_out(self.engine.abort_request(ids))
+        self._fan_out(self.engine.abort_deltas(ids))
         return [r.output(self.engine.weight_version) for r in requests]
 
     def stats_snapshot(self) -> dict:
@@ -192,4 +194,4 @@ class AsyncLLMEngine(AsyncEngineControl):
         if self._queues.get(request_id) is queue:
             del self._queues[request_id]
         if not finished:
-            self.engine.abort_request(request_id)
+            self.engine.abort_deltas(request_id)

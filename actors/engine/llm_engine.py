@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, cast
 
 from raylane.actors.engine.config import EngineConfig
 from raylane.actors.engine.output_accumulator import run_to_completion
+from raylane.actors.engine.output_shaper import OutputShapers
 from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.planner import StepPlanner
 from raylane.actors.engine.postprocessor import Postprocessor
@@ -91,6 +92,7 @@ class LLMEngine:
             self.config, self.scheduler, self.launcher, self.post, self.stats
         )
         self.drafter = self._drafter()
+        self.shapers = OutputShapers()  # the public loop's outputs (step, abort_request)
         self._ids = itertools.count()
         # NOTE: a weak method, so an engine that is dropped is not kept alive until exit
         self._atexit = weakref.WeakMethod(self.shutdown)
@@ -131,10 +133,10 @@ class LLMEngine:
         weights: Iterable[tuple[str, torch.Tensor]],
         version: int | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> list[EngineCoreOutput]:
+    ) -> int:
         """A whole update in one call (offline use): check every name and shape on every rank,
-        load bounded buckets, switch to `version` (default: the next). Returns the outputs of
-        requests it ended as "stale" (`SamplingParams.max_weight_lag`)."""
+        load bounded buckets, switch to `version` (default: the next); returns it. Requests it
+        ends as "stale" (`SamplingParams.max_weight_lag`) report it from the next step."""
         weights = list(weights)
         self.begin_weight_update(specs_of(weights))
         for bucket in iter_buckets(weights, bucket_bytes):
@@ -153,11 +155,12 @@ class LLMEngine:
         (checked before any copy)."""
         return self.weights.load(bucket)
 
-    def finish_weight_update(self, version: int | None = None) -> list[EngineCoreOutput]:
-        """Switch to the new weights as `version` (default: the next; must be newer). Returns
-        the outputs of requests this ended as "stale"."""
-        self.weights.finish(version)
-        return self.post.end_stale()
+    def finish_weight_update(self, version: int | None = None) -> int:
+        """Switch to the new weights as `version` (default: the next; must be newer); returns
+        it. Requests this ends as "stale" report it from the next step (or `drain`)."""
+        version = self.weights.finish(version)
+        self.pipeline.hold(self.post.end_stale())
+        return version
 
     @property
     def weight_version(self) -> int:
@@ -190,6 +193,14 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
     ) -> None:
+        """vLLM's: queue a request; `step()` reports it in `params.output_kind`."""
+        params = params or SamplingParams()
+        self.admit(request_id, prompt, params)
+        self.shapers.start(request_id, params.output_kind)
+
+    def admit(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request whose outputs are the engine core's deltas (`step_deltas`,
+        `end_step`): the serving path's and `generate`'s, which fold or stream them."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -205,24 +216,35 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
 
-    def abort_request(self, request_id: str | Iterable[str]) -> list[EngineCoreOutput]:
-        """Stop requests and free their blocks; returns their final ("abort") outputs. A step
-        in flight that holds them computes on, and what it computes for them is dropped."""
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Stop requests and free their blocks; returns the final ("abort") outputs of those
+        added with `add_request`, in their output kind (unknown ids are skipped). A step in
+        flight that holds them computes on, and what it computes for them is dropped."""
+        return self.shapers.shape(self.abort_deltas(request_id))
+
+    def abort_deltas(self, request_id: str | Iterable[str]) -> list[EngineCoreOutput]:
+        """`abort_request`, as the engine core's final deltas (of any request)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         return self.post.abort(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests run, or outputs wait for the next step (those of a step drained by a
+        weight update, or its stale ends): vLLM's loop steps until both are done."""
+        return bool(self.requests) or self.pipeline.holds_outputs
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     # --- the step (StepPipeline) -------------------------------------------------------------
 
-    def step(self) -> list[EngineCoreOutput]:
-        """Run one scheduling step; returns what every request it advanced gained (deltas:
-        `OutputAccumulator` builds the cumulative outputs, as `generate` does). With async
-        scheduling one step is in flight between calls (see StepPipeline)."""
+    def step(self) -> list[RequestOutput]:
+        """vLLM's: run one scheduling step; returns an output for each request added with
+        `add_request` that it advanced, in the request's `output_kind` (cumulative by
+        default). With async scheduling one step is in flight between calls (StepPipeline)."""
+        return self.shapers.shape(self.step_deltas())
+
+    def step_deltas(self) -> list[EngineCoreOutput]:
+        """`step`, as the engine core's deltas: what every request it advanced gained."""
         self.begin_step()
         return self.end_step()
 
@@ -276,11 +298,11 @@ class LLMEngine:
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         try:
             for rid, prompt, p in zip(ids, prompts, params_list):
-                self.add_request(rid, prompt, p)
+                self.admit(rid, prompt, p)
         except ValueError:  # one bad request: none of the batch stays queued
-            self.abort_request([rid for rid in ids if rid in self.requests])
+            self.abort_deltas([rid for rid in ids if rid in self.requests])
             raise
-        return run_to_completion(ids, self.step, use_tqdm)
+        return run_to_completion(ids, self.step_deltas, use_tqdm)
 
     def chat(
         self,

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import TypeVar
 
 from raylane.actors.engine.outputs import (
     CompletionOutput,
     EngineCoreOutput,
     RequestOutput,
     SampleDelta,
+    copy_list,
 )
 
-T = TypeVar("T")
 _LISTS = ("token_ids", "logprobs", "top_logprobs", "weight_versions", "kept_mass_logprobs")
 
 
@@ -57,20 +56,7 @@ class OutputAccumulator:
     def _fold(self, d: SampleDelta) -> None:
         c = self._samples.get(d.index)
         if c is None:
-            self._samples[d.index] = CompletionOutput(
-                d.index,
-                d.text,
-                list(d.token_ids),
-                logprobs=_copy(d.logprobs),
-                top_logprobs=_copy(d.top_logprobs),
-                finish_reason=d.finish_reason,
-                stop_reason=d.stop_reason,
-                routed_experts=d.routed_experts,
-                indexer_topk=d.indexer_topk,
-                weight_versions=list(d.weight_versions),
-                kept_mass_logprobs=_copy(d.kept_mass_logprobs),
-                constrained=d.constrained,
-            )
+            self._samples[d.index] = d.completion()
             return
         c.text += d.text
         for name in _LISTS:
@@ -87,8 +73,8 @@ class OutputAccumulator:
         """The cumulative output after the deltas added so far (fresh lists)."""
         out = self.live()
         out.outputs = [_snapshot(c) for c in out.outputs]
-        out.prompt_logprobs = _copy(out.prompt_logprobs)
-        out.prompt_ranks = _copy(out.prompt_ranks)
+        out.prompt_logprobs = copy_list(out.prompt_logprobs)
+        out.prompt_ranks = copy_list(out.prompt_ranks)
         return out
 
     def live(self) -> RequestOutput:
@@ -161,9 +147,5 @@ def _progress(total: int, enabled: bool):
 def _snapshot(c: CompletionOutput) -> CompletionOutput:
     copy = dataclasses.replace(c)
     for name in _LISTS:
-        setattr(copy, name, _copy(getattr(c, name)))
+        setattr(copy, name, copy_list(getattr(c, name)))
     return copy
-
-
-def _copy(values: list[T] | None) -> list[T] | None:
-    return None if values is None else list(values)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -84,6 +87,23 @@ class SampleDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def completion(self) -> CompletionOutput:
+        """This delta as a `CompletionOutput` of its own (fresh lists)."""
+        return CompletionOutput(
+            self.index,
+            self.text,
+            list(self.token_ids),
+            logprobs=copy_list(self.logprobs),
+            top_logprobs=copy_list(self.top_logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            routed_experts=self.routed_experts,
+            indexer_topk=self.indexer_topk,
+            weight_versions=list(self.weight_versions),
+            kept_mass_logprobs=copy_list(self.kept_mass_logprobs),
+            constrained=self.constrained,
+        )
+
 
 @dataclass(slots=True)
 class EngineCoreOutput:
@@ -105,3 +125,7 @@ class EngineCoreOutput:
     prompt_ranks: list[int | None] | None = None
     metrics: dict[str, float] | None = None  # final output only
     error: str | None = None
+
+
+def copy_list(values: list[T] | None) -> list[T] | None:
+    return None if values is None else list(values)

@@ -67,6 +67,8 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("structured_outputs", "structured_outputs", None, copied=False),
     # no body field: /v1/completions with echo asks for it through `logprobs`
     Spelling("prompt_logprobs", None, None, copied=False),
+    # the offline engine's (vLLM's): HTTP answers stream deltas and shape each response
+    Spelling("output_kind", None, None, copied=False),
 )
 BY_FIELD = {s.field: s for s in SPELLINGS}
 

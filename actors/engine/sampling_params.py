@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 
 from raylane.actors.engine.strict import check_type, strict_fields
 
 _NUM = (int, float)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class RequestOutputKind(Enum):
+    """What `LLMEngine.step()` and `AsyncLLMEngine.generate` hand out for a request (vLLM's):
+    CUMULATIVE every token so far, DELTA only what each step added, FINAL_ONLY one output when
+    the request ends."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's: prefix-cache blocks are shared only between requests with the same salt
     cache_salt: str | None = None
+    # what step() and AsyncLLMEngine.generate return for it (the serving path streams deltas)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -126,6 +140,7 @@ class SamplingParams:
             check_type("SamplingParams", name, getattr(self, name), bool)
         if self.cache_salt is not None:
             check_type("SamplingParams", "cache_salt", self.cache_salt, str)
+        check_type("SamplingParams", "output_kind", self.output_kind, RequestOutputKind)
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "max_weight_lag"):
             if getattr(self, name) is not None:
                 check_type("SamplingParams", name, getattr(self, name), int)
@@ -175,6 +190,13 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+# the fields a request carries over HTTP and in stored sessions: every constructor field but
+# `output_kind`, which only the offline loop reads (the serving path streams deltas)
+DATA_FIELDS = tuple(
+    f.name for f in dataclasses.fields(SamplingParams) if f.init and f.name != "output_kind"
+)
 
 
 def _require(ok: bool, name: str, message: str) -> None:

@@ -98,6 +98,14 @@ class StepPipeline:
             outputs += self.end_step()
         return outputs
 
+    @property
+    def holds_outputs(self) -> bool:
+        return bool(self._held)
+
+    def hold(self, outputs: list[EngineCoreOutput]) -> None:
+        """Outputs made between steps (a weight update's stale ends): the next end_step's."""
+        self._held += outputs
+
     def quiesce(self) -> None:
         """No step in flight from here on; its outputs come with the next end_step()."""
         self._held = self.drain()

@@ -20,6 +20,7 @@ _ALLOWED = {
     ("raylane.actors.runner.plan", "CachedRequest"),
     ("raylane.actors.engine.sampling_params", "SamplingParams"),
     ("raylane.actors.engine.sampling_params", "StructuredOutputsParams"),
+    ("raylane.actors.engine.sampling_params", "RequestOutputKind"),
     ("raylane.actors.runner.plan", "StepResult"),
     ("raylane.actors.runner.plan", "ExtraTokens"),  # speculative decoding: a verify row's tokens
     ("raylane.actors.runner.plan", "ChannelCommand"),

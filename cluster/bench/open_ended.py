@@ -107,9 +107,9 @@ def _timed(engine, name: str, prompt, params) -> tuple[GapRow, list[int]]:
     stamps: dict[str, list[float]] = {rid: [] for rid in ids}
     start = time.perf_counter()
     for rid, p in zip(ids, params):
-        engine.add_request(rid, prompt, p)
+        engine.admit(rid, prompt, p)
     while engine.has_unfinished_requests():
-        for delta in engine.step():
+        for delta in engine.step_deltas():
             now = time.perf_counter()
             stamps[delta.request_id] += [now] * len(delta.outputs[0].token_ids)
     seconds = time.perf_counter() - start

@@ -64,15 +64,15 @@ def drive(
     seen: dict[str, OutputAccumulator] = {}
     for step in range(MAX_STEPS):
         for rid, prompt, params in arrivals.get(step, []):
-            engine.add_request(rid, prompt, params)
+            engine.admit(rid, prompt, params)
         for rid in aborts.get(step, []):
-            (delta,) = engine.abort_request(rid)
+            (delta,) = engine.abort_deltas(rid)
             check_stream(delta, finals, seen)
             out = finals[rid]
             assert out.finished and all(c.finish_reason == "abort" for c in out.outputs)
         if step > last_event and not engine.has_unfinished_requests():
             return finals
-        for out in engine.step():
+        for out in engine.step_deltas():
             check_stream(out, finals, seen)
     raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
 

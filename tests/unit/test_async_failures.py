@@ -48,7 +48,7 @@ def step_until(engine, done, finals: dict, seen: dict) -> None:
     for _ in range(MAX_STEPS):
         if done():
             return
-        for out in engine.step():
+        for out in engine.step_deltas():
             check_stream(out, finals, seen)
     raise AssertionError(f"not done after {MAX_STEPS} steps")
 
@@ -67,9 +67,9 @@ def test_a_failed_step_ends_only_its_requests(
         seen: dict[str, list[list[int]]] = {}
         # r1 has two samples: with r0 and r2 they fill max_num_seqs, so "queued" waits
         for i, n in ((0, 1), (1, 2), (2, 1)):
-            engine.add_request(f"r{i}", prompts[i], greedy(MAX_TOKENS, n=n))
+            engine.admit(f"r{i}", prompts[i], greedy(MAX_TOKENS, n=n))
         step_until(engine, lambda: len(engine.scheduler.running) == 4, finals, seen)
-        engine.add_request("queued", prompts[3], greedy(MAX_TOKENS))
+        engine.admit("queued", prompts[3], greedy(MAX_TOKENS))
         engine.arm_fault(stage)
         failed = ["r0", "r1", "r2"]
         step_until(engine, lambda: all(rid in finals for rid in failed), finals, seen)
@@ -84,7 +84,7 @@ def test_a_failed_step_ends_only_its_requests(
                 assert c.token_ids == fresh[i].outputs[0].token_ids[: len(c.token_ids)], rid
         # the engine serves on: the queued request and new ones as on a fresh engine
         for i in (4, 5):
-            engine.add_request(f"r{i}", prompts[i], greedy(MAX_TOKENS))
+            engine.admit(f"r{i}", prompts[i], greedy(MAX_TOKENS))
         step_until(engine, lambda: not engine.has_unfinished_requests(), finals, seen)
         for i, rid in ((3, "queued"), (4, "r4"), (5, "r5")):
             assert finals[rid].error is None
@@ -103,12 +103,12 @@ def test_repeated_failures_leave_the_engine_whole(tiny_llama_dir, prompts, fresh
         seen: dict[str, list[list[int]]] = {}
         for round_, stage in enumerate(STAGES * 2):
             rid = f"{stage}-{round_}"
-            engine.add_request(rid, prompts[round_ % 3], greedy(MAX_TOKENS))
+            engine.admit(rid, prompts[round_ % 3], greedy(MAX_TOKENS))
             step_until(engine, lambda: rid in seen, finals, seen)  # it is running
             engine.arm_fault(stage)
             step_until(engine, lambda: rid in finals, finals, seen)
             assert finals[rid].outputs[0].finish_reason == "error"
-        engine.add_request("after", prompts[5], greedy(MAX_TOKENS))
+        engine.admit("after", prompts[5], greedy(MAX_TOKENS))
         step_until(engine, lambda: not engine.has_unfinished_requests(), finals, seen)
         assert_same({"after": finals["after"]}, {"after": fresh[5]})
         assert_idle(engine)

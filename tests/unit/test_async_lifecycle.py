@@ -102,9 +102,9 @@ def test_drain_collects_the_step_in_flight_and_plans_nothing(
     try:
         finals, seen = {}, {}
         for rid, prompt, p in all_at_once(ps, params)[0]:
-            engine.add_request(rid, prompt, p)
+            engine.admit(rid, prompt, p)
         for _ in range(3):
-            for out in engine.step():
+            for out in engine.step_deltas():
                 check_stream(out, finals, seen)
         before = lengths(seen)
         planned = engine.stats.steps_planned_ahead
@@ -122,7 +122,7 @@ def test_drain_collects_the_step_in_flight_and_plans_nothing(
         for _ in range(MAX_STEPS):  # resume
             if not engine.has_unfinished_requests():
                 break
-            for out in engine.step():
+            for out in engine.step_deltas():
                 check_stream(out, finals, seen)
         assert_idle(engine)
         assert token_ids(finals) == token_ids(reference)

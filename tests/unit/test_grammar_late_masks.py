@@ -58,8 +58,8 @@ def run(engine, slow: bool, tag: str) -> tuple[dict, int]:
     grammar stalls until the free one has finished. Returns (outputs by name, the step
     at which the free one finished)."""
     vocab = engine.validator.vocab_size
-    engine.add_request(f"c{tag}", prompt_for(vocab, 21, 1), constrained(5))
-    engine.add_request(f"f{tag}", prompt_for(vocab, 17, 2), free())
+    engine.admit(f"c{tag}", prompt_for(vocab, 21, 1), constrained(5))
+    engine.admit(f"f{tag}", prompt_for(vocab, 17, 2), free())
     gate = threading.Event()
     if slow:
         seq = engine.requests[f"c{tag}"].seqs[0]
@@ -67,7 +67,7 @@ def run(engine, slow: bool, tag: str) -> tuple[dict, int]:
     outputs: dict[str, dict] = {"c": {}, "f": {}}
     free_done_at = -1
     for step in range(400):
-        for delta in engine.step():
+        for delta in engine.step_deltas():
             got = outputs[delta.request_id[0]]
             got["ids"] = got.get("ids", []) + list(delta.outputs[0].token_ids)
             got["lps"] = got.get("lps", []) + list(delta.outputs[0].logprobs or [])

@@ -43,11 +43,11 @@ def _same(got, want, text: bool = True) -> None:
 
 def _steps(engine: LLMEngine, prompt, params, rid: str = "r"):
     """(delta, the request's own cumulative output) after every step that advanced it."""
-    engine.add_request(rid, prompt, params)
+    engine.admit(rid, prompt, params)
     request = engine.requests[rid]  # kept: the engine forgets it once finished
     pairs = []
     while engine.has_unfinished_requests():
-        for delta in engine.step():
+        for delta in engine.step_deltas():
             pairs.append((pickle.loads(pickle.dumps(delta)), request.output(0)))
     return pairs
 

@@ -13,19 +13,19 @@ from tests.unit.async_helpers import engine_for, greedy, prompts_for
 def steps_to_first_token(engine, prompt, params, plan_late: bool) -> tuple[int, list[int]]:
     """Start request a, then add b while a's second step runs: the steps from b's arrival to
     its first token, and b's tokens."""
-    engine.add_request("a", prompt, params)
-    engine.step()  # a's first step; with async scheduling its second is now in flight
+    engine.admit("a", prompt, params)
+    engine.step_deltas()  # a's first step; with async scheduling its second is now in flight
     engine.begin_step(plan_ahead=not plan_late)
-    engine.add_request("b", prompt[::-1], params)  # arrives while that step runs
+    engine.admit("b", prompt[::-1], params)  # arrives while that step runs
     if plan_late:
         engine.plan_ahead()
     steps, outputs = 1, engine.end_step()
     b = [o for o in outputs if o.request_id == "b"]
     while not any(o.outputs and o.outputs[0].token_ids for o in b):
-        steps, outputs = steps + 1, engine.step()
+        steps, outputs = steps + 1, engine.step_deltas()
         b += [o for o in outputs if o.request_id == "b"]
     while engine.has_unfinished_requests():
-        b += [o for o in engine.step() if o.request_id == "b"]
+        b += [o for o in engine.step_deltas() if o.request_id == "b"]
     return steps, accumulate(b).outputs[0].token_ids
 
 
@@ -45,7 +45,7 @@ def test_plan_ahead_launches_once_and_not_without_async_scheduling(tiny_llama_di
     params = greedy(max_tokens=4)
     for async_scheduling, launches in ((True, True), (False, False)):
         engine = engine_for(tiny_llama_dir, async_scheduling=async_scheduling)
-        engine.add_request("a", prompts_for(engine.validator.vocab_size, (8,))[0], params)
+        engine.admit("a", prompts_for(engine.validator.vocab_size, (8,))[0], params)
         engine.begin_step(plan_ahead=False)
         assert engine.plan_ahead() is launches
         assert engine.plan_ahead() is False  # one step ahead at most

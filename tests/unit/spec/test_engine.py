@@ -91,12 +91,12 @@ def test_retract_between_speculative_steps(loopy_dir, reference, prompts):
 
     def run(engine):
         for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, greedy(max_tokens=40))
+            engine.admit(f"r{i}", p, greedy(max_tokens=40))
         outputs = {}
         for step in range(200):
             if step in (5, 11):
                 engine.retract_all()
-            for delta in engine.step():
+            for delta in engine.step_deltas():
                 outputs.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
             if not engine.has_unfinished_requests():
                 return outputs

@@ -68,13 +68,13 @@ def twin_run(engine, prompt, params, lead_steps: int = 6):
     produced with more than one token)."""
     from raylane.actors.engine.output_accumulator import OutputAccumulator
 
-    engine.add_request("lead", prompt, greedy(max_tokens=60))
+    engine.admit("lead", prompt, greedy(max_tokens=60))
     for _ in range(lead_steps):
-        engine.step()
-    engine.add_request("probe", prompt, params)
+        engine.step_deltas()
+    engine.admit("probe", prompt, params)
     acc, runs, done = OutputAccumulator(), [], 0
     while engine.has_unfinished_requests():
-        for delta in engine.step():
+        for delta in engine.step_deltas():
             if delta.request_id != "probe":
                 continue
             new = len(delta.outputs[0].token_ids) if delta.outputs else 0

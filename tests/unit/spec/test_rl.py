@@ -28,7 +28,7 @@ def run_with_update(engine, prompt, weights, update_at, retract=False) -> tuple[
     from raylane.actors.engine.output_accumulator import OutputAccumulator
 
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=1, ignore_eos=True)
-    engine.add_request("r", prompt, params)
+    engine.admit("r", prompt, params)
     acc, count, updated_at = OutputAccumulator(), 0, None
     while engine.has_unfinished_requests():
         if updated_at is None and count >= update_at:
@@ -36,7 +36,7 @@ def run_with_update(engine, prompt, weights, update_at, retract=False) -> tuple[
                 engine.retract_all()
             engine.update_weights(weights)
             updated_at = count
-        for delta in engine.step():
+        for delta in engine.step_deltas():
             count += len(delta.outputs[0].token_ids) if delta.outputs else 0
             acc.add(delta)
     return acc.output(), updated_at
