@@ -33,9 +33,11 @@ from raylane.router.control_parts import (
     ReplicaCalls,
     ReplicaTable,
     Update,
+    check_label,
     check_version,
     commit_version,
     manifest,
+    remember_label,
 )
 from raylane.router.errors import ControlConflict, ReplicasFailed, UpdateNotFound
 from raylane.router.remote import verbs
@@ -50,6 +52,9 @@ class ControlPlane(WeightGroups):
         self.paused_mode: str | None = None
         self._update: Update | None = None
         self._committed: tuple[str, int] | None = None  # the last commit, for a retried one
+        # versions' labels, as the trainer protocols named them at commit ("step-42"); the
+        # integer stays what the prefix cache and max_weight_lag compare
+        self._labels: dict[int, str] = {}
         self._groups: dict[str, list[str]] = {}  # the trainer's groups -> replicas in them
         self._detached: set[asyncio.Task] = set()  # joins and receives that outlive their call
         self._lock = asyncio.Lock()
@@ -57,14 +62,27 @@ class ControlPlane(WeightGroups):
     async def weight_version(self) -> int:
         return self.table.weight_version()
 
+    async def weight_label(self, version: int | None = None) -> str | None:
+        """The label `version` (None: the cluster's) was committed with by a trainer
+        protocol (vLLM's `finish_weight_update`, SGLang's `weight_version`); None if none
+        was given. A committed version's label never changes, so callers may keep it."""
+        return self._labels.get(self.table.weight_version() if version is None else version)
+
     async def control_state(self) -> dict[str, Any]:
         return self.state()
 
     def state(self) -> dict[str, Any]:
+        """Paused (and the mode), the weight version, and its label where one was given."""
         paused = (
             {"paused": True, "mode": self.paused_mode} if self.paused_mode else {"paused": False}
         )
-        return {**paused, "weight_version": self.table.weight_version()}
+        version = self.table.weight_version()
+        label = self._labels.get(version)
+        return {
+            **paused,
+            "weight_version": version,
+            **({"weight_label": label} if label is not None else {}),
+        }
 
     # --- pause and resume ---------------------------------------------------------------------
 
@@ -81,13 +99,13 @@ class ControlPlane(WeightGroups):
 
     async def resume(self) -> dict[str, Any]:
         """Resume every replica. An update with nothing loaded yet is dropped; one that is
-        half loaded is a `ControlConflict` (commit it, or begin a new one, first)."""
+        half loaded is a `ControlConflict` (commit it, abort it, or begin a new one, first)."""
         async with self._lock:
             if self._update is not None:
                 if self._update.loaded:
                     raise ControlConflict(
-                        f"weight update {self._update.update_id!r} is half loaded: commit it "
-                        "(or begin a new one) before resuming"
+                        f"weight update {self._update.update_id!r} is half loaded: commit it, "
+                        "abort it, or begin a new one before resuming"
                     )
                 self._update = None
             await self._resume()
@@ -103,24 +121,32 @@ class ControlPlane(WeightGroups):
 
     # --- the update transaction ---------------------------------------------------------------
 
-    async def begin_update(self, version: int | None, spec_dicts: list[dict] | None) -> str:
+    async def begin_update(
+        self, version: int | None, spec_dicts: list[dict] | None, label: str | None = None
+    ) -> str:
         """Open an update to `version` (newer than the cluster's; None: the commit's, or the
         next) of the tensors in `spec_dicts` ({"name", "shape", "dtype"}, HF names, full
         shapes), checked on every replica; a `ValueError` (naming the tensor) leaves every
         replica as it was. `spec_dicts` None: an open-ended update, each `receive_weights`
-        checking its own tensors. Returns the update id. A begin replaces an update that was
-        not committed."""
-        return await self._begin(version, None if spec_dicts is None else manifest(spec_dicts))
+        checking its own tensors. `label`: the version's name in a trainer protocol, kept
+        beside it at commit (`weight_label`). Returns the update id. A begin replaces an
+        update that was not committed."""
+        specs = None if spec_dicts is None else manifest(spec_dicts)
+        return await self._begin(version, specs, label)
 
-    async def set_weight_version(self, version: int) -> int:
-        """Switch every replica to `version` (newer than the cluster's) with the weights they
-        hold: an update with no tensors, so it pauses, flips and resumes as any update does
-        (new prefills stop matching older chains, new tokens carry `version`)."""
-        update_id = await self._begin(version, [])
+    async def set_weight_version(self, version: int | None, label: str | None = None) -> int:
+        """Switch every replica to `version` (newer than the cluster's; None: the next) with
+        the weights they hold: an update with no tensors, so it pauses, flips and resumes as
+        any update does (new prefills stop matching older chains, new tokens carry the new
+        version). Returns the version."""
+        update_id = await self._begin(version, [], label)
         return await self.commit_update(update_id)
 
-    async def _begin(self, version: int | None, specs: list[TensorSpec] | None) -> str:
+    async def _begin(
+        self, version: int | None, specs: list[TensorSpec] | None, label: str | None
+    ) -> str:
         dicts = None if specs is None else [s.to_dict() for s in specs]
+        check_label(label)
         async with self._lock:
             if version is not None:
                 check_version(version, self.table.weight_version())
@@ -139,7 +165,12 @@ class ControlPlane(WeightGroups):
                 raise
             paused_here = fresh or (self._update is not None and self._update.paused_here)
             self._update = Update(
-                f"upd-{secrets.token_hex(8)}", version, list(ok), len(specs or []), paused_here
+                f"upd-{secrets.token_hex(8)}",
+                version,
+                list(ok),
+                len(specs or []),
+                paused_here,
+                label,
             )
             return self._update.update_id
 
@@ -159,10 +190,14 @@ class ControlPlane(WeightGroups):
             update.loaded += count
             return count
 
-    async def commit_update(self, update_id: str | None, version: int | None = None) -> int:
+    async def commit_update(
+        self, update_id: str | None, version: int | None = None, label: str | None = None
+    ) -> int:
         """Switch every replica of the update (None: the open one) to `version` (default:
-        the begin's, or the next), and resume the cluster if the update paused it. Returns
-        the version; committing it again returns it again."""
+        the begin's, or the next), labelled `label` (default: the begin's), and resume the
+        cluster if the update paused it. Returns the version; committing it again returns
+        it again."""
+        check_label(label)
         async with self._lock:
             if self._committed is not None and self._committed[0] == update_id:
                 return self._committed[1]
@@ -173,18 +208,29 @@ class ControlPlane(WeightGroups):
                     "tensors were loaded; send the rest before committing"
                 )
             version = commit_version(update, version, self.table.weight_version())
-            ok = await self._everywhere(
-                update.replica_ids,
-                "finish_weight_update",
-                lambda r: r.finish_weight_update(version),
-                update=update,
-            )
+            ok = await self._switch(update, version, update.label if label is None else label)
             for rid in ok:
                 self.table.set_version(rid, version)
             self._update, self._committed = None, (update.update_id, version)
             if update.paused_here:
                 await self._resume_after_commit()
             return version
+
+    async def _switch(self, update: Update, version: int, label: str | None) -> dict[str, Any]:
+        """Every replica of the update to `version`. The label is kept first: a version's
+        outputs can come as soon as a replica switched, and nothing reads a version before."""
+        if label is not None:
+            remember_label(self._labels, version, label)
+        try:
+            return await self._everywhere(
+                update.replica_ids,
+                "finish_weight_update",
+                lambda r: r.finish_weight_update(version),
+                update=update,
+            )
+        except BaseException:
+            self._labels.pop(version, None)  # no replica holds it: the next commit reuses it
+            raise
 
     async def _resume_after_commit(self) -> None:
         """The commit stands even if no replica resumes: a later resume retries."""

@@ -11,6 +11,8 @@ from typing import Any, Protocol
 from raylane.actors.models.weights import TensorSpec
 from raylane.actors.replica_control import ReplicaControl
 
+LABELS_KEPT = 1024  # the newest versions whose labels the control plane remembers
+
 
 class ReplicaCalls(Protocol):
     """Reaches the engine replicas: `replica(id)` has that replica's control methods (those of
@@ -48,6 +50,7 @@ class Update:
     replica_ids: list[str]
     num_tensors: int  # in the manifest (None when open-ended: each receive brings its own)
     paused_here: bool  # the update paused the cluster, so its commit resumes it
+    label: str | None = None  # a trainer protocol's name for the version (None: the integer)
     loaded: int = 0  # tensors applied so far (on every replica of the update)
     failed: list[str] = field(default_factory=list)  # replicas that left the update
 
@@ -70,6 +73,19 @@ def commit_version(update: Update, version: int | None, current: int) -> int:
         return current + 1
     check_version(version, current)
     return version
+
+
+def check_label(label: str | None) -> None:
+    if label is not None and not isinstance(label, str):
+        raise ValueError(f"label: must be a string, got {label!r}")
+
+
+def remember_label(labels: dict[int, str], version: int, label: str) -> None:
+    """Keep `label` for `version`, and only the newest `LABELS_KEPT` (outputs older than those
+    are far past any `max_weight_lag`; their versions then read as the integer)."""
+    labels[version] = label
+    while len(labels) > LABELS_KEPT:
+        del labels[next(iter(labels))]
 
 
 def check_version(version: int, current: int) -> None:

@@ -72,7 +72,10 @@ async def commit_update(update_id: str, request: Request) -> dict:
 
 @router.get("/weight_version", response_model=None, responses=ok(WeightVersion))
 async def weight_version(request: Request) -> dict:
-    return {"weight_version": await control_of(request).weight_version()}
+    """raylane's integer version, and the label a trainer protocol committed it with (vLLM's
+    `finish_weight_update`, SGLang's `weight_version`) when one did."""
+    state = await control_of(request).control_state()
+    return {k: state[k] for k in ("weight_version", "weight_label") if k in state}
 
 
 @router.post("/abort", response_model=None, responses=ok(Aborted))

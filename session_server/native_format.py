@@ -4,8 +4,9 @@ Streamed chunks are cumulative as SGLang's (each holds everything so far), with 
 request has several samples (built from the engine's deltas; the engine holds back text that a
 stop string may still trim).
 
-With the trainer API on (`sglang=True`) the answer is SGLang's exact one where raylane's own
-differs: `weight_version` is a string, and `routed_experts` is SGLang's base64 string of the
+With the trainer API on (`labels` given) the answer is SGLang's exact one where raylane's own
+differs: `weight_version` is a string (the label a trainer gave the version, else the integer;
+`weight_versions` stay raylane's integers), and `routed_experts` is SGLang's base64 string of the
 flattened int32 ids (its shape in `routed_experts_shape`, which SGLang's clients ignore). Either
 way routed experts cover rows `[routed_experts_start_len, prompt + output - 1)`.
 """
@@ -19,6 +20,7 @@ from raylane.actors.engine.outputs import CompletionOutput, EngineCoreOutput, Re
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.session_server import formatting as fmt
 from raylane.session_server.schemas import GenerateRequest
+from raylane.session_server.weight_labels import WeightLabels
 
 
 def finish_reason(c: CompletionOutput) -> dict | None:
@@ -71,14 +73,15 @@ class NativeFormatter:
         params: SamplingParams,
         tokenizer,
         num_prompts: int,
-        sglang: bool = False,
+        labels: WeightLabels | None = None,
     ):
         self.id = request_id
         self.body = body
         self.params = params
         self.tokenizer = tokenizer
         self.num_prompts = num_prompts
-        self.sglang = sglang  # SGLang's exact shape (the trainer API is on)
+        self.labels = labels  # versions' texts, every output's `known` already
+        self.sglang = labels is not None  # SGLang's exact shape (the trainer API is on)
         self.accumulators: dict[int, OutputAccumulator] = {}  # streaming: by prompt index
 
     def items(self, finals: dict[int, RequestOutput]) -> list[dict]:
@@ -111,7 +114,9 @@ class NativeFormatter:
             "prompt_tokens": len(out.prompt_token_ids),
             "completion_tokens": len(c.token_ids),
             "cached_tokens": out.num_cached_tokens,
-            "weight_version": str(out.weight_version) if self.sglang else out.weight_version,
+            "weight_version": self.labels.known(out.weight_version)
+            if self.labels is not None
+            else out.weight_version,
             "weight_versions": list(c.weight_versions),  # of each output token
             "routed_experts": None,
         }

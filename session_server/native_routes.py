@@ -53,13 +53,11 @@ async def generate(body: GenerateRequest, request: Request):
             body.return_indexer_topk,
         )
         _check_routing_start(body.routed_experts_start_len, prompts)
+        # with the trainer API on, SGLang's shape: versions by their labels
+        state = request.app.state
+        labels = state.weight_labels if state.trainer_api else None
         formatter = NativeFormatter(
-            body.rid or new_id("gen"),
-            body,
-            params,
-            backend.tokenizer,
-            len(prompts),
-            sglang=request.app.state.trainer_api,
+            body.rid or new_id("gen"), body, params, backend.tokenizer, len(prompts), labels
         )
         stream = start(
             backend,
@@ -69,6 +67,8 @@ async def generate(body: GenerateRequest, request: Request):
             routing_key(request, body.routing_key),
             timeout_of(request, body.timeout),
         )
+        if labels is not None:
+            stream = labels.resolved(stream)
         if body.stream:
             return sse_response(await primed(request, _renamed(stream)), formatter.chunks, list)
         items = formatter.items(await final_outputs(request, _renamed(stream), len(prompts)))

@@ -266,6 +266,7 @@ class ControlState(_Out):
     paused: bool
     mode: str | None = None  # while paused
     weight_version: int
+    weight_label: str | None = None  # a trainer protocol's label for it, where one was given
 
 
 class UpdateBegun(_Out):
@@ -278,6 +279,7 @@ class BucketLoaded(_Out):
 
 class WeightVersion(_Out):
     weight_version: int
+    weight_label: str | None = None  # a trainer protocol's label for it, where one was given
 
 
 class Aborted(_Out):

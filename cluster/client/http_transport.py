@@ -66,6 +66,10 @@ class HttpTransport:
         resp = await self._request("GET", "/admin/weight_version", admin=True)
         return int(resp.json()["weight_version"])
 
+    async def weight_label(self) -> str | None:
+        resp = await self._request("GET", "/admin/weight_version", admin=True)
+        return resp.json().get("weight_label")
+
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
         body = {"version": version, "tensors": spec_dicts}
         return (await self._post("/admin/update_weights/begin", body, admin=True)).json()[

@@ -120,6 +120,9 @@ class RayTransport:
     async def weight_version(self) -> int:
         return await self.control.weight_version()
 
+    async def weight_label(self) -> str | None:
+        return await self.control.weight_label(None)
+
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
         return await self.control.begin_update(version, spec_dicts)
 

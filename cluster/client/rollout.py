@@ -70,7 +70,7 @@ def from_generate_item(
     """A rollout from one item of a `/generate` answer (HTTP)."""
     meta = item.get("meta_info") or {}
     ids = [int(t) for t in item.get("output_ids") or []]
-    version = int(meta.get("weight_version") or 0)
+    version = _version(meta)
     return Rollout(
         request_id=request_id or meta.get("id", ""),
         index=int(item.get("index", 0)),
@@ -89,6 +89,17 @@ def from_generate_item(
         num_cached_tokens=int(meta.get("cached_tokens") or 0),
         indexer_topk=decode_routed_experts(meta.get("indexer_topk")),
     )
+
+
+def _version(meta: dict) -> int:
+    """raylane's integer version. With the trainer API on, `weight_version` is SGLang's
+    string, a label a trainer may have given ("step-42", or "7" for raylane's 2): then the
+    integer is that of the last token (the engine's when the output was made)."""
+    given = meta.get("weight_version")
+    if isinstance(given, int):
+        return given
+    per_token = meta.get("weight_versions") or []
+    return int(per_token[-1]) if per_token else 0
 
 
 def decode_routed_experts(

@@ -144,6 +144,12 @@ class RolloutClient:
     async def weight_version(self) -> int:
         return await self.transport.weight_version()
 
+    async def weight_label(self) -> str | None:
+        """The label the current version was committed with through vLLM's or SGLang's
+        routes (`finish_weight_update {"weight_version": "step-42"}`), None if none was
+        given. `weight_version()` stays raylane's integer, which grows with every commit."""
+        return await self.transport.weight_label()
+
     async def flush_cache(self) -> None:
         await self.transport.flush_cache()
 

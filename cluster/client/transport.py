@@ -39,6 +39,10 @@ class Transport(Protocol):
 
     async def weight_version(self) -> int: ...
 
+    async def weight_label(self) -> str | None:
+        """The label a trainer protocol committed the current version with, if any."""
+        ...
+
     async def begin_update(self, version: int, spec_dicts: list[dict]) -> str: ...
 
     def stage_bucket(self, payload: np.ndarray) -> Any:

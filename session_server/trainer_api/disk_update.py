@@ -1,8 +1,9 @@
 """SGLang's `POST /update_weights_from_disk {model_path, weight_version?, abort_all_requests?}`,
 as one weight-update transaction of the control plane: the checkpoint's tensors (HF names, from
 its safetensors headers) are the manifest, checked on every rank before any byte moves; then
-its buckets; then one commit, which flips every replica to the new version or none. A
-checkpoint that does not fit the served model is a 400 and changes nothing."""
+its buckets; then one commit, which flips every replica to the next version or none, labelled
+`weight_version` if given. A checkpoint that does not fit the served model is a 400 and changes
+nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from fastapi import APIRouter, Request
 from raylane.session_server.backend import ControlBackend
 from raylane.session_server.errors import bad_request, from_exception
 from raylane.session_server.openapi import ok
-from raylane.session_server.trainer_api.common import control_of, version_number
+from raylane.session_server.trainer_api.common import control_of, version_label
 from raylane.session_server.trainer_api.schemas import UpdateFromDiskBody, UpdateResult
 
 router = APIRouter(tags=["SGLang native API"])
@@ -28,38 +29,39 @@ BUCKET_BYTES = 256 << 20  # read and applied one bucket at a time
 async def update_weights_from_disk(body: UpdateFromDiskBody, request: Request) -> dict:
     files = _safetensors_files(body.model_path)
     ctl = control_of(request)
-    current = await ctl.weight_version()
-    version = (
-        current + 1
-        if body.weight_version is None
-        else version_number(body.weight_version, "weight_version")
-    )
+    given = body.weight_version
+    label = None if given is None else version_label(given, "weight_version")
     if body.abort_all_requests:
         await ctl.abort(None)
     try:
-        count = await load_checkpoint(ctl, files, version)
+        count, version = await load_checkpoint(ctl, files, label)
     except ValueError as e:
-        raise from_exception(e, {"version": "weight_version", "tensors": "model_path"}) from None
+        raise from_exception(e, {"label": "weight_version", "tensors": "model_path"}) from None
     return {
         "success": True,
         "message": f"Loaded {count} tensors from {body.model_path}; "
-        f"weight version updated to {version}.",
+        f"weight version updated to {version if label is None else label}.",
         "num_paused_requests": 0,
     }
 
 
-async def load_checkpoint(ctl: ControlBackend, files: list[str], version: int) -> int:
-    """begin (the whole manifest) -> one bucket at a time -> commit; how many tensors. Files
-    are read off the event loop, one bucket ahead of none."""
+async def load_checkpoint(
+    ctl: ControlBackend, files: list[str], label: str | None
+) -> tuple[int, int]:
+    """begin (the whole manifest) -> one bucket at a time -> commit; how many tensors, and
+    the version committed. Files are read off the event loop, one bucket ahead of none."""
     from raylane.actors.models.weights import iter_buckets
 
     specs = await asyncio.to_thread(_specs, files)
-    update_id = await ctl.begin_update(version, specs)
-    buckets = iter_buckets(_tensors(files), BUCKET_BYTES)
-    while (payload := await asyncio.to_thread(_next_payload, buckets)) is not None:
-        await ctl.load_bucket(update_id, payload)
-    await ctl.commit_update(update_id)
-    return len(specs)
+    update_id = await ctl.begin_update(None, specs, label)
+    try:
+        buckets = iter_buckets(_tensors(files), BUCKET_BYTES)
+        while (payload := await asyncio.to_thread(_next_payload, buckets)) is not None:
+            await ctl.load_bucket(update_id, payload)
+        return len(specs), await ctl.commit_update(update_id)
+    except BaseException:
+        await ctl.abort_update(update_id)  # a half-loaded update would hold the pause
+        raise
 
 
 def _next_payload(buckets: Iterator[list]) -> bytes | None:

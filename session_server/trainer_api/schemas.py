@@ -97,7 +97,7 @@ class TokensResponse(_Out):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None  # vLLM's
     kv_transfer_params: None
     usage: Usage
-    weight_version: str  # raylane's: the version the tokens came from
+    weight_version: str  # the label of the version the tokens came from (else the integer)
 
 
 class IsSleeping(_Out):

@@ -18,7 +18,7 @@ from raylane.session_server.trainer_api.common import (
     commit_open_update,
     control_of,
     info_of,
-    version_text,
+    labels_of,
 )
 from raylane.session_server.trainer_api.schemas import (
     AbortRequestBody,
@@ -45,7 +45,7 @@ async def server_info(request: Request) -> dict:
     """SGLang's server arguments (the keys trainers compare with their own), and vLLM's
     `vllm_config` for vLLM's clients, which ask the same path."""
     info = info_of(request)
-    version = version_text(await control_of(request).weight_version())
+    version = await labels_of(request).current()
     return {
         "model_path": info.model_path,
         "tokenizer_path": info.model_path,
@@ -81,7 +81,7 @@ async def model_info(request: Request) -> dict:
         "tokenizer_path": info.model_path,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": version_text(await control_of(request).weight_version()),
+        "weight_version": await labels_of(request).current(),
         "has_image_understanding": False,
         "has_audio_understanding": False,
     }
@@ -89,7 +89,7 @@ async def model_info(request: Request) -> dict:
 
 @router.get("/get_weight_version", response_model=None, responses=ok(WeightVersionText))
 async def get_weight_version(request: Request) -> dict:
-    return {"weight_version": version_text(await control_of(request).weight_version())}
+    return {"weight_version": await labels_of(request).current()}
 
 
 @router.get(

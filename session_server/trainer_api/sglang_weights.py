@@ -6,8 +6,9 @@ rank first). Where it lands depends on whether the trainer paused the cluster:
   `weight_version`): every call of the pause loads into one open update, begun by the first at
   its `weight_version`, and `/continue_generation` commits it on every replica at once. A call
   that fails rolls the whole update back: the cluster stays on its old weights and version.
-- not paused: the call is a whole update of its own (raylane pauses, "keep", around it), and
-  its `weight_version` must be newer than the cluster's.
+- not paused: the call is a whole update of its own (raylane pauses, "keep", around it).
+`weight_version` is a label ("7", "step-42"): raylane's own integer version grows by one with
+every commit whatever it says, and the label is what SGLang's routes answer for it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from raylane.session_server.openapi import ok
 from raylane.session_server.trainer_api.common import (
+    Label,
     control_of,
     into_open_update,
     is_paused,
-    version_number,
+    version_label,
 )
 from raylane.session_server.trainer_api.vllm_weights import specs
 
@@ -42,7 +44,7 @@ class UpdateBody(BaseModel):
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
     flush_cache: bool = True
-    weight_version: str | int | None = None
+    weight_version: Label | None = None
 
 
 class DestroyBody(BaseModel):
@@ -63,16 +65,13 @@ async def init_weights_update_group(body: InitGroupBody, request: Request) -> di
 @control.post("/update_weights_from_distributed", response_model=None, responses=ok(Succeeded))
 async def update_weights_from_distributed(body: UpdateBody, request: Request) -> dict:
     ctl = control_of(request)
-    version = (
-        None
-        if body.weight_version is None
-        else version_number(body.weight_version, "weight_version")
-    )
+    given = body.weight_version
+    label = None if given is None else version_label(given, "weight_version")
     tensors = specs(body.names, body.dtypes, body.shapes)
     held = await is_paused(ctl)  # by the trainer: its buckets are one update
     try:
         if not (held and await into_open_update(ctl, body.group_name, tensors)):
-            await ctl.begin_update(version, None)
+            await ctl.begin_update(None, None, label)
             await ctl.receive_weights(None, body.group_name, tensors)
         if not held:  # else /continue_generation commits
             await ctl.commit_update(None)  # the version key roots new prefix-cache chains

@@ -1,7 +1,8 @@
 """vLLM's tokens-in / tokens-out route, `POST /inference/v1/generate`: token ids and vLLM's own
 `sampling_params` in; per sample the token ids, logprobs in the chat shape with
 `"token_id:<id>"` tokens, the finish reason and routed experts (base64 of a `.npy` int32
-array, as vLLM sends them) out, with usage and the weight version beside them."""
+array, as vLLM sends them) out, with usage and the weight version beside them (its label, as
+the trainer named it; in every streamed chunk too)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from raylane.session_server.errors import bad_request
 from raylane.session_server.openapi import EVENT_STREAM, ok
 from raylane.session_server.sampling import resolve_max_tokens, structured_spec
 from raylane.session_server.streaming import final_outputs, primed, sse_response, start
-from raylane.session_server.trainer_api.common import SAMPLING_FIELDS
+from raylane.session_server.trainer_api.common import SAMPLING_FIELDS, labels_of
 from raylane.session_server.trainer_api.schemas import TokensRequest, TokensResponse
+from raylane.session_server.weight_labels import WeightLabels
 
 router = APIRouter(tags=["vLLM RL API"])
 control = APIRouter(tags=["vLLM RL API"])
@@ -43,8 +45,10 @@ _INERT = {"detokenize", "output_kind", "spaces_between_special_tokens", "skip_cl
 async def generate(body: TokensRequest, request: Request):
     request_id = body.request_id or new_id("generate-tokens")
     params, stream = start_tokens(body, request, request_id)
+    labels = labels_of(request)
+    stream = labels.resolved(stream)
     if body.stream:  # vLLM's chunks: each sample's new token ids (and logprobs)
-        chunks = _Chunks(request_id, params)
+        chunks = _Chunks(request_id, params, labels)
         return sse_response(await primed(request, stream), chunks.of, chunks.tail)
     out = (await final_outputs(request, stream, 1))[0]
     return {
@@ -55,7 +59,7 @@ async def generate(body: TokensRequest, request: Request):
         else None,
         "kv_transfer_params": None,
         "usage": fmt.usage([out]),
-        "weight_version": str(out.weight_version),
+        "weight_version": labels.known(out.weight_version),
     }
 
 
@@ -95,11 +99,14 @@ def vllm_params(sp: dict[str, Any], prompt: list[int], info: ModelInfo) -> Sampl
 class _Chunks:
     """Streamed answers: one chunk per sample with news, then usage."""
 
-    def __init__(self, request_id: str, params: SamplingParams):
-        self.request_id, self.params = request_id, params
+    def __init__(self, request_id: str, params: SamplingParams, labels: WeightLabels):
+        self.request_id, self.params, self.labels = request_id, params, labels
         self.prompt_tokens = self.completion_tokens = self.cached = 0
+        self.version = 0  # of the last output: the tail's
 
     def of(self, _: int, out: EngineCoreOutput) -> list[dict]:
+        self.version = out.weight_version
+        version = self.labels.known(out.weight_version)
         if out.prompt_token_ids is not None:
             self.prompt_tokens, self.cached = len(out.prompt_token_ids), out.num_cached_tokens
         chunks = []
@@ -116,12 +123,16 @@ class _Chunks:
                 "finish_reason": d.finish_reason,
                 "token_ids": list(d.token_ids),
             }
-            chunks.append({"request_id": self.request_id, "choices": [choice]})
+            chunks.append(
+                {"request_id": self.request_id, "choices": [choice], "weight_version": version}
+            )
         return chunks
 
     def tail(self) -> list[dict]:
         usage = fmt.usage_of(self.prompt_tokens, self.completion_tokens, self.cached)
-        return [{"request_id": self.request_id, "choices": [], "usage": usage}]
+        version = self.labels.known(self.version)
+        tail = {"request_id": self.request_id, "choices": [], "usage": usage}
+        return [{**tail, "weight_version": version}]
 
 
 def _choice(c: CompletionOutput, params: SamplingParams, start_len: int) -> dict:

@@ -13,8 +13,8 @@ from raylane.session_server.trainer_api.common import (
     control_of,
     info_of,
     is_paused,
-    version_number,
-    version_text,
+    labels_of,
+    version_label,
     world_size,
 )
 from raylane.session_server.trainer_api.schemas import (
@@ -70,7 +70,7 @@ async def get_world_size(request: Request, include_dp: bool = Query(True)) -> di
 
 @router.get("/weight_info", response_model=None, responses=ok(WeightVersionText))
 async def weight_info(request: Request) -> dict:
-    return {"weight_version": version_text(await control_of(request).weight_version())}
+    return {"weight_version": await labels_of(request).current()}
 
 
 @control.post(
@@ -93,19 +93,20 @@ async def abort_requests(request: Request, body: AbortRequestsBody | None = None
 
 @control.post("/update_weight_version", response_model=None, responses=ok(VersionUpdated))
 async def update_weight_version(body: UpdateWeightVersionBody, request: Request) -> dict:
-    """vLLM's and SGLang's (the same path): the weights every replica holds become
-    `new_version`, an integer newer than the current one in raylane (as one update with no
-    tensors). SGLang's `abort_all_requests` ends what runs first."""
-    version = version_number(body.new_version, "new_version")
+    """vLLM's and SGLang's (the same path): the weights every replica holds are labelled
+    `new_version` (any label), as one update with no tensors: raylane's integer version grows
+    by one, so new prefills stop matching older prefix-cache chains. SGLang's
+    `abort_all_requests` ends what runs first."""
+    label = version_label(body.new_version, "new_version")
     ctl = control_of(request)
     if body.abort_all_requests:
         await ctl.abort(None)
     try:
-        await ctl.set_weight_version(version)
+        await ctl.set_weight_version(None, label)
     except ValueError as e:
-        raise from_exception(e, {"version": "new_version"}) from None
+        raise from_exception(e, {"label": "new_version"}) from None
     return {
         "success": True,
-        "message": f"Weight version updated to {version}",
-        "new_version": version_text(version),
+        "message": f"Weight version updated to {label}",
+        "new_version": label,
     }

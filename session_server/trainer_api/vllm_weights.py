@@ -2,7 +2,10 @@
 `init_weight_transfer_engine` joins every rank to the trainer's group, `start_weight_update`
 opens an update (its tensors come with each `update_weights`, checked on every rank before a
 byte moves), `update_weights` receives one broadcast batch (vLLM's `packed` chunking too), and
-`finish_weight_update` switches every replica to the new version at once.
+`finish_weight_update` switches every replica to the new version at once, under the label
+`weight_version` if one is given ("step-42": raylane's own integer version still grows by one).
+A refused finish commits nothing and leaves the update open (generation stays paused): its error
+says so, and to send the finish again or drop the update (`abort_weight_update`, raylane's).
 
 `init_info.backend` may be "gloo" (SGLang's group scheme, for CPU engines); the default is
 vLLM's "nccl".
@@ -13,9 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from raylane.session_server.openapi import ok
-from raylane.session_server.trainer_api.common import control_of, version_number
+from raylane.session_server.trainer_api.common import (
+    Label,
+    control_of,
+    hinted_route,
+    version_label,
+)
 
 router = APIRouter(tags=["vLLM RL API"])
 control = APIRouter(tags=["vLLM RL API"])
@@ -56,7 +64,16 @@ class UpdateBody(BaseModel):
 
 
 class FinishBody(BaseModel):
-    weight_version: str | int | None = Field(default=None)
+    weight_version: Label | None = None  # a label: "step-42", "7", 42
+
+
+# what a refused finish leaves behind, and the two ways on
+STILL_OPEN = (
+    "Nothing was committed: the open weight update, if any, stays open and generation "
+    "stays paused. "
+    "Send POST /finish_weight_update again with a valid body, or drop the update with "
+    "POST /abort_weight_update"
+)
 
 
 class Done(BaseModel):
@@ -87,12 +104,30 @@ async def update_weights(body: UpdateBody, request: Request) -> dict:
     return {"message": "Weights updated"}
 
 
-@control.post("/finish_weight_update", response_model=None, responses=ok(Done))
 async def finish_weight_update(request: Request, body: FinishBody | None = None) -> dict:
     given = body.weight_version if body is not None else None
-    version = None if given is None else version_number(given, "weight_version")
-    await control_of(request).commit_update(None, version)
+    label = None if given is None else version_label(given, "weight_version")
+    await control_of(request).commit_update(None, None, label)
     return {"message": "Weight update finished"}
+
+
+control.add_api_route(
+    "/finish_weight_update",
+    finish_weight_update,
+    methods=["POST"],
+    response_model=None,
+    responses=ok(Done),
+    route_class_override=hinted_route(STILL_OPEN),
+)
+
+
+@control.post("/abort_weight_update", response_model=None, responses=ok(Done))
+async def abort_weight_update(request: Request) -> dict:
+    """raylane's: drop the open weight update, if any. Every replica puts back the weights it
+    received and keeps its version; the cluster resumes if the update paused it (not if the
+    trainer did: its /resume then succeeds)."""
+    await control_of(request).abort_update(None)
+    return {"message": "Weight update aborted"}
 
 
 def specs(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[dict]:

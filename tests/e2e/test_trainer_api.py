@@ -8,6 +8,7 @@ and TRL's former routes: test_trainer_sglang_trl.py.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 
@@ -19,6 +20,7 @@ from tests.e2e.admin_helpers import LONG, PROMPT, run_midway
 from tests.e2e.conftest import MAX_BODY
 from tests.e2e.server import ServerThread
 from tests.hf_reference import hf_greedy
+from tests.weight_versions import everywhere_as, versions_everywhere
 
 ADMIN_KEY = "trainer-admin"
 USER_KEY = "trainer-user"
@@ -147,7 +149,7 @@ def test_requests_queued_while_paused_run_after_resume(trainer):
 
 def test_version_update_under_keep_splits_the_in_flight_tokens(trainer, tiny_llama_dir):
     """The request frozen by `keep` carries version v before the update and v + 1 after;
-    /weight_info and /get_weight_version agree, and an older version is refused."""
+    /weight_info and /get_weight_version agree, and a version that is no label is refused."""
     before = int(trainer.get("/weight_info").json()["weight_version"])
 
     def bump():
@@ -167,11 +169,107 @@ def test_version_update_under_keep_splits_the_in_flight_tokens(trainer, tiny_lla
     assert last["output_ids"] == hf_greedy(tiny_llama_dir, PROMPT, LONG)[0]  # same weights
     for path in ("/weight_info", "/get_weight_version"):
         assert trainer.get(path).json() == {"weight_version": str(before + 1)}
-    for stale in (str(before), "step-7", True):
-        response = trainer.post("/update_weight_version", json={"new_version": stale})
-        assert response.status_code == 400, stale
+    for bad in (True, ["7"], "x" * 300):
+        response = trainer.post("/update_weight_version", json={"new_version": bad})
+        assert response.status_code == 400, bad
         assert response.json()["error"]["param"] == "new_version"
     assert trainer.get("/weight_info").json() == {"weight_version": str(before + 1)}
+
+
+# --- weight versions as labels --------------------------------------------------------------
+# NOTE: each test ends on an integer label equal to raylane's own integer, as the server's
+# other tests (which read the version as a number) expect
+
+
+def lifecycle(trainer: httpx.Client, label: str | int | None) -> httpx.Response:
+    """vLLM's update sequence, with no tensors (the weights stay): pause(keep), start,
+    finish labelled `label`, resume. The finish's answer."""
+    assert trainer.post("/pause", params={"mode": "keep"}).status_code == 200
+    assert trainer.post("/start_weight_update", json={}).status_code == 200
+    finished = trainer.post("/finish_weight_update", json={"weight_version": label})
+    assert trainer.post("/resume").status_code == 200
+    return finished
+
+
+def read_back(server: ServerThread) -> dict:
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            return await versions_everywhere(http)
+
+    return asyncio.run(go())
+
+
+def test_vllm_labels_are_what_every_trainer_route_answers(
+    trainer, trainer_server, trainer_engine, keyed_server
+):
+    """ "step-42", then "v2", then an integer: each is what every vLLM and SGLang route
+    answers, and raylane's own integer grows by one per commit (its admin route and
+    RolloutClient give both). An integer that is not newer is a label too."""
+    from raylane.client import RolloutClient
+
+    start = trainer_engine.weight_version
+    for label in ("step-42", "v2", start + 3):
+        assert lifecycle(trainer, label).json() == {"message": "Weight update finished"}
+        assert read_back(trainer_server) == everywhere_as(str(label))
+        if label == "v2":
+            with client_of(keyed_server, ADMIN_KEY) as admin:
+                own = admin.get("/admin/weight_version").json()
+            assert own == {"weight_version": start + 2, "weight_label": "v2"}
+    assert trainer_engine.weight_version == start + 3
+    answer = trainer.post("/update_weight_version", json={"new_version": str(start)}).json()
+    assert answer["new_version"] == str(start) and trainer_engine.weight_version == start + 4
+    assert trainer.get("/weight_info").json() == {"weight_version": str(start)}
+
+    async def own_view() -> tuple:
+        async with RolloutClient(keyed_server.url, admin_key=ADMIN_KEY) as client:
+            return await client.weight_version(), await client.weight_label()
+
+    assert asyncio.run(own_view()) == (start + 4, str(start))
+    trainer.post("/update_weight_version", json={"new_version": start + 5})
+
+
+def test_the_same_label_twice_is_two_versions_to_the_prefix_cache(trainer, trainer_engine):
+    prompt = list(range(60, 100))  # two full 16-token blocks to share
+
+    def cached() -> int:
+        usage = tokens(trainer, prompt).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    start = trainer_engine.weight_version
+    lifecycle(trainer, "same")
+    assert [cached(), cached()] == [0, 32]
+    lifecycle(trainer, "same")
+    assert cached() == 0  # a new version roots new chains, whatever its label
+    assert trainer_engine.weight_version == start + 2
+    lifecycle(trainer, start + 3)
+
+
+def test_a_refused_finish_leaves_the_update_open_and_says_what_next(trainer, trainer_engine):
+    """A finish refused for its body commits nothing; the update stays open, so sending the
+    finish again commits it, and /abort_weight_update drops it instead."""
+    start = trainer_engine.weight_version
+    trainer.post("/pause", params={"mode": "keep"})
+    trainer.post("/start_weight_update", json={})
+    for bad in ({"weight_version": ["x"]}, {"weight_version": True}, {"weight_version": "x" * 300}):
+        error = trainer.post("/finish_weight_update", json=bad).json()["error"]
+        assert error["param"] == "weight_version", bad
+        assert "stays open" in error["message"] and "/abort_weight_update" in error["message"]
+    not_json = trainer.post(
+        "/finish_weight_update", content=b"{", headers={"content-type": "application/json"}
+    )
+    assert not_json.status_code == 400 and "stays open" in not_json.json()["error"]["message"]
+    assert trainer.get("/is_paused").json() == {"is_paused": True}
+    assert trainer_engine.weight_version == start
+    again = trainer.post("/finish_weight_update", json={"weight_version": start + 1})
+    assert again.status_code == 200 and trainer_engine.weight_version == start + 1
+
+    trainer.post("/start_weight_update", json={})
+    trainer.post("/finish_weight_update", json={"weight_version": 1.5})
+    assert trainer.post("/abort_weight_update").json() == {"message": "Weight update aborted"}
+    assert trainer.post("/finish_weight_update", json={}).status_code == 404  # none is open
+    assert trainer.post("/resume").json() == {"status": "resumed"}
+    assert trainer_engine.weight_version == start + 1
+    assert trainer.get("/weight_info").json() == {"weight_version": str(start + 1)}
 
 
 # --- vLLM's tokens-in / tokens-out route -----------------------------------------------------

@@ -167,13 +167,17 @@ def test_trainer_routes_reach_every_replica_through_the_router(cluster, admin):
     version = int(anyone.get("/weight_info").json()["weight_version"])
     assert admin.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
     assert anyone.get("/is_paused").json() == {"is_paused": True}
-    answer = admin.post("/update_weight_version", json={"new_version": str(version + 1)})
-    assert answer.json()["new_version"] == str(version + 1), answer.text
+    # a label travels through the Router beside raylane's integer, which grows by one
+    answer = admin.post("/update_weight_version", json={"new_version": "step-ray"})
+    assert answer.json()["new_version"] == "step-ray", answer.text
     assert set(replica_versions(router).values()) == {version + 1}
     assert admin.post("/abort_requests", json={}).json()["status"] == "aborted"
     assert admin.post("/resume").json() == {"status": "resumed"}
     assert anyone.get("/is_paused").json() == {"is_paused": False}
-    assert anyone.get("/get_weight_version").json() == {"weight_version": str(version + 1)}
+    assert anyone.get("/get_weight_version").json() == {"weight_version": "step-ray"}
+    assert greedy(url, PROMPTS[0], key="label")["meta_info"]["weight_version"] == "step-ray"
+    own = admin.get("/admin/weight_version").json()
+    assert own == {"weight_version": version + 1, "weight_label": "step-ray"}
     # the generic replica calls: both replicas hash the same weights; sleep reaches both
     checksums = admin.post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
     assert "lm_head.weight" in checksums

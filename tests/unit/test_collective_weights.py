@@ -17,6 +17,7 @@ from raylane.session_server.backend import Backend, local_backend
 from tests.hf_reference import hf_greedy, perturbed_model
 from tests.schema_checks import answer_problems
 from tests.weight_trainer import GROUP, Trainer, trainer_specs
+from tests.weight_versions import everywhere_as, versions_everywhere
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,8 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
     finish_weight_update -> resume; SGLang (slime's buckets): pause_generation -> init group ->
     update_weights_from_distributed x 2, the same weight_version || per-tensor broadcast ->
     continue_generation. A request kept in flight across the vLLM update carries version 0
-    before it and 1 after."""
+    before it and 1 after; the labels the trainers gave ("step-42", then "7") are what every
+    trainer route answers for those versions."""
     import httpx
     from raylane.session_server.app import build_app
 
@@ -123,7 +125,9 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
 
         async def keep(answer: httpx.Response) -> None:
             await answer.aread()
-            answers.append(answer)
+            # the schema documents a stream as text, not its chunks
+            if not answer.headers.get("content-type", "").startswith("text/event-stream"):
+                answers.append(answer)
 
         hooks = {"response": [keep]}
         async with httpx.AsyncClient(
@@ -143,7 +147,7 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
                 info = {"names": names, **meta, "packed": True, "packed_buffer_size_bytes": 3000}
                 r = await http.post("/update_weights", json={"update_info": info})
                 assert r.status_code == 200, r.text
-                r = await http.post("/finish_weight_update", json={"weight_version": "1"})
+                r = await http.post("/finish_weight_update", json={"weight_version": "step-42"})
                 assert r.status_code == 200, r.text
                 assert (await http.post("/resume")).status_code == 200
                 async for last in stream:
@@ -153,9 +157,7 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
             versions = last.outputs[0].weight_versions
             assert first.weight_version == 0 and versions[0] == 0 and versions[-1] == 1
             assert versions == sorted(versions)  # 0..0 then 1..1
-            weight_info = (await http.get("/weight_info")).json()
-            assert weight_info["weight_version"] == "1"
-            assert (await http.get("/get_weight_version")).json()["weight_version"] == "1"
+            assert await versions_everywhere(http) == everywhere_as("step-42")
             got = await outputs(backend)
             assert [ids for ids, _ in got] == [hf_greedy(v1_dir, p, 6)[0] for p in prompts()]
             assert all(versions == {1} for _, versions in got)
@@ -171,21 +173,22 @@ def test_the_vllm_and_sglang_routes_follow_the_peers_sequences(tiny_llama_dir, v
                     r = await http.post("/update_weights_from_distributed", json={
                         "names": names[part], "dtypes": meta["dtype_names"][part],
                         "shapes": meta["shapes"][part], "group_name": GROUP,
-                        "weight_version": "2"})  # fmt: skip
+                        "weight_version": "7"})  # fmt: skip
                     assert r.status_code == 200, r.text
                     # committed at /continue_generation, on every replica at once
-                    assert (await http.get("/get_weight_version")).json()["weight_version"] == "1"
+                    version = (await http.get("/get_weight_version")).json()["weight_version"]
+                    assert version == "step-42"
                 await http.post("/continue_generation", json={})
                 assert (await http.post("/destroy_weights_update_group", json={})).json()["success"]
             finally:
                 trainer.close()
-            assert (await http.get("/get_weight_version")).json()["weight_version"] == "2"
+            assert await versions_everywhere(http) == everywhere_as("7")  # raylane's 2
             r = await http.post("/update_weights_from_distributed", json={  # no group any more
                 "names": names, "dtypes": meta["dtype_names"], "shapes": meta["shapes"],
                 "weight_version": "3"})  # fmt: skip
             assert r.status_code == 400 and "group_name" in r.json()["error"]["message"]
             assert (await http.get("/is_paused")).json() == {"is_paused": False}  # not left so
-            assert (await http.get("/get_weight_version")).json()["weight_version"] == "2"
+            assert (await http.get("/get_weight_version")).json()["weight_version"] == "7"
         got = await outputs(backend)
         assert [ids for ids, _ in got] == [hf_greedy(tiny_llama_dir, p, 6)[0] for p in prompts()]
         assert all(versions == {2} for _, versions in got)

@@ -278,6 +278,44 @@ def test_a_newer_begin_replaces_an_open_update():
     assert calls.methods().count("pause") == 1 and calls.methods()[-1] == "resume"
 
 
+def test_labels_sit_beside_the_integer_which_every_commit_increments():
+    """A trainer protocol's label ("step-42") is kept for the version its commit made; the
+    integer grows by one however the labels read (the same label twice: two versions)."""
+    calls = Recorder()
+    plane = ControlPlane(Table("r1"), calls)
+
+    async def go():
+        await plane.begin_update(None, SPECS, "step-42")
+        await plane.load_bucket(None, b"")
+        assert await plane.commit_update(None) == 1  # the begin's label
+        await plane.begin_update(None, None)
+        assert await plane.commit_update(None, None, "v2") == 2  # the commit's label
+        assert await plane.set_weight_version(None, "v2") == 3
+        assert await plane.set_weight_version(None) == 4  # unlabelled
+        return [await plane.weight_label(v) for v in range(5)]
+
+    assert run(go()) == [None, "step-42", "v2", "v2", None]
+    assert plane.state() == {"paused": False, "weight_version": 4}
+    run(plane.set_weight_version(None, "7"))
+    assert plane.state() == {"paused": False, "weight_version": 5, "weight_label": "7"}
+    assert run(plane.weight_label()) == "7"
+    with pytest.raises(ValueError, match="label"):
+        run(plane.set_weight_version(None, 8))  # the HTTP edge turns peers' ints into text
+
+
+def test_a_commit_that_fails_everywhere_leaves_no_label():
+    """Version 1 is still free after it: a later commit to it must not inherit the label."""
+    calls, table = Recorder(), Table("r1")
+    plane = ControlPlane(table, calls)
+    calls.fail[("r1", "finish_weight_update")] = RuntimeError("replica died")
+    with pytest.raises(ReplicasFailed):
+        run(plane.set_weight_version(None, "lost"))
+    calls.fail.clear()
+    table.policy.set_healthy("r1", True)  # it heartbeats again
+    assert run(plane.set_weight_version(None)) == 1
+    assert run(plane.weight_label(1)) is None and "weight_label" not in plane.state()
+
+
 def test_abort_broadcasts_and_gathers_outputs():
     calls = Recorder()
     plane = ControlPlane(Table("r1", "r2"), calls)

@@ -191,6 +191,15 @@ def test_rollout_without_optional_fields():
     assert r.kept_mass_logprobs is None and r.weight_versions == [3] and r.prompt_token_ids == []
 
 
+def test_rollout_keeps_the_integer_when_the_answer_carries_a_label():
+    """With the trainer API on, `weight_version` is the trainer's label ("7" for raylane's 2):
+    the rollout's version is raylane's integer, that of its last token."""
+    for label in ("step-42", "7"):
+        meta = {"weight_version": label, "weight_versions": [1, 2], "finish_reason": None}
+        r = from_generate_item({"output_ids": [5, 6], "meta_info": meta})
+        assert r.weight_version == 2 and r.weight_versions == [1, 2]
+
+
 # --- the /generate body -----------------------------------------------------------------------
 
 
