@@ -3,7 +3,6 @@ layout, and weight versions as the peers spell them (labels; raylane's are integ
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -11,7 +10,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import StrictInt, StrictStr
-from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.engine.sampling_params import DATA_FIELDS
 from raylane.router.errors import UpdateNotFound
 from raylane.session_server.admin_routes import control_of
 from raylane.session_server.backend import ControlBackend, ModelInfo
@@ -33,7 +32,7 @@ __all__ = [
 ]
 
 # what a peer's sampling fields may set directly (vLLM's names are raylane's)
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+SAMPLING_FIELDS = frozenset(DATA_FIELDS)
 
 
 def info_of(request: Request) -> ModelInfo:
