@@ -34,7 +34,7 @@ from raylane.actors.runner.sampler import Sampler
 from raylane.actors.runner.state_cache import StateCache
 from raylane.actors.runner.weight_spill import WeightSpill
 from raylane.actors.runner.weight_updates import RunnerWeights
-from raylane.kernels.attention import get_backend
+from raylane.kernels.attention import BackendRequest, get_backend
 from raylane.kernels.fused_ops import attach_fused_ops, get_fused_ops
 
 
@@ -111,7 +111,12 @@ class ModelRunner(RunnerUpkeep):
 
     def _attach_backend(self, layers: list) -> None:
         kinds = set().union(*(layer.backend_kinds() for layer in layers))
-        backend = get_backend(self.config.attention_backend, self.device, kinds)
+        request = BackendRequest(  # the shapes a backend with limits (flash_attn) checks
+            dtype=self.dtype,
+            head_sizes=tuple(sorted({layer.head_dim for layer in layers})),
+            block_size=self.config.block_size,
+        )
+        backend = get_backend(self.config.attention_backend, self.device, kinds, request)
         for layer in layers:
             layer.backend = backend
 

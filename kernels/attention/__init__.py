@@ -7,11 +7,17 @@ and runs everywhere.
 from __future__ import annotations
 
 from raylane.kernels.attention.metadata import AttentionMetadata, SeqSlice
-from raylane.kernels.attention.registry import AttentionBackend, available_backends, get_backend
+from raylane.kernels.attention.registry import (
+    AttentionBackend,
+    BackendRequest,
+    available_backends,
+    get_backend,
+)
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "BackendRequest",
     "SeqSlice",
     "available_backends",
     "get_backend",

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from raylane.kernels.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
@@ -33,19 +37,53 @@ class AttentionBackend(Protocol):
         ...
 
 
-def _torch_backend() -> AttentionBackend:
+@dataclass(frozen=True)
+class BackendRequest:
+    """What the runner knows of its model beyond the layer kinds, for backends with limits
+    (flash_attn: fp16/bf16, head sizes, block size), and how the backend should reduce.
+
+    `num_splits` reaches flash_attn's `num_splits`: 0 lets the kernel pick per shape, 1 keeps
+    one reduction order whatever the batch (the batch-invariant mode)."""
+
+    dtype: torch.dtype | None = None  # None: not known, not checked
+    head_sizes: tuple[int, ...] = ()
+    block_size: int | None = None
+    num_splits: int = 0
+
+
+@dataclass(frozen=True)
+class _Entry:
+    # why the backend cannot run on the device (not installed, no GPU), or None
+    missing: Callable[[torch.device], str | None]
+    # why it cannot serve this model (kinds, dtype, shapes) where it runs, or None
+    unfit: Callable[[torch.device, frozenset[str], BackendRequest], str | None]
+    make: Callable[[torch.device, BackendRequest], AttentionBackend]
+
+
+def _serves(kinds: frozenset[str]):
+    def unfit(device, need: frozenset[str], request: BackendRequest) -> str | None:
+        return None if need <= kinds else f"layer kinds {sorted(need - kinds)} not served"
+
+    return unfit
+
+
+def _unless(available: Callable[[torch.device], bool], needs: str):
+    return lambda device: None if available(device) else needs
+
+
+def _torch_backend(device, request) -> AttentionBackend:
     from raylane.kernels.attention.torch_ref import TorchAttention
 
     return TorchAttention()
 
 
-def _triton_backend() -> AttentionBackend:
+def _triton_backend(device, request) -> AttentionBackend:
     from raylane.kernels.attention.triton_backend import TritonAttention
 
     return TritonAttention()
 
 
-def _cpu_backend() -> AttentionBackend:
+def _cpu_backend(device, request) -> AttentionBackend:
     from raylane.kernels.attention.cpu_backend import CpuPagedAttention
 
     return CpuPagedAttention()
@@ -70,41 +108,108 @@ def has_triton(device: torch.device) -> bool:
     return True
 
 
-# name -> (is_available, factory), in order of preference for "auto"
-_BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], AttentionBackend]]] = {
-    "triton": (has_triton, _triton_backend),
-    "cpu": (_has_cpu_kernel, _cpu_backend),
-    "torch": (lambda device: True, _torch_backend),
+def _flash_missing(device: torch.device) -> str | None:
+    from raylane.kernels.attention.flash_fork import FlashForkMissing, find_flash_fork
+
+    try:
+        find_flash_fork(device)
+    except FlashForkMissing as e:
+        return str(e)
+    return None
+
+
+def _flash_unfit(device, kinds: frozenset[str], request: BackendRequest) -> str | None:
+    from raylane.kernels.attention.flash_backend import unfit
+    from raylane.kernels.attention.flash_fork import find_flash_fork
+
+    fork = find_flash_fork(device)
+    return unfit(fork, kinds, request.dtype, request.head_sizes, request.block_size)
+
+
+def _flash_backend(device, request: BackendRequest) -> AttentionBackend:
+    from raylane.kernels.attention.flash_backend import FlashAttention
+    from raylane.kernels.attention.flash_fork import find_flash_fork
+
+    return FlashAttention(find_flash_fork(device), num_splits=request.num_splits)
+
+
+# in order of preference for "auto"; "dsa" layers run their own torch ops
+# (kernels/attention/sparse.py) and need no backend
+_BACKENDS: dict[str, _Entry] = {
+    "flash_attn": _Entry(_flash_missing, _flash_unfit, _flash_backend),
+    "triton": _Entry(
+        _unless(has_triton, "needs a CUDA device and the triton package"),
+        _serves(frozenset({"full", "mla", "sliding", "sinks"})),
+        _triton_backend,
+    ),
+    "cpu": _Entry(
+        _unless(_has_cpu_kernel, "needs the CPU and its C kernel (built with the system cc)"),
+        _serves(frozenset({"full", "mla", "sliding", "sinks"})),
+        _cpu_backend,
+    ),
+    "torch": _Entry(
+        lambda device: None,
+        _serves(frozenset({"full", "mla", "dsa", "sliding", "sinks", "softcap"})),
+        _torch_backend,
+    ),
 }
-# the cache layouts (attention layer kinds, see actors/models/attention.py) each one serves
-_KINDS: dict[str, frozenset[str]] = {
-    "triton": frozenset({"full", "mla", "sliding", "sinks"}),
-    "cpu": frozenset({"full", "mla", "sliding", "sinks"}),
-    # "dsa" layers run their own torch ops (kernels/attention/sparse.py) and need no backend
-    "torch": frozenset({"full", "mla", "dsa", "sliding", "sinks"}),
+# vLLM's backend names (its --attention-backend / VLLM_ATTENTION_BACKEND) for ours
+ALIASES = {
+    "FLASH_ATTN": "flash_attn",
+    "TRITON_ATTN": "triton",
+    "CPU_ATTN": "cpu",
+    "TORCH_SDPA": "torch",
 }
 
 
-def available_backends(device: torch.device, kinds: Iterable[str] = ("full",)) -> list[str]:
+def _why_not(name: str, device, kinds: frozenset[str], request: BackendRequest) -> str | None:
+    entry = _BACKENDS[name]
+    return entry.missing(device) or entry.unfit(device, kinds, request)
+
+
+def available_backends(
+    device: torch.device,
+    kinds: Iterable[str] = ("full",),
+    request: BackendRequest | None = None,
+) -> list[str]:
     """Backends that run on `device` and serve every layer kind in `kinds`."""
-    need = set(kinds)
-    return [n for n, (ok, _) in _BACKENDS.items() if need <= _KINDS[n] and ok(device)]
+    need, request = frozenset(kinds), request or BackendRequest()
+    return [n for n in _BACKENDS if _why_not(n, device, need, request) is None]
 
 
 def get_backend(
-    name: str = "auto", device: torch.device | str = "cpu", kinds: Iterable[str] = ("full",)
+    name: str = "auto",
+    device: torch.device | str = "cpu",
+    kinds: Iterable[str] = ("full",),
+    request: BackendRequest | None = None,
 ) -> AttentionBackend:
-    """Return the named backend, or with "auto" the first available for `device` that serves
-    every layer kind of the model (`kinds`)."""
-    device, kinds = torch.device(device), tuple(kinds)
-    names = available_backends(device, kinds)
+    """Return the named backend (ours, or vLLM's name such as "FLASH_ATTN"), or with "auto"
+    the first that runs on `device` and serves every layer kind of the model (`kinds`)."""
+    device, need = torch.device(device), frozenset(kinds)
+    request = request or BackendRequest()
+    name = ALIASES.get(name, name)
     if name == "auto":
-        return _BACKENDS[names[0]][1]()
+        return _first_fit(device, need, request)
     if name not in _BACKENDS:
-        raise ValueError(f"attention_backend: unknown backend {name!r}; known: {sorted(_BACKENDS)}")
-    if name not in names:
+        known = sorted(_BACKENDS) + sorted(ALIASES)
+        raise ValueError(f"attention_backend: unknown backend {name!r}; known: {known}")
+    why = _why_not(name, device, need, request)
+    if why is not None:
         raise ValueError(
             f"attention_backend: {name!r} is not available on {device} for layer kinds "
-            f"{sorted(set(kinds))}; available: {names}"
+            f"{sorted(need)}: {why}; available: {available_backends(device, need, request)}"
         )
-    return _BACKENDS[name][1]()
+    return _BACKENDS[name].make(device, request)
+
+
+def _first_fit(device: torch.device, need: frozenset[str], request: BackendRequest):
+    for name, entry in _BACKENDS.items():
+        if entry.missing(device) is not None:
+            continue
+        why = entry.unfit(device, need, request)
+        if why is None:
+            logger.info("attention backend: %s", name)
+            return entry.make(device, request)
+        # installed but not for this model (FA2 and sinks, float32, ...): say what it falls to
+        logger.info("attention backend %s is installed but not used: %s", name, why)
+    raise AssertionError("the torch reference serves every layer kind")

@@ -60,10 +60,11 @@ class TorchAttention:
 
     def forward(
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-        window: int | None = None, sinks: torch.Tensor | None = None,
+        window: int | None = None, sinks: torch.Tensor | None = None, softcap: float = 0.0,
     ):  # fmt: skip
         """`window`: a query sees only its last `window` keys (itself included); `sinks` [H]:
-        one learned logit per head that joins each softmax's denominator (gpt-oss)."""
+        one learned logit per head that joins each softmax's denominator (gpt-oss); `softcap`
+        > 0: each logit becomes cap * tanh(s / cap) (Gemma 2, the layer kind "softcap")."""
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])  # [T, H, Dv]
         split = meta.num_prefill_tokens
@@ -72,10 +73,12 @@ class TorchAttention:
                 meta.plan = self.plan(meta)
             prefill: PrefillPlan = meta.plan
             rows = slice(0, split)
-            if prefill.fresh and window is None and sinks is None:
+            if prefill.fresh and window is None and sinks is None and not softcap:
                 out[rows] = attend_fresh(q[rows], k[rows], v[rows], prefill, scale)
             else:
-                out[rows] = attend_prefill(q[rows], k_cache, v_cache, prefill, scale, window, sinks)
+                out[rows] = attend_prefill(
+                    q[rows], k_cache, v_cache, prefill, scale, window, sinks, softcap
+                )
         if meta.num_decodes:
             first = meta.num_prefills
             out[split:] = attend_decode(
@@ -88,6 +91,7 @@ class TorchAttention:
                 scale,
                 window,
                 sinks,
+                softcap,
             )
         return out
 
@@ -127,7 +131,7 @@ def plan_prefill(seqs: list[SeqSlice], block_size: int, device) -> PrefillPlan:
 
 
 def attend_prefill(
-    q, k_cache, v_cache, plan: PrefillPlan, scale: float, window=None, sinks=None
+    q, k_cache, v_cache, plan: PrefillPlan, scale: float, window=None, sinks=None, softcap=0.0
 ) -> torch.Tensor:
     num_heads, v_dim = q.shape[1], v_cache.shape[2]
     qp = _pad(q, plan, q.new_empty)  # padded query rows are never read back
@@ -137,7 +141,7 @@ def attend_prefill(
     # [batch, max_ctx, num_kv_heads, D] -> [batch, num_kv_heads, max_ctx, D]
     kp = k_cache.index_select(0, slots).view(ctx_shape).transpose(1, 2)
     vp = v_cache.index_select(0, slots).view(ctx_shape).transpose(1, 2)
-    out = attend(qp.transpose(1, 2), kp, vp, plan.allowed_in(window), scale, sinks)
+    out = attend(qp.transpose(1, 2), kp, vp, plan.allowed_in(window), scale, sinks, softcap)
     out = out.transpose(1, 2).reshape(plan.batch * plan.max_q, num_heads, v_dim)
     return out.index_select(0, plan.flat_index)
 
@@ -172,6 +176,7 @@ def attend_decode(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query per sequence over its whole context, from device tensors only (capturable):
     every block of the table is gathered, positions past `seq_lens` (and, with a window,
@@ -198,23 +203,31 @@ def attend_decode(
         allowed.view(batch, 1, 1, -1),
         scale,
         sinks,
+        softcap,
     )  # [batch, num_heads, 1, Dv]
     return out.view(batch, num_heads, v_dim)
 
 
-def attend(q, k, v, allowed, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+def attend(
+    q, k, v, allowed, scale: float, sinks: torch.Tensor | None, softcap: float = 0.0
+) -> torch.Tensor:
     """q [B, H, Q, D], k/v [B, KVH, K, D], allowed [B, 1, Q, K] -> [B, H, Q, Dv]. A sink adds
     exp(sink_h) to the softmax's denominator and nothing to the sum (so a row may weigh its
-    keys at less than 1)."""
+    keys at less than 1); a softcap bounds each logit to (-cap, cap) before the mask."""
     gqa = k.shape[1] != q.shape[1]
-    if sinks is None:
+    if sinks is None and not softcap:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa
         )
     if gqa:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    logits = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, -torch.inf)
+    logits = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~allowed, -torch.inf)
+    if sinks is None:
+        return logits.softmax(dim=-1).to(v.dtype) @ v
     sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
     probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
     return probs.to(v.dtype) @ v
