@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from raylane.kernels.activation import act_and_mul
+from raylane.kernels.batch_invariant import grouped_linear
 
 _MM_ALIGN_BYTES = 16  # torch._grouped_mm: start and leading stride of each operand
 
@@ -102,13 +103,20 @@ def _grouped_mm_ready(t: torch.Tensor) -> bool:
 
 
 def _grouped_linear(
-    a: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tensor, ends: torch.Tensor
+    a: torch.Tensor,
+    w: torch.Tensor,
+    expert_of_row: torch.Tensor,
+    ends: torch.Tensor,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """a [S, in] with rows grouped by expert; w [E, out, in] -> a @ w[expert].T, [S, out].
 
     `expert_of_row` [S] and `ends` [E] int32 (exclusive end row of each expert's group) describe
-    the same grouping; an expert with no rows is an empty group.
+    the same grouping; an expert with no rows is an empty group. `invariant`: one reduction
+    order per row whatever the group sizes (the batch-invariant mode).
     """
+    if invariant:
+        return grouped_linear(a, w, ends)
     wt = w.transpose(1, 2)  # [E, in, out], column-major: leading stride `in`
     if _grouped_mm_ready(a) and _grouped_mm_ready(wt):
         # NOTE: on CUDA this is the device-only CUTLASS kernel for bfloat16 on sm90 / sm100;
@@ -130,12 +138,14 @@ def expert_forward(
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Weighted sum of each token's experts.
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
     weights / ids [T, k] -> [T, H]. Optional per-expert biases b13 [E, 2I], b2 [E, H], and
     `act` ([S, 2I] -> [S, I]) in place of `act_and_mul(., hidden_act)` (gpt-oss).
+    `invariant`: the batch-invariant mode's row-invariant expert matmuls.
     """
     num_tokens = ids.shape[0]
     # S = k * T entries, slot-major (entry j * T + t is token t's slot j), stably sorted by
@@ -144,11 +154,12 @@ def expert_forward(
     experts = torch.arange(w13.shape[0], device=ids.device)
     # [E] = cumsum(bincount(ids)); bincount on CUDA reads max(ids) on the host, this does not
     ends = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
-    h = _grouped_linear(x.index_select(0, order % num_tokens), w13, sorted_ids, ends)  # [S, 2I]
+    rows = x.index_select(0, order % num_tokens)
+    h = _grouped_linear(rows, w13, sorted_ids, ends, invariant)  # [S, 2I]
     if b13 is not None:
         h = h + b13.index_select(0, sorted_ids)
     h = act(h) if act is not None else act_and_mul(h, hidden_act)
-    h = _grouped_linear(h, w2, sorted_ids, ends)  # [S, H]
+    h = _grouped_linear(h, w2, sorted_ids, ends, invariant)  # [S, H]
     if b2 is not None:
         h = h + b2.index_select(0, sorted_ids)
     h = h * weights.t().reshape(-1).index_select(0, order).unsqueeze(1)
@@ -179,8 +190,9 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
     hidden_act: str = "silu",
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route and compute: (out [T, H], chosen expert ids [T, k] int32)."""
     weights, ids = select_experts(router_logits, top_k, renormalize)
-    out = expert_forward(x, w13, w2, weights, ids, hidden_act)
+    out = expert_forward(x, w13, w2, weights, ids, hidden_act, invariant=invariant)
     return out, ids.to(torch.int32)

@@ -68,6 +68,9 @@ class EngineConfig:
     # speculative decoding (vLLM's name): a dict such as {"method": "ngram",
     # "num_speculative_tokens": 4}, kept as a `SpeculativeConfig` (see actors/engine/spec)
     speculative_config: SpeculativeConfig | dict | None = None
+    # a request's tokens, logprobs and routing are the same alone or in any batch, and equal
+    # to a trainer's transformers forward under `raylane.batch_invariant()` (docs/rl.md)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model", "dtype", "device", "attention_backend"):
@@ -79,6 +82,7 @@ class EngineConfig:
             "enable_return_routed_experts",
             "enable_return_indexer_topk",
             "async_scheduling",
+            "batch_invariant",
         ):
             check_type("EngineConfig", name, getattr(self, name), bool)
         check_type("EngineConfig", "seed", self.seed, int)

@@ -128,6 +128,7 @@ def runner_config(
         enable_return_indexer_topk=config.enable_return_indexer_topk,
         seed=config.seed,
         attention_backend=config.attention_backend,
+        batch_invariant=config.batch_invariant,
         tensor_parallel_size=config.tensor_parallel_size,
         eos_token_ids=tuple(eos),
         sample_on_every_rank=config.async_scheduling and config.tensor_parallel_size > 1,

@@ -116,7 +116,15 @@ class DeepseekMoE(nn.Module):
         weights, ids = self.gate(x)
         w13, w2 = self.experts.w13_weight, self.experts.w2_weight
         out = self.tp.all_reduce(
-            expert_forward(x, w13, w2, weights.to(x.dtype), ids, self.hidden_act)
+            expert_forward(
+                x,
+                w13,
+                w2,
+                weights.to(x.dtype),
+                ids,
+                self.hidden_act,
+                invariant=self.experts.invariant,
+            )
         )
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from raylane.actors.models.checkpoint import LazyTensor, materialize
 from raylane.actors.models.tp_shape import split_evenly, split_kv_heads
+from raylane.kernels.batch_invariant import padded_linear
 from torch import nn
 
 Loaded = torch.Tensor | LazyTensor  # what a weight_loader receives
@@ -98,9 +99,16 @@ def new_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Paramet
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """x [T, in] -> [T, out]; through the oneDNN-packed copy of `weight` when there is one."""
+    """x [T, in] -> [T, out]; through the oneDNN-packed copy of `weight` when there is one;
+    `invariant`: one reduction order per row whatever T (the batch-invariant mode)."""
+    if invariant:
+        return padded_linear(x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -110,6 +118,7 @@ class LinearBase(nn.Module):
     """weight [out_local, in_local] (+ bias [out_local]); subclasses decide the slicing."""
 
     packed: torch.Tensor | None = None  # a oneDNN-blocked copy of weight, see packing.py
+    invariant = False  # the batch-invariant mode (set by the runner: `make_batch_invariant`)
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPGroup | None) -> None:
         super().__init__()
@@ -121,7 +130,7 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.invariant)
 
 
 class ReplicatedLinear(LinearBase):
@@ -230,8 +239,11 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None or self.tp.world_size == 1:  # bias fused, like HF's nn.Linear
-            return self.tp.all_reduce(linear(x, self.weight, self.bias, self.packed))
-        return self.tp.all_reduce(linear(x, self.weight, None, self.packed)) + self.bias
+            return self.tp.all_reduce(
+                linear(x, self.weight, self.bias, self.packed, self.invariant)
+            )
+        partial = linear(x, self.weight, None, self.packed, self.invariant)
+        return self.tp.all_reduce(partial) + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -269,8 +281,20 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary, split by vocab rows like the embedding."""
 
     packed: torch.Tensor | None = None  # a oneDNN-blocked copy of weight, see packing.py
+    invariant = False  # the batch-invariant mode (set by the runner: `make_batch_invariant`)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, D] -> [N, vocab] float32, padding rows of the last rank dropped
-        logits = self.tp.all_gather_last(linear(hidden, self.weight, None, self.packed))
+        logits = self.tp.all_gather_last(
+            linear(hidden, self.weight, None, self.packed, self.invariant)
+        )
         return logits[:, : self.num_embeddings].float()
+
+
+def make_batch_invariant(model: nn.Module) -> int:
+    """Switch every layer that has a batch-invariant path (linears, the LM head, fused MoE
+    experts: those whose class declares `invariant`) onto it; returns how many."""
+    layers = [m for m in model.modules() if hasattr(type(m), "invariant")]
+    for m in layers:
+        m.invariant = True
+    return len(layers)

@@ -37,6 +37,8 @@ class FusedMoE(nn.Module):
     w13_weight [E, 2 * I_local, H] holds gate rows then up rows; w2_weight [E, H, I_local].
     """
 
+    invariant = False  # the batch-invariant mode (set by the runner: `make_batch_invariant`)
+
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup | None = None
     ) -> None:
@@ -102,6 +104,7 @@ class SparseMoeBlock(nn.Module):
             self.top_k,
             self.renormalize,
             self.hidden_act,
+            self.experts.invariant,
         )
         return self.tp.all_reduce(out), ids
 

@@ -27,6 +27,8 @@ class RunnerConfig:
     tensor_parallel_size: int = 1
     eos_token_ids: tuple[int, ...] = ()
     pack_weights: bool = True  # oneDNN-packed linears on CPU float32 (see actors/models/packing)
+    # every row's result independent of the batch it runs in (kernels/batch_invariant)
+    batch_invariant: bool = False
     # every rank draws the step's tokens, not only rank 0: with async scheduling each rank
     # fills the next plan's placeholders with what it drew (identical logits and counter-based
     # random words make the draws identical on every rank)
