@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 from raylane.actors.models import TPGroup, load_model, load_weights
 from raylane.actors.models.layer_layout import layer_groups
+from raylane.actors.models.layers import make_batch_invariant
 from raylane.actors.runner.config import RunnerConfig, RunnerInfo
 from raylane.actors.runner.draft_runner import DraftRunner
 from raylane.actors.runner.faults import Faults
@@ -35,6 +36,7 @@ from raylane.actors.runner.state_cache import StateCache
 from raylane.actors.runner.weight_spill import WeightSpill
 from raylane.actors.runner.weight_updates import RunnerWeights
 from raylane.kernels.attention import BackendRequest, get_backend
+from raylane.kernels.batch_invariant import batch_invariant_backend
 from raylane.kernels.fused_ops import attach_fused_ops, get_fused_ops
 
 
@@ -48,7 +50,7 @@ class ModelRunner(RunnerUpkeep):
             resolve_dtype(config.dtype, self.device),
             self.device,
             self.tp,
-            pack_weights=config.pack_weights,
+            pack_weights=config.pack_weights and not config.batch_invariant,
         )
         # the architecture's class (attention_layers, compute_logits), not a plain nn.Module
         self.model: Any = cast(Any, model)
@@ -72,9 +74,13 @@ class ModelRunner(RunnerUpkeep):
             self.weights.draft = self.draft.weights
         layers = self.model.attention_layers()
         self._attach_backend([*layers, *(self.draft.layers() if self.draft is not None else [])])
-        fused = get_fused_ops("auto", self.device)  # RMSNorm, gated activations, RoPE
+        # RMSNorm, gated activations, RoPE; the batch-invariant mode takes the torch ops, which
+        # are a trainer's transformers ops (and reduce within a row)
+        fused = get_fused_ops("torch" if config.batch_invariant else "auto", self.device)
         for net in [self.model, *([self.draft.model] if self.draft is not None else [])]:
             attach_fused_ops(net, fused)
+            if config.batch_invariant:
+                make_batch_invariant(net)
         linear: list[Any] = getattr(self.model, "linear_layers", list)()
         self.state = (
             StateCache(
@@ -115,8 +121,12 @@ class ModelRunner(RunnerUpkeep):
             dtype=self.dtype,
             head_sizes=tuple(sorted({layer.head_dim for layer in layers})),
             block_size=self.config.block_size,
+            num_splits=1 if self.config.batch_invariant else 0,  # one reduction order
         )
-        backend = get_backend(self.config.attention_backend, self.device, kinds, request)
+        name = self.config.attention_backend
+        if self.config.batch_invariant:
+            name = batch_invariant_backend(name, self.device)
+        backend = get_backend(name, self.device, kinds, request)
         for layer in layers:
             layer.backend = backend
 
