@@ -11,7 +11,9 @@
 #          a random-weight model of SmolLM2's shape instead.
 # pytest:  pytest tests/gpu: graphs vs eager, HF parity on CUDA for every model family (MLA,
 #          DSA, linear attention, windows and sinks, MoE), speculative decoding vs none, the
-#          Triton kernels vs the torch references at real checkpoints' shapes. Set
+#          Triton kernels vs the torch references at real checkpoints' shapes, the flash_attn
+#          backend vs torch and Triton where vLLM's flash-attention fork imports (it comes
+#          with vLLM's wheel, never installed here: those tests skip, saying so). Set
 #          RAYLANE_GPU_TESTS_DEVICE=cpu to dry-run their logic without a GPU first.
 # decode:  `raylane bench decode` for SmolLM2 and a Qwen3-0.6B-shaped random model at batch
 #          1, 8, 32, 64 (DECODE_ARGS adds options, e.g. "--repeats 1" on a short lease). (`raylane bench throughput --dtype ...` is a CPU benchmark: not here.)

@@ -43,6 +43,16 @@ def install(
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
 
 
+def install_for_cpu_engine(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType) -> None:
+    """`module` as vLLM's fork, found on the CPU too: an engine on CPU tensors runs its layers
+    through the fake (only the probe's device check is bypassed)."""
+    import raylane.kernels.attention.flash_fork as flash_fork
+
+    install(monkeypatch, vllm=module)
+    find, cuda = flash_fork.find_flash_fork, torch.device("cuda")
+    monkeypatch.setattr(flash_fork, "find_flash_fork", lambda device: find(cuda))
+
+
 def varlen(
     calls: list,
     q,

@@ -13,7 +13,7 @@ from raylane.kernels.attention import BackendRequest, SeqSlice, get_backend
 from raylane.kernels.attention.builder import build_metadata
 from raylane.kernels.attention.torch_ref import TorchAttention, attend
 
-from tests.unit.flash_fakes import fake_fork_module, install
+from tests.unit.flash_fakes import fake_fork_module, install, install_for_cpu_engine
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 16
 BF16 = BackendRequest(dtype=torch.bfloat16, head_sizes=(HEAD_DIM,), block_size=BLOCK)
@@ -195,13 +195,7 @@ def test_engine_with_flash_attn_equals_torch_greedy_eager_and_replayed(monkeypat
     from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
     fork = fake_fork_module((2,))
-    install(monkeypatch, vllm=fork)
-    # the fork runs here on CPU tensors: only the device check is bypassed
-    import raylane.kernels.attention.flash_fork as flash_fork
-
-    cuda = torch.device("cuda")
-    real_find = flash_fork.find_flash_fork
-    monkeypatch.setattr(flash_fork, "find_flash_fork", lambda device: real_find(cuda))
+    install_for_cpu_engine(monkeypatch, fork)
     prompts = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate((5, 17, 33))]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens = {}
