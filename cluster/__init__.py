@@ -23,6 +23,7 @@ _EXPORTS = {
     "CompletionOutput": "raylane.actors.engine.outputs",
     "RolloutClient": "raylane.client.rollout_client",
     "ClusterConfig": "raylane.config",
+    "batch_invariant": "raylane.on_policy",
 }
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     )
     from raylane.client.rollout_client import RolloutClient
     from raylane.config import ClusterConfig
+    from raylane.on_policy import batch_invariant
 
 
 def __getattr__(name: str) -> Any:
@@ -62,4 +64,5 @@ __all__ = [
     "RolloutClient",
     "SamplingParams",
     "StructuredOutputsParams",
+    "batch_invariant",
 ]

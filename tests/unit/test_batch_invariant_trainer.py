@@ -1,0 +1,142 @@
+"""The trainer's forward under `raylane.batch_invariant()` equals the engine's rollout bit for bit.
+
+The engine (`EngineConfig(batch_invariant=True)`, raylane's own model code) samples rollouts in
+one mixed batch; transformers' own model class, loaded from the same checkpoint in the same
+dtype, scores the same tokens teacher-forced with right padding at trainer batch sizes 1, 3 and
+all. Logprobs are compared with ==. Outside the context the same forward differs (the property
+is not trivially true), and leaving the context restores every op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from raylane import EngineConfig, LLMEngine, SamplingParams, batch_invariant
+from transformers import AutoModelForCausalLM
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+DTYPES = ["float32", "bfloat16"]
+FAMILIES = ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_moe_dir"]
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21], [22, 23]]
+
+
+def _rollouts(model_dir: str, dtype: str, max_tokens: int = 20):
+    engine = LLMEngine(
+        EngineConfig(model=model_dir, dtype=dtype, num_kv_blocks=128, batch_invariant=True)
+    )
+    try:
+        params = [
+            SamplingParams(seed=3 + i, max_tokens=max_tokens - 3 * i, logprobs=0, ignore_eos=True)
+            for i in range(len(PROMPTS))
+        ]
+        return engine.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        engine.shutdown()
+
+
+def _padded(outs) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    return ids, mask
+
+
+def _trainer_logprobs(hf, ids, mask, batch: int) -> list[list[float]]:
+    rows = []
+    with torch.no_grad():
+        for start in range(0, ids.shape[0], batch):
+            part = slice(start, start + batch)
+            rows += batch_invariant.logprobs(hf, ids[part], mask[part]).tolist()
+    return rows
+
+
+def _sampled(outs, rows: list[list[float]]) -> list[list[float]]:
+    """Each rollout's entries of the trainer's [T - 1] rows: its generated tokens'."""
+    got = []
+    for o, row in zip(outs, rows):
+        n0, n = len(o.prompt_token_ids), len(o.outputs[0].token_ids)
+        got.append(row[n0 - 1 : n0 - 1 + n])
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "family, attn", [(f, "sdpa") for f in FAMILIES] + [("tiny_llama_dir", "eager")]
+)
+def test_trainer_logprobs_equal_the_rollouts(request, family, dtype, attn):
+    model_dir = request.getfixturevalue(family)
+    outs = _rollouts(model_dir, dtype)
+    want = [o.outputs[0].logprobs for o in outs]
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation=attn
+    ).eval()
+    ids, mask = _padded(outs)
+    for batch in (1, 3, len(outs)):
+        assert _sampled(outs, _trainer_logprobs(hf, ids, mask, batch)) == want, batch
+    with torch.no_grad():  # outside the context: transformers' own kernels, not equal
+        lp = torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
+    plain = _sampled(outs, lp.gather(-1, ids[:, 1:, None])[..., 0].tolist())
+    assert plain != want
+
+
+def test_smollm2_bfloat16_is_bitwise_on_policy(smollm2_dir):
+    """The embedded real model: its activations are where a GEMV rounds otherwise than a GEMM
+    (random tiny models hide some of that)."""
+    outs = _rollouts(smollm2_dir, "bfloat16", max_tokens=12)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    ids, mask = _padded(outs)
+    for batch in (1, len(outs)):
+        got = _sampled(outs, _trainer_logprobs(hf, ids, mask, batch))
+        assert got == [o.outputs[0].logprobs for o in outs]
+
+
+def test_autograd_works_inside_and_agrees_with_outside(tiny_llama_dir):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+
+    def grads() -> dict[str, torch.Tensor]:
+        hf.zero_grad()
+        logits = hf(input_ids=ids, attention_mask=mask).logits
+        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        (-(lp * mask[:, 1:]).sum()).backward()
+        return {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+
+    outside = grads()
+    with batch_invariant():
+        inside = grads()
+    assert inside.keys() == outside.keys() and len(inside) > 5
+    for name, g in inside.items():
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, outside[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_leaving_the_context_restores_every_op():
+    tables = (ALL_ATTENTION_FUNCTIONS, ALL_EXPERTS_FUNCTIONS)
+    linear, before = F.linear, [dict(t._local_mapping) for t in tables]
+    with pytest.raises(KeyError):
+        with batch_invariant():
+            assert F.linear is not linear
+            assert (
+                ALL_ATTENTION_FUNCTIONS["sdpa"]
+                is not ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
+            )
+            experts = ALL_EXPERTS_FUNCTIONS
+            assert all(
+                experts[k] is not experts._global_mapping[k] for k in experts._global_mapping
+            )
+            raise KeyError("a trainer's error inside the block")
+    assert F.linear is linear
+    assert [dict(t._local_mapping) for t in tables] == before
+
+
+def test_left_padding_is_refused_with_what_to_do(tiny_llama_dir):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="right padding"):
+        batch_invariant.logprobs(hf, ids, mask)
