@@ -108,7 +108,7 @@ def linear(
     """x [T, in] -> [T, out]; through the oneDNN-packed copy of `weight` when there is one;
     `invariant`: one reduction order per row whatever T (the batch-invariant mode)."""
     if invariant:
-        return padded_linear(x, weight, bias)
+        return padded_linear(x, weight, bias, packed)
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

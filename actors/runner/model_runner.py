@@ -45,12 +45,16 @@ class ModelRunner(RunnerUpkeep):
         self.config = config
         self.tp = tp or TPGroup()
         self.device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, self.device)
         model, hf_config, _ = load_model(
             config.model_dir,
-            resolve_dtype(config.dtype, self.device),
+            dtype,
             self.device,
             self.tp,
-            pack_weights=config.pack_weights and not config.batch_invariant,
+            # the batch-invariant mode keeps oneDNN packs in bfloat16 only, where they round as
+            # F.linear does (kernels/batch_invariant/linear.py)
+            pack_weights=config.pack_weights
+            and (not config.batch_invariant or dtype == "bfloat16"),
         )
         # the architecture's class (attention_layers, compute_logits), not a plain nn.Module
         self.model: Any = cast(Any, model)

@@ -15,17 +15,26 @@ _LINEAR = F.linear
 
 
 def padded_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) with one reduction order per row: x [..., in] -> [..., out].
     The rows are padded with zeros to a multiple of ROW_BLOCK for the call and dropped after
-    (autograd flows through)."""
+    (autograd flows through). `packed`: the weight's oneDNN-blocked copy (bfloat16 only: there
+    it rounds bit for bit as F.linear does and is ~1.3x faster; in float32 it rounds otherwise,
+    so a trainer's F.linear could not follow)."""
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
     pad = -rows.shape[0] % ROW_BLOCK
     if pad or rows.shape[0] == 0:
         pad = pad or ROW_BLOCK
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-    out = _LINEAR(rows, weight, bias)[: rows.shape[0] - pad]  # [M, out]
+    if packed is not None and x.dtype == torch.bfloat16:
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    else:
+        out = _LINEAR(rows, weight, bias)
+    out = out[: rows.shape[0] - pad]  # [M, out]
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
