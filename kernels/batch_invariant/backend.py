@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from raylane.kernels.attention.registry import ALIASES
 
 
 def batch_invariant_backend(name: str, device: torch.device) -> str:
@@ -15,7 +16,7 @@ def batch_invariant_backend(name: str, device: torch.device) -> str:
             f"padded matmuls); on {device.type} the Triton kernels have no batch-invariant "
             "variant yet. Run on the CPU, or turn the mode off"
         )
-    if name not in ("auto", "cpu"):
+    if ALIASES.get(name, name) not in ("auto", "cpu"):
         raise ValueError(
             f"EngineConfig.attention_backend: {name!r} is not batch invariant; the "
             "batch-invariant mode runs the C kernel ('cpu', or leave it 'auto')"
