@@ -1,0 +1,112 @@
+"""The batch-invariant kernels, measured the way kernels/batch_invariant/__init__.py says: a row's
+result alone equals that row's result among others (==), at any row count and position, and the
+kernels still compute what they name (against a float64 reference, within float tolerance).
+
+Activations are heavy-tailed on purpose: random normal rows have dot products that sum exactly
+in float32, which hides a GEMV rounding otherwise than a GEMM.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from raylane.kernels.attention import cpu_kernel
+from raylane.kernels.batch_invariant import batch_invariant_backend, grouped_linear, padded_linear
+from raylane.kernels.batch_invariant.attention import paged, reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _heavy(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen) * torch.exp(1.5 * torch.randn(*shape, generator=gen))
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padded_linear_gives_a_row_the_same_bits_at_any_count_and_position(dtype):
+    w = _heavy(384, 256, dtype=dtype, seed=1) / 16
+    x = _heavy(80, 256, dtype=dtype)
+    alone = padded_linear(x[:1], w)[0]
+    for m, pos in ((2, 1), (5, 4), (16, 9), (17, 16), (33, 20), (80, 79)):
+        rows = torch.cat([x[1 : pos + 1], x[:1], x[pos + 1 : m]])
+        assert torch.equal(padded_linear(rows, w)[pos], alone), (m, pos)
+    exact = x.double() @ w.double().t()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(padded_linear(x, w).double(), exact, rtol=tol, atol=tol * 10)
+
+
+def test_plain_float32_linear_is_not_row_invariant():
+    """What the padding is for: without it the same row rounds otherwise at another M."""
+    w = _heavy(384, 256, dtype=torch.float32, seed=1) / 16
+    x = _heavy(80, 256, dtype=torch.float32)
+    alone = F.linear(x[:1], w)[0]
+    assert any(not torch.equal(F.linear(x[:m], w)[0], alone) for m in (2, 5, 16, 33, 80))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_linear_is_each_experts_linear(dtype):
+    w = _heavy(4, 48, 32, dtype=dtype, seed=2) / 8  # [E, out, in]
+    a = _heavy(21, 32, dtype=dtype)
+    ends = torch.tensor([5, 5, 17, 21], dtype=torch.int32)  # expert 1 has no rows
+    got = grouped_linear(a, w, ends)
+    starts = [0, 5, 5, 17]
+    for e, (s, t) in enumerate(zip(starts, ends.tolist())):
+        for r in range(s, t):  # each row as if it were its expert's only row
+            assert torch.equal(got[r], padded_linear(a[r : r + 1], w[e])[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_c_attention_kernel_reduces_a_row_alike_in_prefill_decode_chunk_and_batch(dtype):
+    h, kvh, d, bs, n = 6, 2, 32, 16, 45
+    k_cache = _heavy(8 * bs, kvh, d, dtype=dtype, seed=3)
+    v_cache = _heavy(8 * bs, kvh, d, dtype=dtype, seed=4)
+    q = _heavy(n, h, d, dtype=dtype, seed=5)
+    own = torch.arange(0, 3, dtype=torch.int32)  # blocks 0-2 hold the sequence
+    other = torch.arange(4, 7, dtype=torch.int32)
+
+    def run(rows, starts, lens, tables):
+        out = rows.new_empty(rows.shape[0], h, d)
+        return cpu_kernel.paged_attention(
+            rows, k_cache, v_cache, torch.stack(tables),
+            torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+            d**-0.5, out, block_size=bs,
+        )  # fmt: skip
+
+    prefill = run(q, [0, n], [n], [own])
+    assert torch.equal(run(q[n - 1 :], [0, 1], [n], [own])[0], prefill[n - 1])  # a decode row
+    assert torch.equal(run(q[30:], [0, n - 30], [n], [own]), prefill[30:])  # a later chunk
+    mixed = run(torch.cat([q[:7], q[40:]]), [0, 7, 12], [20, n], [other, own])
+    assert torch.equal(mixed[7:], prefill[40:])  # beside another sequence's rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_trainers_paged_attention_is_attention(dtype):
+    """The trainer's path (right padding) against the plain torch math and against SDPA."""
+    b, h, kvh, t, d = 3, 4, 2, 21, 16
+    q, k, v = (_heavy(b, n, t, d, dtype=dtype, seed=s) / 4 for s, n in ((6, h), (7, kvh), (8, kvh)))
+    lengths = [21, 9, 14]
+    got = paged(q, k, v, lengths, d**-0.5)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(
+        got.float(), reference(q, k, v, lengths, d**-0.5).float(), rtol=tol, atol=tol
+    )
+    for i, n in enumerate(lengths):
+        sdpa = F.scaled_dot_product_attention(
+            q[i : i + 1, :, :n].float(),
+            k[i : i + 1, :, :n].float().repeat_interleave(h // kvh, 1),
+            v[i : i + 1, :, :n].float().repeat_interleave(h // kvh, 1),
+            is_causal=True,
+        ).transpose(1, 2)[0]
+        torch.testing.assert_close(got[i, :n].float(), sdpa, rtol=tol, atol=tol)
+        assert not got[i, n:].any()  # padded rows are zero
+
+
+def test_the_mode_names_what_to_change_where_it_cannot_run():
+    cpu = torch.device("cpu")
+    assert batch_invariant_backend("auto", cpu) == batch_invariant_backend("CPU_ATTN", cpu) == "cpu"
+    with pytest.raises(ValueError, match="attention_backend.*not batch invariant"):
+        batch_invariant_backend("torch", cpu)
+    with pytest.raises(ValueError, match="only on the CPU"):
+        batch_invariant_backend("auto", torch.device("cuda"))
