@@ -204,6 +204,17 @@ def test_raylane_kernels_does_not_pull_the_engine_or_torch():
     assert out.strip() == "['raylane', 'raylane.kernels']"
 
 
+def test_the_router_process_imports_no_torch():
+    """The Router only routes and keeps registries: its actor module, the control plane and
+    the weight-update wire format it reads load without torch."""
+    out = _run(
+        "import sys\n"
+        "import raylane.router.actor, raylane.router.control, raylane.actors.models.weights\n"
+        "print('torch' in sys.modules)\n"
+    )
+    assert out.strip() == "False"
+
+
 def test_hugging_face_kernels_beside_raylane():
     pytest.importorskip("kernels", reason="Hugging Face's `kernels` is in the test extra")
     out = _run(
