@@ -13,12 +13,12 @@ import time
 from typing import TYPE_CHECKING
 
 from raylane.config import ClusterConfig
+from raylane.router.names import NAMESPACE  # the Router's: the cluster's actors in one place
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 ACTOR_NAME = "raylane-consolidation"
-NAMESPACE = "raylane"  # the Router's, so the cluster's actors are found in one place
 READY_TIMEOUT_S = 60.0  # connecting (and migrating the schema) at start
 RETRY_S = 30.0  # between an app's tries to start the actor (e.g. its database is not up yet)
 APP_READY_TIMEOUT_S = 3600.0  # a large model can load for long; past this, a logged retry

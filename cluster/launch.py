@@ -149,7 +149,7 @@ def shutdown() -> None:
     import ray
     from ray import serve
     from raylane.consolidation import stop_consolidation
-    from raylane.router.actor import NAMESPACE, ROUTER_NAME
+    from raylane.router.names import NAMESPACE, ROUTER_NAME
 
     try:  # first: its LLM calls go to the endpoint stopped below
         stop_consolidation()

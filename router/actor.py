@@ -26,6 +26,7 @@ from raylane.actors.engine.outputs import RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.control import CONTROL_VERBS, ControlPlane
 from raylane.router.messages import Message
+from raylane.router.names import NAMESPACE, ROUTER_NAME
 from raylane.router.policy import RoutingPolicy
 from raylane.router.remote import dispatch
 from raylane.router.replica_calls import ActorCalls
@@ -35,9 +36,6 @@ from raylane.router.samples import TrainingSample
 from raylane.router.session_host import SessionHost, SessionSetup
 from raylane.router.session_store import open_session_store
 from raylane.router.turn_handoff import serve_turn
-
-ROUTER_NAME = "raylane-router"
-NAMESPACE = "raylane"
 
 
 class Router:

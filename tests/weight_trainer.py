@@ -17,12 +17,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from raylane.launch import free_port
 from safetensors.torch import load_file
 from torch.distributed.distributed_c10d import (
     Backend,
@@ -45,12 +45,6 @@ def trainer_specs(model_dir: str) -> list[dict]:
             {"name": n, "shape": list(f.get_slice(n).get_shape()), "dtype": "float32"}
             for n in f.keys()  # noqa: SIM118
         ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Trainer:

@@ -62,7 +62,7 @@ class RayTransport:
         cluster). `model`: the HF directory the app serves (its chat template builds session
         turns). `app_name` is kept for callers; a cluster has one Router."""
         import ray
-        from raylane.router.actor import NAMESPACE, ROUTER_NAME
+        from raylane.router.names import NAMESPACE, ROUTER_NAME
 
         router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
         return cls(router, model, return_routed_experts, return_indexer_topk=return_indexer_topk)

@@ -132,7 +132,7 @@ def import_path_app(ray_cluster, smollm2_dir, pg_dsn, bank, monkeypatch):
     """The app as a RayService deploys it: `serve.run(app_builder(args))`, nothing else started;
     yields (args, url, how many actors by the actor's name Ray had seen before)."""
     from ray import serve
-    from raylane.router.actor import NAMESPACE, ROUTER_NAME
+    from raylane.router.names import NAMESPACE, ROUTER_NAME
     from raylane.serve import app_builder
 
     from tests.ray.conftest import free_port
@@ -229,8 +229,8 @@ async def test_passes_over_every_bank_are_scheduled_and_counted(ray_cluster, fre
 
 
 def test_an_unreachable_database_stops_the_start_and_leaves_no_actor(ray_cluster) -> None:
-    from raylane.actors.consolidation.pgtemp import free_port
     from raylane.consolidation import ACTOR_NAME, NAMESPACE
+    from raylane.launch import free_port
 
     dsn = f"postgresql://raylane:pw-secret-4@127.0.0.1:{free_port()}/memories"  # nobody there
     config = ClusterConfig(consolidation={"dsn": dsn})

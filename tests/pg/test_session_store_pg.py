@@ -11,7 +11,7 @@ import uuid
 import asyncpg
 import numpy as np
 import pytest
-from raylane.actors.consolidation.pgtemp import free_port
+from raylane.launch import free_port
 from raylane.router.errors import SessionModelMismatch, SessionNotFound, SessionStoreUnavailable
 from raylane.router.session import Session
 from raylane.router.session_store import open_session_store

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
-from raylane.router.actor import NAMESPACE, ROUTER_NAME
+from raylane.router.names import NAMESPACE, ROUTER_NAME
 
 from tests.ray.conftest import free_port, wait_for
 

@@ -9,7 +9,7 @@ from tests.ray.conftest import wait_for
 
 def routed_counts(ray) -> dict[str, int]:
     """Requests each healthy replica admitted, as its heartbeats report them to the Router."""
-    from raylane.router.actor import NAMESPACE, ROUTER_NAME
+    from raylane.router.names import NAMESPACE, ROUTER_NAME
 
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     return {r["replica_id"]: r["routed"] for r in ray.get(router.replicas.remote()) if r["healthy"]}

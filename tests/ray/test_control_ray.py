@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 from raylane.actors.models.weights import encode_bucket, iter_buckets, specs_of
-from raylane.router.actor import NAMESPACE, ROUTER_NAME
+from raylane.router.names import NAMESPACE, ROUTER_NAME
 
 from tests.hf_reference import hf_greedy, perturbed_model
 from tests.ray.conftest import free_port, keys_owned, wait_healthy

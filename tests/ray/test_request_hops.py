@@ -19,7 +19,7 @@ import pytest
 
 @pytest.fixture
 def backend(served, ray_cluster, tiny_llama_dir):
-    from raylane.router.actor import NAMESPACE, ROUTER_NAME
+    from raylane.router.names import NAMESPACE, ROUTER_NAME
     from raylane.router.replica_requests import ReplicaRequests
     from raylane.serve_backend import router_view
 

@@ -104,7 +104,7 @@ class RaylaneRolloutServer:
     ) -> RaylaneRolloutServer:
         """Over Ray handles, inside the cluster `raylane serve` runs."""
         import ray
-        from raylane.router.actor import NAMESPACE, ROUTER_NAME
+        from raylane.router.names import NAMESPACE, ROUTER_NAME
         from raylane.serve_backend import router_control
 
         plane = router_control(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE))
