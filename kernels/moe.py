@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from raylane.kernels.activation import act_and_mul
 from raylane.kernels.batch_invariant import grouped_linear
+from raylane.kernels.batch_invariant.elementwise import rowwise
 
 _MM_ALIGN_BYTES = 16  # torch._grouped_mm: start and leading stride of each operand
 
@@ -48,6 +49,7 @@ def select_experts_grouped(
     topk_groups: int,
     renormalize: bool,
     scaling: float,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing: router_logits [T, E] float32 -> (weights [T, k] float32, ids [T, k]).
 
@@ -56,7 +58,8 @@ def select_experts_grouped(
     unbiased scores of the chosen experts (renormalised to sum to one when asked), times
     `scaling`. Device ops only. Ties go to `torch.topk`'s pick, as in HF.
     """
-    scores = router_logits.sigmoid()  # [T, E]
+    # `invariant`: each row's sigmoid on one code path whatever T (the batch-invariant mode)
+    scores = rowwise(torch.sigmoid, router_logits) if invariant else router_logits.sigmoid()
     biased = scores + correction_bias
     num_tokens, num_experts = biased.shape
     grouped = biased.view(num_tokens, num_groups, num_experts // num_groups)

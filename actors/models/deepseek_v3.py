@@ -26,6 +26,7 @@ from raylane.actors.models.llama import LlamaForCausalLM as _Llama
 from raylane.actors.models.mla import MLASpec, MLAttention
 from raylane.actors.models.mtp import MtpHost, MtpLayer, mtp_checkpoint_name
 from raylane.actors.models.qwen3_moe import FusedMoE, expert_mapping
+from raylane.kernels.batch_invariant import padded_linear
 from raylane.kernels.moe import (
     expert_forward,
     select_experts_grouped,
@@ -34,8 +35,18 @@ from raylane.kernels.moe import (
 from torch import nn
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """x [T, H] -> float32 [T, E] through the float32 gate weight; `invariant`: the padded
+    matmul (F.linear in float32 reduces in an order that follows T)."""
+    if invariant:
+        return padded_linear(x.float(), weight)
+    return F.linear(x.float(), weight)
+
+
 class GroupedTopkRouter(nn.Module):
     """The gate: float32 weight [E, H] and the choice's bias [E] (HF keeps both in float32)."""
+
+    invariant = False  # the batch-invariant mode (set by the runner: `make_batch_invariant`)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -58,7 +69,7 @@ class GroupedTopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        logits = router_logits(x, self.weight, self.invariant)  # [T, E]
         return select_experts_grouped(
             logits,
             self.e_score_correction_bias,
@@ -67,12 +78,15 @@ class GroupedTopkRouter(nn.Module):
             self.topk_groups,
             self.renormalize,
             self.scaling,
+            self.invariant,
         )
 
 
 class SoftmaxGroupedRouter(nn.Module):
     """DeepSeek-V2's gate: float32 weight [E, H], softmax scores, `topk_method` "greedy" or
     "group_limited_greedy" (select_experts_softmax_grouped)."""
+
+    invariant = False  # the batch-invariant mode (set by the runner: `make_batch_invariant`)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -89,7 +103,7 @@ class SoftmaxGroupedRouter(nn.Module):
         self.topk_groups = config.topk_group or 1
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        logits = router_logits(x, self.weight, self.invariant)  # [T, E]
         return select_experts_softmax_grouped(
             logits, self.top_k, self.num_groups, self.topk_groups, self.scaling
         )

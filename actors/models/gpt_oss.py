@@ -60,6 +60,8 @@ class GptOssExperts(nn.Module):
     [E, 2 * I_local] and b2 [E, H] (whole on rank 0, zero elsewhere: added once by the
     all-reduce)."""
 
+    invariant = False  # the batch-invariant mode (set by the runner: `make_batch_invariant`)
+
     def __init__(self, config: Any, tp: TPGroup) -> None:
         super().__init__()
         self.tp, e, h = tp, config.num_local_experts, config.hidden_size
@@ -100,7 +102,15 @@ class GptOssMoE(nn.Module):
         weights, ids = select_experts_topk_softmax(self.router(x), self.top_k)
         ex = self.experts
         out = expert_forward(
-            x, ex.w13_weight, ex.w2_weight, weights, ids, b13=ex.b13, b2=ex.b2, act=self.act
+            x,
+            ex.w13_weight,
+            ex.w2_weight,
+            weights,
+            ids,
+            b13=ex.b13,
+            b2=ex.b2,
+            act=self.act,
+            invariant=ex.invariant,
         )
         return self.tp.all_reduce(out), ids.to(torch.int32)
 

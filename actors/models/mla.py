@@ -26,6 +26,7 @@ from raylane.actors.models.layers import (
     TPGroup,
 )
 from raylane.kernels.attention.metadata import AttentionMetadata
+from raylane.kernels.batch_invariant import padded_linear
 from raylane.kernels.norm import RMSNorm
 from raylane.kernels.rotary import apply_rotary, apply_rotary_interleaved, rope_parameters_of
 from torch import nn
@@ -75,6 +76,15 @@ def _yarn_softmax_mscale(rope: dict[str, Any]) -> float:
         return 1.0
     mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
     return mscale * mscale
+
+
+def per_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H, in], weight [H, out, in] -> [T, H, out], head h through `padded_linear`: the
+    batch-invariant mode's absorbed matmuls (a bmm over heads reduces in an order that follows
+    T, so a row would round otherwise alone than in a batch)."""
+    # contiguous weights: padded_linear's one order per row is measured on row-major weights
+    heads = [padded_linear(x[:, h], weight[h].contiguous()) for h in range(weight.shape[0])]
+    return torch.stack(heads, dim=1)
 
 
 class MLAttention(nn.Module):
@@ -128,7 +138,10 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)  # [T, L]
         k_rope = self._rotate(k_rope.unsqueeze(1), cos, sin)  # [T, 1, R]
         w_uk = self._kv_b()[:, : s.qk_nope_head_dim]  # [H, nope, L]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        if self.kv_b_proj.invariant:
+            q_latent = per_head_linear(q_nope, w_uk.transpose(1, 2))  # [T, H, L]
+        else:
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
         query = torch.cat([q_latent, self._rotate(q_rope, cos, sin)], dim=-1)  # [T, H, L + R]
         row = torch.cat([latent.unsqueeze(1), k_rope], dim=-1)  # [T, 1, L + R]
         return query, row, q_resid
@@ -137,8 +150,11 @@ class MLAttention(nn.Module):
         """The attention output in the latent space [T, H, L] -> W_UV, o_proj -> [T, D]."""
         s, t, h = self.spec, out.shape[0], self.num_heads
         w_uv = self._kv_b()[:, s.qk_nope_head_dim :]  # [H, v, L]
-        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
-        return self.o_proj(out.transpose(0, 1).reshape(t, h * s.v_head_dim))
+        if self.kv_b_proj.invariant:
+            out = per_head_linear(out, w_uv)  # [T, H, v]
+        else:
+            out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return self.o_proj(out.reshape(t, h * s.v_head_dim))
 
     def _kv_b(self) -> torch.Tensor:
         s = self.spec

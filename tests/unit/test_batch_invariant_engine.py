@@ -1,0 +1,216 @@
+"""The engine's batch-invariant mode (issue 42): a request's tokens, logprobs, top logprobs, kept
+mass and routed experts are the same, compared with ==, whatever else runs beside it.
+
+The reference is never taken from the code under test's other paths: it is the same request
+run alone (a cold cache, a batch of one, no chunking, serial scheduling, eager), and every
+variant (mixed batches with staggered arrivals, chunked prefill at two budgets, prefix hits, a
+KV budget tight enough to preempt, async scheduling, graph replay, n-gram speculation, n > 1
+with seeded sampling) must equal it exactly. The families the mode refuses (sliding window,
+linear-attention hybrids, DSA) are checked to be refused with a reason.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
+
+from tests.tiny_models import make_gemma3, make_gpt_oss, make_qwen3_5
+
+# (fixture, whether it routes experts): dense, MoE (softmax and sigmoid grouped routing), MLA
+FAMILIES = [
+    ("tiny_llama_dir", False),
+    ("tiny_qwen3_dir", False),
+    ("tiny_moe_dir", True),
+    ("tiny_glm4_moe_dir", True),
+    ("tiny_deepseek_dir", True),
+]
+DTYPES = ["float32", "bfloat16"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "adaptive": False}
+MAX_NEW = 10
+
+
+def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    """Six prompts of 5 to 63 tokens; every other one shares a 20-token prefix (prefix hits)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(20)]
+    prompts = []
+    for i, n in enumerate([9, 23, 40, 5, 31, 17]):
+        body = [rng.randrange(3, vocab) for _ in range(n)]
+        prompts.append(shared + body if i % 2 else body)
+    return prompts
+
+
+def engine_for(model_dir: str, dtype: str, **kw) -> LLMEngine:
+    kw = {"block_size": 4, "num_kv_blocks": 256, "max_num_seqs": 8, **kw}
+    return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, batch_invariant=True, **kw))
+
+
+def run(engine: LLMEngine, prompts, params, stagger: int = 0) -> list:
+    """Outputs in prompt order; with `stagger`, one request joins every `stagger` steps (or
+    when the engine runs dry), so prefill chunks share steps with other rows' decodes."""
+    done, pending, step = {}, list(enumerate(prompts)), 0
+    while pending or engine.has_unfinished_requests():
+        while pending and (
+            not stagger or step % stagger == 0 or not engine.has_unfinished_requests()
+        ):
+            i, prompt = pending.pop(0)
+            engine.add_request(str(i), prompt, params)
+            if stagger:
+                break
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out
+        step += 1
+    return [done[i] for i in range(len(prompts))]
+
+
+def observed(out) -> list[tuple]:
+    """Everything the mode promises about a request, per sample, as plain comparable data."""
+    return [
+        (
+            c.token_ids,
+            c.logprobs,
+            c.top_logprobs,
+            c.kept_mass_logprobs,
+            None if c.routed_experts is None else c.routed_experts.tolist(),
+            None if c.indexer_topk is None else c.indexer_topk.tolist(),
+        )
+        for c in out.outputs
+    ]
+
+
+def assert_same(reference: list, got: list) -> None:
+    for i, (ref, out) in enumerate(zip(reference, got)):
+        assert observed(out) == observed(ref), f"request {i} differs from its run alone"
+
+
+class Family:
+    """One (model, dtype): its prompts, params and each request's run alone."""
+
+    def __init__(self, model_dir: str, moe: bool, dtype: str) -> None:
+        self.model_dir, self.dtype, self.moe = model_dir, dtype, moe
+        self.extra = {"enable_return_routed_experts": True} if self.moe else {}
+        serial = {"async_scheduling": False, "enable_prefix_caching": False}
+        alone = self.engine(max_num_batched_tokens=512, max_num_seqs=1, **serial)
+        self.prompts = make_prompts(alone.validator.vocab_size)
+        self.greedy = self.params(temperature=0.0)
+        self.sampled = self.params(temperature=0.8, top_p=0.9, seed=7, n=2)
+        self.ref_greedy = self.reference(alone, self.greedy)
+        self.ref_sampled = self.reference(alone, self.sampled)
+
+    def params(self, **kw) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=MAX_NEW,
+            ignore_eos=True,
+            logprobs=3,
+            return_kept_mass=True,
+            return_routed_experts=self.moe,
+            **kw,
+        )
+
+    def reference(self, alone: LLMEngine, params: SamplingParams) -> list:
+        """Each request alone: a cold cache, a batch of one, one prefill chunk, serial."""
+        outs = []
+        for prompt in self.prompts:
+            alone.flush_cache()
+            outs.append(run(alone, [prompt], params)[0])
+        return outs
+
+    def engine(self, **kw) -> LLMEngine:
+        return engine_for(self.model_dir, self.dtype, **self.extra, **kw)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(f, moe, d) for f, moe in FAMILIES for d in DTYPES],
+    ids=[
+        f"{f.removeprefix('tiny_').removesuffix('_dir')}-{d}" for f, _ in FAMILIES for d in DTYPES
+    ],
+)
+def family(request) -> Family:
+    name, moe, dtype = request.param
+    return Family(request.getfixturevalue(name), moe, dtype)
+
+
+@pytest.mark.parametrize("budget", [16, 40])
+def test_mixed_batches_chunked_and_prefix_hits_equal_alone(family: Family, budget: int):
+    # async scheduling on (the default), the prefix cache on: the second pass hits it
+    engine = family.engine(max_num_batched_tokens=budget)
+    for stagger in (0, 2):
+        assert_same(family.ref_greedy, run(engine, family.prompts, family.greedy, stagger))
+    hits = run(engine, family.prompts, family.greedy, stagger=3)
+    assert all(o.num_cached_tokens > 0 for o in hits)
+    assert_same(family.ref_greedy, hits)
+
+
+def test_serial_graph_replay_and_ngram_verify_equal_alone(family: Family):
+    # verify rows (k + 1 positions) must equal the decode rows of the run alone
+    engine = family.engine(
+        max_num_batched_tokens=24,
+        async_scheduling=False,
+        enforce_eager=False,
+        speculative_config=NGRAM,
+    )
+    assert_same(family.ref_greedy, run(engine, family.prompts, family.greedy, stagger=2))
+    assert engine.stats.spec_decode_num_draft_tokens > 0
+
+
+def test_preemption_and_recompute_equal_alone(family: Family):
+    engine = family.engine(max_num_batched_tokens=32, num_kv_blocks=30)
+    got = run(engine, family.prompts, family.greedy)
+    assert engine.scheduler.num_preemptions > 0
+    assert_same(family.ref_greedy, got)
+
+
+def test_seeded_sampling_at_n_2_equals_alone(family: Family):
+    engine = family.engine(max_num_batched_tokens=16, enforce_eager=False)
+    for stagger in (0, 2):
+        assert_same(family.ref_sampled, run(engine, family.prompts, family.sampled, stagger))
+    # it sampled: a request's two samples part somewhere
+    assert any(o.outputs[0].token_ids != o.outputs[1].token_ids for o in family.ref_sampled)
+
+
+@pytest.mark.parametrize(
+    "make,family_name",
+    [
+        (make_gemma3, "sliding-window"),
+        (make_gpt_oss, "sliding-window"),
+        (make_qwen3_5, "linear-attention"),
+    ],
+)
+def test_families_the_mode_cannot_serve_are_refused(tmp_path, make, family_name):
+    model_dir = make(tmp_path / "model")
+    with pytest.raises(ValueError, match=f"batch_invariant: not for {family_name}"):
+        engine_for(model_dir, "float32")
+
+
+def test_dsa_is_refused(tiny_dsa_dir):
+    with pytest.raises(ValueError, match="batch_invariant: not for DeepSeek sparse attention"):
+        engine_for(tiny_dsa_dir, "float32")
+
+
+def test_default_bfloat16_engine_is_not_batch_invariant(smollm2_dir):
+    """Without the mode a request's logprobs move with its batch: the property is not free."""
+    engine = LLMEngine(
+        EngineConfig(model=smollm2_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=8)
+    )
+    prompts = [
+        "The capital of France is",
+        "Write a poem about the sea and",
+        "1, 2, 3, 4,",
+        "Once upon a time there",
+        "def fib(n):",
+        "The quick brown fox",
+        "In 1492, Columbus",
+        "Python is a language that",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    batch = engine.generate(prompts, params, use_tqdm=False)
+    differ = 0
+    for prompt, together in zip(prompts, batch):
+        engine.flush_cache()
+        alone = engine.generate([prompt], params, use_tqdm=False)[0]
+        differ += observed(alone) != observed(together)
+    assert differ > 0
