@@ -56,6 +56,7 @@ class Ingress:
             tensor_parallel_size=engine.tensor_parallel_size,
             dtype=engine.dtype,
             routed_experts=capture,
+            batch_invariant=engine.batch_invariant,
         )
         router = get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
         # the Router hosts the sessions and runs their turns on these replicas

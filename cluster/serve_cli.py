@@ -130,6 +130,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "CPUs with avx512_bf16; auto takes the checkpoint's dtype on a GPU)",
     )
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="batch-invariant mode: a request's tokens and logprobs are bit-identical whether "
+        "it runs alone or in any batch (and equal a trainer's transformers forward under "
+        "raylane.batch_invariant(), docs/rl.md); greedy output is then reproducible. It "
+        "costs throughput: matmuls run unpacked over rows padded to 16, RMSNorm/SiLU/RoPE "
+        "as torch ops (`raylane bench throughput --batch-invariant` measures it). CPU only "
+        "for now; /metrics shows raylane:batch_invariant 1",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action="store_true",
         help="never replay decode steps from CUDA graphs (by default a GPU "
@@ -213,6 +223,8 @@ def config_from_args(args: argparse.Namespace):
         engine["enable_return_indexer_topk"] = True
     if args.enforce_eager:
         engine["enforce_eager"] = True
+    if args.batch_invariant:
+        engine["batch_invariant"] = True
     if args.async_scheduling is not None:
         engine["async_scheduling"] = args.async_scheduling
     if args.speculative_config is not None:

@@ -36,6 +36,7 @@ class ModelInfo:
     tensor_parallel_size: int = 1
     dtype: str = "auto"  # EngineConfig.dtype
     routed_experts: bool = False  # a MoE model whose replicas capture routed experts
+    batch_invariant: bool = False  # EngineConfig.batch_invariant (/v1/models, /server_info)
 
 
 class SessionBackend(Protocol):
@@ -136,6 +137,7 @@ def local_backend(
         tensor_parallel_size=cfg.tensor_parallel_size,
         dtype=cfg.dtype,
         routed_experts=capture,
+        batch_invariant=cfg.batch_invariant,
     )
     # likewise a DSA model's indexer top-k
     picks = cfg.enable_return_indexer_topk and validator.num_dsa_layers > 0

@@ -1,7 +1,8 @@
 """GET /metrics: the engine replicas' stats snapshots as Prometheus families named like vLLM's.
 
 Counters and histograms are summed across replicas, request gauges summed, KV-cache usage
-averaged, the weight version the highest (the cluster's). Nothing is kept between scrapes: each
+averaged, the weight version the highest (the cluster's), the batch-invariant flag the lowest
+(1 only when every replica runs the mode). Nothing is kept between scrapes: each
 one asks the backend for fresh snapshots, and each extra source (`build_app(metrics_sources=)`)
 for its text, which is appended as it is.
 """
@@ -38,9 +39,12 @@ GAUGES = {
     "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
     "weight_version": "Version of the weights the engines serve (the newest, across replicas).",
     "kv_cache_bytes_per_token": "KV-cache bytes one token takes in a replica (all its ranks).",
+    "batch_invariant": "1 when every replica runs the batch-invariant mode (outputs independent "
+    "of batching), else 0.",
 }
 AVERAGED = {"kv_cache_usage_perc", "kv_cache_bytes_per_token"}
 HIGHEST = {"weight_version"}
+LOWEST = {"batch_invariant"}  # one replica outside the mode breaks the promise
 COUNTERS = {
     "prompt_tokens": "Number of prefill tokens processed.",
     "generation_tokens": "Number of generation tokens processed.",
@@ -149,6 +153,8 @@ def _combine(name: str, values: list[float]) -> float:
         return sum(values) / max(len(values), 1)
     if name in HIGHEST:
         return max(values, default=0)
+    if name in LOWEST:
+        return min(values, default=0)
     return sum(values)
 
 

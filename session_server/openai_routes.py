@@ -55,6 +55,7 @@ async def _model_card(request: Request) -> dict:
         "parent": None,
         "max_model_len": info.max_model_len,
         "weight_version": await backend.control.weight_version(),
+        "batch_invariant": info.batch_invariant,  # raylane's: outputs independent of batching
     }
 
 

@@ -48,6 +48,7 @@ class ModelCard(_Out):
     parent: str | None
     max_model_len: int
     weight_version: int
+    batch_invariant: bool  # raylane's: outputs bit-identical alone or in any batch
 
 
 class ModelList(_Out):

@@ -282,6 +282,7 @@ class LLMEngine:
     def stats_snapshot(self, paused: bool = False) -> dict:
         snap = self.stats.snapshot(self.scheduler, self.block_manager, self.weight_version, paused)
         snap["gauges"]["kv_cache_bytes_per_token"] = self.runner_info.kv_bytes_per_token
+        snap["gauges"]["batch_invariant"] = int(self.config.batch_invariant)
         return snap
 
     # --- batch helpers ------------------------------------------------------------------------

@@ -68,6 +68,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cluster/examples/bench_schema.json)",
     )
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="instead: tok/s with the batch-invariant mode (`raylane serve --batch-invariant`) "
+        "off and on, two engines side by side, serial scheduling, at the first --batch-sizes "
+        "value, in float32 and bfloat16 (or the --dtype given), with the ratio; then "
+        "--repeats op-timed passes each (the fastest is shown): ms per op kind (linears, "
+        "fused RMSNorm/SiLU/RoPE, attention, the rest) off and on, and each op's share of "
+        "the cost. About 2 minutes on 2 cores with the default workload and SmolLM2; "
+        "--repeats 2 on a busy machine",
+    )
+    parser.add_argument(
         "--json-object",
         action="store_true",
         help="instead: open-ended json_object answers and a required tool call with a "
@@ -113,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     work = make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed
     )
+    if args.batch_invariant:
+        return _batch_invariant(args, model_dir, work)
     dtypes = chosen_dtypes(args)
     if args.json_object:
         from raylane.bench.open_ended import print_gap_table, run_open_ended
@@ -149,6 +162,20 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
     print_table(work, rows, torch.get_num_threads())
+    return 0
+
+
+def _batch_invariant(args: argparse.Namespace, model_dir: str, work: Workload) -> int:
+    import torch
+    from raylane.bench.batch_invariant import print_modes, run_modes
+
+    size = int(args.batch_sizes.split(",")[0])
+    dtypes = chosen_dtypes(args) if args.dtype else list(DTYPES)
+    runs = [
+        run_modes(model_dir, work, dtype, args.max_num_batched_tokens, size, args.repeats)
+        for dtype in dtypes
+    ]
+    print_modes(work, runs, size, torch.get_num_threads())
     return 0
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+K = TypeVar("K", bound=Hashable)  # what tells a run's engines apart
 
 
 @dataclass(frozen=True)
@@ -40,53 +45,63 @@ def run_engines(
     dtype: str = "float32",
     capture: bool = False,
 ) -> list[dict[bool, float]]:
-    """Seconds per timed pass, one engine per async_scheduling mode, the modes alternating
-    pass by pass so drift on a shared machine hits them alike. `warm`: a whole untimed pass
-    first (the first pass pays one-time costs per new batch shape, up to 40% of it)."""
-    from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
+    """Seconds per timed pass, one engine per async_scheduling mode (see `timed_passes`)."""
     from transformers import AutoConfig
 
     picks = capture and bool(getattr(AutoConfig.from_pretrained(model_dir), "index_topk", 0))
-    engines = {
-        on: LLMEngine(
-            EngineConfig(
-                model=model_dir,
-                dtype=dtype,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_batched,
-                async_scheduling=on,
-                enable_return_routed_experts=capture,
-                enable_return_indexer_topk=picks,
-            )
-        )
-        for on in modes
-    }
-    params = [
-        SamplingParams(
-            temperature=0.0,
-            max_tokens=n,
-            ignore_eos=True,
-            return_routed_experts=capture,
-            return_indexer_topk=picks,
-        )
+    captures = {"enable_return_routed_experts": capture, "enable_return_indexer_topk": picks}
+    options = {on: {"async_scheduling": on, **captures} for on in modes}
+    params = greedy_params(work, return_routed_experts=capture, return_indexer_topk=picks)
+    common = {"dtype": dtype, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched}
+    with engines_for(model_dir, options, **common) as engines:
+        return timed_passes(engines, work, params, repeats, warm)
+
+
+def greedy_params(work: Workload, **options) -> list:
+    """Greedy, exactly each request's output length (ignore_eos)."""
+    from raylane.actors.engine import SamplingParams
+
+    return [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **options)
         for n in work.output_lens
     ]
+
+
+@contextmanager
+def engines_for(model_dir: str, options: dict[K, dict], **common: Any) -> Iterator[dict[K, Any]]:
+    """One LLMEngine per entry of `options` (EngineConfig fields on top of `common`), all shut
+    down at the end."""
+    from raylane.actors.engine import EngineConfig, LLMEngine
+
+    engines = {
+        key: LLMEngine(EngineConfig(model=model_dir, **common, **extra))
+        for key, extra in options.items()
+    }
     try:
-        for engine in engines.values():
-            warm_up = work.prompts if warm else [[1, 2, 3]]
-            engine.generate(warm_up, params[: len(warm_up)], use_tqdm=False)
-        passes = []
-        for _ in range(repeats):
-            passes.append({on: _timed_pass(engine, work, params) for on, engine in engines.items()})
-        return passes
+        yield engines
     finally:
         for engine in engines.values():
             engine.shutdown()
 
 
-def _timed_pass(engine, work: Workload, params) -> float:
+def timed_passes(
+    engines: dict[K, Any], work: Workload, params: list, repeats: int, warm: bool = True
+) -> list[dict[K, float]]:
+    """Seconds per timed pass per engine, the engines alternating pass by pass so drift on a
+    shared machine hits them alike. `warm`: a whole untimed pass first (the first pass pays
+    one-time costs per new batch shape, up to 40% of it)."""
+    for engine in engines.values():
+        warm_up = work.prompts if warm else [[1, 2, 3]]
+        engine.generate(warm_up, params[: len(warm_up)], use_tqdm=False)
+    return [
+        {key: timed_pass(engine, work, params) for key, engine in engines.items()}
+        for _ in range(repeats)
+    ]
+
+
+def timed_pass(engine, work: Workload, params, use_tqdm: bool = True) -> float:
     start = time.perf_counter()
-    outs = engine.generate(work.prompts, params, use_tqdm=True)
+    outs = engine.generate(work.prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
     got = sum(len(o.outputs[0].token_ids) for o in outs)
     assert got == work.useful_tokens, (got, work.useful_tokens)

@@ -150,6 +150,8 @@ class ServerInfo(BaseModel):
     dtype: str
     context_length: int
     enable_return_routed_experts: bool
+    enable_deterministic_inference: bool
+    batch_invariant: bool
     weight_version: str
     version: str
     vllm_config: dict[str, Any]

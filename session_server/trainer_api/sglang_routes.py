@@ -57,6 +57,9 @@ async def server_info(request: Request) -> dict:
         "dtype": info.dtype,
         "context_length": info.max_model_len,
         "enable_return_routed_experts": info.routed_experts,
+        # SGLang's name for its batch-invariant mode, and raylane's
+        "enable_deterministic_inference": info.batch_invariant,
+        "batch_invariant": info.batch_invariant,
         "weight_version": version,
         "version": VERSION,
         "vllm_config": {

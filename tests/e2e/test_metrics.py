@@ -12,6 +12,7 @@ FAMILIES = {
     "raylane:kv_cache_usage_perc": "gauge",
     "raylane:weight_version": "gauge",
     "raylane:kv_cache_bytes_per_token": "gauge",
+    "raylane:batch_invariant": "gauge",
     "raylane:prompt_tokens": "counter",
     "raylane:generation_tokens": "counter",
     "raylane:num_preemptions": "counter",
@@ -73,6 +74,7 @@ def test_counters_move_with_requests(http, engine):
         assert moved(f"raylane:{hist}_bucket", le="+Inf") == 1
     assert moved("raylane:inter_token_latency_seconds_count") == 4
     assert value(after, "raylane:num_requests_running") == 0
+    assert value(after, "raylane:batch_invariant") == 0  # the server's engine is not in the mode
     kv_bytes = value(after, "raylane:kv_cache_bytes_per_token")
     assert kv_bytes == engine.runner_info.kv_bytes_per_token > 0
     # async scheduling (the default) planned the steps after the first one ahead: the 4
@@ -135,3 +137,31 @@ def test_replica_snapshots_are_aggregated(engine):
         assert value(merged, "raylane:request_success_total", finished_reason=reason) == want
     empty = samples(render("tiny", []).decode())
     assert value(empty, "raylane:generation_tokens_total") == 0
+    assert value(empty, "raylane:batch_invariant") == 0
+
+
+def test_batch_invariant_is_1_only_when_every_replica_runs_the_mode(engine):
+    on, off = _with_mode(engine.stats_snapshot(), 1), _with_mode(engine.stats_snapshot(), 0)
+    for snapshots, want in (([on, on], 1), ([on, off], 0), ([off], 0)):
+        assert value(samples(render("tiny", snapshots).decode()), "raylane:batch_invariant") == want
+
+
+def _with_mode(snapshot: dict, flag: int) -> dict:
+    return {**snapshot, "gauges": {**snapshot["gauges"], "batch_invariant": flag}}
+
+
+def test_a_batch_invariant_engine_says_so(tiny_llama_dir):
+    """The flag the routes show comes from the engine's own config: its stats snapshot (what
+    /metrics renders) and the ModelInfo `local_backend` builds (/v1/models, /server_info)."""
+    from raylane.actors.engine import AsyncLLMEngine, LLMEngine
+    from raylane.session_server.backend import local_backend
+
+    from tests.e2e.conftest import MODEL, tiny_config
+
+    engine = LLMEngine(tiny_config(tiny_llama_dir, batch_invariant=True))
+    try:
+        scrape = samples(render(MODEL, [engine.stats_snapshot()]).decode())
+        assert value(scrape, "raylane:batch_invariant") == 1
+        assert local_backend(AsyncLLMEngine(engine), MODEL).info.batch_invariant is True
+    finally:
+        engine.shutdown()

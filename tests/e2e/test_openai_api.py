@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import openai
 import pytest
 from raylane.actors.engine import SamplingParams
@@ -28,9 +30,17 @@ def test_models_lists_the_served_model(client, engine):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == engine.config.max_model_len
+    assert models[0].batch_invariant is False  # raylane's key, beside OpenAI's
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
+
+
+def test_the_model_card_says_when_the_mode_is_batch_invariant(client, probe, monkeypatch):
+    monkeypatch.setattr(probe, "info", dataclasses.replace(probe.info, batch_invariant=True))
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.batch_invariant is True
+    assert client.models.retrieve(MODEL).batch_invariant is True
 
 
 def test_greedy_completion_equals_offline_engine(client, ref_engine):

@@ -5,6 +5,8 @@ the update from disk as one transaction, the weights checker."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.e2e.admin_helpers import LONG, PROMPT, run_midway
@@ -17,8 +19,18 @@ def test_sglang_server_info_has_the_keys_slime_compares(trainer, tiny_llama_dir)
         assert (info["tp_size"], info["dp_size"], info["pp_size"], info["ep_size"]) == (1, 1, 1, 1)
         assert info["model_path"] == tiny_llama_dir
         assert info["enable_return_routed_experts"] is False
+        assert info["enable_deterministic_inference"] is info["batch_invariant"] is False
         assert info["weight_version"] == trainer.get("/get_weight_version").json()["weight_version"]
         assert info["vllm_config"]["parallel_config"]["tensor_parallel_size"] == 1
+
+
+def test_sglang_server_info_says_when_the_mode_is_batch_invariant(
+    trainer, trainer_backend, monkeypatch
+):
+    on = dataclasses.replace(trainer_backend.info, batch_invariant=True)
+    monkeypatch.setattr(trainer_backend, "info", on)
+    info = trainer.get("/server_info").json()
+    assert info["enable_deterministic_inference"] is info["batch_invariant"] is True
 
 
 def test_sglang_pause_in_place_and_continue(trainer, tiny_llama_dir):

@@ -225,6 +225,25 @@ def test_dtype_and_graph_options_from_flags_and_yaml(tmp_path):
         build_parser(argv).parse_args(argv)
 
 
+def test_batch_invariant_from_the_flag_yaml_and_serve_args(tmp_path, monkeypatch):
+    argv = ["serve", "--batch-invariant"]
+    assert config_from_args(build_parser(argv).parse_args(argv)).engine_config("/m").batch_invariant
+    argv = ["serve"]
+    assert (
+        not config_from_args(build_parser(argv).parse_args(argv))
+        .engine_config("/m")
+        .batch_invariant
+    )
+    path = tmp_path / "cluster.yaml"
+    path.write_text("engine:\n  batch_invariant: true\n")
+    assert ClusterConfig.from_yaml(str(path)).engine_config("/m").batch_invariant
+    monkeypatch.setenv("RAYLANE_CONFIG", str(path))  # a RayService's args merge key by key
+    app = ClusterConfig.for_serve_app({"engine": {"max_num_seqs": 4}})
+    assert app.engine_config("/m").batch_invariant
+    with pytest.raises(ValueError, match="batch_invariant"):
+        ClusterConfig.from_dict({"engine": {"batch_invariant": "yes"}})
+
+
 def test_the_ingress_reads_the_engines_tokenizer(tiny_llama_dir, tmp_path):
     """`engine.tokenizer` names another tokenizer: the ingress (chat templates, token counts)
     must use the one the engine uses, not the model directory's."""

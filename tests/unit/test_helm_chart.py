@@ -77,6 +77,7 @@ CONFIGS = {
     "llama3-tools-serial": {
         "serving": {"toolCallParser": "llama3", "asyncScheduling": False, "trainerApi": True}
     },
+    "batch-invariant": {"serving": {"batchInvariant": True}},
     "speculative": {
         "serving": {"speculativeConfig": {"method": "suffix", "num_speculative_tokens": 3}}
     },
@@ -160,6 +161,7 @@ def test_serve_config_imports_and_its_args_load(name, monkeypatch):
     assert config.model == (values.get("model", {}).get("path") or None)
     assert not config.api_keys and config.admin_api_key is None  # keys never in the config
     assert config.engine["async_scheduling"] == serving.get("asyncScheduling", True)
+    assert config.engine_config("/m").batch_invariant is serving.get("batchInvariant", False)
     spec = serving.get("speculativeConfig")
     assert config.engine.get("speculative_config") == spec
     assert config.engine_config("/m").speculative_config == (
@@ -374,6 +376,11 @@ def test_no_secret_value_outside_a_secret():
         ({"serving": {"tensorParallelSize": 0}}, "tensorParallelSize"),
         ({"serving": {"toolCallParser": "mistral"}}, "toolCallParser"),
         ({"model": {"dtype": "fp8"}}, "dtype"),
+        ({"serving": {"batchInvariant": "yes"}}, "batchInvariant"),
+        (
+            {"serving": {"batchInvariant": True}, "workers": {"gpusPerWorker": 1}},
+            "serving.batchInvariant runs on CPU workers only",
+        ),
         ({"service": {"port": 70000}}, "port"),
         (
             {"serving": {"tensorParallelSize": 4}, "workers": {"gpusPerWorker": 2}},

@@ -112,6 +112,9 @@ Arguments: (list $ ENV_NAME .Values.feature.dsn "chart-secret-key" "feature.swit
 {{- $tp := int .Values.serving.tensorParallelSize -}}
 {{- $gpus := int .Values.workers.gpusPerWorker -}}
 {{- if gt $gpus 0 -}}
+{{- if .Values.serving.batchInvariant -}}
+{{- fail (printf "serving.batchInvariant runs on CPU workers only for now (the engine has no batch-invariant GPU kernels yet), but workers.gpusPerWorker is %d; set it to 0 or turn batchInvariant off" $gpus) -}}
+{{- end -}}
 {{- if lt $gpus $tp -}}
 {{- fail (printf "workers.gpusPerWorker (%d) is less than serving.tensorParallelSize (%d): a replica's shards must share one worker node; raise workers.gpusPerWorker or lower the tensor-parallel size" $gpus $tp) -}}
 {{- end -}}
@@ -143,7 +146,7 @@ Arguments: (list $ ENV_NAME .Values.feature.dsn "chart-secret-key" "feature.swit
 
 {{/* The arguments of raylane.serve:app_builder (ClusterConfig fields; no secrets here). */}}
 {{- define "raylane.serveArgs" -}}
-{{- $engine := dict "tensor_parallel_size" (int .Values.serving.tensorParallelSize) "max_num_seqs" (int .Values.serving.maxNumSeqs) "dtype" .Values.model.dtype "enable_prefix_caching" .Values.serving.enablePrefixCaching "enable_return_routed_experts" .Values.serving.enableReturnRoutedExperts "enable_return_indexer_topk" .Values.serving.enableReturnIndexerTopk "async_scheduling" .Values.serving.asyncScheduling -}}
+{{- $engine := dict "tensor_parallel_size" (int .Values.serving.tensorParallelSize) "max_num_seqs" (int .Values.serving.maxNumSeqs) "dtype" .Values.model.dtype "enable_prefix_caching" .Values.serving.enablePrefixCaching "enable_return_routed_experts" .Values.serving.enableReturnRoutedExperts "enable_return_indexer_topk" .Values.serving.enableReturnIndexerTopk "async_scheduling" .Values.serving.asyncScheduling "batch_invariant" .Values.serving.batchInvariant -}}
 {{- if gt (int .Values.model.maxModelLen) 0 -}}
 {{- $_ := set $engine "max_model_len" (int .Values.model.maxModelLen) -}}
 {{- end -}}
