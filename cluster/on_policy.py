@@ -10,7 +10,8 @@ wraps around its own, unmodified transformers model.
 
 Inside it, the torch ops transformers' models call run on the kernels of the engine's
 batch-invariant mode (`EngineConfig(batch_invariant=True)`): `F.linear` over rows padded to a
-multiple of 16, attention ("sdpa" and "eager" alike) through the C paged kernel, and MoE
+multiple of 16, SiLU row by row on the vector path, attention ("sdpa" and "eager" alike)
+through the C paged kernel, and MoE
 experts (whatever `experts_implementation`) one expert at a time, as transformers' "eager"
 loop and the engine's mode both do. So the
 teacher-forced logprobs of a rollout equal, bit for bit, the logprobs the engine returned for
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from raylane.kernels.batch_invariant import padded_linear
 from raylane.kernels.batch_invariant.attention import invariant_attention
+from raylane.kernels.batch_invariant.elementwise import silu as invariant_silu
 
 _LOCK = threading.Lock()  # the ops are process-wide: one context swaps them at a time
 _ATTENTION_KEYS = ("sdpa", "eager")
@@ -49,14 +51,14 @@ def batch_invariant() -> Iterator[None]:
         (ALL_EXPERTS_FUNCTIONS._local_mapping, list(ALL_EXPERTS_FUNCTIONS), invariant_experts),
     ]
     saved = [(local, {key: local.get(key) for key in keys}) for local, keys, _ in swaps]
-    linear = F.linear
+    linear, silu = F.linear, F.silu
     try:
-        F.linear = padded_linear
+        F.linear, F.silu = padded_linear, invariant_silu
         for local, keys, fn in swaps:
             local.update(dict.fromkeys(keys, fn))
         yield
     finally:
-        F.linear = linear
+        F.linear, F.silu = linear, silu
         for local, before in saved:
             for key, fn in before.items():
                 if fn is None:

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 from raylane.kernels.activation import act_and_mul
+from raylane.kernels.batch_invariant.elementwise import silu_and_mul
 from raylane.kernels.cpu_build import DTYPES, load_library
 from raylane.kernels.norm import add_rms_norm
 from raylane.kernels.rotary import apply_rotary
@@ -173,10 +174,21 @@ def _cpu_ops() -> FusedOps:
     return CpuOps(lib)
 
 
+class InvariantOps(TorchOps):
+    """The batch-invariant mode's: transformers' torch ops (what a trainer's forward runs), the
+    gated activation row by row on the vector path (kernels/batch_invariant/elementwise.py)."""
+
+    name = "batch_invariant"
+
+    def act_and_mul(self, x, act):
+        return silu_and_mul(x, act)
+
+
 # name -> (is_available, factory), in order of preference for "auto"
 _OPS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], FusedOps]]] = {
     "cpu": (_has_cpu_kernels, _cpu_ops),
     "torch": (lambda device: True, TorchOps),
+    "batch_invariant": (lambda device: True, InvariantOps),  # never "auto"'s: torch comes first
 }
 
 

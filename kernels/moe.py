@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from raylane.kernels.activation import act_and_mul
 from raylane.kernels.batch_invariant import grouped_linear
-from raylane.kernels.batch_invariant.elementwise import rowwise
+from raylane.kernels.batch_invariant.elementwise import rowwise, silu_and_mul
 
 _MM_ALIGN_BYTES = 16  # torch._grouped_mm: start and leading stride of each operand
 
@@ -161,7 +161,10 @@ def expert_forward(
     h = _grouped_linear(rows, w13, sorted_ids, ends, invariant)  # [S, 2I]
     if b13 is not None:
         h = h + b13.index_select(0, sorted_ids)
-    h = act(h) if act is not None else act_and_mul(h, hidden_act)
+    if act is not None:
+        h = act(h)
+    else:
+        h = silu_and_mul(h, hidden_act) if invariant else act_and_mul(h, hidden_act)
     h = _grouped_linear(h, w2, sorted_ids, ends, invariant)  # [S, H]
     if b2 is not None:
         h = h + b2.index_select(0, sorted_ids)

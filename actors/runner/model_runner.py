@@ -80,7 +80,7 @@ class ModelRunner(RunnerUpkeep):
         self._attach_backend([*layers, *(self.draft.layers() if self.draft is not None else [])])
         # RMSNorm, gated activations, RoPE; the batch-invariant mode takes the torch ops, which
         # are a trainer's transformers ops (and reduce within a row)
-        fused = get_fused_ops("torch" if config.batch_invariant else "auto", self.device)
+        fused = get_fused_ops("batch_invariant" if config.batch_invariant else "auto", self.device)
         for net in [self.model, *([self.draft.model] if self.draft is not None else [])]:
             attach_fused_ops(net, fused)
             if config.batch_invariant:

@@ -27,3 +27,26 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     parts = [fn(padded[i : i + step]) for i in range(0, padded.shape[0], step)]
     out = torch.cat(parts) if parts else fn(padded)
     return out[:, :width]
+
+
+_SILU = F.silu  # torch's own: `raylane.batch_invariant()` swaps F.silu for `silu` below
+
+
+def silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """F.silu(x), each row of the last dim computed on the vector path whatever the rows
+    around it (a [T, I] call splits across threads, and leaves a scalar tail, at offsets that
+    follow T * I). `inplace` is accepted for F.silu's signature and ignored."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rowwise(_SILU, rows).reshape(x.shape)
+
+
+def silu_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """x [T, 2 * I] laid out [gate | up] -> silu(gate) * up, row-invariant (the batch-invariant
+    mode's gated activation; only SiLU has one)."""
+    if act not in ("silu", "swish"):
+        raise ValueError(
+            f"hidden_act: {act!r} has no batch-invariant path (only silu); turn "
+            "EngineConfig.batch_invariant off for this model"
+        )
+    half = x.shape[-1] // 2
+    return silu(x[..., :half]) * x[..., half:]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from raylane.kernels.attention import cpu_kernel
 from raylane.kernels.batch_invariant import batch_invariant_backend, grouped_linear, padded_linear
 from raylane.kernels.batch_invariant.attention import paged, reference
+from raylane.kernels.batch_invariant.elementwise import silu as invariant_silu
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -110,3 +111,16 @@ def test_the_mode_names_what_to_change_where_it_cannot_run():
         batch_invariant_backend("torch", cpu)
     with pytest.raises(ValueError, match="only on the CPU"):
         batch_invariant_backend("auto", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_gives_a_row_the_same_bits_at_any_count(dtype):
+    """A width that is no multiple of the vector: torch's own SiLU takes a scalar tail for a
+    row alone and the vector path for it inside a bigger call; the mode's never varies."""
+    x = _heavy(300, 1000, dtype=dtype)
+    full = invariant_silu(x)
+    assert all(torch.equal(invariant_silu(x[r : r + 1])[0], full[r]) for r in (0, 7, 151, 299))
+    torch.testing.assert_close(full.float(), F.silu(x.float()), rtol=1e-2, atol=1e-2)
+    if dtype == torch.float32:
+        plain = F.silu(x)
+        assert any(not torch.equal(F.silu(x[r : r + 1])[0], plain[r]) for r in range(300))
