@@ -15,9 +15,12 @@ import functools
 
 import torch
 from raylane.actors.models.layers import LinearBase, ParallelLMHead, linear
+from raylane.kernels.batch_invariant.linear import PACK_HINT
 from torch import nn
 
-BATCH_HINT = 32  # the layout oneDNN picks for this batch size serves 1..512 tokens well
+# the layout oneDNN picks for this batch size serves 1..512 tokens well; the batch-invariant
+# mode's padded linears (and a trainer's, inside raylane.batch_invariant()) use the same
+BATCH_HINT = PACK_HINT
 # packed vs F.linear on the same inputs: both accumulate in float32, bfloat16 rounds the output
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 

@@ -51,10 +51,8 @@ class ModelRunner(RunnerUpkeep):
             dtype,
             self.device,
             self.tp,
-            # the batch-invariant mode keeps oneDNN packs in bfloat16 only, where they round as
-            # F.linear does (kernels/batch_invariant/linear.py)
-            pack_weights=config.pack_weights
-            and (not config.batch_invariant or dtype == "bfloat16"),
+            # the batch-invariant mode runs the packs too, rows padded (batch_invariant/linear.py)
+            pack_weights=config.pack_weights,
         )
         # the architecture's class (attention_layers, compute_logits), not a plain nn.Module
         self.model: Any = cast(Any, model)

@@ -32,7 +32,7 @@ def test_off_and_on_each_time_their_ops(tiny_llama_dir):
     result = run_modes(tiny_llama_dir, work, "float32", 256, 4, repeats=1)
     assert set(result.seconds) == set(result.ops) == {False, True}
     off, on = result.ops[False], result.ops[True]
-    assert on.impls[LINEAR] == "F.linear, rows padded to 16"  # float32: no oneDNN packs
+    assert on.impls[LINEAR] == "oneDNN packed, rows padded to 16"  # the packs, padded
     assert off.impls[LINEAR] != on.impls[LINEAR]  # oneDNN packed, or plain F.linear
     assert on.impls[ATTENTION] == "cpu" and on.impls[FUSED]  # the C kernel; a registry name
     for cost in (off, on):
