@@ -53,7 +53,8 @@ def batch_invariant() -> Iterator[None]:
     saved = [(local, {key: local.get(key) for key in keys}) for local, keys, _ in swaps]
     linear, silu = F.linear, F.silu
     try:
-        F.linear, F.silu = padded_linear, invariant_silu
+        # the same calls with more (optional) parameters
+        F.linear, F.silu = padded_linear, invariant_silu  # type: ignore[assignment]
         for local, keys, fn in swaps:
             local.update(dict.fromkeys(keys, fn))
         yield

@@ -78,13 +78,13 @@ def _lengths(mask: torch.Tensor | None, q_len: int, kv_len: int) -> list[int]:
 
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lengths: list[int], scale: float):  # type: ignore[override]
+    def forward(ctx, q, k, v, lengths: list[int], scale: float):
         ctx.save_for_backward(q, k, v)
         ctx.lengths, ctx.scale = lengths, scale
         return paged(q, k, v, lengths, scale)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         q, k, v = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]

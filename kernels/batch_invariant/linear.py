@@ -75,13 +75,13 @@ class _PackedLinear(torch.autograd.Function):
     """oneDNN's packed linear forward; the backward is a linear's (not row-invariant)."""
 
     @staticmethod
-    def forward(ctx, rows, weight, bias, packed):  # type: ignore[override]
+    def forward(ctx, rows, weight, bias, packed):
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
         return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         rows, weight = ctx.saved_tensors
         grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
