@@ -83,10 +83,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 # layer types the batch-invariant mode cannot serve yet, and why
 _NOT_BATCH_INVARIANT = {
-    "linear_attention": (
-        "linear-attention hybrids (Gated DeltaNet layers): the chunked scan's chunk boundaries "
-        "follow the prefill split and the batch, so a row's state rounds otherwise"
-    ),
     "sliding_attention": (
         "sliding-window attention: the C kernel's key chunks start at the window of a tile's "
         "first query row, which the prefill split and the batch move"

@@ -36,6 +36,7 @@ from raylane.actors.models.qwen3_moe import SparseMoeBlock, expert_mapping
 from raylane.actors.models.qwen_mtp import QwenMtp, qwen_mtp_name
 from raylane.actors.models.tp_shape import split_evenly
 from raylane.kernels.attention.metadata import AttentionMetadata
+from raylane.kernels.batch_invariant.elementwise import rowwise, silu
 from raylane.kernels.linear_attention import LinearAttentionBackend, get_linear_backend
 from raylane.kernels.linear_attention.verify import verify_conv, verify_delta_rule
 from raylane.kernels.norm import GemmaRMSNorm
@@ -45,11 +46,17 @@ from torch import nn
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
-def gated_rms_norm(x, gate, weight, eps: float) -> torch.Tensor:
-    """weight * rmsnorm(x) * silu(gate), as HF's Qwen3_5RMSNormGated: x, gate [..., D]."""
+def gated_rms_norm(x, gate, weight, eps: float, invariant: bool = False) -> torch.Tensor:
+    """weight * rmsnorm(x) * silu(gate), as HF's Qwen3_5RMSNormGated: x, gate [..., D];
+    `invariant`: the SiLU row by row on the vector path (the batch-invariant mode)."""
     h = x.float()
     h = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).float()
-    return (h * F.silu(gate.float())).to(x.dtype)
+    return (h * (silu if invariant else F.silu)(gate.float())).to(x.dtype)
+
+
+def sigmoid(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """x [T, E]; `invariant`: each row on the vector path whatever T (elementwise.py)."""
+    return rowwise(torch.sigmoid, x) if invariant else torch.sigmoid(x)
 
 
 class GatedDeltaNet(nn.Module):
@@ -107,6 +114,22 @@ class GatedDeltaNet(nn.Module):
     def attach_state(self, tensors: list[torch.Tensor]) -> None:
         self.conv_state, self.recurrent_state = tensors
 
+    @property
+    def invariant(self) -> bool:
+        """The batch-invariant mode (set by the runner: `make_batch_invariant`): the backend
+        that runs every token one way (linear_attention/invariant.py), row-wise elementwise."""
+        return self.backend.name == "batch_invariant"
+
+    @invariant.setter
+    def invariant(self, on: bool) -> None:
+        self.backend = get_linear_backend("batch_invariant" if on else "torch")
+
+    def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """b, a [T, Hv] -> (beta, the log decay g), both [T, Hv]."""
+        softplus = functools.partial(rowwise, F.softplus) if self.invariant else F.softplus
+        g = -self.A_log.float().exp() * softplus(a.float() + self.dt_bias)
+        return sigmoid(b, self.invariant), g
+
     def forward(self, hidden, cos, sin, attn: AttentionMetadata) -> torch.Tensor:
         if self.conv_state is None or self.recurrent_state is None or attn.linear is None:
             raise RuntimeError("GatedDeltaNet: state pools and metadata come from the runner")
@@ -118,8 +141,7 @@ class GatedDeltaNet(nn.Module):
         else:  # speculative decoding: verify rows leave their slots as they were (verify.py)
             mixed = verify_conv(self.backend, qkv, weight, self.conv_state, meta, self.activation)
         q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        beta = b.sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta, g = self.gates(b, a)
         args = (
             q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
             v.reshape(t, self.hv, self.dv), g, beta,
@@ -130,12 +152,14 @@ class GatedDeltaNet(nn.Module):
             core = verify_delta_rule(self.backend, *args, self.recurrent_state, meta)
             meta.verify.record(self, meta, qkv, *args)
         z = z.reshape(t, self.hv, self.dv)
-        out = gated_rms_norm(core, z, self.norm.weight, self.eps)
+        out = gated_rms_norm(core, z, self.norm.weight, self.eps, self.invariant)
         return self.out_proj(out.reshape(t, self.hv * self.dv))
 
 
 class GatedAttention(nn.Module):
     """Full attention whose output is gated by sigmoid(gate); q/k (1 + w) RMSNorm."""
+
+    invariant = False  # the batch-invariant mode (set by the runner: `make_batch_invariant`)
 
     def __init__(self, spec: AttentionSpec, tp: TPGroup) -> None:
         super().__init__()
@@ -161,7 +185,7 @@ class GatedAttention(nn.Module):
         k = self.rotary(self.k_norm(self.k_proj(hidden).view(t, kvh, d)), cos, sin)
         v = self.v_proj(hidden).view(t, kvh, d)
         out = self.attn(q, k, v, attn).reshape(t, h * d)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(t, h * d)))
+        return self.o_proj(out * sigmoid(gate.reshape(t, h * d), self.invariant))
 
 
 class Qwen3_5ForCausalLM(MtpHost, LlamaForCausalLM):
@@ -243,7 +267,8 @@ class SharedExpertMoe(SparseMoeBlock):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         routed, ids = super().forward(x)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x), ids
+        gate = sigmoid(self.shared_expert_gate(x), self.experts.invariant)  # [T, 1]
+        return routed + gate * self.shared_expert(x), ids
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

@@ -53,12 +53,20 @@ def _triton_backend() -> LinearAttentionBackend:
     return TritonLinearAttention()
 
 
+def _invariant_backend() -> LinearAttentionBackend:
+    from raylane.kernels.linear_attention.invariant import InvariantLinearAttention
+
+    return InvariantLinearAttention()
+
+
 # name -> (is_available, factory), in order of preference for "auto"
 _BACKENDS: dict[
     str, tuple[Callable[[torch.device], bool], Callable[[], LinearAttentionBackend]]
 ] = {
     "triton": (has_triton, _triton_backend),
     "torch": (lambda device: True, _torch_backend),
+    # the batch-invariant mode's (invariant.py); never "auto"'s: torch comes first
+    "batch_invariant": (lambda device: True, _invariant_backend),
 }
 
 

@@ -6,7 +6,7 @@ run alone (a cold cache, a batch of one, no chunking, serial scheduling, eager),
 variant (mixed batches with staggered arrivals, chunked prefill at two budgets, prefix hits, a
 KV budget tight enough to preempt, async scheduling, graph replay, n-gram speculation, n > 1
 with seeded sampling) must equal it exactly. The families the mode refuses (sliding window,
-linear-attention hybrids, DSA) are checked to be refused with a reason.
+DSA) are checked to be refused with a reason.
 """
 
 from __future__ import annotations
@@ -16,19 +16,45 @@ import random
 import pytest
 from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
-from tests.tiny_models import make_gemma3, make_gpt_oss, make_qwen3_5
+from tests.tiny_models import (
+    make_gemma3,
+    make_gpt_oss,
+    make_qwen3_5,
+    make_qwen3_5_moe,
+    make_qwen3_next,
+)
 
-# (fixture, whether it routes experts): dense, MoE (softmax and sigmoid grouped routing), MLA
+# (fixture, whether it routes experts): dense, MoE (softmax and sigmoid grouped routing), MLA,
+# linear-attention hybrids (Gated DeltaNet: dense, every layer MoE, Qwen3-Next's fused
+# projections with dense and MoE layers)
 FAMILIES = [
     ("tiny_llama_dir", False),
     ("tiny_qwen3_dir", False),
     ("tiny_moe_dir", True),
     ("tiny_glm4_moe_dir", True),
     ("tiny_deepseek_dir", True),
+    ("tiny_qwen3_5_dir", False),
+    ("tiny_qwen3_5_moe_dir", True),
+    ("tiny_qwen3_next_dir", True),
 ]
 DTYPES = ["float32", "bfloat16"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "adaptive": False}
 MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_qwen3_5(tmp_path_factory.mktemp("bi_qwen3_5"))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_qwen3_5_moe(tmp_path_factory.mktemp("bi_qwen3_5_moe"))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_qwen3_next(tmp_path_factory.mktemp("bi_qwen3_next"))
 
 
 def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -43,7 +69,9 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine_for(model_dir: str, dtype: str, **kw) -> LLMEngine:
-    kw = {"block_size": 4, "num_kv_blocks": 256, "max_num_seqs": 8, **kw}
+    # hybrids: a state snapshot for every prompt and finished request (the default, one per
+    # state slot, evicts the prompts' before their second pass could hit them)
+    kw = {"block_size": 4, "num_kv_blocks": 256, "max_num_seqs": 8, "num_state_snapshots": 16, **kw}
     return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, batch_invariant=True, **kw))
 
 
@@ -177,7 +205,6 @@ def test_seeded_sampling_at_n_2_equals_alone(family: Family):
     [
         (make_gemma3, "sliding-window"),
         (make_gpt_oss, "sliding-window"),
-        (make_qwen3_5, "linear-attention"),
     ],
 )
 def test_families_the_mode_cannot_serve_are_refused(tmp_path, make, family_name):
