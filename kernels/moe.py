@@ -168,7 +168,10 @@ def expert_forward(
     h = _grouped_linear(h, w2, sorted_ids, ends, invariant)  # [S, H]
     if b2 is not None:
         h = h + b2.index_select(0, sorted_ids)
-    h = h * weights.t().reshape(-1).index_select(0, order).unsqueeze(1)
+    # float32 weights (DeepSeek's router in the batch-invariant mode, as HF keeps them): the
+    # product in float32, rounded once to x's dtype as HF's experts loop does; weights in x's
+    # dtype (every other caller) make the cast a no-op
+    h = (h * weights.t().reshape(-1).index_select(0, order).unsqueeze(1)).to(x.dtype)
     return _sum_in_expert_order(h, ids, order)
 
 

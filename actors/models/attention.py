@@ -13,8 +13,11 @@ attaches the tensors, and picks a backend that serves every kind the model has.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from raylane.kernels.attention import AttentionBackend, AttentionMetadata, get_backend
+from raylane.kernels.batch_invariant.attention import attend, repage
 from torch import nn
 
 
@@ -102,3 +105,30 @@ class LatentAttention(Attention):
         """q [T, H, L + R] (absorbed query), latent [T, 1, L + R] (this step's rows)
         -> [T, H, L], the attention output in the latent space."""
         return super().forward(q, latent, latent[..., : self.kv_lora_rank], attn)
+
+    def expanded(
+        self,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        attn: AttentionMetadata,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The batch-invariant mode's MLA, transformers' expanded form: q [T, H, nope + R]
+        (unabsorbed), latent [T, 1, L + R] (this step's rows, stored first); `expand` turns
+        cache rows [N, 1, L + R] into keys [N, H, nope + R] and values [N, H, v] -> [T, H, v].
+
+        Every step re-expands each sequence's whole context (gathered from the latent cache
+        into a temporary cache of its own) and attends on the C kernel, as a trainer's
+        attention does inside `raylane.batch_invariant()`: O(context) kv_b_proj work per
+        step, the price of bitwise equality (the mode runs only on the CPU, so no backend
+        choice is bypassed)."""
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("LatentAttention.k_cache is not attached; the runner allocates it")
+        if attn.groups is not None:
+            attn = attn.groups[self.kv_group]
+        self.k_cache.index_copy_(0, attn.slot_mapping, latent)  # v_cache is a view of it
+        rows, tables = repage(
+            self.k_cache, attn.block_tables, attn.seq_lens.tolist(), attn.block_size
+        )
+        keys, values = expand(rows)
+        return attend(q, keys, values, tables, attn.seq_lens, attn.query_start_loc, self.scale)

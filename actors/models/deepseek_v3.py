@@ -127,14 +127,16 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (out [T, H], expert ids [T, k] int32)."""
-        weights, ids = self.gate(x)
+        weights, ids = self.gate(x)  # float32
         w13, w2 = self.experts.w13_weight, self.experts.w2_weight
+        if not self.experts.invariant:  # the mode keeps them float32, as transformers does
+            weights = weights.to(x.dtype)
         out = self.tp.all_reduce(
             expert_forward(
                 x,
                 w13,
                 w2,
-                weights.to(x.dtype),
+                weights,
                 ids,
                 self.hidden_act,
                 invariant=self.experts.invariant,

@@ -7,6 +7,11 @@ its per-head blocks W_UK [nope, L] and W_UV [v, L] are folded around the attenti
 (absorbed form), q_lat = q_nope @ W_UK, out = softmax(q_lat . c + q_rope . k_rope) c @ W_UV^T,
 which equals HF's expanded keys (c @ W_UK^T) and values (c @ W_UV^T) up to float rounding.
 
+The batch-invariant mode (`EngineConfig.batch_invariant`) runs HF's expanded form instead, op
+for op as transformers' DeepseekV3Attention (`expanded_forward`), so that a trainer's forward
+inside `raylane.batch_invariant()` equals the rollout bit for bit: each step re-expands every
+sequence's cached latents through kv_b_proj (O(context) work a step, accepted in that mode).
+
 Tensor parallel: query heads (q_b_proj / q_proj, kv_b_proj rows, o_proj columns) split across
 ranks; the latent projection, its norm and the cache rows are replicated.
 """
@@ -50,6 +55,7 @@ class MLASpec:
     @classmethod
     def from_config(cls, config: Any) -> MLASpec:
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        scale = _softmax_scale(qk_head_dim, rope_parameters_of(config))
         return cls(
             hidden_size=config.hidden_size,
             num_heads=config.num_attention_heads,
@@ -60,7 +66,7 @@ class MLASpec:
             v_head_dim=config.v_head_dim,
             bias=bool(getattr(config, "attention_bias", False)),
             rope_interleave=bool(getattr(config, "rope_interleave", True)),
-            scale=qk_head_dim**-0.5 * _yarn_softmax_mscale(rope_parameters_of(config)),
+            scale=scale,
         )
 
     @property
@@ -68,14 +74,17 @@ class MLASpec:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
-def _yarn_softmax_mscale(rope: dict[str, Any]) -> float:
-    """YaRN's `mscale_all_dim` scales DeepSeek's softmax by mscale^2 (HF yarn_apply_mscale)."""
+def _softmax_scale(qk_head_dim: int, rope: dict[str, Any]) -> float:
+    """qk_head_dim^-0.5, times mscale twice where YaRN's `mscale_all_dim` asks: HF's
+    yarn_apply_mscale, in its order of float products (the batch-invariant mode matches
+    transformers bit for bit)."""
+    scale = qk_head_dim**-0.5
     mscale_all_dim = rope.get("mscale_all_dim", 0)
     factor = rope.get("factor", 1.0)
     if rope.get("rope_type", "default") == "default" or not mscale_all_dim or factor <= 1:
-        return 1.0
+        return scale
     mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
-    return mscale * mscale
+    return scale * mscale * mscale
 
 
 def per_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -116,6 +125,8 @@ class MLAttention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
+        if self.kv_b_proj.invariant:
+            return self.expanded_forward(hidden, cos, sin, attn)
         query, row, _ = self.project(hidden, cos, sin)
         return self.output(self.attn(query, row, attn))
 
@@ -124,27 +135,66 @@ class MLAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """hidden [T, D] -> (absorbed query [T, H, L + R], cache row [T, 1, L + R], the
         low-rank query q_a_layernorm(q_a_proj(hidden)) [T, q_lora_rank] or None)."""
+        q_nope, q_rope, q_resid = self._query(hidden, cos, sin)
+        w_uk = self._kv_b()[:, : self.spec.qk_nope_head_dim]  # [H, nope, L]
+        if self.kv_b_proj.invariant:
+            q_latent = per_head_linear(q_nope, w_uk.transpose(1, 2))  # [T, H, L]
+        else:
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        query = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, L + R]
+        return query, self._cache_row(hidden, cos, sin), q_resid
+
+    def expanded_forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        """The batch-invariant mode: transformers' expanded form, op for op as its
+        DeepseekV3Attention, so a trainer's forward inside `raylane.batch_invariant()` equals
+        this bit for bit. Query cat(q_nope, q_rope) [T, H, nope + R] against each context
+        token's kv_b_proj(latent) keys cat(k_nope, k_rope) and values, then o_proj."""
+        s, t = self.spec, hidden.shape[0]
+        q_nope, q_rope, _ = self._query(hidden, cos, sin)
+        query = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, nope + R]
+        out = self.attn.expanded(query, self._cache_row(hidden, cos, sin), attn, self.expand)
+        return self.o_proj(out.reshape(t, self.num_heads * s.v_head_dim))  # out [T, H, v]
+
+    def expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows [N, 1, L + R] -> (keys [N, H, nope + R], values [N, H, v]), contiguous:
+        transformers' expand_kv (kv_b_proj over each row, row-invariant in the mode; the
+        shared rope key copied beside every head's k_nope)."""
+        s, n, h = self.spec, rows.shape[0], self.num_heads
+        latent, k_rope = rows[:, 0].split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(n, h, s.qk_nope_head_dim + s.v_head_dim)
+        k_nope, value = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
+        key = torch.cat([k_nope, k_rope.unsqueeze(1).expand(n, h, s.qk_rope_head_dim)], dim=-1)
+        return key, value.contiguous()
+
+    def _query(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """hidden [T, D] -> (q_nope [T, H, nope], rotated q_rope [T, H, R], the low-rank query
+        [T, q_lora_rank] or None)."""
         s, t, h = self.spec, hidden.shape[0], self.num_heads
         if s.q_lora_rank is None:
             q_resid, q = None, self.q_proj(hidden)
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
             q = self.q_b_proj(q_resid)
-        q = q.view(t, h, s.qk_head_dim)
-        q_nope, q_rope = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
+        q_nope, q_rope = q.view(t, h, s.qk_head_dim).split(
+            [s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1
+        )
+        return q_nope, self._rotate(q_rope, cos, sin), q_resid
+
+    def _cache_row(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, D] -> the cache row [T, 1, L + R]: the normed latent, the rotated rope key."""
+        s = self.spec
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split(
             [s.kv_lora_rank, s.qk_rope_head_dim], dim=-1
         )
         latent = self.kv_a_layernorm(latent)  # [T, L]
         k_rope = self._rotate(k_rope.unsqueeze(1), cos, sin)  # [T, 1, R]
-        w_uk = self._kv_b()[:, : s.qk_nope_head_dim]  # [H, nope, L]
-        if self.kv_b_proj.invariant:
-            q_latent = per_head_linear(q_nope, w_uk.transpose(1, 2))  # [T, H, L]
-        else:
-            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
-        query = torch.cat([q_latent, self._rotate(q_rope, cos, sin)], dim=-1)  # [T, H, L + R]
-        row = torch.cat([latent.unsqueeze(1), k_rope], dim=-1)  # [T, 1, L + R]
-        return query, row, q_resid
+        return torch.cat([latent.unsqueeze(1), k_rope], dim=-1)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """The attention output in the latent space [T, H, L] -> W_UV, o_proj -> [T, D]."""

@@ -101,43 +101,80 @@ def paged(
     sequence's length are zero."""
     batch, heads, t, _ = q.shape
     lengths = lengths * batch if len(lengths) == 1 else lengths
-    blocks = [math.ceil(n / BLOCK_SIZE) for n in lengths]
-    k_cache = _paged_cache(k, lengths, blocks)  # [slots, KVH, D]
-    v_cache = _paged_cache(v, lengths, blocks)
-    tables = torch.zeros(batch, max(max(blocks), 1), dtype=torch.int32)
-    first = 0
-    for b, n in enumerate(blocks):
-        tables[b, :n] = torch.arange(first, first + n, dtype=torch.int32)
-        first += n
+    tables, firsts = contiguous_tables(lengths)
+    k_cache = _paged_cache(k, lengths, firsts, tables)  # [slots, KVH, D]
+    v_cache = _paged_cache(v, lengths, firsts, tables)
     rows = torch.cat([q[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])  # [N, H, D]
     starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    out = rows.new_empty(rows.shape[0], heads, v.shape[-1])
-    cpu_kernel.paged_attention(
-        rows.contiguous(),
-        k_cache,
-        v_cache,
-        tables,
-        torch.tensor(lengths, dtype=torch.int32),
-        starts,
-        scale,
-        out,
-        block_size=BLOCK_SIZE,
-    )
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    out = attend(rows.contiguous(), k_cache, v_cache, tables, seq_lens, starts, scale)
     full = out.new_zeros(batch, t, heads, v.shape[-1])
     for b, n in enumerate(lengths):
         full[b, :n] = out[starts[b] : starts[b] + n]
     return full
 
 
-def _paged_cache(x: torch.Tensor, lengths: list[int], blocks: list[int]) -> torch.Tensor:
-    """x [B, KVH, T, D] -> the slots of each sequence's blocks, [sum(blocks) * BLOCK_SIZE,
-    KVH, D]: sequence b's token j at slot (its first block) * BLOCK_SIZE + j."""
-    cache = x.new_zeros(max(sum(blocks), 1) * BLOCK_SIZE, x.shape[1], x.shape[3])
-    slot = 0
-    for b, (n, nb) in enumerate(zip(lengths, blocks)):
-        cache[slot : slot + n] = x[b, :, :n].transpose(0, 1)
-        slot += nb * BLOCK_SIZE
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The C kernel over caches of BLOCK_SIZE-slot blocks (cpu_kernel.paged_attention's
+    arguments): q [N, H, D] -> [N, H, Dv], rows past query_start_loc[-1] zero."""
+    out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
+    return cpu_kernel.paged_attention(
+        q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, out, block_size=BLOCK_SIZE
+    )
+
+
+def contiguous_tables(lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Block tables [B, W] int32 for sequences of `lengths` laid one after another in
+    BLOCK_SIZE-slot blocks, and each sequence's first slot."""
+    blocks = [math.ceil(n / BLOCK_SIZE) for n in lengths]
+    tables = torch.zeros(len(lengths), max(max(blocks, default=0), 1), dtype=torch.int32)
+    firsts, first = [], 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = torch.arange(first, first + n, dtype=torch.int32)
+        firsts.append(first * BLOCK_SIZE)
+        first += n
+    return tables, firsts
+
+
+def _num_slots(tables: torch.Tensor) -> int:
+    return (int(tables.max()) + 1) * BLOCK_SIZE
+
+
+def _paged_cache(
+    x: torch.Tensor, lengths: list[int], firsts: list[int], tables: torch.Tensor
+) -> torch.Tensor:
+    """x [B, KVH, T, D] -> the slots of each sequence's blocks, [slots, KVH, D]: sequence b's
+    token j at slot firsts[b] + j."""
+    cache = x.new_zeros(_num_slots(tables), x.shape[1], x.shape[3])
+    for b, (n, first) in enumerate(zip(lengths, firsts)):
+        cache[first : first + n] = x[b, :, :n].transpose(0, 1)
     return cache
+
+
+def repage(
+    cache: torch.Tensor, block_tables: torch.Tensor, lengths: list[int], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's context in an engine's paged cache [num_slots, ...] (read through its
+    `block_tables` row, `block_size` slots a block) copied into a fresh cache laid out as
+    `contiguous_tables(lengths)`: (rows [slots, ...], zero where no token; tables [B, W])."""
+    tables, firsts = contiguous_tables(lengths)
+    src, dst = [], []
+    for b, (n, first) in enumerate(zip(lengths, firsts)):
+        j = torch.arange(n)
+        src.append(block_tables[b, j // block_size].long() * block_size + j % block_size)
+        dst.append(first + j)
+    rows = cache.new_zeros(_num_slots(tables), *cache.shape[1:])
+    if src:
+        rows[torch.cat(dst)] = cache[torch.cat(src)]
+    return rows, tables
 
 
 def reference(

@@ -18,7 +18,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 DTYPES = ["float32", "bfloat16"]
-FAMILIES = ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_moe_dir"]
+FAMILIES = ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_moe_dir", "tiny_deepseek_dir"]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21], [22, 23]]
 
 

@@ -139,3 +139,21 @@ def test_triton_splits_a_wide_group_across_programs(kind):
         want.append(torch.einsum("nhc,cl->nhl", scores.softmax(-1), r[:, :latent].double()))
         start += new
     torch.testing.assert_close(out.double(), torch.cat(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                         "original_max_position_embeddings": 4096}])  # fmt: skip
+def test_softmax_scale_is_transformers_own(rope):
+    """The same float, products in transformers' order: the batch-invariant mode's MLA must
+    scale its scores exactly as DeepseekV3Attention does."""
+    from raylane.actors.models.mla import MLASpec
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    extra = {} if rope is None else {"rope_parameters": {"rope_theta": 10000.0, **rope}}
+    config = DeepseekV3Config(
+        hidden_size=32, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, **extra,
+    )  # fmt: skip
+    assert MLASpec.from_config(config).scale == DeepseekV3Attention(config, 0).scaling
