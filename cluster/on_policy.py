@@ -10,14 +10,14 @@ wraps around its own, unmodified transformers model.
 
 Inside it, the torch ops transformers' models call run on the kernels of the engine's
 batch-invariant mode (`EngineConfig(batch_invariant=True)`): `F.linear` over rows padded to a
-multiple of 16, SiLU row by row on the vector path, attention ("sdpa" and "eager" alike)
-through the C paged kernel, and MoE
-experts (whatever `experts_implementation`) one expert at a time, as transformers' "eager"
-loop and the engine's mode both do. So the
+multiple of 16, SiLU and sigmoid row by row on the vector path, attention ("sdpa" and "eager"
+alike) through the C paged kernel, and MoE experts (whatever `experts_implementation`) one
+expert at a time, as transformers' "eager" loop and the engine's mode both do. So the
 teacher-forced logprobs of a rollout equal, bit for bit, the logprobs the engine returned for
 it, at any trainer batch size. Autograd works (attention's backward recomputes in torch ops).
-Leaving the context restores every op. On the CPU, at TP = 1, for Llama, Qwen2, Qwen3 and
-Qwen3-MoE in float32 and bfloat16 (docs/rl.md says what is covered and what is not).
+Leaving the context restores every op. On the CPU, at TP = 1, for Llama, Qwen2, Qwen3,
+Qwen3-MoE and DeepSeek-V3 in float32 and bfloat16 (docs/rl.md says what is covered and what
+is not).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from raylane.kernels.batch_invariant import padded_linear
 from raylane.kernels.batch_invariant.attention import invariant_attention
+from raylane.kernels.batch_invariant.elementwise import sigmoid as invariant_sigmoid
 from raylane.kernels.batch_invariant.elementwise import silu as invariant_silu
 
 _LOCK = threading.Lock()  # the ops are process-wide: one context swaps them at a time
@@ -52,14 +53,17 @@ def batch_invariant() -> Iterator[None]:
     ]
     saved = [(local, {key: local.get(key) for key in keys}) for local, keys, _ in swaps]
     linear, silu = F.linear, F.silu
+    sigmoids = torch.sigmoid, torch.Tensor.sigmoid
     try:
         # the same calls with more (optional) parameters
         F.linear, F.silu = padded_linear, invariant_silu  # type: ignore[assignment]
+        torch.sigmoid = torch.Tensor.sigmoid = invariant_sigmoid  # type: ignore[assignment]
         for local, keys, fn in swaps:
             local.update(dict.fromkeys(keys, fn))
         yield
     finally:
         F.linear, F.silu = linear, silu
+        torch.sigmoid, torch.Tensor.sigmoid = sigmoids  # type: ignore[assignment]
         for local, before in saved:
             for key, fn in before.items():
                 if fn is None:

@@ -29,24 +29,47 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     return out[:, :width]
 
 
-_SILU = F.silu  # torch's own: `raylane.batch_invariant()` swaps F.silu for `silu` below
+# torch's own: `raylane.batch_invariant()` swaps these for `silu` and `sigmoid` below
+_SILU = F.silu
+_SIGMOID = torch.sigmoid
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid(x), each row of the last dim computed the same way whatever the rows
+    around it (a router's [T, E] scores: the engine's mode runs `rowwise` on them)."""
+    if x.dim() == 0:
+        return _SIGMOID(x)
+    return rowwise(_SIGMOID, x.reshape(-1, x.shape[-1])).reshape(x.shape)
 
 
 def silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """F.silu(x), each row of the last dim computed on the vector path whatever the rows
     around it (a [T, I] call splits across threads, and leaves a scalar tail, at offsets that
     follow T * I). `inplace` is accepted for F.silu's signature and ignored."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rowwise(_SILU, rows).reshape(x.shape)
+    return _by_rows(_SILU, x)
+
+
+def _by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return rowwise(fn, x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+
+# hidden_act -> its elementwise op (kernels/activation.py's); GELU's vector and scalar paths
+# round apart as SiLU's do
+_GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": _SILU,
+    "swish": _SILU,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def silu_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
-    """x [T, 2 * I] laid out [gate | up] -> silu(gate) * up, row-invariant (the batch-invariant
-    mode's gated activation; only SiLU has one)."""
-    if act not in ("silu", "swish"):
+    """x [T, 2 * I] laid out [gate | up] -> act(gate) * up, row-invariant (the batch-invariant
+    mode's gated activation: SiLU, or GELU exact or tanh-approximated)."""
+    if act not in _GATES:
         raise ValueError(
-            f"hidden_act: {act!r} has no batch-invariant path (only silu); turn "
+            f"hidden_act: {act!r} has no batch-invariant path (only {sorted(_GATES)}); turn "
             "EngineConfig.batch_invariant off for this model"
         )
     half = x.shape[-1] // 2
-    return silu(x[..., :half]) * x[..., half:]
+    return _by_rows(_GATES[act], x[..., :half]) * x[..., half:]
