@@ -46,8 +46,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_dir = resolve_model_dir(config.model)  # a .gguf converts once, here, for every rank
     hf_config = AutoConfig.from_pretrained(model_dir)
     check_tp_shape(hf_config, config.tensor_parallel_size)
-    if config.batch_invariant:
-        refuse_batch_invariant(hf_config)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     eos = _eos_token_ids(hf_config, tokenizer, model_dir)
     limits = model_limits(hf_config, config)
@@ -79,34 +77,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_moe_layers=info.num_moe_layers,
         grammars=GrammarCompiler(tokenizer, info.vocab_size),
     )
-
-
-# layer types the batch-invariant mode cannot serve yet, and why
-_NOT_BATCH_INVARIANT = {
-    "sliding_attention": (
-        "sliding-window attention: the C kernel's key chunks start at the window of a tile's "
-        "first query row, which the prefill split and the batch move"
-    ),
-}
-
-
-def refuse_batch_invariant(hf_config) -> None:
-    """ValueError naming the family where `EngineConfig.batch_invariant` cannot hold."""
-    text = getattr(hf_config, "text_config", None) or hf_config
-    types = set(getattr(text, "layer_types", None) or ())
-    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", False):
-        types.add("sliding_attention")  # Qwen2-style: every layer may slide
-    if getattr(text, "index_topk", None):
-        raise ValueError(
-            "EngineConfig.batch_invariant: not for DeepSeek sparse attention (DSA) models yet: "
-            "their indexer and sparse attention run plain torch ops outside the C kernel, not "
-            "checked to be batch invariant; turn the mode off"
-        )
-    for kind, why in _NOT_BATCH_INVARIANT.items():
-        if kind in types:
-            raise ValueError(
-                f"EngineConfig.batch_invariant: not for {why}; turn the mode off for this model"
-            )
 
 
 def _frees_windows(config: EngineConfig, windows: tuple[int | None, ...]) -> bool:

@@ -28,6 +28,9 @@ class SparseLatentAttention(LatentAttention):
     """MLA's latent cache plus the indexer's key cache; attends the selected positions only."""
 
     kind = "dsa"
+    # the batch-invariant mode (set by the runner: `make_batch_invariant`): sparse.py's ops per
+    # token rather than over the batch
+    invariant = False
 
     def __init__(
         self,
@@ -65,7 +68,9 @@ class SparseLatentAttention(LatentAttention):
         index_q, index_k, weights = index
         self.index_cache.index_copy_(0, attn.slot_mapping, index_k)
         scale = self.index_head_dim**-0.5
-        chosen = select_topk(index_q, weights, self.index_cache, attn, self.index_topk, scale)
+        chosen = select_topk(
+            index_q, weights, self.index_cache, attn, self.index_topk, scale, self.invariant
+        )
         return self.attend_chosen(q, latent, chosen, attn), chosen
 
     def attend_chosen(
@@ -76,7 +81,7 @@ class SparseLatentAttention(LatentAttention):
             raise RuntimeError("SparseLatentAttention's latent cache is not attached")
         self.k_cache.index_copy_(0, attn.slot_mapping, latent)
         cache, rank = self.k_cache, self.kv_lora_rank
-        return sparse_latent_attention(q, cache, rank, chosen, attn, self.scale)
+        return sparse_latent_attention(q, cache, rank, chosen, attn, self.scale, self.invariant)
 
 
 class Indexer(nn.Module):

@@ -119,6 +119,8 @@ class ModelRunner(RunnerUpkeep):
 
     def _attach_backend(self, layers: list) -> None:
         kinds = set().union(*(layer.backend_kinds() for layer in layers))
+        if self.config.batch_invariant:  # DSA layers run their own ops (sparse.py), never a
+            kinds.discard("dsa")  # backend: the C kernel need not list them to be the one
         request = BackendRequest(  # the shapes a backend with limits (flash_attn) checks
             dtype=self.dtype,
             head_sizes=tuple(sorted({layer.head_dim for layer in layers})),

@@ -12,7 +12,13 @@ from raylane.kernels.attention.torch_ref import store_kv
 
 
 class CpuPagedAttention:
+    """`aligned` (the batch-invariant mode): sliding windows reduce over key chunks aligned to
+    absolute positions, so a row's order does not follow the tile or prefill split it is in."""
+
     name = "cpu"
+
+    def __init__(self, aligned: bool = False) -> None:
+        self.aligned = aligned
 
     def forward(
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
@@ -32,4 +38,5 @@ class CpuPagedAttention:
             block_size=meta.block_size,
             window=window,
             sinks=sinks,
+            aligned=self.aligned,
         )

@@ -47,6 +47,7 @@ def paged_attention(
     num_threads: int | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    aligned: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context; writes and returns out.
 
@@ -60,6 +61,9 @@ def paged_attention(
     from the cache (this step's K/V must already be stored). Query head h reads KV head
     h // (H // KVH). With a `window`, a query sees only its last `window` keys (blocks before
     them are never read); `sinks` [H]: per-head logits joining each softmax's denominator.
+    `aligned` (the batch-invariant mode): a window's key chunks start at multiples of the
+    kernel's chunk width, as full attention's do, so a query row reduces in one order whatever
+    tile or prefill split it falls in (without it they start at a tile's first window).
     `block_size` is slots per block (the shapes do not tell it). Sequences
     with no queries contribute nothing; rows of q past query_start_loc[B] are left alone.
     Runs on `num_threads` OpenMP threads (default torch.get_num_threads()).
@@ -93,6 +97,7 @@ def paged_attention(
         num_threads or torch.get_num_threads(),
         window or 0,
         None if sinks is None else sinks.data_ptr(),
+        int(aligned),
         ctypes.byref(bad_seq),
     )
     if rc != 0:
@@ -189,13 +194,14 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.raylane_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     # pointers (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out), then
-    # _checked_sizes(), then block_size, scale, dtype, num_threads, window, sinks, bad_seq
+    # _checked_sizes(), then block_size, scale, dtype, num_threads, window, sinks, aligned,
+    # bad_seq
     fn.argtypes = (
         [ptr] * 7
         + [i64] * 6
         + [i32] * 6
         + [i64, i32]
-        + [i32, ctypes.c_float, i32, i32, i32, ptr, ctypes.POINTER(ctypes.c_int)]
+        + [i32, ctypes.c_float, i32, i32, i32, ptr, i32, ctypes.POINTER(ctypes.c_int)]
     )
     fn.restype = ctypes.c_int
     return lib

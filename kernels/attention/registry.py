@@ -43,7 +43,8 @@ class BackendRequest:
     (flash_attn: fp16/bf16, head sizes, block size), and how the backend should reduce.
 
     `num_splits` reaches flash_attn's `num_splits`: 0 lets the kernel pick per shape, 1 keeps
-    one reduction order whatever the batch (the batch-invariant mode)."""
+    one reduction order whatever the batch (the batch-invariant mode); at 1 the C kernel aligns
+    sliding windows' key chunks to absolute positions for the same reason."""
 
     dtype: torch.dtype | None = None  # None: not known, not checked
     head_sizes: tuple[int, ...] = ()
@@ -86,7 +87,7 @@ def _triton_backend(device, request) -> AttentionBackend:
 def _cpu_backend(device, request) -> AttentionBackend:
     from raylane.kernels.attention.cpu_backend import CpuPagedAttention
 
-    return CpuPagedAttention()
+    return CpuPagedAttention(aligned=request.num_splits == 1)
 
 
 def _has_cpu_kernel(device: torch.device) -> bool:

@@ -9,12 +9,18 @@ Tie rule: a token keeps the `topk` highest index scores among the positions it s
 equal scores the earlier position wins (a stable descending sort), so the selection is a
 function of the scores alone. transformers takes `torch.topk`'s pick, which agrees unless
 scores tie exactly at the boundary (e.g. positions where every head's ReLU is zero).
+
+`invariant` (the batch-invariant mode): the batched matmuls span a context width set by the
+batch's longest block table and a batch of every token in the step, and may reduce in an order
+that follows either; there each token's matmuls run on their own (`padded_linear`, over the
+positions it sees), so its scores, picks and output depend on that token alone.
 """
 
 from __future__ import annotations
 
 import torch
 from raylane.kernels.attention.metadata import AttentionMetadata
+from raylane.kernels.batch_invariant import padded_linear
 
 
 def token_positions(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +46,7 @@ def select_topk(
     meta: AttentionMetadata,
     topk: int,
     scale: float,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """The indexer's choice: q [T, nh, D], weights [T, nh] float32, key_cache [slots, 1, D]
     -> [T, topk] int64 positions, ascending, -1 where fewer than topk are visible.
@@ -47,9 +54,12 @@ def select_topk(
     score(t, s) = sum_h weights[t, h] * relu(scale * q[t, h] . k[s]) over positions s <= t."""
     seq, pos = token_positions(meta)
     slots = context_slots(meta, seq)  # [T, C]
-    keys = key_cache[:, 0].index_select(0, slots.flatten()).view(*slots.shape, -1)  # [T, C, D]
-    scores = torch.bmm(q.float(), keys.float().transpose(1, 2)) * scale  # [T, nh, C]
-    scores = torch.bmm(weights.unsqueeze(1), scores.relu()).squeeze(1)  # [T, C]
+    if invariant:
+        scores = _scores_per_token(q, weights, key_cache[:, 0], slots, pos, scale)
+    else:
+        keys = key_cache[:, 0].index_select(0, slots.flatten()).view(*slots.shape, -1)
+        scores = torch.bmm(q.float(), keys.float().transpose(1, 2)) * scale  # [T, nh, C]
+        scores = torch.bmm(weights.unsqueeze(1), scores.relu()).squeeze(1)  # [T, C]
     ctx = torch.arange(slots.shape[1], device=q.device)
     visible = ctx.unsqueeze(0) <= pos.unsqueeze(1)  # [T, C]
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -58,6 +68,24 @@ def select_topk(
     if chosen.shape[1] < topk:  # a context shorter than topk: pad the width
         chosen = torch.nn.functional.pad(chosen, (0, topk - chosen.shape[1]), value=-1)
     return _ascending(chosen)
+
+
+def _scores_per_token(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """select_topk's scores [T, C], each token's from its own matmuls over positions 0..pos
+    (shapes that token alone sets); positions past it are left 0 (select_topk masks them)."""
+    scores = q.new_zeros(slots.shape, dtype=torch.float32)
+    for t, p in enumerate(pos.tolist()):  # NOTE: a host sync; the mode runs on the CPU
+        k = keys.index_select(0, slots[t, : p + 1]).float()  # [p + 1, D]
+        heads = padded_linear(q[t].float(), k).mul(scale).relu()  # [nh, p + 1]
+        scores[t, : p + 1] = padded_linear(weights[t : t + 1], heads.t().contiguous())[0]
+    return scores
 
 
 def _ascending(chosen: torch.Tensor) -> torch.Tensor:
@@ -74,6 +102,7 @@ def sparse_latent_attention(
     chosen: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """MLA's absorbed form over the chosen positions only: q [T, H, L + R], latent_cache
     [slots, 1, L + R], chosen [T, k] positions (-1 = none) -> [T, H, L]."""
@@ -84,7 +113,23 @@ def sparse_latent_attention(
     blocks = tables.gather(1, pos // meta.block_size)
     slots = blocks * meta.block_size + pos % meta.block_size  # [T, k]
     rows = latent_cache[:, 0].index_select(0, slots.flatten()).view(*slots.shape, -1)
+    if invariant:
+        return _latent_per_token(q, rows, kv_lora_rank, valid, scale)
     scores = torch.einsum("thd,tkd->thk", q, rows) * scale  # [T, H, k]
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.einsum("thk,tkl->thl", probs, rows[..., :kv_lora_rank])
+
+
+def _latent_per_token(
+    q: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """sparse_latent_attention's math, each token's two matmuls on their own: [T, H, L]."""
+    out = q.new_empty(*q.shape[:2], kv_lora_rank)
+    for t in range(q.shape[0]):
+        keys = rows[t].clone()  # [k, L + R], a fresh (aligned) copy as every token's weight
+        scores = padded_linear(q[t], keys) * scale  # [H, k]
+        scores = scores.masked_fill(~valid[t], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[t] = padded_linear(probs, keys[:, :kv_lora_rank].t().contiguous())
+    return out

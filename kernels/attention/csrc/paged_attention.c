@@ -17,7 +17,10 @@
  * Query j of sequence i sits at position seq_lens[i] - q_len + j and attends keys 0..position
  * (causal), or with a sliding `window` > 0 only its last `window` keys (blocks before them are
  * never read: a window's freed blocks may hold anything); the caller has already written this
- * step's K/V into the cache. `sinks` (float32 [H], or NULL): per query head, a logit that joins
+ * step's K/V into the cache. With `aligned` (the batch-invariant mode) a window's key chunks
+ * start at multiples of LANES, as full attention's do, rather than at the window of a tile's
+ * first row: a row then visits the same chunks, lane for lane, whatever tile or prefill split
+ * it falls in; the chunk's keys before that first window are zeros, never read. `sinks` (float32 [H], or NULL): per query head, a logit that joins
  * the softmax's denominator and adds nothing to the sum (gpt-oss).
  *
  * Work is cut into items (sequence, run of kv heads, tile of query rows). Inside an item every
@@ -97,6 +100,7 @@ typedef struct {
     int v_dim;
     int window;         /* > 0: a query sees its last `window` keys; 0: every earlier key */
     const float *sinks; /* [H] float32, or NULL */
+    int aligned;        /* window chunks on multiples of LANES (the batch-invariant mode) */
 } Problem;
 
 typedef struct {
@@ -251,19 +255,25 @@ typedef struct {
 /*
  * The keys at positions first .. first + n - 1 of kv heads kv_begin .. kv_begin + heads - 1,
  * copied (float32) or converted into s->k, s->v, rows past n zeroed: the math only ever sees
- * padded float rows. Float32 is copied too, although it could be read in place: a copy reads
+ * padded float rows. Rows before position `floor` are zeroed too and never read (an aligned
+ * window's chunk may begin in blocks the window freed). Float32 is copied too, although it could be read in place: a copy reads
  * each slot's run of heads front to back, which the memory system streams far better than the
  * D-element pieces the math would pick out of it (about 1.3x faster per call once the cache
  * outgrows the CPU caches, as it does across a model's layers; 1.2x slower while it fits).
  */
 static Chunk fetch_chunk(const Problem *p, const int32_t *table, int kv_begin, int heads,
-                         int first, int n, Scratch *s) {
+                         int first, int n, int floor, Scratch *s) {
     const int bs = p->block_size, d = p->head_dim, dv = p->v_dim, padded = s->padded;
     const int64_t slot_stride = (int64_t)p->num_kv_heads * d;
-    int block = first / bs, offset = first % bs; /* advanced by hand: no division per row */
+    const int skip = floor > first ? floor - first : 0; /* < n: the chunk holds floor */
+    int block = (first + skip) / bs, offset = (first + skip) % bs; /* no division per row */
     const size_t es = elem_size(p->dtype);
     const int64_t row = (int64_t)heads * padded;
-    for (int r = 0; r < n; ++r) {
+    if (skip > 0) {
+        memset(s->k, 0, sizeof(float) * skip * row);
+        memset(s->v, 0, sizeof(float) * skip * row);
+    }
+    for (int r = skip; r < n; ++r) {
         const int64_t slot = (int64_t)table[block] * bs + offset;
         const char *k = (const char *)p->k_cache + (slot * slot_stride + kv_begin * d) * es;
         const char *v = (const char *)p->v_cache + (slot * p->v_slot + kv_begin * dv) * es;
@@ -434,10 +444,12 @@ static void attend_item(const Problem *p, const Item *it, Scratch *s) {
 
     const int32_t *table = p->block_tables + it->seq * p->table_row;
     const int num_keys = pos0 + rows; /* the tile's last row sees keys 0 .. num_keys - 1 */
-    const int window = p->window, lo = window > 0 && pos0 >= window ? pos0 - window + 1 : 0;
-    for (int first = lo; first < num_keys; first += LANES) { /* from the first row's window */
+    /* from the first row's window (`floor`), or the chunk holding it where chunks align */
+    const int window = p->window, floor = window > 0 && pos0 >= window ? pos0 - window + 1 : 0;
+    const int lo = p->aligned ? floor / LANES * LANES : floor;
+    for (int first = lo; first < num_keys; first += LANES) {
         const int n = num_keys - first < LANES ? num_keys - first : LANES;
-        const Chunk chunk = fetch_chunk(p, table, it->kv_begin, heads, first, n, s);
+        const Chunk chunk = fetch_chunk(p, table, it->kv_begin, heads, first, n, floor, s);
         for (int h = 0; h < heads; ++h) {
             switch (padded) { /* the common head sizes get fully unrolled loops */
             case 64:
@@ -574,11 +586,11 @@ int raylane_paged_attention(const void *q, const void *k_cache, const void *v_ca
                             int64_t table_row, int table_width, int num_seqs, int num_tokens,
                             int num_heads, int num_kv_heads, int head_dim, int64_t v_slot,
                             int v_dim, int block_size, float scale, int dtype, int num_threads,
-                            int window, const float *sinks, int *bad_seq) {
+                            int window, const float *sinks, int aligned, int *bad_seq) {
     const Problem p = {q, q_row, q_head, k_cache, v_cache, num_slots, block_tables, table_row,
                        table_width, seq_lens, query_start_loc, out, out_row, out_head,
                        num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size,
-                       dtype, scale, v_slot, v_dim, window, sinks};
+                       dtype, scale, v_slot, v_dim, window, sinks, aligned};
     *bad_seq = -1;
     const int rc = check(&p, bad_seq);
     if (rc != PA_OK) return rc;
