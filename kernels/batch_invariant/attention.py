@@ -40,20 +40,24 @@ def invariant_attention(
             "raylane.batch_invariant: attention dropout must be 0 (call model.eval(), or set "
             "attention_dropout=0): dropped weights cannot equal the rollout's"
         )
-    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
+    if getattr(module, "sinks", None) is not None or kwargs.get("s_aux") is not None:
         raise ValueError(
-            "raylane.batch_invariant: sliding-window attention is not covered; run the trainer "
-            "without the context for this model"
+            "raylane.batch_invariant: attention sinks (gpt-oss) are not covered; run the "
+            "trainer without the context for this model"
         )
-    lengths = _lengths(attention_mask, query.shape[2], key.shape[2])
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    lengths = _lengths(attention_mask, query.shape[2], key.shape[2], window)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = _PagedAttention.apply(query, key, value, lengths, float(scale))
+    out = _PagedAttention.apply(query, key, value, lengths, float(scale), window)
     return out, None
 
 
-def _lengths(mask: torch.Tensor | None, q_len: int, kv_len: int) -> list[int]:
-    """Each sequence's valid length, from a causal mask with right padding (ValueError for any
-    other mask: left padding, packed sequences, a prefix of cached keys)."""
+def _lengths(
+    mask: torch.Tensor | None, q_len: int, kv_len: int, window: int | None = None
+) -> list[int]:
+    """Each sequence's valid length, from a causal mask with right padding, sliding over
+    `window` keys if given (ValueError for any other mask: left padding, packed sequences, a
+    prefix of cached keys)."""
     if q_len != kv_len:
         raise ValueError(
             "raylane.batch_invariant: the forward must see the whole sequence (teacher "
@@ -65,7 +69,7 @@ def _lengths(mask: torch.Tensor | None, q_len: int, kv_len: int) -> list[int]:
     allowed = allowed[:, 0]
     rows = torch.arange(q_len, device=mask.device)
     lengths = allowed.diagonal(dim1=-2, dim2=-1).sum(-1)  # [B]: a query sees itself
-    causal = rows[None, :] <= rows[:, None]  # [T, T]
+    causal = _visible(rows, window)  # [T, T]
     want = causal[None] & (rows[None, None, :] < lengths[:, None, None])
     valid_rows = rows[None, :, None] < lengths[:, None, None]
     if not torch.equal(allowed & valid_rows, want & valid_rows):
@@ -76,29 +80,40 @@ def _lengths(mask: torch.Tensor | None, q_len: int, kv_len: int) -> list[int]:
     return lengths.tolist()
 
 
+def _visible(rows: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[T, T]: query i sees key j (causal, and within its last `window` keys if given)."""
+    causal = rows[None, :] <= rows[:, None]
+    return causal if window is None else causal & (rows[None, :] > rows[:, None] - window)
+
+
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lengths: list[int], scale: float):
+    def forward(ctx, q, k, v, lengths: list[int], scale: float, window: int | None):
         ctx.save_for_backward(q, k, v)
-        ctx.lengths, ctx.scale = lengths, scale
-        return paged(q, k, v, lengths, scale)
+        ctx.lengths, ctx.scale, ctx.window = lengths, scale, window
+        return paged(q, k, v, lengths, scale, window)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-            out = reference(*inputs, ctx.lengths, ctx.scale)
+            out = reference(*inputs, ctx.lengths, ctx.scale, ctx.window)
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
 
 
 def paged(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, T, D], k / v [B, KVH, T, D(v)] -> [B, T, H, Dv] through the C kernel; rows past a
-    sequence's length are zero."""
+    sequence's length are zero; a `window`: each query sees its last `window` keys."""
     batch, heads, t, _ = q.shape
     lengths = lengths * batch if len(lengths) == 1 else lengths
     tables, firsts = contiguous_tables(lengths)
@@ -107,7 +122,7 @@ def paged(
     rows = torch.cat([q[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])  # [N, H, D]
     starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
-    out = attend(rows.contiguous(), k_cache, v_cache, tables, seq_lens, starts, scale)
+    out = attend(rows.contiguous(), k_cache, v_cache, tables, seq_lens, starts, scale, window)
     full = out.new_zeros(batch, t, heads, v.shape[-1])
     for b, n in enumerate(lengths):
         full[b, :n] = out[starts[b] : starts[b] + n]
@@ -122,13 +137,16 @@ def attend(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The C kernel over caches of BLOCK_SIZE-slot blocks (cpu_kernel.paged_attention's
-    arguments): q [N, H, D] -> [N, H, Dv], rows past query_start_loc[-1] zero."""
+    arguments): q [N, H, D] -> [N, H, Dv], rows past query_start_loc[-1] zero. A `window`'s
+    key chunks align as in the engine's mode, so a row reduces as the engine's did."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
     return cpu_kernel.paged_attention(
-        q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, out, block_size=BLOCK_SIZE
-    )
+        q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, out,
+        block_size=BLOCK_SIZE, window=window, aligned=True,
+    )  # fmt: skip
 
 
 def contiguous_tables(lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -178,7 +196,12 @@ def repage(
 
 
 def reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The same attention in plain torch ops, float32 (differentiable): [B, T, H, Dv]."""
     batch, heads, t, _ = q.shape
@@ -189,7 +212,7 @@ def reference(
     scores = (q.float() @ kf.transpose(-1, -2)) * scale  # [B, H, T, T]
     rows = torch.arange(t, device=q.device)
     n = torch.tensor(lengths, device=q.device)[:, None, None, None]
-    keep = (rows[None, None, None, :] <= rows[None, None, :, None]) & (rows < n)
+    keep = _visible(rows, window)[None, None] & (rows < n)
     probs = scores.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0)
     out = (probs @ vf) * (rows[None, None, :, None] < n)  # padded rows: zero
     return out.transpose(1, 2).to(q.dtype)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from raylane.kernels.attention import cpu_kernel
 from raylane.kernels.batch_invariant import batch_invariant_backend, grouped_linear, padded_linear
-from raylane.kernels.batch_invariant.attention import paged, reference
+from raylane.kernels.batch_invariant.attention import invariant_attention, paged, reference
 from raylane.kernels.batch_invariant.elementwise import silu as invariant_silu
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -125,26 +125,39 @@ def test_aligned_windows_reduce_a_row_alike_at_any_split_and_never_read_freed_bl
     torch.testing.assert_close(alone.double(), exact, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_trainers_paged_attention_is_attention(dtype):
+def test_the_trainers_paged_attention_is_attention(dtype, window):
     """The trainer's path (right padding) against the plain torch math and against SDPA."""
     b, h, kvh, t, d = 3, 4, 2, 21, 16
     q, k, v = (_heavy(b, n, t, d, dtype=dtype, seed=s) / 4 for s, n in ((6, h), (7, kvh), (8, kvh)))
     lengths = [21, 9, 14]
-    got = paged(q, k, v, lengths, d**-0.5)
+    got = paged(q, k, v, lengths, d**-0.5, window)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(
-        got.float(), reference(q, k, v, lengths, d**-0.5).float(), rtol=tol, atol=tol
+        got.float(), reference(q, k, v, lengths, d**-0.5, window).float(), rtol=tol, atol=tol
     )
     for i, n in enumerate(lengths):
+        rows = torch.arange(n)
+        mask = rows[None] <= rows[:, None]
+        if window is not None:
+            mask &= rows[None] > rows[:, None] - window
         sdpa = F.scaled_dot_product_attention(
             q[i : i + 1, :, :n].float(),
             k[i : i + 1, :, :n].float().repeat_interleave(h // kvh, 1),
             v[i : i + 1, :, :n].float().repeat_interleave(h // kvh, 1),
-            is_causal=True,
+            attn_mask=mask,
         ).transpose(1, 2)[0]
         torch.testing.assert_close(got[i, :n].float(), sdpa, rtol=tol, atol=tol)
         assert not got[i, n:].any()  # padded rows are zero
+
+
+def test_the_trainers_attention_refuses_sinks_it_would_drop():
+    q = torch.zeros(1, 2, 3, 8)
+    gpt_oss_layer = torch.nn.Module()
+    gpt_oss_layer.sinks = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="attention sinks"):
+        invariant_attention(gpt_oss_layer, q, q, q, None, sliding_window=8)
 
 
 def test_the_mode_names_what_to_change_where_it_cannot_run():

@@ -17,9 +17,23 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from tests.tiny_models import make_gemma3
+
 DTYPES = ["float32", "bfloat16"]
-FAMILIES = ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_moe_dir", "tiny_deepseek_dir"]
+# Gemma 3: sliding (window 8) and full layers, GELU-tanh, the rollouts longer than the window
+FAMILIES = [
+    "tiny_llama_dir",
+    "tiny_qwen3_dir",
+    "tiny_moe_dir",
+    "tiny_deepseek_dir",
+    "tiny_gemma3_dir",
+]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21], [22, 23]]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_gemma3(tmp_path_factory.mktemp("bi_trainer_gemma3"))
 
 
 def _rollouts(model_dir: str, dtype: str, max_tokens: int = 20):
