@@ -10,7 +10,7 @@ wraps around its own, unmodified transformers model.
 
 Inside it, the torch ops transformers' models call run on the kernels of the engine's
 batch-invariant mode (`EngineConfig(batch_invariant=True)`): `F.linear` over rows padded to a
-multiple of 16, SiLU and sigmoid row by row on the vector path, attention ("sdpa" and "eager"
+multiple of 16, SiLU, GELU and sigmoid row by row on the vector path, attention ("sdpa" and "eager"
 alike) through the C paged kernel, and MoE experts (whatever `experts_implementation`) one
 expert at a time, as transformers' "eager" loop and the engine's mode both do. So the
 teacher-forced logprobs of a rollout equal, bit for bit, the logprobs the engine returned for
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from raylane.kernels.batch_invariant import padded_linear
 from raylane.kernels.batch_invariant.attention import invariant_attention
+from raylane.kernels.batch_invariant.elementwise import gelu as invariant_gelu
 from raylane.kernels.batch_invariant.elementwise import sigmoid as invariant_sigmoid
 from raylane.kernels.batch_invariant.elementwise import silu as invariant_silu
 
@@ -52,17 +53,18 @@ def batch_invariant() -> Iterator[None]:
         (ALL_EXPERTS_FUNCTIONS._local_mapping, list(ALL_EXPERTS_FUNCTIONS), invariant_experts),
     ]
     saved = [(local, {key: local.get(key) for key in keys}) for local, keys, _ in swaps]
-    linear, silu = F.linear, F.silu
+    linear, silu, gelu = F.linear, F.silu, F.gelu
     sigmoids = torch.sigmoid, torch.Tensor.sigmoid
     try:
         # the same calls with more (optional) parameters
         F.linear, F.silu = padded_linear, invariant_silu  # type: ignore[assignment]
+        F.gelu = invariant_gelu  # type: ignore[assignment]
         torch.sigmoid = torch.Tensor.sigmoid = invariant_sigmoid  # type: ignore[assignment]
         for local, keys, fn in swaps:
             local.update(dict.fromkeys(keys, fn))
         yield
     finally:
-        F.linear, F.silu = linear, silu
+        F.linear, F.silu, F.gelu = linear, silu, gelu
         torch.sigmoid, torch.Tensor.sigmoid = sigmoids  # type: ignore[assignment]
         for local, before in saved:
             for key, fn in before.items():

@@ -32,6 +32,7 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
 # torch's own: `raylane.batch_invariant()` swaps these for `silu` and `sigmoid` below
 _SILU = F.silu
 _SIGMOID = torch.sigmoid
+_GELU = F.gelu
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +50,11 @@ def silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     return _by_rows(_SILU, x)
 
 
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """F.gelu(x, approximate), row by row as `silu`."""
+    return _by_rows(lambda t: _GELU(t, approximate=approximate), x)
+
+
 def _by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return rowwise(fn, x.reshape(-1, x.shape[-1])).reshape(x.shape)
 
@@ -58,8 +64,8 @@ def _by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
 _GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": _SILU,
     "swish": _SILU,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": _GELU,
+    "gelu_pytorch_tanh": lambda x: _GELU(x, approximate="tanh"),
 }
 
 

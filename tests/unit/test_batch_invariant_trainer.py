@@ -132,7 +132,7 @@ def test_autograd_works_inside_and_agrees_with_outside(tiny_llama_dir):
 def test_leaving_the_context_restores_every_op():
     tables = (ALL_ATTENTION_FUNCTIONS, ALL_EXPERTS_FUNCTIONS)
     linear, before = F.linear, [dict(t._local_mapping) for t in tables]
-    ops = (F.silu, torch.sigmoid, torch.Tensor.sigmoid)
+    ops = (F.silu, F.gelu, torch.sigmoid, torch.Tensor.sigmoid)
     with pytest.raises(KeyError):
         with batch_invariant():
             assert F.linear is not linear
@@ -145,7 +145,7 @@ def test_leaving_the_context_restores_every_op():
                 experts[k] is not experts._global_mapping[k] for k in experts._global_mapping
             )
             raise KeyError("a trainer's error inside the block")
-    assert F.linear is linear and (F.silu, torch.sigmoid, torch.Tensor.sigmoid) == ops
+    assert F.linear is linear and (F.silu, F.gelu, torch.sigmoid, torch.Tensor.sigmoid) == ops
     assert [dict(t._local_mapping) for t in tables] == before
 
 
