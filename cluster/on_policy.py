@@ -65,7 +65,7 @@ def batch_invariant() -> Iterator[None]:
         yield
     finally:
         F.linear, F.silu, F.gelu = linear, silu, gelu
-        torch.sigmoid, torch.Tensor.sigmoid = sigmoids  # type: ignore[assignment]
+        torch.sigmoid, torch.Tensor.sigmoid = sigmoids  # type: ignore[method-assign]
         for local, before in saved:
             for key, fn in before.items():
                 if fn is None:
