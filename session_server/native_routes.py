@@ -27,6 +27,7 @@ from raylane.session_server.response_schemas import (
 from raylane.session_server.sampling import SGLANG_NAMES, resolve_max_tokens, sglang_params
 from raylane.session_server.schemas import DetokenizeRequest, GenerateRequest, TokenizeRequest
 from raylane.session_server.streaming import Indexed, final_outputs, primed, sse_response, start
+from raylane.session_server.weight_labels import labels_of_app
 
 router = APIRouter()
 
@@ -55,7 +56,7 @@ async def generate(body: GenerateRequest, request: Request):
         _check_routing_start(body.routed_experts_start_len, prompts)
         # with the trainer API on, SGLang's shape: versions by their labels
         state = request.app.state
-        labels = state.weight_labels if state.trainer_api else None
+        labels = labels_of_app(request.app) if state.trainer_api else None
         formatter = NativeFormatter(
             body.rid or new_id("gen"), body, params, backend.tokenizer, len(prompts), labels
         )

@@ -52,3 +52,12 @@ class WeightLabels:
         while len(self._texts) > KEPT:
             del self._texts[next(iter(self._texts))]
         return text
+
+
+def labels_of_app(app: Any) -> WeightLabels:
+    """The app's `WeightLabels`, made on the first request that needs them (the backend is set
+    by then, whatever order the routes were mounted in)."""
+    labels = getattr(app.state, "weight_labels", None)
+    if labels is None:
+        labels = app.state.weight_labels = WeightLabels(app.state.backend.control)
+    return labels

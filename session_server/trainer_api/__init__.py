@@ -26,7 +26,6 @@ from raylane.session_server.trainer_api import (
     vllm_routes,
     vllm_weights,
 )
-from raylane.session_server.weight_labels import WeightLabels
 
 MODULES = (
     vllm_routes,
@@ -44,8 +43,6 @@ MODULES = (
 
 def mount(app: FastAPI) -> frozenset[str]:
     """Add every trainer protocol's routes to `app`; the paths of those that change state."""
-    # the protocols answer versions by their labels (`app.state.backend` is set first)
-    app.state.weight_labels = WeightLabels(app.state.backend.control)
     guarded: set[str] = set()
     for module in MODULES:
         for router in (module.router, module.control):

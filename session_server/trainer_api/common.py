@@ -16,7 +16,7 @@ from raylane.session_server.admin_routes import control_of
 from raylane.session_server.backend import ControlBackend, ModelInfo
 from raylane.session_server.context import backend_of
 from raylane.session_server.errors import APIError, bad_request, describe_validation
-from raylane.session_server.weight_labels import WeightLabels
+from raylane.session_server.weight_labels import WeightLabels, labels_of_app
 
 __all__ = [
     "control_of",
@@ -59,8 +59,8 @@ def version_label(value: str | int, field: str) -> str:
 
 
 def labels_of(request: Request) -> WeightLabels:
-    """This ingress's texts of weight versions (`trainer_api.mount` sets them up)."""
-    return request.app.state.weight_labels
+    """This ingress's texts of weight versions."""
+    return labels_of_app(request.app)
 
 
 def hinted_route(hint: str) -> type[APIRoute]:
