@@ -16,7 +16,8 @@ from collections.abc import Callable
 import torch
 from raylane.kernels.activation import act_and_mul
 from raylane.kernels.batch_invariant import grouped_linear
-from raylane.kernels.batch_invariant.elementwise import rowwise, silu_and_mul
+from raylane.kernels.batch_invariant.elementwise import sigmoid as invariant_sigmoid
+from raylane.kernels.batch_invariant.elementwise import silu_and_mul
 
 _MM_ALIGN_BYTES = 16  # torch._grouped_mm: start and leading stride of each operand
 
@@ -59,7 +60,7 @@ def select_experts_grouped(
     `scaling`. Device ops only. Ties go to `torch.topk`'s pick, as in HF.
     """
     # `invariant`: each row's sigmoid on one code path whatever T (the batch-invariant mode)
-    scores = rowwise(torch.sigmoid, router_logits) if invariant else router_logits.sigmoid()
+    scores = invariant_sigmoid(router_logits) if invariant else router_logits.sigmoid()
     biased = scores + correction_bias
     num_tokens, num_experts = biased.shape
     grouped = biased.view(num_tokens, num_groups, num_experts // num_groups)

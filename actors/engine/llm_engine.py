@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, cast
 
 from raylane.actors.engine.config import EngineConfig
+from raylane.actors.engine.engine_weights import EngineWeights
 from raylane.actors.engine.output_accumulator import run_to_completion
 from raylane.actors.engine.output_shaper import OutputShapers
 from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
@@ -28,23 +29,16 @@ from raylane.actors.engine.step_pipeline import StepPipeline
 from raylane.actors.engine.upkeep import EngineUpkeep
 from raylane.actors.engine.validate import RequestValidator, as_params_list, as_prompt_list
 from raylane.actors.engine.weight_sync import WeightSync
-from raylane.actors.models.weights import (
-    DEFAULT_BUCKET_BYTES,
-    Payload,
-    TensorSpec,
-    iter_buckets,
-    specs_of,
-)
 from raylane.actors.runner.faults import Faults
 from raylane.actors.runner.plan import StepResult
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 Prompt = str | list[int]
 
 
-class LLMEngine:
+class LLMEngine(EngineWeights):
     """A paged-KV, continuous-batching engine for one model, in this process or on a group of
     tensor-parallel Ray shards (`EngineConfig.tensor_parallel_size`).
 
@@ -118,58 +112,6 @@ class LLMEngine:
         self.executor.shutdown()
         if self.launcher.masks is not None:
             self.launcher.masks.shutdown()
-
-    def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
-        """Load HF-named (full, unsharded) tensors into every rank, then drop the prefix cache,
-        whose blocks were computed with the old weights. Call between steps."""
-        self.pipeline.quiesce()
-        self.executor.load_weights(weights)
-        self.block_manager.reset_prefix_cache()
-
-    # --- weight updates (RL): check, buckets, finish; between steps --------------------------
-
-    def update_weights(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        version: int | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> int:
-        """A whole update in one call (offline use): check every name and shape on every rank,
-        load bounded buckets, switch to `version` (default: the next); returns it. Requests it
-        ends as "stale" (`SamplingParams.max_weight_lag`) report it from the next step."""
-        weights = list(weights)
-        self.begin_weight_update(specs_of(weights))
-        for bucket in iter_buckets(weights, bucket_bytes):
-            self.load_weight_bucket(dict(bucket))
-        return self.finish_weight_update(version)
-
-    def begin_weight_update(self, specs: list[TensorSpec] | None) -> None:
-        """Check an update's manifest on every rank (ValueError naming the first tensor that
-        would not load); no weight changes. A second begin replaces an unfinished update."""
-        self.pipeline.quiesce()
-        self.weights.begin(specs)
-
-    def load_weight_bucket(self, bucket: Payload | dict[str, torch.Tensor]) -> int:
-        """Apply one bucket (safetensors bytes, or a uint8 array of them, or named tensors) of
-        the begun update; each tensor must be in its manifest, with that shape and dtype
-        (checked before any copy)."""
-        return self.weights.load(bucket)
-
-    def finish_weight_update(self, version: int | None = None) -> int:
-        """Switch to the new weights as `version` (default: the next; must be newer); returns
-        it. Requests this ends as "stale" report it from the next step (or `drain`)."""
-        version = self.weights.finish(version)
-        self.pipeline.hold(self.post.end_stale())
-        return version
-
-    @property
-    def weight_version(self) -> int:
-        return self.weights.version
-
-    @property
-    def weight_update_open(self) -> bool:
-        """A begun update is not finished: its buckets may be half in (do not step)."""
-        return self.weights.is_open
 
     def retract_all(self) -> int:
         """Free the KV of every running sequence; when scheduled again each re-prefills its

@@ -37,6 +37,7 @@ from raylane.actors.models.qwen_mtp import QwenMtp, qwen_mtp_name
 from raylane.actors.models.tp_shape import split_evenly
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.batch_invariant.elementwise import rowwise, silu
+from raylane.kernels.batch_invariant.elementwise import sigmoid as invariant_sigmoid
 from raylane.kernels.linear_attention import LinearAttentionBackend, get_linear_backend
 from raylane.kernels.linear_attention.verify import verify_conv, verify_delta_rule
 from raylane.kernels.norm import GemmaRMSNorm
@@ -56,7 +57,7 @@ def gated_rms_norm(x, gate, weight, eps: float, invariant: bool = False) -> torc
 
 def sigmoid(x: torch.Tensor, invariant: bool) -> torch.Tensor:
     """x [T, E]; `invariant`: each row on the vector path whatever T (elementwise.py)."""
-    return rowwise(torch.sigmoid, x) if invariant else torch.sigmoid(x)
+    return invariant_sigmoid(x) if invariant else torch.sigmoid(x)
 
 
 class GatedDeltaNet(nn.Module):

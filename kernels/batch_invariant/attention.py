@@ -46,14 +46,14 @@ def invariant_attention(
             "trainer without the context for this model"
         )
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    lengths = _lengths(attention_mask, query.shape[2], key.shape[2], window)
+    lengths = _lengths(attention_mask, query.shape[0], query.shape[2], key.shape[2], window)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = _PagedAttention.apply(query, key, value, lengths, float(scale), window)
     return out, None
 
 
 def _lengths(
-    mask: torch.Tensor | None, q_len: int, kv_len: int, window: int | None = None
+    mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, window: int | None = None
 ) -> list[int]:
     """Each sequence's valid length, from a causal mask with right padding, sliding over
     `window` keys if given (ValueError for any other mask: left padding, packed sequences, a
@@ -64,7 +64,7 @@ def _lengths(
             f"forcing, no KV cache); got {q_len} queries over {kv_len} keys"
         )
     if mask is None:
-        return [q_len]  # every sequence: broadcast below
+        return [q_len] * batch
     allowed = mask if mask.dtype == torch.bool else mask == 0  # [B, 1 | H, T, T]
     allowed = allowed[:, 0]
     rows = torch.arange(q_len, device=mask.device)
@@ -115,7 +115,6 @@ def paged(
     """q [B, H, T, D], k / v [B, KVH, T, D(v)] -> [B, T, H, Dv] through the C kernel; rows past a
     sequence's length are zero; a `window`: each query sees its last `window` keys."""
     batch, heads, t, _ = q.shape
-    lengths = lengths * batch if len(lengths) == 1 else lengths
     tables, firsts = contiguous_tables(lengths)
     k_cache = _paged_cache(k, lengths, firsts, tables)  # [slots, KVH, D]
     v_cache = _paged_cache(v, lengths, firsts, tables)
@@ -204,8 +203,7 @@ def reference(
     window: int | None = None,
 ) -> torch.Tensor:
     """The same attention in plain torch ops, float32 (differentiable): [B, T, H, Dv]."""
-    batch, heads, t, _ = q.shape
-    lengths = lengths * batch if len(lengths) == 1 else lengths
+    _, heads, t, _ = q.shape
     group = heads // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)

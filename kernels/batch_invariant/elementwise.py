@@ -40,7 +40,7 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     around it (a router's [T, E] scores: the engine's mode runs `rowwise` on them)."""
     if x.dim() == 0:
         return _SIGMOID(x)
-    return rowwise(_SIGMOID, x.reshape(-1, x.shape[-1])).reshape(x.shape)
+    return _by_rows(_SIGMOID, x)
 
 
 def silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
