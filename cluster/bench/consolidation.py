@@ -84,7 +84,7 @@ def ideal_seconds(
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from raylane.actors.consolidation.pgtemp import TempPostgres
+    from tests.support.pgtemp import TempPostgres
 
     with TempPostgres() as pg:
         timings, round_trips = asyncio.run(_measure(pg.dsn, args))
@@ -147,7 +147,8 @@ async def _consolidate(
 ):
     from prometheus_client import CollectorRegistry
     from raylane.actors.consolidation import ConsolidationConfig, ConsolidationMetrics, Consolidator
-    from raylane.actors.consolidation.fake_llm import FakeLLM
+
+    from tests.support.fake_llm import FakeLLM
 
     bank = f"bench-{uuid.uuid4().hex[:8]}"
     await store.retain_many(

@@ -234,7 +234,8 @@ def _workload(args: argparse.Namespace) -> Workload:
 def _generator(work: Workload):
     import numpy as np
     from raylane.actors.engine.outputs import CompletionOutput
-    from raylane.router.fake_generator import FakeTurnGenerator
+
+    from tests.support.fake_generator import FakeTurnGenerator
 
     def reply(prompt_ids: list[int]) -> CompletionOutput:
         t0 = time.process_time()

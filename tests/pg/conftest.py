@@ -10,7 +10,8 @@ import asyncpg
 import pytest
 from prometheus_client import CollectorRegistry
 from raylane.actors.consolidation import ConsolidationMetrics, MemoryStore
-from raylane.actors.consolidation.pgtemp import PG_OS_USER, TempPostgres, find_pg_bin
+
+from tests.support.pgtemp import PG_OS_USER, TempPostgres, find_pg_bin
 
 
 def _why_no_postgres() -> str | None:

@@ -6,7 +6,8 @@ import asyncio
 import sys
 
 from raylane.actors.consolidation import ConsolidationConfig, Consolidator, MemoryStore
-from raylane.actors.consolidation.fake_llm import FakeLLM
+
+from tests.support.fake_llm import FakeLLM
 
 
 async def main(dsn: str, bank_id: str) -> None:

@@ -7,9 +7,9 @@ import functools
 
 import pytest
 from raylane.actors.consolidation import BankBusy, ConsolidationConfig, MemoryStore
-from raylane.actors.consolidation.fake_llm import FakeLLM
 
 from tests.pg.checks import assert_each_memory_once, assert_one_observation_per_scope
+from tests.support.fake_llm import FakeLLM
 
 ray = pytest.importorskip("ray")
 

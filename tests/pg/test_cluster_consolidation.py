@@ -13,13 +13,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from raylane.actors.consolidation import MemoryStore
-from raylane.actors.consolidation.fake_llm import FakeLLM
 from raylane.config import ClusterConfig
 from raylane.consolidation import metrics_sources, start_consolidation, stop_consolidation
 from raylane.serve import served_model_name
 
 from tests.e2e.server import ServerThread
 from tests.pg.checks import assert_each_memory_once
+from tests.support.fake_llm import FakeLLM
 
 ray = pytest.importorskip("ray")
 

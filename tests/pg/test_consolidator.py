@@ -14,9 +14,9 @@ from raylane.actors.consolidation import (
     Consolidator,
     MemoryStore,
 )
-from raylane.actors.consolidation.fake_llm import FakeLLM
 
 from tests.pg.checks import assert_each_memory_once, assert_one_observation_per_scope
+from tests.support.fake_llm import FakeLLM
 
 
 def consolidator(

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 from raylane.actors.consolidation import ConsolidationConfig, Consolidator, MemoryStore
-from raylane.actors.consolidation.fake_llm import FakeLLM
 
 from tests.pg.checks import assert_each_memory_once, assert_one_observation_per_scope
+from tests.support.fake_llm import FakeLLM
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,9 +7,9 @@ import uuid
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from raylane.actors.consolidation import ConsolidationConfig, Consolidator, MemoryStore
-from raylane.actors.consolidation.fake_llm import FakeLLM
 
 from tests.pg.checks import assert_each_memory_once
+from tests.support.fake_llm import FakeLLM
 
 tag_sets = st.lists(st.sampled_from(["alice", "bob", "team", "x"]), max_size=3)
 

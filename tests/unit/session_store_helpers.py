@@ -9,11 +9,11 @@ import json
 import numpy as np
 from raylane.actors.engine.outputs import CompletionOutput
 from raylane.router.errors import SessionStoreUnavailable
-from raylane.router.fake_generator import FakeTurnGenerator
 from raylane.router.session_codec import decode_session, encode_session
 from raylane.router.sessions import SessionConfig, SessionRegistry
 from raylane.router.tito import TemplateSplicer
 
+from tests.support.fake_generator import FakeTurnGenerator
 from tests.unit.sessions_helpers import Agent, logprobs_for
 
 

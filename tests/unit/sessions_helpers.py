@@ -8,9 +8,10 @@ import itertools
 from typing import Any
 
 from raylane.actors.engine.outputs import CompletionOutput
-from raylane.router.fake_generator import FakeTurnGenerator
 from raylane.router.sessions import SessionConfig, SessionRegistry
 from raylane.router.tito import TemplateSplicer
+
+from tests.support.fake_generator import FakeTurnGenerator
 
 
 def logprobs_for(ids: list[int]) -> list[float]:

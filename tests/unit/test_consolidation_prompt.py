@@ -7,7 +7,6 @@ from datetime import datetime, timezone
 
 import pytest
 from raylane.actors.consolidation import ConsolidationConfig, InvalidAnswer
-from raylane.actors.consolidation.fake_llm import default_answer
 from raylane.actors.consolidation.grouping import chunked, group_by_tags
 from raylane.actors.consolidation.prompt import (
     answer_format,
@@ -16,6 +15,8 @@ from raylane.actors.consolidation.prompt import (
     read_request,
 )
 from raylane.actors.consolidation.records import Action, Memory, ObservationView, normalize_tags
+
+from tests.support.fake_llm import default_answer
 
 NOW = datetime(2025, 1, 1, tzinfo=timezone.utc)
 

@@ -17,12 +17,12 @@ from raylane.router.errors import (
     RollbackTooDeep,
     SessionNotFound,
 )
-from raylane.router.fake_generator import token_routing
 from raylane.router.generator import RequestTurnGenerator
 from raylane.router.replica_requests import ReplicaRequests
 from raylane.router.session_host import SessionSetup
 from raylane.serve_backend import RouterSessions
 
+from tests.support.fake_generator import token_routing
 from tests.tiny_models import make_tokenizer
 from tests.unit.router_ingress import InProcessRouter
 

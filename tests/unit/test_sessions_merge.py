@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from raylane.actors.engine import SamplingParams
 from raylane.router.errors import MalformedTrajectory
-from raylane.router.fake_generator import token_routing
 from raylane.router.samples import TrainingSample, merge_trajectory
 from raylane.router.trajectory import TurnRecord
+
+from tests.support.fake_generator import token_routing
 
 
 def record(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .prompt import read_request
+from raylane.actors.consolidation.prompt import read_request
 
 # Gets the request's JSON object; returns an answer text to send instead, or None for the
 # default answer; may raise to make the call fail.
