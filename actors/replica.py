@@ -22,6 +22,7 @@ from typing import Any
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.output_channel import ChannelClosed, OutputChannel
 from raylane.actors.replica_control import ReplicaControl
+from raylane.actors.replica_lora import adapter
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class EngineReplica(ReplicaControl):
         params: SamplingParams,
         request_id: str,
         channel_id: str,
+        lora: str | None = None,  # the adapter's name (None: the base model)
     ) -> None:
         """Admit a request whose outputs go out on the caller's open channel `channel_id`. Bad
         input (ValueError) and a paused engine's full queue (EnginePaused) raise here; abort
@@ -148,7 +150,8 @@ class EngineReplica(ReplicaControl):
             raise ChannelClosed(
                 f"no output channel {channel_id!r} is open on replica {self.replica_id}"
             )
-        channel.start(await self.engine.add_request(prompt_ids, params, request_id))
+        stream = await self.engine.add_request(prompt_ids, params, request_id, **adapter(lora))
+        channel.start(stream)
         self._admitted += 1
 
     async def stats(self) -> dict:

@@ -12,9 +12,12 @@ from typing import Any
 import raylane.actors.engine.weight_transfer as weight_transfer
 from raylane.actors.engine.outputs import RequestOutput
 from raylane.actors.engine.upkeep import CONTROL_CALLS
+from raylane.actors.replica_lora import ReplicaLoRA
 
 
-class ReplicaControl:
+class ReplicaControl(ReplicaLoRA):
+    """The verbs; the adapter verbs are `ReplicaLoRA`'s (actors/replica_lora.py)."""
+
     def __init__(self, engine: Any) -> None:
         self.engine = engine  # an AsyncLLMEngine
 

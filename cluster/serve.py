@@ -57,6 +57,7 @@ class Ingress:
             dtype=engine.dtype,
             routed_experts=capture,
             batch_invariant=engine.batch_invariant,
+            enable_lora=getattr(engine, "enable_lora", False),
         )
         router = get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
         # the Router hosts the sessions and runs their turns on these replicas

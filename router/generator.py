@@ -29,10 +29,11 @@ class Requests(Protocol):
         params: SamplingParams,
         request_id: str,
         routing_key: str | None = None,
+        lora: str | None = None,
     ) -> AsyncGenerator[EngineCoreOutput, None]:
         """The engine's deltas for one request (what each step added; the prompt on the
         first); closing the iterator early aborts it. `routing_key` keeps a conversation on
-        one replica.
+        one replica; `lora` names the adapter the request runs on (None: the base model).
 
         Raises `ValueError` for bad input, `raylane.router.errors.ReplicasBusy` (429) and
         `ReplicaFailed` (503).

@@ -50,11 +50,13 @@ class ReplicaChannels:
         prompt_ids: list[int] | str,  # text: the engine tokenizes it
         params: SamplingParams,
         request_id: str,
+        lora: str | None = None,  # the adapter's name (None: the base model)
     ) -> AsyncGenerator[EngineCoreOutput, None]:
         """The engine's deltas for one request on replica `replica_id` (`handle`: its actor
         handle). A ValueError (bad input), EnginePaused or RequestFailed raised there arrives
         as itself."""
-        channel, queue = await self._submit(replica_id, handle, prompt_ids, params, request_id)
+        submit = (prompt_ids, params, request_id, lora)
+        channel, queue = await self._submit(replica_id, handle, *submit)
         finished = False
         try:
             while not finished:
@@ -75,6 +77,7 @@ class ReplicaChannels:
         prompt_ids: list[int] | str,
         params: SamplingParams,
         request_id: str,
+        lora: str | None = None,
     ) -> tuple[_Channel, asyncio.Queue]:
         """Submit the request on this process's channel to the replica: the channel and the
         request's queue on it. A channel the replica closed before this process noticed (its
@@ -83,11 +86,11 @@ class ReplicaChannels:
         admitted nothing on it."""
         channel = await self._channel(replica_id, handle)
         try:
-            return channel, await _submitted(channel, handle, prompt_ids, params, request_id)
+            return channel, await _submitted(channel, handle, prompt_ids, params, request_id, lora)
         except ChannelClosed:
             channel.drop(_lapsed(replica_id))  # so did any other request still on it
         channel = await self._channel(replica_id, handle)
-        return channel, await _submitted(channel, handle, prompt_ids, params, request_id)
+        return channel, await _submitted(channel, handle, prompt_ids, params, request_id, lora)
 
     def channel_id(self, replica_id: str) -> str | None:
         """The id of the open channel to `replica_id`, if there is one."""
@@ -112,12 +115,13 @@ async def _submitted(
     prompt_ids: list[int] | str,
     params: SamplingParams,
     request_id: str,
+    lora: str | None = None,
 ) -> asyncio.Queue:
     """Submit the request on `channel`: its queue there. What the replica raised arrives as
     itself; a failed or cancelled submit leaves no queue behind."""
     queue = channel.subscribe(request_id)
     try:
-        await handle.submit.remote(prompt_ids, params, request_id, channel.id)
+        await handle.submit.remote(prompt_ids, params, request_id, channel.id, lora)
     except BaseException as e:
         channel.unsubscribe(request_id)
         raise (unwrapped(e) if isinstance(e, Exception) else e) from None

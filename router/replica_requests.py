@@ -43,11 +43,13 @@ class ReplicaRequests:
         params: SamplingParams,
         request_id: str,
         routing_key: str | None = None,
+        lora: str | None = None,
     ) -> AsyncGenerator[EngineCoreOutput, None]:
-        """The engine's deltas for the request; leaving early aborts it on its replica."""
+        """The engine's deltas for the request (on adapter `lora`, if named); leaving early
+        aborts it on its replica."""
         replica_id = await self._choose(routing_key)
         handle = self.view.handle(replica_id)
-        stream = self.channels.stream(replica_id, handle, prompt_ids, params, request_id)
+        stream = self.channels.stream(replica_id, handle, prompt_ids, params, request_id, lora)
         try:
             async with aclosing(stream):
                 async for out in stream:

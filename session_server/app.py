@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from fastapi import FastAPI
 from raylane.session_server import (
     admin_routes,
+    lora_routes,
+    lora_update_routes,
     metrics,
     native_routes,
     openai_routes,
@@ -76,14 +78,17 @@ def build_app(
     install_error_handlers(app)
     admin = admin_api_key is not None
     modules = [openai_routes, native_routes, session_routes, metrics]
-    for module in (modules + [admin_routes]) if admin else modules:
+    lora = backend.info.enable_lora  # the adapter routes (LoRA)
+    admins = [admin_routes, *([lora_update_routes] if lora else [])]
+    for module in (modules + admins) if admin else modules:
         app.include_router(module.router, responses=ERRORS)  # the OpenAI error body
     guarded = mount_trainer_api(app) if trainer_api else frozenset()
+    guarded |= lora_routes.mount(app) if lora else frozenset()
     # added last = runs first: auth before the body is read
     app.add_middleware(
         BodyLimit,
         max_bytes=max_body_bytes,
-        path_limits={admin_routes.BUCKET_PATH: max_bucket_bytes} if admin else {},
+        path_limits=dict.fromkeys(_BUCKET_PATHS, max_bucket_bytes) if admin else {},
     )
     if admin_api_key is not None:
         app.add_middleware(AdminAuth, admin_key=admin_api_key, paths=guarded)
@@ -96,6 +101,9 @@ def build_app(
         )
     app.add_middleware(HeaderLimit)  # first of all: nothing reads a header flood
     return app
+
+
+_BUCKET_PATHS = (admin_routes.BUCKET_PATH, lora_update_routes.BUCKET_PATH)
 
 
 def _check_limits(

@@ -37,6 +37,7 @@ class ModelInfo:
     dtype: str = "auto"  # EngineConfig.dtype
     routed_experts: bool = False  # a MoE model whose replicas capture routed experts
     batch_invariant: bool = False  # EngineConfig.batch_invariant (/v1/models, /server_info)
+    enable_lora: bool = False  # EngineConfig.enable_lora: `model` may name an adapter
 
 
 class SessionBackend(Protocol):
@@ -110,8 +111,11 @@ class Backend:
         params: SamplingParams,
         request_id: str,
         routing_key: str | None = None,
+        lora: str | None = None,  # an adapter's name (None: the base model)
     ) -> AsyncGenerator[EngineCoreOutput, None]:
-        return self.requests.generate(prompt_ids, params, request_id, routing_key)
+        if lora is None:  # every `Requests` takes this form
+            return self.requests.generate(prompt_ids, params, request_id, routing_key)
+        return self.requests.generate(prompt_ids, params, request_id, routing_key, lora=lora)
 
     async def ready(self) -> bool:
         return await self.requests.ready()
@@ -138,6 +142,7 @@ def local_backend(
         dtype=cfg.dtype,
         routed_experts=capture,
         batch_invariant=cfg.batch_invariant,
+        enable_lora=getattr(cfg, "enable_lora", False),
     )
     # likewise a DSA model's indexer top-k
     picks = cfg.enable_return_indexer_topk and validator.num_dsa_layers > 0

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from raylane.actors.engine.errors import EnginePaused, RequestFailed
 from raylane.router.errors import RouterError
+from raylane.session_server.lora_errors import lora_http_error
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class APIError(Exception):
         message: str,
         *,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,  # int: vLLM's bodies carry the status
         headers: dict[str, str] | None = None,
         type: str | None = None,
     ):
@@ -74,7 +75,7 @@ def error_body(
     status: int,
     message: str,
     param: str | None = None,
-    code: str | None = None,
+    code: str | int | None = None,
     type: str | None = None,
 ) -> dict:
     return {
@@ -92,7 +93,7 @@ def error_response(
     message: str,
     *,
     param: str | None = None,
-    code: str | None = None,
+    code: str | int | None = None,
     headers: dict[str, str] | None = None,
     type: str | None = None,
 ) -> JSONResponse:
@@ -108,6 +109,9 @@ def from_exception(exc: BaseException, param_names: dict[str, str] | None = None
     """
     if isinstance(exc, APIError):
         return exc
+    lora = lora_http_error(exc)  # an adapter's error: vLLM's status and body
+    if lora is not None:
+        return APIError(lora.status, lora.message, param=lora.param, code=lora.code, type=lora.type)
     if isinstance(exc, ValueError):
         return _value_error(str(exc), param_names or {})
     if isinstance(exc, EnginePaused):

@@ -16,6 +16,7 @@ from raylane.session_server.context import (
     timeout_of,
 )
 from raylane.session_server.errors import bad_request, error_response, from_exception
+from raylane.session_server.lora import on_adapter, sglang_adapter
 from raylane.session_server.native_format import NativeFormatter
 from raylane.session_server.openapi import EVENT_STREAM, ok
 from raylane.session_server.prompts import chat_text, encode, generate_prompts
@@ -60,8 +61,9 @@ async def generate(body: GenerateRequest, request: Request):
         formatter = NativeFormatter(
             body.rid or new_id("gen"), body, params, backend.tokenizer, len(prompts), labels
         )
+        lora = await sglang_adapter(request, body.lora_path, len(prompts))
         stream = start(
-            backend,
+            on_adapter(backend, lora),
             prompts,
             params,
             formatter.id,

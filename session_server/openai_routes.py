@@ -8,13 +8,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from raylane.session_server.context import (
     backend_of,
-    check_model,
     check_n,
     new_id,
     routing_key,
     timeout_of,
 )
 from raylane.session_server.errors import bad_request
+from raylane.session_server.lora import adapter_cards, model_adapter, on_adapter
 from raylane.session_server.openai_format import ChatFormatter, CompletionFormatter, Echo
 from raylane.session_server.openapi import EVENT_STREAM, ok
 from raylane.session_server.prompts import completion_prompts, render_chat
@@ -34,12 +34,15 @@ router = APIRouter()
 
 @router.get("/v1/models", response_model=None, responses=ok(ModelList))
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [await _model_card(request)]}
+    cards = await adapter_cards(request, request.app.state.created)
+    return {"object": "list", "data": [await _model_card(request), *cards]}
 
 
 @router.get("/v1/models/{model_id:path}", response_model=None, responses=ok(ModelCard))
 async def retrieve_model(model_id: str, request: Request) -> dict:
-    check_model(model_id, backend_of(request).info)
+    if await model_adapter(request, model_id) is not None:
+        cards = await adapter_cards(request, request.app.state.created)
+        return next(c for c in cards if c["id"] == model_id)
     return await _model_card(request)
 
 
@@ -62,7 +65,7 @@ async def _model_card(request: Request) -> dict:
 @router.post("/v1/completions", responses=ok(Completion, EVENT_STREAM))
 async def completions(body: CompletionRequest, request: Request):
     backend = backend_of(request)
-    check_model(body.model, backend.info)
+    lora = await model_adapter(request, body.model)  # None: the base model
     check_n(request, body.n)
     _reject_unsupported(body)
     prompts = completion_prompts(body.prompt, backend.tokenizer)
@@ -79,7 +82,7 @@ async def completions(body: CompletionRequest, request: Request):
         params = dataclasses.replace(params, prompt_logprobs=body.prompt_logprobs)
     formatter = CompletionFormatter(
         new_id("cmpl"),
-        backend.info.name,
+        lora or backend.info.name,
         body,
         params,
         backend.tokenizer,
@@ -87,7 +90,7 @@ async def completions(body: CompletionRequest, request: Request):
         echo=echo,
     )
     stream = start(
-        backend,
+        on_adapter(backend, lora),
         prompts,
         params,
         formatter.id,
@@ -102,7 +105,7 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions", responses=ok(ChatCompletion, EVENT_STREAM))
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     backend = backend_of(request)
-    check_model(body.model, backend.info)
+    lora = await model_adapter(request, body.model)  # None: the base model
     check_n(request, body.n)
     check_chat(body)
     tools = tool_plan(body, request.app.state.tool_call_parser)  # None: no calls to read
@@ -115,10 +118,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if tools is not None:
         params = tools.constrain(params, request)
     formatter = ChatFormatter(
-        new_id("chatcmpl"), backend.info.name, body, params, backend.tokenizer, num_top, tools=tools
+        new_id("chatcmpl"),
+        lora or backend.info.name,
+        body,
+        params,
+        backend.tokenizer,
+        num_top,
+        tools=tools,
     )
     stream = start(
-        backend,
+        on_adapter(backend, lora),
         [prompt],
         params,
         formatter.id,

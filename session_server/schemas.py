@@ -176,6 +176,8 @@ class GenerateRequest(_Body):
     rid: str | None = None
     routing_key: str | None = None
     timeout: float | None = Field(None, gt=0)  # seconds, as on the OpenAI routes
+    # SGLang's: the adapter (its name) the request runs on; one per prompt, or one for all
+    lora_path: str | list[str | None] | None = None
 
 
 class TokenizeRequest(ChatTemplateFields):

@@ -1,0 +1,84 @@
+"""One engine replica's LoRA verbs, over its `AsyncLLMEngine` (`ReplicaControl` has them): what
+the control plane's adapter calls (router/lora_control.py) run on every replica.
+
+An adapter is known by its name everywhere above the engine; its `lora_int_id` is derived from
+the name (`adapter_id`), so every replica gives one adapter the same id without asking anyone.
+Imports no torch (the Router reads these names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import zlib
+from typing import Any
+
+
+def adapter_id(name: str) -> int:
+    """The adapter's `lora_int_id`: the same on every replica and after any restart (> 0, as
+    vLLM's must be)."""
+    return 1 + zlib.crc32(name.encode()) % (2**31 - 2)
+
+
+def lora_request(name: str, path: str = "") -> Any:
+    """The engine's `LoRARequest` for adapter `name` (`path` empty: the one registered)."""
+    from raylane.actors.lora import LoRARequest
+
+    if not isinstance(name, str) or not name:
+        raise ValueError("lora_name: must be a non-empty string")
+    return LoRARequest(name, adapter_id(name), path)
+
+
+def adapter(name: str | None) -> dict[str, Any]:
+    """The engine's `lora_request=` keyword for a request on adapter `name` (none for None)."""
+    return {} if name is None else {"lora_request": lora_request(name)}
+
+
+def adapter_dict(info: Any) -> dict[str, Any]:
+    """A `LoRAInfo` as plain data (HTTP answers, the Router's listing)."""
+    return dataclasses.asdict(info) if dataclasses.is_dataclass(info) else dict(vars(info))
+
+
+async def _done(result: Any) -> Any:
+    return await result if inspect.isawaitable(result) else result
+
+
+class ReplicaLoRA:
+    engine: Any  # an AsyncLLMEngine
+
+    async def add_lora(self, name: str, path: str, pinned: bool = False) -> bool:
+        """Register adapter `name` from the PEFT directory `path` (again with a new path or new
+        files: its next version). ValueError (a `LoRAError` or a bad adapter) changes nothing."""
+        if not isinstance(path, str) or not path:
+            raise ValueError("lora_path: must be a non-empty path to a PEFT adapter directory")
+        return await _done(self.engine.add_lora(lora_request(name, path), pinned=pinned))
+
+    async def remove_lora(self, name: str, wait: bool = True) -> bool:
+        return await _done(self.engine.remove_lora(name, wait=wait))
+
+    async def pin_lora(self, name: str) -> bool:
+        return await _done(self.engine.pin_lora(name))
+
+    async def list_loras(self) -> list[dict[str, Any]]:
+        return [adapter_dict(i) for i in await _done(self.engine.list_loras())]
+
+    # an adapter-only update (the engine's bucketed form; `update_lora` in one go)
+
+    async def begin_lora_update(self, name: str, specs: list[dict]) -> None:
+        from raylane.actors.models.weights import TensorSpec
+
+        tensor_specs = [TensorSpec.from_dict(d) for d in specs]
+        await _done(self.engine.begin_lora_update(name, tensor_specs))
+
+    async def load_lora_bucket(self, bucket: Any) -> int:
+        """`bucket`: safetensors bytes, or `[ObjectRef]` of them (stored once for every
+        replica), under PEFT's names."""
+        if isinstance(bucket, list):
+            bucket = await bucket[0]
+        return await _done(self.engine.load_lora_bucket(bucket))
+
+    async def finish_lora_update(self, version: int | str | None = None) -> int:
+        return await _done(self.engine.finish_lora_update(version))
+
+    async def abort_lora_update(self) -> None:
+        await _done(self.engine.abort_lora_update())

@@ -1,0 +1,165 @@
+"""The control plane's part for LoRA adapters: load, unload and list them on every replica, and
+the adapter-only update, one transaction across every replica (`ControlPlane` has these: the
+same lock as pause, resume and weight updates, so they never interleave).
+
+An adapter update needs no pause: each engine applies the new version between steps, and a
+request keeps the version it started on (`LLMEngine.update_lora`). The transaction is the weight
+update's: `begin_lora_update` checks the adapter's tensors (PEFT names and shapes) on every rank
+of every replica before any byte moves, and a `ValueError` anywhere aborts it everywhere, the old
+version kept; `load_lora_bucket` applies a bucket on every replica of the transaction;
+`commit_lora_update` switches them all to the new version. A replica that fails meanwhile leaves
+the transaction and is reported (no more requests until it recovers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from raylane.router.broadcast import ReplicaBroadcast
+from raylane.router.control_parts import manifest
+from raylane.router.errors import UpdateNotFound
+
+
+@dataclass
+class LoRAUpdate:
+    """An adapter update in progress."""
+
+    update_id: str
+    name: str
+    replica_ids: list[str]
+    num_tensors: int
+    loaded: int = 0
+    failed: list[str] = field(default_factory=list)
+
+
+class LoRAControl(ReplicaBroadcast):
+    """`ControlPlane`'s adapter verbs."""
+
+    _lock: asyncio.Lock
+    _lora_update: LoRAUpdate | None = None
+
+    async def list_loras(self) -> list[dict[str, Any]]:
+        """The adapters registered on the replicas (`LoRAInfo` as dicts, by the first healthy
+        replica: every replica holds the same ones)."""
+        ids = self._reachable()
+        return await self.calls.replica(ids[0]).list_loras()
+
+    async def load_lora(
+        self, name: str, path: str, pinned: bool = False, replace: bool = False
+    ) -> list[dict[str, Any]]:
+        """Register adapter `name` from `path` on every replica; `replace`: a name already
+        registered gets a new version from `path` (vLLM's `load_inplace`), else it is a
+        `ValueError`. A `ValueError` on any replica (a bad adapter, every slot pinned) removes
+        a new adapter from those that took it. Returns `list_loras()`."""
+        async with self._lock:
+            ids = self._reachable()
+            known = {a["name"] for a in await self.calls.replica(ids[0]).list_loras()}
+            if name in known and not replace:
+                raise ValueError(f"lora_name: the lora adapter {name!r} has already been loaded")
+            try:
+                await self._everywhere(ids, "add_lora", lambda r: r.add_lora(name, path, pinned))
+            except ValueError:
+                if name not in known:  # nothing stays loaded anywhere
+                    await self._undo_add(ids, name)
+                raise
+            return await self.calls.replica(ids[0]).list_loras()
+
+    async def _undo_add(self, ids: list[str], name: str) -> None:
+        calls = (self.calls.replica(rid).remove_lora(name, True) for rid in ids)
+        await asyncio.gather(*calls, return_exceptions=True)  # absent where it failed
+
+    async def unload_lora(self, name: str) -> None:
+        """Remove adapter `name` from every replica; its requests in flight finish first. An
+        unknown name raises the engine's `LoRANotFound` (404)."""
+        async with self._lock:
+            await self._everywhere(
+                self._reachable(), "remove_lora", lambda r: r.remove_lora(name, True)
+            )
+
+    async def pin_lora(self, name: str) -> None:
+        """Keep adapter `name` in a slot on every replica (SGLang's `pinned`)."""
+        async with self._lock:
+            await self._everywhere(self._reachable(), "pin_lora", lambda r: r.pin_lora(name))
+
+    # --- the adapter-only update transaction --------------------------------------------------
+
+    async def begin_lora_update(self, name: str, spec_dicts: list[dict]) -> str:
+        """Open an update of adapter `name`'s tensors (`spec_dicts`: {"name", "shape",
+        "dtype"} under PEFT's names), checked on every rank of every replica first; a
+        `ValueError` leaves every replica as it was. Replaces an update not committed."""
+        specs = [s.to_dict() for s in manifest(spec_dicts)]
+        async with self._lock:
+            await self._drop_lora_update()
+            ids = self._reachable()
+            try:
+                ok = await self._everywhere(
+                    ids, "begin_lora_update", lambda r: r.begin_lora_update(name, specs)
+                )
+            except ValueError:
+                await self._abort_on(ids)
+                raise
+            update_id = f"lora-{secrets.token_hex(8)}"
+            self._lora_update = LoRAUpdate(update_id, name, list(ok), len(specs))
+            return update_id
+
+    async def load_lora_bucket(self, update_id: str | None, bucket: Any) -> int:
+        """Apply one bucket (safetensors bytes, or `[ObjectRef]` of them) on every replica of
+        the update; how many tensors it held. A `ValueError` changes nothing."""
+        async with self._lock:
+            update = self._open_lora(update_id)
+            ok = await self._everywhere(
+                update.replica_ids, "load_lora_bucket", lambda r: r.load_lora_bucket(bucket)
+            )
+            update.replica_ids = list(ok)  # those that failed left
+            count = next(iter(ok.values()))
+            update.loaded += count
+            return count
+
+    async def commit_lora_update(
+        self, update_id: str | None, version: int | str | None = None
+    ) -> int:
+        """Switch every replica of the update to the adapter's new version (`version`: its
+        label; None: the next integer). Returns the adapter's version."""
+        async with self._lock:
+            update = self._open_lora(update_id)
+            if update.loaded < update.num_tensors:
+                raise ValueError(
+                    f"only {update.loaded} of the update's {update.num_tensors} tensors were "
+                    "loaded; send the rest before committing"
+                )
+            ok = await self._everywhere(
+                update.replica_ids,
+                "finish_lora_update",
+                lambda r: r.finish_lora_update(version),
+            )
+            self._lora_update = None
+            return max(ok.values())
+
+    async def abort_lora_update(self, update_id: str | None = None) -> None:
+        """Drop the open adapter update everywhere; every replica keeps the old version."""
+        async with self._lock:
+            if update_id is not None:
+                self._open_lora(update_id)
+            await self._drop_lora_update()
+
+    async def _drop_lora_update(self) -> None:
+        update, self._lora_update = self._lora_update, None
+        if update is not None:
+            await self._abort_on(update.replica_ids)
+
+    async def _abort_on(self, ids: list[str]) -> None:
+        calls = (self.calls.replica(rid).abort_lora_update() for rid in ids)
+        await asyncio.gather(*calls, return_exceptions=True)
+
+    def _open_lora(self, update_id: str | None) -> LoRAUpdate:
+        update = self._lora_update
+        if update is None or update_id not in (None, update.update_id):
+            raise UpdateNotFound(
+                f"no adapter update {update_id!r} is open (never begun, committed, or "
+                "replaced by a newer begin)",
+                param="update_id",
+            )
+        return update
