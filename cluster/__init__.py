@@ -24,6 +24,7 @@ _EXPORTS = {
     "RolloutClient": "raylane.client.rollout_client",
     "ClusterConfig": "raylane.config",
     "batch_invariant": "raylane.on_policy",
+    "LoRARequest": "raylane.actors.lora.request",
 }
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
         SamplingParams,
         StructuredOutputsParams,
     )
+    from raylane.actors.lora.request import LoRARequest
     from raylane.client.rollout_client import RolloutClient
     from raylane.config import ClusterConfig
     from raylane.on_policy import batch_invariant
@@ -59,6 +61,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",
     "RolloutClient",

@@ -9,6 +9,7 @@ from raylane.actors.engine.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from raylane.actors.lora.request import LoRARequest
 
 
 def __getattr__(name: str):
@@ -29,6 +30,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

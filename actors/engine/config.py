@@ -71,6 +71,12 @@ class EngineConfig:
     # a request's tokens, logprobs and routing are the same alone or in any batch, and equal
     # to a trainer's transformers forward under `raylane.batch_invariant()` (docs/rl.md)
     batch_invariant: bool = False
+    # multi-LoRA (vLLM's names): adapters held in slots at once, their highest rank, and
+    # adapters registered in host memory (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "dtype", "device", "attention_backend"):
@@ -83,6 +89,7 @@ class EngineConfig:
             "enable_return_indexer_topk",
             "async_scheduling",
             "batch_invariant",
+            "enable_lora",
         ):
             check_type("EngineConfig", name, getattr(self, name), bool)
         check_type("EngineConfig", "seed", self.seed, int)
@@ -95,6 +102,8 @@ class EngineConfig:
             "max_num_batched_tokens",
             "tensor_parallel_size",
             "max_logprobs",
+            "max_loras",
+            "max_lora_rank",
         ):
             value = getattr(self, name)
             check_type("EngineConfig", name, value, int)
@@ -120,6 +129,28 @@ class EngineConfig:
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.max_cpu_loras is not None:
+            check_type("EngineConfig", "max_cpu_loras", self.max_cpu_loras, int)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(
+                    f"EngineConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= "
+                    f"max_loras ({self.max_loras})"
+                )
+        spec = self.spec
+        if self.enable_lora and spec is not None and spec.method in ("draft_model", "mtp"):
+            raise ValueError(
+                f"EngineConfig.speculative_config.method={spec.method!r} does not run "
+                "LoRA adapters (its drafts would come from the base model); use 'ngram' or "
+                "'suffix' with enable_lora"
+            )
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters registered at once (`max_cpu_loras`, or `max_loras`)."""
+        return self.max_cpu_loras or self.max_loras
 
     @property
     def spec(self) -> SpeculativeConfig | None:
