@@ -15,7 +15,7 @@ def make_adapter(
     base_dir: str, path: str | os.PathLike, seed: int = 0, r: int = 4, **config: Any
 ) -> str:
     """A PEFT LoRA adapter directory over `base_dir` (random A and B, seeded)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)

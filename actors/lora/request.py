@@ -19,7 +19,9 @@ class LoRARequest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
-            raise ValueError(f"LoRARequest.lora_name must be a non-empty str, got {self.lora_name!r}")
+            raise ValueError(
+                f"LoRARequest.lora_name must be a non-empty str, got {self.lora_name!r}"
+            )
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int):
             raise ValueError(f"LoRARequest.lora_int_id must be an int, got {self.lora_int_id!r}")
         if self.lora_int_id < 1:

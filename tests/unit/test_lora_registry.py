@@ -39,7 +39,9 @@ class Runners:
 
 def _registry(max_loras: int = 2, max_cpu: int = 3) -> tuple[LoRARegistry, Runners]:
     runners = Runners()
-    return LoRARegistry(max_loras, max_cpu, runners.check, runners.load, lambda: runners.live), runners
+    return LoRARegistry(
+        max_loras, max_cpu, runners.check, runners.load, lambda: runners.live
+    ), runners
 
 
 def test_slots_lru_and_in_use() -> None:
