@@ -10,6 +10,7 @@ them from the Router actor to the ingress) whatever their subclass's `__init__` 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 
@@ -175,19 +176,31 @@ class ReplicaFailed(RouterError):
 
 ROUTER_DOWN = "the Router actor is unavailable (restarting?); retry"
 
+# what the far side of a Ray call raises on purpose, which arrives as itself: the Router's
+# errors, bad input, and the engine's RuntimeErrors (EnginePaused, RequestFailed,
+# WeightTransferFailed, ChannelClosed, "pause the engine before updating its weights", ...)
+PASSED_THROUGH = (RouterError, ValueError, RuntimeError)
 
-async def call_router(ref: Any) -> Any:
+
+def unwrapped(error: Exception) -> Exception:
+    """What the actor raised on purpose (`PASSED_THROUGH`), as itself: Ray wraps it in a
+    `RayTaskError` whose `cause` it is. Other errors as they are."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, PASSED_THROUGH) else error
+
+
+async def call_router(ref: Any, down: Callable[[str], Exception] = ReplicaFailed) -> Any:
     """A Router actor call's result. What the Router (or a replica through it) raised on
-    purpose arrives as itself: a `RouterError`, a ValueError (bad input), EnginePaused,
-    RequestFailed. A Router that died or restarts is `ReplicaFailed`."""
+    purpose arrives as itself (`unwrapped`). A Router that died or restarts is
+    `down(ROUTER_DOWN)`: `ReplicaFailed` (503) by default."""
     from ray.exceptions import RayActorError, RayTaskError
-    from raylane.actors.engine.errors import EnginePaused, RequestFailed
 
     try:
         return await ref
     except RayTaskError as e:
-        if isinstance(e.cause, (RouterError, ValueError, EnginePaused, RequestFailed)):
-            raise e.cause from None
-        raise
+        cause = unwrapped(e)
+        if cause is e:
+            raise
+        raise cause from None
     except RayActorError as e:
-        raise ReplicaFailed(ROUTER_DOWN) from e
+        raise down(ROUTER_DOWN) from e

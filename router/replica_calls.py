@@ -10,15 +10,14 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any, cast
 
-from raylane.actors.engine.errors import EnginePaused, RequestFailed, WeightTransferFailed
 from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
-from raylane.actors.output_channel import ChannelClosed
 from raylane.actors.replica_control import ReplicaControl
-from raylane.router.errors import ReplicaFailed
+from raylane.router.errors import ReplicaFailed, unwrapped
 from raylane.router.remote import Remote, verbs
 
 REPLICA_VERBS = verbs(ReplicaControl)
+__all__ = ["ActorCalls", "LocalReplica", "unwrapped"]  # unwrapped: replica_channels' import
 
 
 class ActorCalls:
@@ -43,22 +42,6 @@ async def _result(ref: Any) -> Any:
         return await ref
     except Exception as e:
         raise unwrapped(e) from None
-
-
-def unwrapped(error: Exception) -> Exception:
-    """What a replica raised on purpose, as itself (Ray wraps it); other errors as they are."""
-    cause = getattr(error, "cause", None)
-    if isinstance(cause, ValueError):
-        return ValueError(str(cause))
-    if isinstance(cause, EnginePaused):
-        return EnginePaused(str(cause))
-    if isinstance(cause, RequestFailed):
-        return RequestFailed(str(cause))
-    if isinstance(cause, WeightTransferFailed):
-        return WeightTransferFailed(str(cause))
-    if isinstance(cause, ChannelClosed):
-        return ChannelClosed(str(cause))
-    return error
 
 
 class LocalReplica:

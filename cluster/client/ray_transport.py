@@ -18,7 +18,7 @@ from raylane.actors.engine.output_accumulator import OutputAccumulator
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.client.errors import Busy, ClientError, NoReplica
 from raylane.client.rollout import Rollout, SessionTurn, from_request_output
-from raylane.router.errors import ReplicaFailed, ReplicasBusy, RouterError
+from raylane.router.errors import ReplicaFailed, ReplicasBusy, call_router
 from raylane.router.generator import RequestTurnGenerator
 from raylane.router.replica_requests import ReplicaRequests
 from raylane.router.samples import TrainingSample
@@ -208,16 +208,6 @@ def _router_sessions(
     return RouterSessions(router, setup, RequestTurnGenerator(requests, routed, picks))
 
 
-async def _unwrap(ref):
-    """The call's result; what the Router raised on purpose (a `RouterError`, a ValueError)
-    as itself."""
-    from ray.exceptions import RayActorError, RayTaskError
-
-    try:
-        return await ref
-    except RayTaskError as e:
-        if isinstance(e.cause, (RouterError, ValueError, RuntimeError)):
-            raise e.cause from None
-        raise
-    except RayActorError as e:
-        raise NoReplica("the Router actor is unavailable; retry") from e
+async def _unwrap(ref: Any) -> Any:
+    """The Router's answer (`call_router`); a Router that is down is `NoReplica`."""
+    return await call_router(ref, down=NoReplica)
