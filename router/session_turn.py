@@ -16,7 +16,7 @@ from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.errors import BadSessionRequest
 from raylane.router.messages import Message, normalize_messages
 from raylane.router.rollback import TurnPlan, plan_turn
-from raylane.router.session import TurnResult
+from raylane.router.session import Session, TurnResult
 from raylane.router.tito import TemplateSplicer
 from raylane.router.trajectory import Trajectory, TurnRecord
 
@@ -89,6 +89,15 @@ class SessionTurn:
             tools=self.tools,
             indexer_topk=choice.indexer_topk,
         )
+
+
+@dataclass(frozen=True)
+class OpenTurn:
+    """A turn under way: its session (locked for it by `SessionRegistry.open_turn`) and its
+    plan, until `SessionRegistry.commit` records it."""
+
+    session: Session
+    plan: SessionTurn
 
 
 def session_params(params: SamplingParams | None) -> SamplingParams:

@@ -1,33 +1,34 @@
 """A session turn whose tokens stream replica -> ingress, while the Router keeps the session.
 
-The Router hosts the session registry: it plans the turn (the prompt ids, from the stored
-trajectory) and commits its record. The generation runs from the caller, the ingress, over its
-own output channel to the replica (the same path as a plain request), so no token crosses the
-Router. One turn is one streaming call to the Router (`Router.session_turn`: the turn's
+The Router hosts the session registry: the turn's start (`SessionRegistry.open_turn`: lock the
+session, plan the prompt ids from the stored trajectory) and its end (`SessionRegistry.commit`)
+run there. The generation runs at the caller, the ingress, over its own output channel to the
+replica (the same path as a plain request), so no token crosses the Router. One turn is one
+streaming call to the Router (`Router.session_turn`, `hand_out_turn` here: the turn's
 `TurnTicket` first, the committed `TurnResult` last) plus one call that hands the finished
-output back (`Router.session_turn_end`).
+output back (`Router.session_turn_end`, `TurnHandoff.finish`), with lease renewals meanwhile.
 
-`TurnHandoff` is the registry's `TurnGenerator` inside the Router: its `generate` hands the
-ticket out and waits for the output. `stream_turn` is the caller's side.
+`hand_out_turn` and `TurnHandoff` are the Router's side; `stream_turn` and `TurnLeases` the
+caller's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import aclosing, contextmanager
-from contextvars import ContextVar
+from contextlib import AbstractAsyncContextManager, aclosing, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from raylane.actors.engine.outputs import RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.errors import ReplicaFailed
-from raylane.router.generator import TurnGenerator
+from raylane.router.generator import TurnGenerator, turn_request_id
 from raylane.router.session import TurnResult
+from raylane.router.session_turn import OpenTurn
+from raylane.router.sessions import SessionRegistry
 from raylane.router.turn_deadline import until_deadline
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,6 @@ log = logging.getLogger(__name__)
 # this long, not after the longest turn a caller could take
 LEASE_S = 15.0
 RENEW_S = 3.0
-# where `TurnHandoff.generate` puts a turn's ticket: set by the Router's call serving the turn
-_OUTBOX: ContextVar[asyncio.Queue] = ContextVar("turn_outbox")
 
 
 @dataclass(frozen=True)
@@ -51,28 +50,27 @@ class TurnTicket:
 
 
 class TurnHandoff:
-    """`TurnGenerator` in the Router: the turn's generation happens at the caller."""
+    """The Router's turns out at their callers: each waits for its finished output (`finish`)
+    while its caller renews its lease (`renew`)."""
 
     def __init__(self, lease_s: float = LEASE_S) -> None:
         self.lease_s = lease_s
         self._waiting: dict[str, asyncio.Future] = {}  # turn id -> its finished output
         self._renewed: dict[str, float] = {}  # turn id -> time.monotonic() of its last renewal
 
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, routing_key: str
-    ) -> AsyncGenerator[RequestOutput, None]:
-        ticket = TurnTicket(f"{routing_key}-{secrets.token_hex(6)}", prompt_ids, params)
-        final = self._waiting[ticket.turn_id] = asyncio.get_running_loop().create_future()
-        self._renewed[ticket.turn_id] = time.monotonic()
+    @contextmanager
+    def handed_out(self, turn_id: str) -> Iterator[None]:
+        """The turn is out, its lease fresh: from before its ticket is sent until the end."""
+        self._waiting[turn_id] = asyncio.get_running_loop().create_future()
+        self._renewed[turn_id] = time.monotonic()
         try:
-            _OUTBOX.get().put_nowait(ticket)
-            out = await self._until_lapsed(ticket.turn_id, final)
+            yield
         finally:
-            del self._waiting[ticket.turn_id], self._renewed[ticket.turn_id]
-        yield out
+            del self._waiting[turn_id], self._renewed[turn_id]
 
-    async def _until_lapsed(self, turn_id: str, final: asyncio.Future) -> RequestOutput:
-        """The output, unless the caller stops renewing the turn's lease first."""
+    async def output(self, turn_id: str) -> RequestOutput:
+        """The turn's finished output, unless its caller stops renewing its lease first."""
+        final = self._waiting[turn_id]
         while (left := self._renewed[turn_id] + self.lease_s - time.monotonic()) > 0:
             try:
                 return await asyncio.wait_for(asyncio.shield(final), left)
@@ -97,26 +95,42 @@ class TurnHandoff:
         final.set_result(out)
 
 
-async def serve_turn(stream: AsyncGenerator[TurnResult, None]) -> AsyncGenerator[Any, None]:
-    """The Router's side of a turn: `stream` (`SessionRegistry.chat_stream` over a
-    `TurnHandoff`) as the caller sees it: the `TurnTicket`, then the committed `TurnResult`.
-    An error before the ticket (an unknown session, a bad request) raises at once."""
-    outbox: asyncio.Queue = asyncio.Queue()
-    token = _OUTBOX.set(outbox)
-    result = asyncio.ensure_future(anext(stream))  # copies the context: it sees the outbox
-    _OUTBOX.reset(token)
-    ticket = asyncio.ensure_future(outbox.get())
+async def hand_out_turn(
+    registry: SessionRegistry, opening: AbstractAsyncContextManager[OpenTurn], handoff: TurnHandoff
+) -> AsyncGenerator[Any, None]:
+    """The Router's side of a turn (`opening`: `registry.open_turn(...)`), as the caller sees
+    it: the `TurnTicket`, then the committed `TurnResult`. An error before the ticket (an
+    unknown session, a bad request) raises at once; closing it before the commit (the caller
+    left) leaves the session as it was."""
+    ticket: asyncio.Future[TurnTicket] = asyncio.get_running_loop().create_future()
+    # the turn runs on its own, so a lease lapses (and frees the session) whether or not
+    # anyone still reads this stream
+    turn = asyncio.ensure_future(_turn(registry, opening, handoff, ticket))
     try:
-        await asyncio.wait({result, ticket}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({turn, ticket}, return_when=asyncio.FIRST_COMPLETED)
         if ticket.done():
             yield ticket.result()
-        yield await result
+        yield await turn
     finally:
         ticket.cancel()
-        if not result.done():  # the caller left: the turn ends with no trace
-            result.cancel()
-            await asyncio.wait({result})
-        await stream.aclose()
+        if not turn.done():  # the caller left: the turn ends with no trace
+            turn.cancel()
+            await asyncio.wait({turn})
+
+
+async def _turn(
+    registry: SessionRegistry,
+    opening: AbstractAsyncContextManager[OpenTurn],
+    handoff: TurnHandoff,
+    ticket: asyncio.Future[TurnTicket],
+) -> TurnResult:
+    """Start the turn (`opening`), set its `ticket`, wait for its output, commit it."""
+    async with opening as turn:
+        turn_id = turn_request_id(turn.session.id)
+        with handoff.handed_out(turn_id):
+            ticket.set_result(TurnTicket(turn_id, turn.plan.full_prompt, turn.plan.params))
+            final = await handoff.output(turn_id)
+        return await registry.commit(turn, final)
 
 
 async def stream_turn(
