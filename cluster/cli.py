@@ -6,29 +6,15 @@ import argparse
 import importlib
 import sys
 
-# bench name -> module under cluster.bench; each module has add_arguments(parser) and run(args),
-# imported only when that bench is run.
+# bench name -> module under cluster/bench; each module has add_arguments(parser) and run(args),
+# imported only when that bench is run. The developers' benchmarks (decode, step, hybrid, ...)
+# are not installed: benchmarks/ in a checkout, `python -m benchmarks --help` (its README.md).
 BENCHES = {
     "throughput": ("raylane.bench.throughput", "offline engine vs transformers generate"),
-    "decode": (
-        "raylane.bench.decode",
-        "decode tok/s: CUDA graphs vs eager vs transformers generate, by batch size",
-    ),
-    "consolidation": ("raylane.bench.consolidation", "consolidation actor parallelism"),
-    "sessions": ("raylane.bench.sessions", "session registry memory with blob dropping on/off"),
     "serve": ("raylane.bench.serve", "HTTP endpoint vs the offline engine and transformers serve"),
-    "step": ("raylane.bench.step", "per-step time split: in-process vs Ray executor vs TP sizes"),
     "spec": (
         "raylane.bench.spec",
         "speculative decoding: decode tok/s off vs ngram vs suffix, by workload and batch size",
-    ),
-    "spec-step": (
-        "raylane.bench.spec_step",
-        "speculative decoding at batch 1: one decode step vs one verify step, part by part",
-    ),
-    "hybrid": (
-        "raylane.bench.hybrid",
-        "hybrid / windowed models: tok/s vs transformers; state memory per sequence",
     ),
     "weights": (
         "raylane.bench.weights",
@@ -51,26 +37,29 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         description="raylane: a Ray-distributed rollout and serving cluster for LLMs.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help_text) in COMMANDS.items():
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
-        _attach(cmd, module, selected=words[:1] == [name])
+    add_subcommands(sub, COMMANDS, words[:1])
     bench = sub.add_parser(
         "bench",
-        help="run a benchmark and print a table",
-        description="Benchmarks print a table with a reference measured in "
-        "the same run, so ratios are comparable across machines.",
+        help=f"run a benchmark and print a table ({', '.join(BENCHES)})",
+        description="Benchmarks print a table with a reference measured in the same run, so "
+        f"ratios are comparable across machines: {', '.join(BENCHES)}. `raylane bench serve` "
+        "needs the bench extra: pip install 'raylane[bench]'. The developers' benchmarks "
+        "(decode, step, hybrid, sessions, ...) run from a checkout: python -m benchmarks "
+        "--help (benchmarks/README.md).",
     )
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for name, (module, help_text) in BENCHES.items():
-        b = bench_sub.add_parser(name, help=help_text, description=help_text)
-        _attach(b, module, selected=words[:2] == ["bench", name])
+    add_subcommands(bench_sub, BENCHES, words[1:2] if words[:1] == ["bench"] else [])
     return parser
 
 
-def _attach(parser: argparse.ArgumentParser, module: str, selected: bool) -> None:
-    parser.set_defaults(_module=module)
-    if selected:
-        importlib.import_module(module).add_arguments(parser)
+def add_subcommands(sub, table: dict[str, tuple[str, str]], chosen: list[str]) -> None:
+    """One subcommand per `table` entry (name -> (module, help)); only the `chosen` one (a
+    list of at most one name, as typed) imports its module to add its arguments."""
+    for name, (module, help_text) in table.items():
+        parser = sub.add_parser(name, help=help_text, description=help_text)
+        parser.set_defaults(_module=module)
+        if chosen == [name]:
+            importlib.import_module(module).add_arguments(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

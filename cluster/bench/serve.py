@@ -4,8 +4,8 @@ Runs a fixed seeded chat workload through N concurrent streaming clients and rep
 requests/s, output tokens/s, TTFT and inter-token latency. In the same run it measures the
 offline engine on the same prompts (the ceiling the HTTP path should keep 85% of) and,
 with `--transformers`, `transformers serve --continuous-batching` on the same model.
-`--prompt-words` makes the prompts long; `--channel-bytes` adds the bytes per output token that
-the replica's output channel sends to the ingress (raylane/bench/channel_bytes.py).
+`--prompt-words` makes the prompts long. Needs the bench extra (aiohttp, psutil):
+`pip install 'raylane[bench]'`.
 
 The HTTP/offline ratio is taken in paired rounds (`--rounds`): each round runs the offline
 engine, then a fresh endpoint, on that round's own workload, one right after the other. These
@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import time
 
+from raylane.bench.extra import require_extra
 from raylane.bench.serve_load import RunResult, drive, make_workload
 from raylane.bench.serve_table import Rows, print_table
 
@@ -37,12 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[3, 40],
         metavar=("MIN", "MAX"),
         help="words per prompt (long prompts: e.g. 2000 2000, about 2 tokens a word)",
-    )
-    parser.add_argument(
-        "--channel-bytes",
-        action="store_true",
-        help="also measure the bytes the replica's output channel sends per output token "
-        "(round 1's workload, in process, before any Ray process starts)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -123,6 +118,7 @@ def round_work(args: argparse.Namespace, k: int) -> tuple[list, list]:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra("raylane bench serve", "aiohttp", "psutil")
     import psutil
     from raylane.bench.process_cpu import ProcessCpu
     from raylane.bench.serve_targets import raylane_endpoint, transformers_endpoint
@@ -131,10 +127,6 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise ValueError("--rounds must be >= 1")
     model_dir = resolve_model(args.model)
-    if args.channel_bytes:
-        from raylane.bench.channel_bytes import print_channel_bytes
-
-        print_channel_bytes(model_dir, round_work(args, 0)[0], args.clients)
     offline = None
     if not args.skip_offline:
         offline = OfflineEngine(model_dir, args.clients, round_work(args, 0)[1], args.torch_threads)

@@ -60,32 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-hf", action="store_true", help="do not run the transformers reference"
     )
-    parser.add_argument(
-        "--json-schema",
-        metavar="FILE",
-        help="instead: tok/s with every request constrained to this JSON schema "
-        "vs unconstrained, at the first --batch-sizes value, float32 (e.g. "
-        "cluster/examples/bench_schema.json)",
-    )
-    parser.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="instead: tok/s with the batch-invariant mode (`raylane serve --batch-invariant`) "
-        "off and on, two engines side by side, serial scheduling, at the first --batch-sizes "
-        "value, in float32 and bfloat16 (or the --dtype given), with the ratio; then "
-        "--repeats op-timed passes each (the fastest is shown): ms per op kind (linears, "
-        "fused RMSNorm/SiLU/RoPE, attention, the rest) off and on, and each op's share of "
-        "the cost. About 2 minutes on 2 cores with the default workload and SmolLM2; "
-        "--repeats 2 on a busy machine",
-    )
-    parser.add_argument(
-        "--json-object",
-        action="store_true",
-        help="instead: open-ended json_object answers and a required tool call with a "
-        "free-text argument, each beside free text of the same lengths (time per output "
-        "token, p99 token gap), at every --batch-sizes value, up to the --output-len MAX "
-        "tokens, float32",
-    )
 
 
 def _dtype_list(text: str) -> list[str]:
@@ -103,7 +77,8 @@ def chosen_dtypes(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(d for group in args.dtype or [["float32"]] for d in group))
 
 
-def run(args: argparse.Namespace) -> int:
+def model_and_workload(args: argparse.Namespace) -> tuple[str, Workload]:
+    """The model directory (a random model is built in a temp dir) and the seeded workload."""
     import torch
     from raylane.models import default_model_path
     from transformers import AutoConfig
@@ -124,33 +99,15 @@ def run(args: argparse.Namespace) -> int:
     work = make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed
     )
-    if args.batch_invariant:
-        return _batch_invariant(args, model_dir, work)
-    dtypes = chosen_dtypes(args)
-    if args.json_object:
-        from raylane.bench.open_ended import print_gap_table, run_open_ended
+    return model_dir, work
 
-        gap_rows = []
-        for size in (int(x) for x in args.batch_sizes.split(",")):
-            gap_rows += run_open_ended(model_dir, size, args.output_len[1])
-        print_gap_table(gap_rows, args.output_len[1])
-        return 0
-    if args.json_schema:
-        if dtypes != ["float32"]:
-            raise SystemExit("--json-schema runs in float32; drop --dtype")
-        from raylane.bench.structured import print_schema_table, run_schema
 
-        size = int(args.batch_sizes.split(",")[0])
-        print_schema_table(
-            run_schema(
-                model_dir, work, args.json_schema, args.max_num_batched_tokens, size, args.repeats
-            ),
-            args.json_schema,
-            size,
-        )
-        return 0
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    model_dir, work = model_and_workload(args)
     rows = []
-    for dtype in dtypes:
+    for dtype in chosen_dtypes(args):
         rows += engine_rows(args, model_dir, work, dtype)
         if not args.skip_hf:
             rows.append(
@@ -162,20 +119,6 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
     print_table(work, rows, torch.get_num_threads())
-    return 0
-
-
-def _batch_invariant(args: argparse.Namespace, model_dir: str, work: Workload) -> int:
-    import torch
-    from raylane.bench.batch_invariant import print_modes, run_modes
-
-    size = int(args.batch_sizes.split(",")[0])
-    dtypes = chosen_dtypes(args) if args.dtype else list(DTYPES)
-    runs = [
-        run_modes(model_dir, work, dtype, args.max_num_batched_tokens, size, args.repeats)
-        for dtype in dtypes
-    ]
-    print_modes(work, runs, size, torch.get_num_threads())
     return 0
 
 

@@ -50,7 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from raylane.bench.cache_versions import POLICIES, measure, print_cache_table
     from raylane.bench.weight_sender import load_named
     from raylane.models import resolve_model
     from tqdm import tqdm
@@ -86,7 +85,6 @@ def run(args: argparse.Namespace) -> int:
             )
         ]
     print_table(rows, pauses, nbytes, len(named), args, torch.get_num_threads())
-    print_cache_table([measure(policy) for policy in POLICIES])
     return 0
 
 

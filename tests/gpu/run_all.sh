@@ -15,7 +15,7 @@
 #          backend vs torch and Triton where vLLM's flash-attention fork imports (it comes
 #          with vLLM's wheel, never installed here: those tests skip, saying so). Set
 #          RAYLANE_GPU_TESTS_DEVICE=cpu to dry-run their logic without a GPU first.
-# decode:  `raylane bench decode` for SmolLM2 and a Qwen3-0.6B-shaped random model at batch
+# decode:  `python -m benchmarks decode` for SmolLM2 and a Qwen3-0.6B-shaped random model at batch
 #          1, 8, 32, 64 (DECODE_ARGS adds options, e.g. "--repeats 1" on a short lease). (`raylane bench throughput --dtype ...` is a CPU benchmark: not here.)
 #
 # Logs go to $OUT when it is set (else a temp dir, printed); the exit status is non-zero when a
@@ -75,11 +75,11 @@ run_pytest() {
     tail -n 1 "$OUT/pytest.log" >>"$OUT/summary.txt"
 }
 
-bench_decode() {  # $1: log name; the rest: arguments of `raylane bench decode`
+bench_decode() {  # $1: log name; the rest: arguments of `python -m benchmarks decode`
     local name=$1
     shift
-    say "raylane bench decode $*"
-    if ! timeout "${BENCH_BUDGET_S:-180}" "$PY" -m raylane.cli bench decode \
+    say "python -m benchmarks decode $*"
+    if ! timeout "${BENCH_BUDGET_S:-180}" "$PY" -m benchmarks decode \
             --batch-sizes 1,8,32,64 "$@" ${DECODE_ARGS:-} 2>&1 \
             | tee "$OUT/$name.log"; then
         FAILED+=("$name")

@@ -1,4 +1,4 @@
-"""`raylane bench throughput --batch-invariant` on a tiny model: the mode off and on in the
+"""`python -m benchmarks throughput --batch-invariant` on a tiny model: the mode off and on in the
 same run, the tok/s table with its ratio, and the op table whose times add up to the pass."""
 
 from __future__ import annotations
@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from raylane.bench.batch_invariant import run_modes
-from raylane.bench.op_times import (
+from raylane.bench.throughput_runs import make_workload
+
+from benchmarks.batch_invariant import run_modes
+from benchmarks.op_times import (
     ATTENTION,
     FUSED,
     KINDS,
@@ -17,8 +19,7 @@ from raylane.bench.op_times import (
     TOTAL,
     OpCost,
 )
-from raylane.bench.throughput import add_arguments, run
-from raylane.bench.throughput_runs import make_workload
+from benchmarks.throughput import add_arguments, run
 
 
 def args(*argv: str) -> argparse.Namespace:
@@ -45,7 +46,7 @@ def test_off_and_on_each_time_their_ops(tiny_llama_dir):
 def test_the_option_runs_both_dtypes_by_default_and_prints_the_tables(
     tiny_llama_dir, capsys, monkeypatch
 ):
-    import raylane.bench.batch_invariant as bench
+    import benchmarks.batch_invariant as bench
 
     ran = []
 

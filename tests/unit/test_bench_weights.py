@@ -29,7 +29,7 @@ def test_switches_once_at_the_update():
 
 
 def test_both_cache_policies_stop_stale_hits_and_keep_the_cache_working():
-    from raylane.bench.cache_versions import measure
+    from benchmarks.cache_versions import measure
 
     unsafe = measure("none", num_prompts=4, prompt_blocks=5, block_size=4)
     assert unsafe.stale_hits > 0  # the hazard: old KV found after the update

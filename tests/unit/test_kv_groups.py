@@ -125,7 +125,8 @@ def test_prefix_hit_is_cut_where_a_sliding_block_is_gone() -> None:
 
 def test_bench_memory_counts_the_block_managers_held_blocks() -> None:
     from raylane.actors.engine.layer_kinds import LayerKind, ModelLayout
-    from raylane.bench.hybrid import held_kv_bytes
+
+    from benchmarks.hybrid import held_kv_bytes
 
     kv = 10  # bytes per token per layer
     sliding, full = LayerKind("sliding", kv, window=8), LayerKind("full", kv)

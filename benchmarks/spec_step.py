@@ -1,4 +1,5 @@
-"""`raylane bench spec-step`: one decode step against one verify step at batch 1, part by part.
+"""`python -m benchmarks spec-step`: one decode step against one verify step at batch 1, part
+by part.
 
 A verify row (the last token and k drafts) is a prefill-like chunk of 1 + k query tokens; a
 decode row is one token on the decode path. This times, on the runner's own objects and in

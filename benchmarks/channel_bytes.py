@@ -1,4 +1,5 @@
-"""Bytes between an engine replica and its caller: what the output channel ships per token.
+"""`python -m benchmarks channel-bytes`: what an engine replica's output channel ships to its
+caller per token, on `raylane bench serve`'s workload (its first round's prompts).
 
 Runs a workload through an `AsyncLLMEngine` and the replica's own `OutputChannel` in this
 process and pickles every batch the channel yields, as Ray does to send it (pickle protocol 5);
@@ -8,6 +9,7 @@ deltas it stays O(1) per token whatever the prompt length (the prompt travels on
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import pickle
 from dataclasses import dataclass
@@ -83,8 +85,28 @@ HEADER = (
 
 
 def print_channel_bytes(model_dir: str, work: list[tuple[str, int]], clients: int) -> None:
-    """`raylane bench serve --channel-bytes`: one workload's bytes, as a table."""
+    """One workload's bytes, as a table."""
     print("\nreplica -> ingress output channel (pickled as Ray sends it):")
     print(HEADER)
     label = f"{len(work)} chat requests, {clients} at a time"
     print(report(label, measure(model_dir, work, clients)))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`raylane bench serve`'s workload options, the same defaults."""
+    parser.add_argument("--model", help="HF dir or .gguf (default: embedded SmolLM2)")
+    parser.add_argument("--clients", type=int, default=32, help="requests at a time")
+    parser.add_argument("--requests", type=int, default=64, help="requests in the workload")
+    parser.add_argument("--max-tokens", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--prompt-words", type=int, nargs=2, default=[3, 40], metavar=("MIN", "MAX")
+    )
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from raylane.bench.serve import round_work
+    from raylane.models import resolve_model
+
+    print_channel_bytes(resolve_model(args.model), round_work(args, 0)[0], args.clients)
+    return 0

@@ -4,11 +4,11 @@ The prompts come from raylane's own builder (`raylane.bench.spec.workload`) with
 tokenizer, so `vllm_spec.py` sends vLLM exactly the prompts `raylane bench spec` measures.
 Run with raylane's venv, from the repository root:
 
-    .venv/bin/python docs/peers/spec_workloads.py --out /tmp/spec_workloads.json \
+    .venv/bin/python benchmarks/peers/spec_workloads.py --out /tmp/spec_workloads.json \
         --workloads copy,random --batch-sizes 1,4
 
 The JSON also names the model's HF directory (the embedded SmolLM2's converted directory
-unless --model is given), which vLLM loads. Not a test: pytest never imports docs/.
+unless --model is given), which vLLM loads. Not a test: pytest never collects benchmarks/.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""`raylane bench throughput --batch-invariant`: the batch-invariant mode's cost. One engine with
-the mode off and one with it on, side by side in each dtype, the timed passes alternating; then
-as many passes each with the forward's ops timed, so the table says which op the cost is in."""
+"""`python -m benchmarks throughput --batch-invariant`: the batch-invariant mode's cost. One
+engine with the mode off and one with it on, side by side in each dtype, the timed passes
+alternating; then as many passes each with the forward's ops timed, so the table says which op
+the cost is in."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
-from raylane.bench.op_times import KINDS, TOTAL, OpCost, timed_op_pass
 from raylane.bench.throughput_runs import (
     Workload,
     engines_for,
@@ -15,6 +15,8 @@ from raylane.bench.throughput_runs import (
     timed_pass,
     timed_passes,
 )
+
+from benchmarks.op_times import KINDS, TOTAL, OpCost, timed_op_pass
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Part of `raylane bench weights`: two ways to keep the prefix cache from serving KV computed
+"""`python -m benchmarks cache-versions`: two ways to keep the prefix cache from serving KV computed
 under old weights, timed on a full cache at an update.
 
 - fold: every hash chain starts from the weight version its sequence was admitted under (what
@@ -14,6 +14,7 @@ new version (the cache works again).
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass
 
@@ -87,3 +88,12 @@ def print_cache_table(rows: list[CacheRow]) -> None:
             f"| {r.policy:<6} | {r.update_us:>9.1f} | {r.stale_hits:>10} | "
             f"{r.refill_ms:>9.1f} | {r.hits_after:>10} |"
         )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No options: 64 prompts of 64 blocks of 16 tokens, on the BlockManager alone."""
+
+
+def run(args: argparse.Namespace) -> int:
+    print_cache_table([measure(policy) for policy in POLICIES])
+    return 0

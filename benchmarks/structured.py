@@ -1,4 +1,4 @@
-"""`raylane bench throughput --json-schema FILE`: the same workload with every request
+"""`python -m benchmarks throughput --json-schema FILE`: the same workload with every request
 constrained to a JSON schema and without, on one engine, in alternating passes.
 
 Constrained outputs end when the schema completes, so after a warm constrained pass each

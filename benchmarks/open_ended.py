@@ -1,5 +1,5 @@
-"""`raylane bench throughput --json-object`: open-ended constrained answers against free text,
-on one engine in the same run: `json_object`, and a required tool call whose argument is a
+"""`python -m benchmarks throughput --json-object`: open-ended constrained answers against free
+text, on one engine in the same run: `json_object`, and a required tool call whose argument is a
 free string, beside unconstrained answers of the same lengths.
 
 Every request is the chat `Tell me a joke.` at temperature 0.8, seeded (request i: seed i + 1).

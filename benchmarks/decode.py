@@ -1,4 +1,4 @@
-"""`raylane bench decode`: decode tok/s with CUDA graphs, eager, and transformers `generate`.
+"""`python -m benchmarks decode`: decode tok/s with CUDA graphs, eager, and transformers `generate`.
 
 Every system runs a batch of distinct `--prompt-len`-token prompts twice, greedy with
 ignore_eos: once to `--output-len` tokens and once to a single token. The difference of the two
@@ -16,8 +16,9 @@ import tempfile
 import time
 from dataclasses import replace
 
-from raylane.bench.decode_table import Cell, print_table, progress
 from raylane.bench.random_models import RANDOM_MODELS, build_random_model
+
+from benchmarks.decode_table import Cell, print_table, progress
 
 DEFAULT_LABEL = "SmolLM2-135M-Instruct (embedded)"
 SYSTEMS = {"graphs": False, "eager": True}  # name -> EngineConfig.enforce_eager

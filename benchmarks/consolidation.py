@@ -1,4 +1,4 @@
-"""`raylane bench consolidation`: tag-group parallelism against its ideal bound, and database
+"""`python -m benchmarks consolidation`: tag-group parallelism against its ideal bound, and database
 round trips per batch against the batch size.
 
 The LLM is the scripted FakeLLM at a fixed latency, so the wall time measures the scheduling

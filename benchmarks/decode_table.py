@@ -1,4 +1,4 @@
-"""`raylane bench decode`'s cells and table: decode tok/s per system and batch size, the
+"""`python -m benchmarks decode`'s cells and table: decode tok/s per system and batch size, the
 graphs engine's ratios to eager and transformers, and its graph replays."""
 
 from __future__ import annotations

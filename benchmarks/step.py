@@ -1,4 +1,5 @@
-"""`raylane bench step`: where an engine step's time goes, per executor and tensor-parallel size.
+"""`python -m benchmarks step`: where an engine step's time goes, per executor and
+tensor-parallel size.
 
 Runs the workload of `raylane bench throughput` on the in-process executor, the Ray executor
 at TP=1 (one ModelShard actor) and each tensor-parallel size the model can be split into, and

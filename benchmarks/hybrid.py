@@ -1,4 +1,4 @@
-"""`raylane bench hybrid`: hybrid and windowed models against transformers, and what their
+"""`python -m benchmarks hybrid`: hybrid and windowed models against transformers, and what their
 per-sequence state costs.
 
 Throughput: random-weight stand-ins (`qwen3.5-tiny`, `gpt-oss-tiny` in bench/random_models.py) run a
