@@ -51,7 +51,9 @@ class EngineReplica(ReplicaControl):
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        super().__init__(AsyncLLMEngine(LLMEngine(EngineConfig(**engine_options))))
+        options = dict(engine_options)
+        self._lora_modules = options.pop("lora_modules", [])  # loaded by `start`
+        super().__init__(AsyncLLMEngine(LLMEngine(EngineConfig(**options))))
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.router = router
         self._heartbeat_s = heartbeat_s
@@ -62,6 +64,9 @@ class EngineReplica(ReplicaControl):
 
     async def start(self) -> None:
         """Register with the Router and start heartbeating (idempotent)."""
+        modules, self._lora_modules = self._lora_modules, []
+        for module in modules:  # before it serves: `--lora-modules`
+            await self.add_lora(module["name"], module["path"])
         if self.router is None or self._heartbeat_task is not None:
             return
         await self.router.register.remote(self.replica_id)

@@ -57,6 +57,8 @@ class ClusterConfig:
     # the consolidation actor's section (see consolidation_config); out of repr: its dsn may
     # hold a password
     consolidation: dict | None = field(default=None, repr=False)
+    # LoRA adapters every replica loads at start ({"name", "path"}; needs engine.enable_lora)
+    lora_modules: tuple[dict, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("replicas", "port", "max_queue_per_replica", "max_body_bytes", "max_n"):
@@ -71,6 +73,7 @@ class ClusterConfig:
             )
         self.engine_config(self.model or "<embedded>")  # bad values fail here, not in a replica
         self.consolidation_config()  # and a bad consolidation section here, not in its actor
+        self._check_lora_modules()
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         self._check_admin_key()
         if self.sessions_dsn is not None:
@@ -93,6 +96,15 @@ class ClusterConfig:
             check_type("ClusterConfig", "request_timeout_s", self.request_timeout_s, (int, float))
             if not self.request_timeout_s > 0:
                 raise ValueError("ClusterConfig.request_timeout_s must be > 0 seconds")
+
+    def _check_lora_modules(self) -> None:
+        from raylane.serve_lora_args import check_module
+
+        if not isinstance(self.lora_modules, (list, tuple)):
+            raise ValueError("ClusterConfig.lora_modules must be a list of {name, path}")
+        object.__setattr__(self, "lora_modules", tuple(map(check_module, self.lora_modules)))
+        if self.lora_modules and not self.engine.get("enable_lora"):
+            raise ValueError("ClusterConfig.lora_modules needs engine.enable_lora: true")
 
     def _check_admin_key(self) -> None:
         if self.admin_api_key is None:

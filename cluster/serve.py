@@ -108,8 +108,9 @@ def replica_spec(config: ClusterConfig, model_dir: str) -> ReplicaSpec:
     group, checked against the alive nodes (ValueError naming the shortfall)."""
     engine = config.engine_config(model_dir)
     bundles = shard_group_bundles(engine) if engine.executor_backend == "ray" else None
+    modules = {"lora_modules": list(config.lora_modules)} if config.lora_modules else {}
     return ReplicaSpec(
-        {"model": model_dir, **config.engine},
+        {"model": model_dir, **config.engine, **modules},
         config.replicas,
         config.replica_threads(),
         bundles,

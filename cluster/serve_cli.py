@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 
+from raylane.serve_lora_args import add_lora_arguments, lora_options
 from raylane.session_server.tool_calls import PARSERS
 
 CONSOLIDATION_HELP = """\
@@ -153,6 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": 4}\' or "suffix" (drafts from the sample\'s siblings too); '
         "outputs are identical to decoding without it",
     )
+    add_lora_arguments(parser)
     parser.add_argument("--ray-address", help="join an existing Ray cluster (default: start one)")
     parser.add_argument(
         "--direct-ingress",
@@ -229,6 +231,7 @@ def config_from_args(args: argparse.Namespace):
         engine["async_scheduling"] = args.async_scheduling
     if args.speculative_config is not None:
         engine["speculative_config"] = args.speculative_config
+    updates.update(lora_options(args, engine))
     return dataclasses.replace(config, engine=engine, **updates)
 
 

@@ -151,11 +151,21 @@ Arguments: (list $ ENV_NAME .Values.feature.dsn "chart-secret-key" "feature.swit
 {{- $_ := set $engine "max_model_len" (int .Values.model.maxModelLen) -}}
 {{- end -}}
 {{- with .Values.serving.speculativeConfig }}{{ $_ := set $engine "speculative_config" . }}{{ end -}}
+{{- $lora := .Values.serving.lora | default dict -}}
+{{- if $lora.enabled -}}
+{{- $_ := set $engine "enable_lora" true -}}
+{{- $_ := set $engine "max_loras" (int ($lora.maxLoras | default 4)) -}}
+{{- $_ := set $engine "max_lora_rank" (int ($lora.maxLoraRank | default 16)) -}}
+{{- if gt (int ($lora.maxCpuLoras | default 0)) 0 }}{{ $_ := set $engine "max_cpu_loras" (int $lora.maxCpuLoras) }}{{ end -}}
+{{- else if $lora.modules -}}
+{{- fail "serving.lora.modules needs serving.lora.enabled: true" -}}
+{{- end -}}
 {{- $args := dict "replicas" (int .Values.serving.replicas) "max_queue_per_replica" (int .Values.serving.maxQueuePerReplica) "max_body_bytes" (int .Values.serving.maxBodyBytes) "engine" $engine -}}
 {{- with .Values.model.path }}{{ $_ := set $args "model" . }}{{ end -}}
 {{- with .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" . }}{{ end -}}
 {{- with .Values.serving.toolCallParser }}{{ $_ := set $args "tool_call_parser" . }}{{ end -}}
 {{- if .Values.serving.trainerApi }}{{ $_ := set $args "trainer_api" true }}{{ end -}}
+{{- if and $lora.enabled $lora.modules }}{{ $_ := set $args "lora_modules" $lora.modules }}{{ end -}}
 {{- if .Values.consolidation.enabled -}}
 {{- $c := .Values.consolidation -}}
 {{- /* no dsn: it reaches the pods as RAYLANE_CONSOLIDATION_DSN, from a Secret */ -}}
