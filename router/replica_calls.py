@@ -7,12 +7,12 @@ replicas'."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from typing import Any, cast
 
 from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.replica_control import ReplicaControl
+from raylane.actors.replica_lora import adapter
 from raylane.router.errors import ReplicaFailed, unwrapped
 from raylane.router.remote import Remote, verbs
 
@@ -76,15 +76,18 @@ class LocalReplica:
         params: SamplingParams,
         request_id: str,
         routing_key: str | None = None,  # one replica: nothing to route
+        lora: str | None = None,
     ) -> AsyncGenerator[EngineCoreOutput, None]:
         try:
             self.engine.check_health()
         except RuntimeError as e:  # the step loop died: as a dead replica's request would
             raise ReplicaFailed(str(e)) from e
-        deltas = self.engine.generate_deltas(prompt_ids, params, request_id)
-        async with aclosing(deltas) as it:
-            async for out in it:
+        stream = await self.engine.add_request(prompt_ids, params, request_id, **adapter(lora))
+        try:
+            async for out in stream:
                 yield out
+        finally:
+            stream.close()
 
     async def ready(self) -> bool:
         try:
