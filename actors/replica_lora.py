@@ -46,21 +46,27 @@ async def _done(result: Any) -> Any:
 class ReplicaLoRA:
     engine: Any  # an AsyncLLMEngine
 
+    @property
+    def _loras(self) -> Any:
+        """Where the adapter verbs are: the AsyncLLMEngine's, else its LLMEngine's (called on
+        the event loop, between steps, as the weight verbs are)."""
+        return self.engine if hasattr(self.engine, "add_lora") else self.engine.engine
+
     async def add_lora(self, name: str, path: str, pinned: bool = False) -> bool:
         """Register adapter `name` from the PEFT directory `path` (again with a new path or new
         files: its next version). ValueError (a `LoRAError` or a bad adapter) changes nothing."""
         if not isinstance(path, str) or not path:
             raise ValueError("lora_path: must be a non-empty path to a PEFT adapter directory")
-        return await _done(self.engine.add_lora(lora_request(name, path), pinned=pinned))
+        return await _done(self._loras.add_lora(lora_request(name, path), pinned=pinned))
 
     async def remove_lora(self, name: str, wait: bool = True) -> bool:
-        return await _done(self.engine.remove_lora(name, wait=wait))
+        return await _done(self._loras.remove_lora(name, wait=wait))
 
     async def pin_lora(self, name: str) -> bool:
-        return await _done(self.engine.pin_lora(name))
+        return await _done(self._loras.pin_lora(name))
 
     async def list_loras(self) -> list[dict[str, Any]]:
-        return [adapter_dict(i) for i in await _done(self.engine.list_loras())]
+        return [adapter_dict(i) for i in await _done(self._loras.list_loras())]
 
     # an adapter-only update (the engine's bucketed form; `update_lora` in one go)
 
@@ -68,17 +74,17 @@ class ReplicaLoRA:
         from raylane.actors.models.weights import TensorSpec
 
         tensor_specs = [TensorSpec.from_dict(d) for d in specs]
-        await _done(self.engine.begin_lora_update(name, tensor_specs))
+        await _done(self._loras.begin_lora_update(name, tensor_specs))
 
     async def load_lora_bucket(self, bucket: Any) -> int:
         """`bucket`: safetensors bytes, or `[ObjectRef]` of them (stored once for every
         replica), under PEFT's names."""
         if isinstance(bucket, list):
             bucket = await bucket[0]
-        return await _done(self.engine.load_lora_bucket(bucket))
+        return await _done(self._loras.load_lora_bucket(bucket))
 
     async def finish_lora_update(self, version: int | str | None = None) -> int:
-        return await _done(self.engine.finish_lora_update(version))
+        return await _done(self._loras.finish_lora_update(version))
 
     async def abort_lora_update(self) -> None:
-        await _done(self.engine.abort_lora_update())
+        await _done(self._loras.abort_lora_update())
