@@ -1,5 +1,6 @@
-"""The rollout client over HTTP: `/generate`, `/tokenize`, the `/sessions` routes and the
-`/admin/` routes (which take the admin key; weight buckets travel as raw safetensors bytes)."""
+"""The rollout client over HTTP: `/generate`, `/tokenize`, the `/sessions` routes, the
+`/admin/` routes (which take the admin key; weight buckets travel as raw safetensors bytes), and
+vLLM's `/sleep` and `/wake_up` (served with `--trainer-api`)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,15 @@ class HttpTransport:
     async def flush_cache(self) -> None:
         await self._post("/admin/flush_cache", None, admin=True)
 
+    # vLLM's RL routes (a cluster served with --trainer-api): sleep has no /admin/ route. They
+    # take the admin key when the server has one, else the API key.
+
+    async def sleep(self, level: int) -> None:
+        await self._trainer_post("/sleep", params={"level": level})
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        await self._trainer_post("/wake_up", params={} if tags is None else {"tags": tags})
+
     # --- sessions ---------------------------------------------------------------------------
 
     async def create_session(self, metadata: dict | None) -> str:
@@ -139,6 +149,10 @@ class HttpTransport:
 
     async def _post(self, path: str, body: Any, admin: bool = False) -> httpx.Response:
         return await self._request("POST", path, admin=admin, json=body)
+
+    async def _trainer_post(self, path: str, **kwargs: Any) -> httpx.Response:
+        admin = self.admin_key is not None
+        return await self._request("POST", path, admin=admin, **kwargs)
 
     async def _request(
         self,

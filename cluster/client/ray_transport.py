@@ -17,6 +17,7 @@ from raylane.actors.engine.errors import EnginePaused, RequestFailed
 from raylane.actors.engine.output_accumulator import OutputAccumulator
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.client.errors import Busy, ClientError, NoReplica
+from raylane.client.plane_client import PlaneClient
 from raylane.client.rollout import Rollout, SessionTurn, from_request_output
 from raylane.router.errors import ReplicaFailed, ReplicasBusy, call_router
 from raylane.router.generator import RequestTurnGenerator
@@ -24,7 +25,9 @@ from raylane.router.replica_requests import ReplicaRequests
 from raylane.router.samples import TrainingSample
 
 
-class RayTransport:
+class RayTransport(PlaneClient):
+    """The control verbs are `PlaneClient`'s, on the Router's control plane."""
+
     can_abort = True
 
     def __init__(
@@ -38,7 +41,7 @@ class RayTransport:
         from raylane.serve_backend import router_control, router_view
 
         self.router = router  # the Router actor's handle
-        self.control = router_control(router, _unwrap)  # its control plane
+        super().__init__(router_control(router, _unwrap))  # its control plane
         self.requests = ReplicaRequests(router_view(router, capacity))
         self.model = model  # the served HF directory: its tokenizer and chat template
         self.sessions = (
@@ -111,21 +114,6 @@ class RayTransport:
 
     # --- control (the Router's control plane) -----------------------------------------------
 
-    async def pause(self, mode: str) -> None:
-        await self.control.pause(mode)
-
-    async def resume(self) -> None:
-        await self.control.resume()
-
-    async def weight_version(self) -> int:
-        return await self.control.weight_version()
-
-    async def weight_label(self) -> str | None:
-        return await self.control.weight_label(None)
-
-    async def begin_update(self, version: int, spec_dicts: list[dict]) -> str:
-        return await self.control.begin_update(version, spec_dicts)
-
     def stage_bucket(self, payload: np.ndarray) -> Any:
         import ray
 
@@ -136,16 +124,6 @@ class RayTransport:
     async def load_bucket(self, update_id: str, staged: Any) -> int:
         # a list, so the Router forwards the reference without fetching the bytes itself
         return await self.control.load_bucket(update_id, [staged])
-
-    async def commit_update(self, update_id: str) -> int:
-        return await self.control.commit_update(update_id)
-
-    async def abort(self, request_ids: list[str]) -> list[Rollout]:
-        outs = await self.control.abort(list(request_ids))
-        return [r for out in outs for r in from_request_output(out)]
-
-    async def flush_cache(self) -> None:
-        await self.control.flush_cache()
 
     # --- sessions (the Router hosts them) ---------------------------------------------------
 

@@ -141,6 +141,17 @@ class RolloutClient:
     async def resume(self) -> None:
         await self.transport.resume()
 
+    async def sleep(self, level: int = 1) -> None:
+        """Free every replica's KV cache (at level 2, also the weights, which `wake_up` loads
+        again); requests in flight end (finish reason "abort") and new ones wait. Over HTTP
+        the cluster must serve the trainer API (`--trainer-api`: vLLM's /sleep)."""
+        await self.transport.sleep(level)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what `sleep` freed: `tags` "kv_cache" and/or "weights" (None: both); the
+        engines resume once their KV caches are back."""
+        await self.transport.wake_up(None if tags is None else list(tags))
+
     async def weight_version(self) -> int:
         return await self.transport.weight_version()
 

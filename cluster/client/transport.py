@@ -37,6 +37,14 @@ class Transport(Protocol):
 
     async def resume(self) -> None: ...
 
+    async def sleep(self, level: int) -> None:
+        """Pause in mode "abort" and free every replica's KV cache (level 1 or 2)."""
+        ...
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        """Restore what `sleep` freed ("kv_cache", "weights"; None: both) and resume."""
+        ...
+
     async def weight_version(self) -> int: ...
 
     async def weight_label(self) -> str | None:

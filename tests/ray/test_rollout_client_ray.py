@@ -89,6 +89,23 @@ async def test_verls_replica_serves_from_inside_the_cluster(url, ray_cluster, ti
         ray_cluster.kill(replica.server_handle)
 
 
+async def test_sleep_then_wake_up_in_cluster(client, tiny_llama_dir):
+    """Both replicas free their KV caches (level 2: and weights) and restore them; before the
+    update below, so HF's weights are served."""
+    want, want_logprobs = hf_greedy(tiny_llama_dir, PROMPT, 8)
+    await client.sleep(2)
+    waiting = asyncio.ensure_future(client.generate(PROMPT, **GREEDY))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()  # held while the replicas sleep
+    await client.wake_up()
+    (held,) = await asyncio.wait_for(waiting, 60)
+    assert held.token_ids == want
+    for key in ("a", "b", "c", "d"):  # spread over both replicas
+        (got,) = await client.generate(PROMPT, routing_key=key, **GREEDY)
+        assert got.token_ids == want
+        assert got.logprobs == pytest.approx(want_logprobs, abs=1e-4)
+
+
 async def test_update_reaches_both_replicas_through_the_object_store(
     client, ray_cluster, tiny_llama_dir, tmp_path
 ):

@@ -103,12 +103,11 @@ class RaylaneRolloutServer:
         cls, defaults: ServerDefaults | None = None, url: str | None = None
     ) -> RaylaneRolloutServer:
         """Over Ray handles, inside the cluster `raylane serve` runs."""
-        import ray
-        from raylane.router.names import NAMESPACE, ROUTER_NAME
-        from raylane.serve_backend import router_control
+        from raylane.client.ray_transport import RayTransport
+        from raylane.launch import APP_NAME
 
-        plane = router_control(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE))
-        return cls(RolloutClient.in_cluster(), PlaneControl(plane), defaults, url)
+        transport = RayTransport.connect(APP_NAME)  # generation and control, one client
+        return cls(RolloutClient(transport=transport), PlaneControl(transport), defaults, url)
 
     async def launch_server(self) -> None:
         """Raises unless the cluster answers (and, over HTTP, serves the trainer routes)."""
