@@ -74,10 +74,14 @@ class LoRAControl(ReplicaBroadcast):
     async def unload_lora(self, name: str) -> None:
         """Remove adapter `name` from every replica; its requests in flight finish first. An
         unknown name raises the engine's `LoRANotFound` (404)."""
+        from raylane.actors.lora.errors import LoRANotFound
+
         async with self._lock:
-            await self._everywhere(
+            removed = await self._everywhere(
                 self._reachable(), "remove_lora", lambda r: r.remove_lora(name, True)
             )
+            if not any(removed.values()):
+                raise LoRANotFound(f"lora_name {name!r}: no adapter of that name is loaded")
 
     async def pin_lora(self, name: str) -> None:
         """Keep adapter `name` in a slot on every replica (SGLang's `pinned`)."""
