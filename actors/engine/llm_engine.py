@@ -20,8 +20,7 @@ from raylane.actors.engine.request import Request
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.engine.scheduler import Scheduler
 from raylane.actors.engine.setup import EngineParts, build_engine_parts
-from raylane.actors.engine.spec.drafter import Drafter
-from raylane.actors.engine.spec.metrics import SpecStats
+from raylane.actors.engine.spec.speculation import speculation_for
 from raylane.actors.engine.state_slots import StateSlotPool
 from raylane.actors.engine.stats import EngineStats
 from raylane.actors.engine.step_launcher import StepLauncher
@@ -71,41 +70,39 @@ class LLMEngine(EngineWeights):
         self.stats = EngineStats()
         self.weights = WeightSync(self.executor, self.block_manager)
         self.upkeep = EngineUpkeep(self.executor, self.block_manager)  # sleep, weight checks
-        self.post = Postprocessor(
-            self.scheduler,
-            self.planner,
-            self.stop_checker,
-            self.stats,
-            self.requests,
-            lambda: self.weights.version,
-        )
-        self.launcher = StepLauncher(
-            self.scheduler, self.planner, self.executor, self.grammars, self.post, self.stats
-        )
-        self.pipeline = StepPipeline(
-            self.config, self.scheduler, self.launcher, self.post, self.stats
-        )
-        self.drafter = self._drafter()
+        # speculative decoding: one component the step asks (NoSpeculation when it is off)
+        self.speculation = speculation_for(self.config, self.block_manager, self.stats)
+        self.post, self.launcher, self.pipeline = self._step_parts()
         self.shapers = OutputShapers()  # the public loop's outputs (step, abort_request)
         self._ids = itertools.count()
         # NOTE: a weak method, so an engine that is dropped is not kept alive until exit
         self._atexit = weakref.WeakMethod(self.shutdown)
         atexit.register(_call_if_alive, self._atexit)
 
-    def _drafter(self) -> Drafter | None:
-        spec = self.config.spec
-        if spec is None:
-            return None
-        self.stats.spec = SpecStats(spec.num_speculative_tokens)
-        drafter = Drafter(
-            spec,
-            self.block_manager,
-            self.config.max_num_batched_tokens,
-            self.config.max_model_len,
-            self.stats.spec,
+    def _step_parts(self) -> tuple[Postprocessor, StepLauncher, StepPipeline]:
+        """The step's postprocessor, launcher and pipeline, around the one speculation."""
+        post = Postprocessor(
+            self.scheduler,
+            self.planner,
+            self.stop_checker,
+            self.stats,
+            self.requests,
+            lambda: self.weights.version,
+            self.speculation,
         )
-        self.launcher.drafter = self.post.drafter = self.pipeline.drafter = drafter
-        return drafter
+        launcher = StepLauncher(
+            self.scheduler,
+            self.planner,
+            self.executor,
+            self.grammars,
+            post,
+            self.stats,
+            self.speculation,
+        )
+        pipeline = StepPipeline(
+            self.config, self.scheduler, launcher, post, self.stats, self.speculation
+        )
+        return post, launcher, pipeline
 
     def shutdown(self) -> None:
         """Free the runners: every shard actor and the placement group (idempotent)."""

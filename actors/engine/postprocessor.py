@@ -22,7 +22,7 @@ from raylane.actors.engine.planner import StepPlanner
 from raylane.actors.engine.request import Request
 from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler
 from raylane.actors.engine.sequence import Sequence
-from raylane.actors.engine.spec.drafter import Drafter
+from raylane.actors.engine.spec.speculation import Speculation
 from raylane.actors.engine.stats import EngineStats
 from raylane.actors.engine.weight_sync import too_stale
 from raylane.actors.runner.plan import StepResult
@@ -40,6 +40,7 @@ class Postprocessor:
         stats: EngineStats,
         requests: dict[str, Request],
         weight_version: Callable[[], int],
+        speculation: Speculation,
     ):
         self.scheduler = scheduler
         self.planner = planner
@@ -47,7 +48,7 @@ class Postprocessor:
         self.stats = stats
         self.requests = requests
         self.weight_version = weight_version
-        self.drafter: Drafter | None = None  # speculative decoding: folds accepted counts in
+        self.speculation = speculation  # folds in what each row verified
 
     def apply(self, scheduled: list[ScheduledSeq], result: StepResult) -> list[EngineCoreOutput]:
         """Fold a step's result in; returns the outputs of the requests it advanced."""
@@ -75,14 +76,7 @@ class Postprocessor:
                 self._append(seq, request, tok, logprob, top, kept, now)
                 if seq.finish_reason is not None:
                     break  # a stop inside an accepted run: the tokens after it are dropped
-            drawn = result.drafts[i] if result.drafts else None
-            if drawn is not None:
-                item.drafts = tuple(drawn)  # the runner's draft model drew them
-            if item.drafts and self.drafter is not None:
-                extra = result.extra[i]
-                self.drafter.accepted(item, len(extra.token_ids) if extra else 0)
-            if result.mtp_drafts and self.drafter is not None:
-                self.drafter.mtp_draft(seq, result.mtp_drafts[i])
+            self.speculation.verified(item, result, i)
             if seq.finish_reason is not None and not seq.is_finished:
                 self.release(seq)
             touched[seq.request_id] = request
@@ -157,8 +151,7 @@ class Postprocessor:
             seq.indexer_parts = []
         self.scheduler.finish(seq)
         self.planner.forget(seq)
-        if self.drafter is not None:
-            self.drafter.forget(seq)
+        self.speculation.forget(seq)
 
     def abort(self, ids: list[str]) -> list[EngineCoreOutput]:
         """Stop the requests (ids not running are skipped) and free their blocks; returns

@@ -26,7 +26,7 @@ from raylane.actors.engine.planner import StepPlanner
 from raylane.actors.engine.postprocessor import Postprocessor
 from raylane.actors.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from raylane.actors.engine.sequence import Sequence
-from raylane.actors.engine.spec.drafter import Drafter
+from raylane.actors.engine.spec.speculation import Speculation
 from raylane.actors.engine.stats import EngineStats, StepTimer
 from raylane.actors.executor.base import Executor
 from raylane.actors.runner.faults import Faults
@@ -54,6 +54,7 @@ class StepLauncher:
         grammars: GrammarCompiler,
         post: Postprocessor,
         stats: EngineStats,
+        speculation: Speculation,
     ):
         self.scheduler = scheduler
         self.planner = planner
@@ -65,7 +66,7 @@ class StepLauncher:
         self.stats = stats
         self.faults = Faults()  # the "plan" stage of LLMEngine.arm_fault
         self.failed: list[EngineCoreOutput] = []  # outputs of requests whose plan raised
-        self.drafter: Drafter | None = None  # speculative decoding (EngineConfig.spec)
+        self.speculation = speculation  # drafts the decode rows of each batch it launches
 
     def launch(self) -> LaunchedStep | None:
         """Schedule, plan and submit a step (None when there is nothing to run)."""
@@ -75,8 +76,7 @@ class StepLauncher:
             self.planner.preempted(batch.preempted)
             return None
         self._record_scheduled(batch)
-        if self.drafter is not None:
-            self.drafter.draft(batch)
+        self.speculation.draft(batch)
         timer.mark("schedule")
         try:
             self.faults.check("plan")

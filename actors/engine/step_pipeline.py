@@ -14,7 +14,7 @@ from raylane.actors.engine.config import EngineConfig
 from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.postprocessor import Postprocessor
 from raylane.actors.engine.scheduler import Scheduler
-from raylane.actors.engine.spec.drafter import Drafter
+from raylane.actors.engine.spec.speculation import Speculation
 from raylane.actors.engine.stats import EngineStats
 from raylane.actors.engine.step_launcher import LaunchedStep, StepLauncher
 from raylane.actors.executor.base import StepFailed
@@ -29,13 +29,14 @@ class StepPipeline:
         launcher: StepLauncher,
         post: Postprocessor,
         stats: EngineStats,
+        speculation: Speculation,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
         self.launcher = launcher
         self.post = post
         self.stats = stats
-        self.drafter: Drafter | None = None
+        self.speculation = speculation
         self._in_flight: LaunchedStep | None = None  # launched, to be collected by a later step
         self._due: LaunchedStep | None = None  # launched, to be collected by this step
         self._held: list[EngineCoreOutput] = []  # outputs of steps drained outside step()
@@ -63,7 +64,7 @@ class StepPipeline:
             or self._in_flight is not None
             or not self.config.async_scheduling
             or self.launcher.constrained()
-            or self._speculating()
+            or self.speculation.plans_serially(self._due.scheduled, self.scheduler.running)
         ):
             return False
         self._in_flight = self.launcher.launch()
@@ -72,15 +73,6 @@ class StepPipeline:
         self._in_flight.ahead = True
         self.stats.steps_planned_ahead += 1
         return True
-
-    def _speculating(self) -> bool:
-        """The due step verifies drafts (how many tokens it adds is unknown until it returns),
-        or the next step would draft (see `Drafter.wants_serial`)."""
-        if self.drafter is None:
-            return False
-        if self._due is not None and any(item.drafts for item in self._due.scheduled):
-            return True
-        return self.drafter.wants_serial(self.scheduler.running)
 
     def end_step(self) -> list[EngineCoreOutput]:
         """Fold in the step begin_step launched (if drain has not)."""
@@ -123,8 +115,7 @@ class StepPipeline:
         outputs = self.post.apply(step.scheduled, result)
         step.timer.mark("postprocess")
         self.stats.step_times.add(step.timer, result.timings)
-        if self.drafter is not None:
-            self.drafter.observe(step.scheduled, result.timings, step.ahead)
+        self.speculation.observe(step.scheduled, result.timings, step.ahead)
         self.stats.graph_replays += result.graph_replayed
         self.stats.verify_graph_replays += result.verify_graph_replayed
         self.launcher.post_masks(self._in_flight)

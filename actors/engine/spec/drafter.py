@@ -1,5 +1,5 @@
-"""Drafter: give a scheduled step's decoding sequences their drafts, and fold back what the
-target accepted.
+"""Drafter, the engine's `Speculation` when it speculates (spec/speculation.py): give a
+scheduled step's decoding sequences their drafts, and fold back what the target accepted.
 
 Drafting happens after the scheduler chose the step and before it is planned: a decode row
 with k drafts becomes a chunk of 1 + k query tokens (the last sampled token, then the drafts),
@@ -10,7 +10,7 @@ over by later steps, and the prefix cache registers only blocks full of accepted
 
 A sequence with a token in flight (async scheduling planned this step ahead) drafts past a
 guess of that token (`_past_pending`); the step after a verify step is planned once the verify
-step returned (`LLMEngine.plan_ahead`), as its accepted count decides the positions.
+step returned (`plans_serially`), as its accepted count decides the positions.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from raylane.actors.engine.spec.cost_model import CostModel
 from raylane.actors.engine.spec.metrics import SpecStats
 from raylane.actors.engine.spec.ngram import NgramProposer
 from raylane.actors.engine.spec.suffix import SuffixIndex
-from raylane.actors.runner.plan import PLACEHOLDER
+from raylane.actors.runner.plan import PLACEHOLDER, StepResult
 
 
 class Drafter:
@@ -90,6 +90,11 @@ class Drafter:
             if cls is not None and depths[cls] and self._may_draft(seq):
                 drafts.append((cls, depths[cls]))
         return bool(drafts) and self._pays(num, num, drafts, serial=2)
+
+    def plans_serially(self, due: list[ScheduledSeq], running: list[Sequence]) -> bool:
+        """The due step verifies drafts (how many tokens it adds is unknown until it returns),
+        or the next step would draft (`wants_serial`)."""
+        return any(item.drafts for item in due) or self.wants_serial(running)
 
     def _worth(self, num_rows: int, num_tokens: int) -> int:
         """How many leading draft positions pay for their own tokens' compute, for the best
@@ -263,6 +268,20 @@ class Drafter:
         self.blocks.allocate(seq, 1 + num_drafts)
         return True
 
+    def verified(self, item: ScheduledSeq, result: StepResult, row: int) -> None:
+        """Row `row` of the step came back: a draft model's drafts (drawn on the runner) become
+        the row's, its drafts' accepted count is folded in, and the MTP layers' drafts for the
+        tokens after its newest one are kept."""
+        drawn = result.drafts[row] if result.drafts else None
+        if drawn is not None:
+            item.drafts = tuple(drawn)
+        if item.drafts:
+            extra = result.extra[row]
+            self.accepted(item, len(extra.token_ids) if extra else 0)
+        tokens = result.mtp_drafts[row] if result.mtp_drafts else None
+        if tokens:
+            self._mtp[item.seq.seq_id] = (len(item.seq.token_ids), tokens)
+
     def accepted(self, item: ScheduledSeq, num_accepted: int) -> None:
         """The step's result: `num_accepted` leading drafts were right. Their positions are
         computed KV now (the rejected ones are not); full blocks of them join the prefix cache."""
@@ -276,11 +295,6 @@ class Drafter:
             return
         seq.num_computed_tokens += num_accepted
         self.blocks.commit_full_blocks(seq, item.start + 1 + num_accepted)
-
-    def mtp_draft(self, seq: Sequence, tokens: tuple[int, ...] | None) -> None:
-        """The runner's MTP drafts for the tokens after `seq`'s newest one."""
-        if tokens:
-            self._mtp[seq.seq_id] = (len(seq.token_ids), tokens)
 
     def forget(self, seq: Sequence) -> None:
         self._mtp.pop(seq.seq_id, None)

@@ -116,7 +116,7 @@ def test_no_step_is_planned_ahead_of_a_verify_step(loopy_dir, reference, prompts
     ref = reference.generate(prompts, params, use_tqdm=False)
     engine = spec_engine(loopy_dir, NGRAM, async_scheduling=True)
     calls = iter(range(10**6))
-    monkeypatch.setattr(engine.drafter, "wants_serial", lambda running: next(calls) % 2 == 0)
+    monkeypatch.setattr(engine.speculation, "wants_serial", lambda running: next(calls) % 2 == 0)
     assert_same(ref, engine.generate(prompts, params, use_tqdm=False))
     assert engine.stats.spec_decode_num_accepted_tokens > 0
     engine.shutdown()
@@ -163,8 +163,8 @@ def test_drafts_past_a_token_in_flight(loopy_dir, reference, prompts, monkeypatc
             found[1] = (found[1] + 1) % engine.validator.vocab_size  # its first draft is wrong
         return found, 4  # a 4-token match (the best class)
 
-    monkeypatch.setattr(engine.drafter, "wants_serial", lambda running: False)
-    monkeypatch.setattr(engine.drafter, "_lookup", oracle)
+    monkeypatch.setattr(engine.speculation, "wants_serial", lambda running: False)
+    monkeypatch.setattr(engine.speculation, "_lookup", oracle)
     accepted: list[int] = []  # per row drafted past a placeholder, its accepted drafts
 
     def count(plan, result) -> None:
