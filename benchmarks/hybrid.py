@@ -1,8 +1,9 @@
 """`python -m benchmarks hybrid`: hybrid and windowed models against transformers, and what their
 per-sequence state costs.
 
-Throughput: random-weight stand-ins (`qwen3.5-tiny`, `gpt-oss-tiny` in bench/random_models.py) run a
-batch of distinct `--prompt-len`-token prompts, greedy with ignore_eos, to 1 token and to
+Throughput: random-weight stand-ins (`qwen3.5-tiny`, `gpt-oss-tiny` in
+cluster/bench/random_models.py) run a batch of distinct `--prompt-len`-token prompts, greedy with
+ignore_eos, to 1 token and to
 `--output-len` tokens, in raylane's engine and in transformers `generate` (same process, same
 threads). Prefill tok/s = batch * prompt_len / t[1]; decode tok/s = batch * (output_len - 1) /
 (t[output_len] - t[1]), each t the best of `--repeats` runs after a warm-up.

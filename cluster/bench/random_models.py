@@ -1,7 +1,8 @@
 """Random-weight stand-ins for real models, built offline in a model's shape.
 
 Decode speed depends on the shapes alone, and these need no download (GPU machines are offline);
-`raylane bench decode|throughput|hybrid` take them by name (`--random-model`).
+`raylane bench throughput` and `python -m benchmarks decode|hybrid` (a checkout's benchmarks/)
+take them by name (`--random-model`, `--models`).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ RANDOM_MODELS: dict[str, tuple[str, dict[str, object]]] = {
             "max_position_embeddings": 4096,
         },
     ),
-    # hybrid and windowed attention (`raylane bench hybrid`): Qwen3.5's 3:1 Gated DeltaNet /
+    # hybrid and windowed attention (`python -m benchmarks hybrid`): Qwen3.5's 3:1 Gated DeltaNet /
     # gated attention layers and gpt-oss's sliding / full layers with sinks and a top-4 MoE
     "qwen3.5-tiny": (
         "Qwen3_5TextConfig",
