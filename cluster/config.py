@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raylane.actors.engine.config import EngineConfig
 from raylane.actors.engine.strict import check_type, strict_fields
+from raylane.engine_options import EngineOptions
 from raylane.session_server.tool_calls import PARSERS
 
 if TYPE_CHECKING:
     from raylane.actors.consolidation.config import ConsolidationServiceConfig
 
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
 CONSOLIDATION_DSN_ENV = "RAYLANE_CONSOLIDATION_DSN"
 
 
@@ -23,7 +24,8 @@ CONSOLIDATION_DSN_ENV = "RAYLANE_CONSOLIDATION_DSN"
 class ClusterConfig:
     """One serving cluster: the model, how many engine replicas, and the HTTP front.
 
-    `engine` holds `EngineConfig` options (vLLM names) applied to every replica; with
+    `engine` holds `EngineConfig` options (vLLM names) applied to every replica, checked when
+    the config loads (`EngineOptions`: a dict given is made one); with
     `tensor_parallel_size > 1` (or `distributed_executor_backend: ray`) each replica runs its
     model on that many `ModelShard` actors, placed with it on one node.
     """
@@ -37,7 +39,7 @@ class ClusterConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # turns on the admin routes (/admin/..., RL control)
     admin_api_key: str | None = field(default=None, repr=False)
-    engine: dict = field(default_factory=dict)
+    engine: Mapping[str, Any] = field(default_factory=EngineOptions)  # an EngineOptions
     max_queue_per_replica: int = 256  # requests in flight per replica before 429
     torch_threads: int | None = None  # per replica; default: the cores split between replicas
     max_body_bytes: int = 8 << 20
@@ -65,13 +67,8 @@ class ClusterConfig:
             check_type("ClusterConfig", name, getattr(self, name), int)
             if getattr(self, name) < 1:
                 raise ValueError(f"ClusterConfig.{name} must be >= 1")
-        unknown = set(self.engine) - _ENGINE_FIELDS
-        if unknown:
-            raise ValueError(
-                f"ClusterConfig.engine: unknown option(s) {sorted(unknown)}; "
-                f"known: {sorted(_ENGINE_FIELDS)}"
-            )
-        self.engine_config(self.model or "<embedded>")  # bad values fail here, not in a replica
+        # unknown keys and bad values fail here, not in a replica
+        object.__setattr__(self, "engine", EngineOptions(self.engine))
         self.consolidation_config()  # and a bad consolidation section here, not in its actor
         self._check_lora_modules()
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
@@ -162,7 +159,8 @@ class ClusterConfig:
         return dataclasses.replace(config, **updates)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
-        return EngineConfig(model=model_dir, **self.engine)
+        assert isinstance(self.engine, EngineOptions)  # __post_init__ made it one
+        return self.engine.config(model_dir)
 
     def consolidation_config(self) -> ConsolidationServiceConfig | None:
         """The `consolidation:` section validated, or None when there is none (no actor).

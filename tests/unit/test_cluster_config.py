@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from raylane.actors.engine.config import EngineConfig
 from raylane.cli import build_parser
 from raylane.config import ClusterConfig
 from raylane.serve_cli import config_from_args
@@ -258,3 +259,31 @@ def test_the_ingress_reads_the_engines_tokenizer(tiny_llama_dir, tmp_path):
     assert tokenizer.chat_template == other.chat_template
     own = _model_facts(tiny_llama_dir, ClusterConfig(model=tiny_llama_dir))[0]
     assert own.chat_template != other.chat_template
+
+
+def test_an_engine_typo_in_yaml_fails_at_load_naming_the_key_and_its_match(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("engine:\n  max_num_seqs: 8\n  enable_prefix_cacheing: false\n")
+    with pytest.raises(ValueError, match="'enable_prefix_cacheing' .did you mean 'enable_pre"):
+        ClusterConfig.from_yaml(str(path))
+    path.write_text("engine: [max_num_seqs]\n")
+    with pytest.raises(ValueError, match="ClusterConfig.engine must be a mapping"):
+        ClusterConfig.from_yaml(str(path))
+    path.write_text("replicas: 2\nengine:\n")  # an empty section is no options
+    assert ClusterConfig.from_yaml(str(path)).engine == {}
+
+
+def test_the_engine_section_is_typed_read_only_and_survives_pickling():
+    import pickle
+
+    from raylane.engine_options import EngineOptions
+
+    config = ClusterConfig(engine={"max_num_seqs": 8, "dtype": "float32"})
+    assert isinstance(config.engine, EngineOptions)
+    with pytest.raises(TypeError):
+        config.engine["max_num_seqs"] = 9  # type: ignore[index]
+    engine = config.engine_config("/m")  # given keys, the engine's defaults for the rest
+    assert (engine.max_num_seqs, engine.dtype) == (8, "float32")
+    assert engine.block_size == EngineConfig(model="/m").block_size
+    shipped = pickle.loads(pickle.dumps(config))  # as Serve ships it to the replicas
+    assert shipped == config and shipped.engine == {"max_num_seqs": 8, "dtype": "float32"}
