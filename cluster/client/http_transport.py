@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.client.errors import from_status
+from raylane.client.lora_transports import HttpLoRA
 from raylane.client.rollout import Rollout, SessionTurn, from_generate_item, unfloor
 from raylane.client.wire import chat_body, generate_body
 from raylane.router.samples import TrainingSample
@@ -17,7 +18,9 @@ from raylane.router.samples import TrainingSample
 _SAFETENSORS = "application/safetensors"
 
 
-class HttpTransport:
+class HttpTransport(HttpLoRA):
+    """The adapter verbs are `HttpLoRA`'s (client/lora_transports.py)."""
+
     def __init__(
         self,
         base_url: str,
@@ -43,11 +46,13 @@ class HttpTransport:
         params: SamplingParams,
         request_id: str,
         routing_key: str | None,
+        lora: str | None = None,
     ) -> list[Rollout]:
         ids = await self.tokenize(prompt, None) if isinstance(prompt, str) else list(prompt)
-        answer = (
-            await self._post("/generate", generate_body(ids, params, request_id, routing_key))
-        ).json()
+        body = generate_body(ids, params, request_id, routing_key)
+        if lora is not None:
+            body["lora_path"] = lora  # SGLang's field: the adapter's name
+        answer = (await self._post("/generate", body)).json()
         items = answer if isinstance(answer, list) else [answer]
         return [from_generate_item(item, ids, request_id) for item in items]
 

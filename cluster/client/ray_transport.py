@@ -17,6 +17,7 @@ from raylane.actors.engine.errors import EnginePaused, RequestFailed
 from raylane.actors.engine.output_accumulator import OutputAccumulator
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.client.errors import Busy, ClientError, NoReplica
+from raylane.client.lora_transports import PlaneLoRA
 from raylane.client.plane_client import PlaneClient
 from raylane.client.rollout import Rollout, SessionTurn, from_request_output
 from raylane.router.errors import ReplicaFailed, ReplicasBusy, call_router
@@ -25,7 +26,7 @@ from raylane.router.replica_requests import ReplicaRequests
 from raylane.router.samples import TrainingSample
 
 
-class RayTransport(PlaneClient):
+class RayTransport(PlaneLoRA, PlaneClient):
     """The control verbs are `PlaneClient`'s, on the Router's control plane."""
 
     can_abort = True
@@ -76,10 +77,11 @@ class RayTransport(PlaneClient):
         params: SamplingParams,
         request_id: str,
         routing_key: str | None,
+        lora: str | None = None,
     ) -> list[Rollout]:
         final = OutputAccumulator()  # the engine's deltas, folded into the final output
         try:
-            stream = self.requests.generate(prompt, params, request_id, routing_key)
+            stream = self.requests.generate(prompt, params, request_id, routing_key, lora)
             async with aclosing(stream):
                 async for out in stream:
                     final.add(out)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from raylane.actors.models.weights import DEFAULT_BUCKET_BYTES
 from raylane.client.errors import Busy
 from raylane.client.fanout import Branch, aggregate, branch_seeds, join_prompt
+from raylane.client.lora_client import LoRAClient
 from raylane.client.rollout import Rollout
 from raylane.client.session import Session
 from raylane.client.transport import Transport
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 Prompt = list[int] | str
 
 
-class RolloutClient:
+class RolloutClient(LoRAClient):
     """Generate, pause/resume, update weights, abort, sessions and fan-out, with one API.
 
     >>> async with RolloutClient("http://127.0.0.1:8000", admin_key="k") as client:
@@ -97,15 +98,17 @@ class RolloutClient:
         timeout: float | None = None,
         routing_key: str | None = None,
         request_id: str | None = None,
+        lora: str | None = None,
         **sampling: Any,
     ) -> list[Rollout]:
         """One `Rollout` per sample. `sampling` takes the `SamplingParams` fields (each
         token's logprob is returned unless `logprobs=None`); requests with the same
-        `routing_key` go to the same replica."""
+        `routing_key` go to the same replica; `lora` names the adapter to run on."""
         params = sampling_params(sampling)
         request_id = request_id or f"rl-{uuid.uuid4().hex}"
+        on = {} if lora is None else {"lora": lora}  # every transport takes the base form
         call = self._retry_busy(
-            lambda: self.transport.generate(prompt, params, request_id, routing_key)
+            lambda: self.transport.generate(prompt, params, request_id, routing_key, **on)
         )
         timeout = self.timeout if timeout is None else timeout
         return await (call if timeout is None else asyncio.wait_for(call, timeout))

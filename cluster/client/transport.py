@@ -24,8 +24,10 @@ class Transport(Protocol):
         params: SamplingParams,
         request_id: str,
         routing_key: str | None,
+        lora: str | None = None,
     ) -> list[Rollout]:
-        """The finished request, one rollout per sample; cancelling the call aborts it."""
+        """The finished request (on adapter `lora`, if named), one rollout per sample;
+        cancelling the call aborts it."""
         ...
 
     async def tokenize(self, text: str | None, messages: list[dict] | None) -> list[int]:
