@@ -13,6 +13,8 @@ import inspect
 import zlib
 from typing import Any
 
+from raylane.actors.replica_lora_group import ReplicaLoRAGroup
+
 
 def adapter_id(name: str) -> int:
     """The adapter's `lora_int_id`: the same on every replica and after any restart (> 0, as
@@ -43,7 +45,9 @@ async def _done(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
-class ReplicaLoRA:
+class ReplicaLoRA(ReplicaLoRAGroup):
+    """The adapter verbs; those over the trainer's collective group are `ReplicaLoRAGroup`'s."""
+
     engine: Any  # an AsyncLLMEngine
 
     @property

@@ -40,15 +40,15 @@ from raylane.router.control_parts import (
     remember_label,
 )
 from raylane.router.errors import ControlConflict, ReplicasFailed, UpdateNotFound
-from raylane.router.lora_control import LoRAControl
+from raylane.router.lora_groups import LoRAGroups
 from raylane.router.remote import verbs
 from raylane.router.weight_groups import WeightGroups
 
 log = logging.getLogger(__name__)
 
 
-class ControlPlane(LoRAControl, WeightGroups):
-    # LoRAControl: the adapter verbs (router/lora_control.py)
+class ControlPlane(LoRAGroups, WeightGroups):
+    # LoRAGroups: the adapter verbs (router/lora_control.py, router/lora_groups.py)
     def __init__(self, table: ReplicaTable, calls: ReplicaCalls) -> None:
         super().__init__(table, calls)
         self.paused_mode: str | None = None

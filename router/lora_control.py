@@ -30,7 +30,7 @@ class LoRAUpdate:
     update_id: str
     name: str
     replica_ids: list[str]
-    num_tensors: int
+    specs: list[dict]  # the manifest, in the order a collective sender broadcasts them
     loaded: int = 0
     failed: list[str] = field(default_factory=list)
 
@@ -106,7 +106,7 @@ class LoRAControl(ReplicaBroadcast):
                 await self._abort_on(ids)
                 raise
             update_id = f"lora-{secrets.token_hex(8)}"
-            self._lora_update = LoRAUpdate(update_id, name, list(ok), len(specs))
+            self._lora_update = LoRAUpdate(update_id, name, list(ok), specs)
             return update_id
 
     async def load_lora_bucket(self, update_id: str | None, bucket: Any) -> int:
@@ -129,9 +129,9 @@ class LoRAControl(ReplicaBroadcast):
         label; None: the next integer). Returns the adapter's version."""
         async with self._lock:
             update = self._open_lora(update_id)
-            if update.loaded < update.num_tensors:
+            if update.loaded < len(update.specs):
                 raise ValueError(
-                    f"only {update.loaded} of the update's {update.num_tensors} tensors were "
+                    f"only {update.loaded} of the update's {len(update.specs)} tensors were "
                     "loaded; send the rest before committing"
                 )
             ok = await self._everywhere(

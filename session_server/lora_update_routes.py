@@ -6,6 +6,11 @@ commit; one transaction across every replica (router/lora_control.py).
   POST /admin/update_lora/{update_id}/bucket  (safetensors bytes)         -> {tensors}
   POST /admin/update_lora/{update_id}/commit  {version?}                  -> {lora_name, version}
   POST /admin/update_lora/{update_id}/abort                               -> {aborted: true}
+
+Over the trainer's collective group (gloo; the trainer is rank 0, each replica one rank) instead
+of buckets: `init_group {init_info}` once (while the trainer joins), then per update `begin`,
+`{update_id}/receive {group_name}` while the trainer broadcasts the manifest's tensors in order,
+`commit` (router/lora_groups.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from raylane.actors.runner.group_info import DEFAULT_GROUP_NAME
 from raylane.session_server.admin_routes import control_of
 from raylane.session_server.errors import bad_request
 from raylane.session_server.openapi import BINARY
@@ -53,6 +59,26 @@ async def bucket(update_id: str, request: Request) -> dict:
     if not payload:
         raise bad_request("the body must hold the bucket's safetensors bytes")
     return {"tensors": await control_of(request).load_lora_bucket(update_id, payload)}
+
+
+class InitLoRAGroup(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    init_info: dict[str, Any]  # GroupInfo's fields
+
+
+class ReceiveLoRA(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group_name: str = DEFAULT_GROUP_NAME
+
+
+@router.post("/init_group", response_model=None)
+async def init_group(body: InitLoRAGroup, request: Request) -> dict:
+    return await control_of(request).init_lora_group(body.init_info)
+
+
+@router.post("/{update_id}/receive", response_model=None)
+async def receive(update_id: str, body: ReceiveLoRA, request: Request) -> dict:
+    return {"tensors": await control_of(request).receive_lora(update_id, body.group_name)}
 
 
 @router.post("/{update_id}/commit", response_model=None)
