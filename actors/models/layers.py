@@ -119,6 +119,7 @@ class LinearBase(nn.Module):
 
     packed: torch.Tensor | None = None  # a oneDNN-blocked copy of weight, see packing.py
     invariant = False  # the batch-invariant mode (set by the runner: `make_batch_invariant`)
+    lora: Any = None  # the layer's adapter slots (actors/lora/layer_lora.py), when LoRA is on
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPGroup | None) -> None:
         super().__init__()
@@ -130,7 +131,8 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.invariant)
+        out = linear(x, self.weight, self.bias, self.packed, self.invariant)
+        return out if self.lora is None else self.lora.add(x, out)
 
 
 class ReplicatedLinear(LinearBase):
@@ -238,11 +240,14 @@ class RowParallelLinear(LinearBase):
         copy_checked(param.data, src, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # an adapter's delta is a partial sum too (A split like the weight): added before
+        # the reduce, so LoRA costs no collective of its own
         if self.bias is None or self.tp.world_size == 1:  # bias fused, like HF's nn.Linear
-            return self.tp.all_reduce(
-                linear(x, self.weight, self.bias, self.packed, self.invariant)
-            )
+            out = linear(x, self.weight, self.bias, self.packed, self.invariant)
+            return self.tp.all_reduce(out if self.lora is None else self.lora.add(x, out))
         partial = linear(x, self.weight, None, self.packed, self.invariant)
+        if self.lora is not None:
+            partial = self.lora.add(x, partial)
         return self.tp.all_reduce(partial) + self.bias
 
 
