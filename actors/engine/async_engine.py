@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from raylane.actors.engine.async_control import AsyncEngineControl
+from raylane.actors.engine.async_lora import AsyncEngineLoRA
 from raylane.actors.engine.config import EngineConfig
 from raylane.actors.engine.llm_engine import LLMEngine, Prompt
 from raylane.actors.engine.output_shaper import OutputShaper
@@ -16,6 +17,7 @@ from raylane.actors.engine.outputs import EngineCoreOutput, RequestOutput
 from raylane.actors.engine.plan_ahead import PlanAheadClock
 from raylane.actors.engine.request_stream import OutputQueue, RequestStream
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.lora import LoRARequest
 
 # The model runs in a worker thread that takes the GIL back after every torch op, while this
 # loop's thread runs the consumers' Python: at CPython's default 5 ms switch interval the runner
@@ -25,7 +27,7 @@ from raylane.actors.engine.sampling_params import SamplingParams
 GIL_SWITCH_INTERVAL_S = 5e-4
 
 
-class AsyncLLMEngine(AsyncEngineControl):
+class AsyncLLMEngine(AsyncEngineControl, AsyncEngineLoRA):
     """Steps the engine in a task on the event loop and fans outputs out to per-request queues.
 
     `generate` yields `RequestOutput`s in the request's `output_kind`, as vLLM's does
@@ -36,7 +38,8 @@ class AsyncLLMEngine(AsyncEngineControl):
     on the loop's thread; the model runs on the executor's side (a worker thread, or shard
     actors), and the loop awaits each step, so it serves other tasks while the model computes.
     An output whose request failed (a step raised) raises `RequestFailed` in its consumer.
-    Pause, resume, weight updates and sleep are its base's, `AsyncEngineControl`.
+    Pause, resume, weight updates and sleep are its base's, `AsyncEngineControl`; the LoRA
+    verbs `AsyncEngineLoRA`'s.
     """
 
     def __init__(
@@ -70,20 +73,29 @@ class AsyncLLMEngine(AsyncEngineControl):
         return self.engine.tokenizer
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         shaper = OutputShaper((params or SamplingParams()).output_kind)
-        async with aclosing(self.generate_deltas(prompt, params, request_id)) as deltas:
+        deltas_of = self.generate_deltas(prompt, params, request_id, lora_request)
+        async with aclosing(deltas_of) as deltas:
             async for delta in deltas:
                 out = shaper.shape(delta)
                 if out is not None:
                     yield out
 
     async def generate_deltas(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[EngineCoreOutput, None]:
         """`generate`, as the engine's deltas: what each step added (the prompt on the first)."""
-        stream = await self.add_request(prompt, params, request_id)
+        stream = await self.add_request(prompt, params, request_id, lora_request)
         try:
             async for delta in stream:
                 yield delta
@@ -91,7 +103,11 @@ class AsyncLLMEngine(AsyncEngineControl):
             stream.close()
 
     async def add_request(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Admit a request now and return its outputs (deltas). What is wrong with it (a
         ValueError), a duplicate id and a paused engine's full queue (`EnginePaused`) raise
@@ -102,7 +118,7 @@ class AsyncLLMEngine(AsyncEngineControl):
         if self._paused is not None:
             self.engine.validator.check(prompt, params or SamplingParams())  # fail now, not later
             await self._admitted()
-        self.engine.admit(request_id, prompt, params)
+        self.engine.admit(request_id, prompt, params, lora_request)
         queue = OutputQueue()
         self._queues[request_id] = queue
         self._start()

@@ -73,7 +73,7 @@ class BlockManager(BlockPool):
         if not self.enable_prefix_caching:
             return 0
         full = (len(seq) - 1) // self.block_size
-        parent = _root(seq.cache_version, seq.params.cache_salt)
+        parent = _root_of(seq)
         hashes: list[int] = []
         for i in range(full):
             tokens = tuple(seq.block_tokens(i))
@@ -133,7 +133,7 @@ class BlockManager(BlockPool):
         by their chain hash (None: snapshots are off, or that prefix has one)."""
         if self.snapshots is None:
             return None
-        parent = _root(seq.cache_version, seq.params.cache_salt)
+        parent = _root_of(seq)
         for i in range(num_blocks):
             parent = hash((parent, tuple(seq.block_tokens(i))))
         return self.snapshots.reserve(parent)
@@ -164,11 +164,7 @@ class BlockManager(BlockPool):
         if not self.enable_prefix_caching:
             return
         start = seq.num_hashed_blocks
-        parent = (
-            self.blocks[seq.block_table[start - 1]].hash
-            if start
-            else _root(seq.cache_version, seq.params.cache_salt)
-        )
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else _root_of(seq)
         if parent is None:
             return  # the cache was reset under this sequence: its chain cannot be extended
         if num_computed is None:
@@ -231,10 +227,16 @@ class BlockManager(BlockPool):
             self.snapshots.clear()
 
 
-def _root(version: int, salt: str | None = None) -> int:
-    """The parent hash of a chain's first block: the weight version it was computed under, and
-    the request's cache salt (`SamplingParams.cache_salt`) when it has one."""
-    return hash(("weights", version) if salt is None else ("weights", version, salt))
+def _root(version: int, salt: str | None = None, lora: tuple[str, int] | None = None) -> int:
+    """The parent hash of a chain's first block: the weight version it was computed under, the
+    request's cache salt (`SamplingParams.cache_salt`) when it has one, and the LoRA adapter
+    version (name, version) it runs on, if any: no KV is shared across adapters or versions."""
+    key: tuple = ("weights", version) if salt is None else ("weights", version, salt)
+    return hash(key if lora is None else (*key, "lora", *lora))
+
+
+def _root_of(seq: Sequence) -> int:
+    return _root(seq.cache_version, seq.params.cache_salt, seq.lora.key if seq.lora else None)
 
 
 def _group_hash(group: int, chain_hash: int) -> int:

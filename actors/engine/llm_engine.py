@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, cast
 
 from raylane.actors.engine.config import EngineConfig
+from raylane.actors.engine.engine_lora import EngineLoRA
 from raylane.actors.engine.engine_weights import EngineWeights
 from raylane.actors.engine.output_accumulator import run_to_completion
 from raylane.actors.engine.output_shaper import OutputShapers
@@ -28,6 +29,8 @@ from raylane.actors.engine.step_pipeline import StepPipeline
 from raylane.actors.engine.upkeep import EngineUpkeep
 from raylane.actors.engine.validate import RequestValidator, as_params_list, as_prompt_list
 from raylane.actors.engine.weight_sync import WeightSync
+from raylane.actors.lora import LoRARequest
+from raylane.actors.lora.request import as_lora_list
 from raylane.actors.runner.faults import Faults
 from raylane.actors.runner.plan import StepResult
 
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
 Prompt = str | list[int]
 
 
-class LLMEngine(EngineWeights):
+class LLMEngine(EngineWeights, EngineLoRA):
     """A paged-KV, continuous-batching engine for one model, in this process or on a group of
     tensor-parallel Ray shards (`EngineConfig.tensor_parallel_size`).
 
@@ -130,20 +133,32 @@ class LLMEngine(EngineWeights):
     # --- requests -----------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """vLLM's: queue a request; `step()` reports it in `params.output_kind`."""
         params = params or SamplingParams()
-        self.admit(request_id, prompt, params)
+        self.admit(request_id, prompt, params, lora_request)
         self.shapers.start(request_id, params.output_kind)
 
-    def admit(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+    def admit(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """Queue a request whose outputs are the engine core's deltas (`step_deltas`,
-        `end_step`): the serving path's and `generate`'s, which fold or stream them."""
+        `end_step`): the serving path's and `generate`'s, which fold or stream them.
+        `lora_request`: the adapter it runs on (its newest version now, to its end)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         token_ids = self.validator.check(prompt, params)
+        lora = self._bind_lora(lora_request)
         text = prompt if isinstance(prompt, str) else None
         request = Request(
             request_id, text, token_ids, params, self.config.block_size, self.tokenizer
@@ -152,6 +167,8 @@ class LLMEngine(EngineWeights):
             matchers = self.grammars.matchers(params.structured_outputs, len(request.seqs))
             for seq, matcher in zip(request.seqs, matchers):
                 seq.matcher = matcher
+        for seq in request.seqs:
+            seq.lora = lora
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
 
@@ -231,14 +248,17 @@ class LLMEngine(EngineWeights):
         prompts: Prompt | list[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in the order of `prompts`."""
+        """Run prompts to completion; outputs come back in the order of `prompts`.
+        `lora_request`: one adapter for all, or a list, one per prompt (None: base model)."""
         prompts = as_prompt_list(prompts)
         params_list = as_params_list(params, len(prompts))
+        loras = as_lora_list(lora_request, len(prompts))
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         try:
-            for rid, prompt, p in zip(ids, prompts, params_list):
-                self.admit(rid, prompt, p)
+            for rid, prompt, p, lora in zip(ids, prompts, params_list, loras):
+                self.admit(rid, prompt, p, lora)
         except ValueError:  # one bad request: none of the batch stays queued
             self.abort_deltas([rid for rid in ids if rid in self.requests])
             raise
@@ -249,13 +269,14 @@ class LLMEngine(EngineWeights):
         messages: list[dict] | list[list[dict]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         **template_kwargs,
     ) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template, then `generate`."""
         one = bool(messages) and isinstance(messages[0], dict)  # one conversation, or a list
         convs = cast(list[list[dict]], [messages] if one else messages)
         prompts: list[Prompt] = [self.validator.render_chat(c, **template_kwargs) for c in convs]
-        return self.generate(prompts, params, use_tqdm)
+        return self.generate(prompts, params, use_tqdm, lora_request)
 
 
 def _call_if_alive(method_ref: weakref.WeakMethod) -> None:

@@ -19,7 +19,14 @@ from raylane.actors.engine.outputs import (
     copy_list,
 )
 
-_LISTS = ("token_ids", "logprobs", "top_logprobs", "weight_versions", "kept_mass_logprobs")
+_LISTS = (
+    "token_ids",
+    "logprobs",
+    "top_logprobs",
+    "weight_versions",
+    "kept_mass_logprobs",
+    "lora_versions",
+)
 
 
 class OutputAccumulator:

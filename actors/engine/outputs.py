@@ -28,6 +28,8 @@ class CompletionOutput:
     indexer_topk: np.ndarray | None = None
     weight_versions: list[int] = field(default_factory=list)  # one per token in token_ids
     kept_mass_logprobs: list[float] | None = None  # when SamplingParams.return_kept_mass
+    # the LoRA adapter version that produced each token (None: a base-model request)
+    lora_versions: list[int] | None = None
     # its tokens were drawn under a grammar's mask (structured outputs); `logprobs` are still
     # the model's own, taken before the mask
     constrained: bool = False
@@ -73,6 +75,7 @@ class SampleDelta:
     top_logprobs: list[dict[int, float]] | None = None
     weight_versions: list[int] = field(default_factory=list)
     kept_mass_logprobs: list[float] | None = None
+    lora_versions: list[int] | None = None  # beside weight_versions; None: no adapter
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     # the whole array, once: on the delta that finishes the sample (it is trimmed then)
@@ -101,6 +104,7 @@ class SampleDelta:
             indexer_topk=self.indexer_topk,
             weight_versions=list(self.weight_versions),
             kept_mass_logprobs=copy_list(self.kept_mass_logprobs),
+            lora_versions=copy_list(self.lora_versions),
             constrained=self.constrained,
         )
 

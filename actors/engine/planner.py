@@ -55,6 +55,7 @@ class StepPlanner:
                         seq.num_computed_tokens,
                         seq.params,
                         tuple(tuple(table) for table in seq.group_tables),
+                        seq.lora.slot if seq.lora is not None else 0,
                     )
                 )
             group_blocks = tuple(len(table) for table in seq.group_tables)

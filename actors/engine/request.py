@@ -106,6 +106,7 @@ class Request:
             top_logprobs=seq.top_logprobs[n0:] if asked else None,
             weight_versions=seq.weight_versions[n0:],
             kept_mass_logprobs=seq.kept_mass[n0:] if self.params.return_kept_mass else None,
+            lora_versions=_lora_versions(seq, seq.num_output_tokens - n0),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             routed_experts=seq.routed_experts if finished else None,
@@ -150,6 +151,7 @@ class Request:
             indexer_topk=seq.indexer_topk,
             weight_versions=list(seq.weight_versions),
             kept_mass_logprobs=list(seq.kept_mass) if self.params.return_kept_mass else None,
+            lora_versions=_lora_versions(seq, seq.num_output_tokens),
             constrained=self.params.structured_outputs is not None,
         )
 
@@ -158,6 +160,11 @@ class Request:
         if self.first_token_time is not None:
             m["time_to_first_token"] = self.first_token_time - self.arrival_time
         return m
+
+
+def _lora_versions(seq: Sequence, count: int) -> list[int] | None:
+    """A sequence keeps its adapter version to its end: each of `count` tokens has it."""
+    return None if seq.lora is None else [seq.lora.version] * count
 
 
 @dataclass

@@ -12,6 +12,7 @@ from raylane.actors.runner.plan import PLACEHOLDER
 if TYPE_CHECKING:
     import numpy as np
     from llguidance import LLMatcher
+    from raylane.actors.lora.registry import LoRABinding
 
 _ids = itertools.count()
 
@@ -82,6 +83,7 @@ class Sequence:
         self.indexer_topk: np.ndarray | None = None  # [len - 1, dsa_layers, index_topk]
         self.siblings: list[Sequence] = []  # n > 1: started once this one's prompt is computed
         self.matcher: LLMatcher | None = None  # structured outputs: its grammar's state
+        self.lora: LoRABinding | None = None  # multi-LoRA: the adapter version it runs on
 
     def __len__(self) -> int:
         """Tokens as the scheduler sees them: the known ones and the pending ones."""

@@ -141,6 +141,8 @@ def runner_config(
         max_model_len=max_model_len,
         num_state_slots=config.state_slots,
         num_state_snapshots=config.state_snapshots,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank,
     )
 
 

@@ -166,7 +166,7 @@ class LoRARegistry:
                 e.pinned,
                 (name, e.newest) in held,
             )
-            for name, e in self._adapters.items()
+            for name, e in sorted(self._adapters.items())
             if not e.removing
         ]
 

@@ -44,3 +44,16 @@ class LoRARequest:
     @property
     def path(self) -> str:
         return self.lora_path
+
+
+def as_lora_list(
+    lora_request: LoRARequest | list[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    """One adapter for every prompt, or a list with one per prompt (vLLM's generate)."""
+    if not isinstance(lora_request, list):
+        return [lora_request] * count
+    if len(lora_request) != count:
+        raise ValueError(
+            f"lora_request: {len(lora_request)} given for {count} prompts (one per prompt)"
+        )
+    return lora_request

@@ -47,6 +47,9 @@ class RunnerConfig:
     # linear-attention models: the state slots (the engine's scheduler hands them out)
     num_state_slots: int = 128
     num_state_snapshots: int = 0  # and their snapshots for prefix caching
+    # multi-LoRA: adapter slots (0: LoRA off) and their highest rank (runner/features/lora.py)
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
 
 @dataclass(frozen=True)

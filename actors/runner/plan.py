@@ -34,6 +34,9 @@ class NewRequest:
     params: SamplingParams  # the request's own, as the user gave it (validated, picklable)
     # KV cache groups after the first (layer_kinds.KVGroups): each group's whole table so far
     group_block_ids: tuple[tuple[int, ...], ...] = ()
+    # multi-LoRA: the slot of the adapter version it runs on (0: the base model); it keeps
+    # that slot to its end, through preemptions (the engine never reloads a slot in use)
+    lora_slot: int = 0
 
 
 @dataclass(frozen=True)
