@@ -6,6 +6,8 @@ import contextlib
 import os
 import socket
 
+from raylane.router.names import NAMESPACE
+
 # Safe local defaults: bind to loopback, no auth tokens, no usage reporting.
 for _key, _value in (
     ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
@@ -66,7 +68,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, namespace="raylane")
+        ray.init(address=address, namespace=NAMESPACE)
         return
     env = {
         key: value
@@ -79,7 +81,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             address="local",
             num_cpus=num_cpus or os.cpu_count(),
             include_dashboard=False,
-            namespace="raylane",
+            namespace=NAMESPACE,
             log_to_driver=False,
         )
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from raylane.actors.engine.config import EngineConfig
@@ -28,6 +29,10 @@ from raylane.actors.executor.placement import check_fits_one_node, replica_bundl
 from raylane.config import ClusterConfig
 from raylane.router.actor import get_or_create_router
 from raylane.router.replica_set import ReplicaSpec
+
+if TYPE_CHECKING:
+    from raylane.router.session_host import SessionSetup
+    from raylane.session_server.backend import ModelInfo
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -37,45 +42,15 @@ class Ingress:
     async def __init__(  # type: ignore[misc]
         self, spec: ReplicaSpec, model_dir: str, config: ClusterConfig
     ):
-        from raylane.consolidation import metrics_sources, start_with_app
-        from raylane.router.session_host import SessionSetup
+        from raylane.consolidation import start_with_app
         from raylane.serve_backend import serve_backend
-        from raylane.session_server.app import build_app
-        from raylane.session_server.backend import ModelInfo
 
-        tokenizer, max_len, vocab, moe, dsa = _model_facts(model_dir, config)
-        capture = moe and bool(config.engine.get("enable_return_routed_experts"))
-        picks = dsa and bool(config.engine.get("enable_return_indexer_topk"))
-        engine = config.engine_config(model_dir)
-        info = ModelInfo(
-            served_model_name(config),
-            max_len,
-            vocab,
-            model_path=model_dir,
-            replicas=config.replicas,
-            tensor_parallel_size=engine.tensor_parallel_size,
-            dtype=engine.dtype,
-            routed_experts=capture,
-            batch_invariant=engine.batch_invariant,
-            enable_lora=getattr(engine, "enable_lora", False),
-        )
+        tokenizer, info, setup = _served_model(model_dir, config)
         router = get_or_create_router(config.max_queue_per_replica, config.sessions_dsn)
-        # the Router hosts the sessions and runs their turns on these replicas
-        setup = SessionSetup(model_dir, return_routed_experts=capture, return_indexer_topk=picks)
         # each refresh of its replica table hands the Router this app's spec, so a Router that
         # restarted runs the replicas again
         backend = serve_backend(router, tokenizer, info, setup, spec, config.max_queue_per_replica)
-        self.asgi = build_app(
-            backend,
-            api_keys=list(config.api_keys) or None,
-            max_body_bytes=config.max_body_bytes,
-            admin_api_key=config.admin_api_key,
-            request_timeout_s=config.request_timeout_s,
-            max_n=config.max_n,
-            tool_call_parser=config.tool_call_parser,
-            trainer_api=config.trainer_api,
-            metrics_sources=metrics_sources(config),
-        )
+        self.asgi = _http_app(backend, config)
         self.listener = None
         if config.direct_ingress:  # the app answers on config.port itself; Serve runs no proxy
             from raylane.listener import HTTPListener
@@ -89,6 +64,50 @@ class Ingress:
     def check_health(self) -> None:
         if self.listener is not None:
             self.listener.check()
+
+
+def _served_model(model_dir: str, config: ClusterConfig) -> tuple[Any, ModelInfo, SessionSetup]:
+    """The served model's tokenizer, what the HTTP layer tells about it, and the session
+    setup the Router hosts its sessions with (their turns run on the replicas)."""
+    from raylane.router.session_host import SessionSetup
+    from raylane.session_server.backend import ModelInfo
+
+    tokenizer, max_len, vocab, moe, dsa = _model_facts(model_dir, config)
+    engine = config.engine_config(model_dir)
+    capture = moe and engine.enable_return_routed_experts
+    picks = dsa and engine.enable_return_indexer_topk
+    info = ModelInfo(
+        served_model_name(config),
+        max_len,
+        vocab,
+        model_path=model_dir,
+        replicas=config.replicas,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        dtype=engine.dtype,
+        routed_experts=capture,
+        batch_invariant=engine.batch_invariant,
+        enable_lora=engine.enable_lora,
+    )
+    setup = SessionSetup(model_dir, return_routed_experts=capture, return_indexer_topk=picks)
+    return tokenizer, info, setup
+
+
+def _http_app(backend: Any, config: ClusterConfig) -> Any:
+    """The FastAPI app over `backend`, with the config's HTTP options."""
+    from raylane.consolidation import metrics_sources
+    from raylane.session_server.app import build_app
+
+    return build_app(
+        backend,
+        api_keys=list(config.api_keys) or None,
+        max_body_bytes=config.max_body_bytes,
+        admin_api_key=config.admin_api_key,
+        request_timeout_s=config.request_timeout_s,
+        max_n=config.max_n,
+        tool_call_parser=config.tool_call_parser,
+        trainer_api=config.trainer_api,
+        metrics_sources=metrics_sources(config),
+    )
 
 
 def build_application(config: ClusterConfig, model_dir: str | None = None):

@@ -160,12 +160,7 @@ def expert_forward(
     ends = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
     rows = x.index_select(0, order % num_tokens)
     h = _grouped_linear(rows, w13, sorted_ids, ends, invariant)  # [S, 2I]
-    if b13 is not None:
-        h = h + b13.index_select(0, sorted_ids)
-    if act is not None:
-        h = act(h)
-    else:
-        h = silu_and_mul(h, hidden_act) if invariant else act_and_mul(h, hidden_act)
+    h = _activated(h, b13, sorted_ids, act, hidden_act, invariant)  # [S, I]
     h = _grouped_linear(h, w2, sorted_ids, ends, invariant)  # [S, H]
     if b2 is not None:
         h = h + b2.index_select(0, sorted_ids)
@@ -174,6 +169,23 @@ def expert_forward(
     # dtype (every other caller) make the cast a no-op
     h = (h * weights.t().reshape(-1).index_select(0, order).unsqueeze(1)).to(x.dtype)
     return _sum_in_expert_order(h, ids, order)
+
+
+def _activated(
+    h: torch.Tensor,
+    b13: torch.Tensor | None,
+    sorted_ids: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor] | None,
+    hidden_act: str,
+    invariant: bool,
+) -> torch.Tensor:
+    """h [S, 2I] (gate rows then up rows, row r on expert sorted_ids[r]) -> [S, I]: the
+    expert's gate/up bias, then `act`, or else act(gate) * up."""
+    if b13 is not None:
+        h = h + b13.index_select(0, sorted_ids)
+    if act is not None:
+        return act(h)
+    return silu_and_mul(h, hidden_act) if invariant else act_and_mul(h, hidden_act)
 
 
 def _sum_in_expert_order(h: torch.Tensor, ids: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -42,49 +42,57 @@ def build_app(
 ) -> FastAPI:
     """The HTTP surface: OpenAI routes, SGLang-style /generate, /tokenize, /detokenize,
     multi-turn /sessions, /health and /metrics, with the OpenAI error body for every error.
-
     Holds no state beyond the request, so any number of copies can serve one cluster.
-    `api_keys` turns on bearer-key auth for every route but /health; bodies over
-    `max_body_bytes` get 413. `admin_api_key` adds the admin routes (/admin/..., the RL
-    control plane), which only that key opens; their weight buckets may be up to
-    `max_bucket_bytes`. More than 100 headers or 64 KiB of them get 431.
-    `request_timeout_s`: the default deadline of a generation (a body's `timeout` wins); past
-    it the request ends with its partial output, finish reason "abort". `max_n`: the most
-    samples one request may ask for. `tool_call_parser` ("hermes" or "llama3"): the format
-    tool calls are read in (`tool_choice` "auto"); None picks it from the chat template.
-    `metrics_sources`: more Prometheus text for /metrics (e.g. the consolidation actor's),
-    each asked on every scrape and left out when it fails or is slow.
-    `trainer_api`: serve the trainer protocols too (vLLM's RL API, SGLang's native API, TRL's
-    routes; `raylane.session_server.trainer_api`); with `admin_api_key` their
-    state-changing routes need it, without one they are open.
-    """
+
+    `api_keys`: bearer-key auth on every route but /health. `admin_api_key`: the admin routes
+    (/admin/..., the RL control plane; weight buckets up to `max_bucket_bytes`), only it opens.
+    `trainer_api`: vLLM's RL API, SGLang's native API and TRL's routes too (`trainer_api`
+    package), the admin key guarding their state-changing routes when there is one.
+    `request_timeout_s`: a generation's default deadline (a body's `timeout` wins; past it, the
+    partial output, finish reason "abort"). `max_n`: the most samples a request may ask for.
+    `tool_call_parser`: "hermes" or "llama3" (None: the chat template's). `metrics_sources`:
+    more Prometheus text for /metrics, left out when one fails or is slow. Bodies over
+    `max_body_bytes` get 413; more than 100 headers or 64 KiB of them get 431."""
     _check_limits(max_body_bytes, max_bucket_bytes, request_timeout_s, max_n)
-    if admin_api_key is not None and admin_api_key in (api_keys or []):
-        raise ValueError("admin_api_key must differ from every user API key")
-    if tool_call_parser is not None and tool_call_parser not in PARSERS:
-        raise ValueError(
-            f"tool_call_parser must be one of {list(PARSERS)}, got {tool_call_parser!r}"
-        )
+    _check_keys_and_parser(api_keys, admin_api_key, tool_call_parser)
     app = FastAPI(title="raylane", summary="OpenAI-compatible and native LLM serving")
     app.state.backend = backend
     app.state.created = int(time.time())
     app.state.request_timeout_s = request_timeout_s
     app.state.max_n = max_n
     app.state.metrics_sources = tuple(metrics_sources)
-    app.state.tool_call_parser = tool_call_parser or detect_parser(
-        getattr(backend.tokenizer, "chat_template", None)
-    )
+    app.state.tool_call_parser = tool_call_parser or _parser_of(backend)
     app.state.trainer_api = trainer_api  # /generate answers SGLang's exact shape
     install_error_handlers(app)
-    admin = admin_api_key is not None
+    guarded = _mount_routes(app, backend, admin_api_key is not None, trainer_api)
+    _add_limits_and_auth(app, guarded, api_keys, admin_api_key, max_body_bytes, max_bucket_bytes)
+    return app
+
+
+def _mount_routes(
+    app: FastAPI, backend: EngineBackend, admin: bool, trainer_api: bool
+) -> frozenset[str]:
+    """Every route module the options ask for; the paths the admin key guards outside /admin/
+    (the trainer protocols' and the adapters' state-changing routes)."""
     modules = [openai_routes, native_routes, session_routes, metrics]
     lora = backend.info.enable_lora  # the adapter routes (LoRA)
     admins = [admin_routes, *([lora_update_routes] if lora else [])]
     for module in (modules + admins) if admin else modules:
         app.include_router(module.router, responses=ERRORS)  # the OpenAI error body
     guarded = mount_trainer_api(app) if trainer_api else frozenset()
-    guarded |= lora_routes.mount(app) if lora else frozenset()
+    return guarded | (lora_routes.mount(app) if lora else frozenset())
+
+
+def _add_limits_and_auth(
+    app: FastAPI,
+    guarded: frozenset[str],
+    api_keys: list[str] | None,
+    admin_api_key: str | None,
+    max_body_bytes: int,
+    max_bucket_bytes: int,
+) -> None:
     # added last = runs first: auth before the body is read
+    admin = admin_api_key is not None
     app.add_middleware(
         BodyLimit,
         max_bytes=max_body_bytes,
@@ -100,7 +108,22 @@ def build_app(
             pass_paths=guarded if admin else frozenset(),
         )
     app.add_middleware(HeaderLimit)  # first of all: nothing reads a header flood
-    return app
+
+
+def _parser_of(backend: EngineBackend) -> str:
+    """The tool-call format the served model's chat template teaches it."""
+    return detect_parser(getattr(backend.tokenizer, "chat_template", None))
+
+
+def _check_keys_and_parser(
+    api_keys: list[str] | None, admin_api_key: str | None, tool_call_parser: str | None
+) -> None:
+    if admin_api_key is not None and admin_api_key in (api_keys or []):
+        raise ValueError("admin_api_key must differ from every user API key")
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(
+            f"tool_call_parser must be one of {list(PARSERS)}, got {tool_call_parser!r}"
+        )
 
 
 _BUCKET_PATHS = (admin_routes.BUCKET_PATH, lora_update_routes.BUCKET_PATH)

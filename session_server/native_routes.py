@@ -7,6 +7,8 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.session_server.backend import ModelInfo
 from raylane.session_server.context import (
     backend_of,
     check_model,
@@ -40,20 +42,7 @@ async def generate(body: GenerateRequest, request: Request):
     check_n(request, body.sampling_params.n)
     prompts, batched = generate_prompts(body.text, body.input_ids, backend.tokenizer)
     try:
-        max_tokens = resolve_max_tokens(
-            body.sampling_params.max_new_tokens,
-            prompts,
-            backend.info,
-            "max_new_tokens",
-            "text" if body.text is not None else "input_ids",
-        )
-        params = sglang_params(
-            body.sampling_params,
-            max_tokens,
-            body.top_logprobs_num if body.return_logprob else None,
-            body.return_routed_experts,
-            body.return_indexer_topk,
-        )
+        params = _params(body, prompts, backend.info)
         _check_routing_start(body.routed_experts_start_len, prompts)
         # with the trainer API on, SGLang's shape: versions by their labels
         state = request.app.state
@@ -78,6 +67,24 @@ async def generate(body: GenerateRequest, request: Request):
     except ValueError as e:
         raise from_exception(e, SGLANG_NAMES) from None
     return JSONResponse(items if batched or params.n > 1 else items[0])
+
+
+def _params(body: GenerateRequest, prompts: list[list[int]], info: ModelInfo) -> SamplingParams:
+    """The request's `SamplingParams` (SGLang's names; max_new_tokens bounded by the model)."""
+    max_tokens = resolve_max_tokens(
+        body.sampling_params.max_new_tokens,
+        prompts,
+        info,
+        "max_new_tokens",
+        "text" if body.text is not None else "input_ids",
+    )
+    return sglang_params(
+        body.sampling_params,
+        max_tokens,
+        body.top_logprobs_num if body.return_logprob else None,
+        body.return_routed_experts,
+        body.return_indexer_topk,
+    )
 
 
 def _check_routing_start(start: int, prompts: list[list[int]]) -> None:

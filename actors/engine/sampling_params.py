@@ -118,6 +118,27 @@ class SamplingParams:
             raise ValueError("SamplingParams.structured_outputs must be a StructuredOutputsParams")
 
     def _check_numbers(self) -> None:
+        self._check_types()
+        _require(self.n >= 1, "n", "must be >= 1")
+        _require(self.temperature >= 0, "temperature", "must be >= 0")
+        _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _require(self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive count")
+        _require(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _require(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        _require(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        _require(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _require(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _require(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must be <= max_tokens",
+        )
+        for name in ("logprobs", "prompt_logprobs", "max_weight_lag"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, name, "must be >= 0")
+
+    def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             check_type("SamplingParams", name, getattr(self, name), int)
         for name in (
@@ -144,24 +165,6 @@ class SamplingParams:
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "max_weight_lag"):
             if getattr(self, name) is not None:
                 check_type("SamplingParams", name, getattr(self, name), int)
-        _require(self.n >= 1, "n", "must be >= 1")
-        _require(self.temperature >= 0, "temperature", "must be >= 0")
-        _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _require(self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive count")
-        _require(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        _require(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
-        _require(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
-        _require(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
-        _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
-        _require(self.min_tokens >= 0, "min_tokens", "must be >= 0")
-        _require(
-            self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            "min_tokens",
-            "must be <= max_tokens",
-        )
-        for name in ("logprobs", "prompt_logprobs", "max_weight_lag"):
-            value = getattr(self, name)
-            _require(value is None or value >= 0, name, "must be >= 0")
 
     def _check_stops(self) -> None:
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):

@@ -45,6 +45,14 @@ class Sequence:
         self.num_pending = 0
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = SequenceStatus.WAITING
+        self._init_cache_bookkeeping()
+        self._init_outputs(params)
+        self.siblings: list[Sequence] = []  # n > 1: started once this one's prompt is computed
+        self.matcher: LLMatcher | None = None  # structured outputs: its grammar's state
+        self.lora: LoRABinding | None = None  # multi-LoRA: the adapter version it runs on
+
+    def _init_cache_bookkeeping(self) -> None:
+        """Its KV cache blocks, prefix-cache progress and recurrent state: none yet."""
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
@@ -61,11 +69,14 @@ class Sequence:
         self.prefix_looked_up = False  # the scheduler checked the prefix cache on admission
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first schedule)
         self.num_preemptions = 0
+        # the weight version its cached KV prefix was computed under (set on admission)
+        self.cache_version = 0
+
+    def _init_outputs(self, params: SamplingParams) -> None:
+        """What it returns, filled as it runs: nothing yet."""
         self.logprobs: list[float] = []
         self.weight_versions: list[int] = []  # the weight version that produced each output
         self.kept_mass: list[float] = []  # log kept mass per output token, when asked
-        # the weight version its cached KV prefix was computed under (set on admission)
-        self.cache_version = 0
         self.top_logprobs: list[dict[int, float]] = []
         # entry t is the logprobs of prompt token t (None for the first); filled as prefill runs
         self.prompt_logprobs: list[dict[int, float] | None] = (
@@ -81,9 +92,6 @@ class Sequence:
         self.routed_experts: np.ndarray | None = None  # [len - 1, moe_layers, top_k] once finished
         self.indexer_parts: list = []  # likewise, the DSA indexer's top-k positions
         self.indexer_topk: np.ndarray | None = None  # [len - 1, dsa_layers, index_topk]
-        self.siblings: list[Sequence] = []  # n > 1: started once this one's prompt is computed
-        self.matcher: LLMatcher | None = None  # structured outputs: its grammar's state
-        self.lora: LoRABinding | None = None  # multi-LoRA: the adapter version it runs on
 
     def __len__(self) -> int:
         """Tokens as the scheduler sees them: the known ones and the pending ones."""

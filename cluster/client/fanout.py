@@ -33,6 +33,21 @@ class Branch:
         return (await self.task)[0]
 
 
+def branch_prompts(
+    prefix: list[int] | str, k: int, suffixes: Sequence[list[int] | str] | None, sampling: dict
+) -> list[list[int] | str]:
+    """The k branches' prompts (`prefix` + `suffixes[i]` when given); a ValueError for a bad
+    k, a suffix count other than k, or n > 1 (a branch is one sample)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"fork: k must be a positive int, got {k!r}")
+    if suffixes is not None and len(suffixes) != k:
+        raise ValueError(f"fork: {len(suffixes)} suffixes for k={k} branches")
+    if sampling.get("n", 1) != 1:
+        raise ValueError("fork: each branch is one sample (n=1); fork more branches")
+    tails: Sequence[list[int] | str | None] = suffixes or [None] * k
+    return [join_prompt(prefix, s) for s in tails]
+
+
 def join_prompt(prefix: list[int] | str, suffix: list[int] | str | None) -> list[int] | str:
     """`prefix` + `suffix`, both token ids or both text."""
     if suffix is None:

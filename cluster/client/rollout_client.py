@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from raylane.actors.models.weights import DEFAULT_BUCKET_BYTES
 from raylane.client.errors import Busy
-from raylane.client.fanout import Branch, aggregate, branch_seeds, join_prompt
+from raylane.client.fanout import Branch, aggregate, branch_prompts, branch_seeds
 from raylane.client.lora_client import LoRAClient
 from raylane.client.rollout import Rollout
 from raylane.client.session import Session
@@ -218,14 +218,7 @@ class RolloutClient(LoRAClient):
         the prefix alone (one token): blocks are cached once computed, so branches that
         arrive in one step would otherwise each compute the prefix. A `seed` becomes seed + i
         for branch i."""
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"fork: k must be a positive int, got {k!r}")
-        if suffixes is not None and len(suffixes) != k:
-            raise ValueError(f"fork: {len(suffixes)} suffixes for k={k} branches")
-        if sampling.get("n", 1) != 1:
-            raise ValueError("fork: each branch is one sample (n=1); fork more branches")
-        tails: Sequence[Prompt | None] = suffixes or [None] * k
-        prompts = [join_prompt(prefix, s) for s in tails]
+        prompts = branch_prompts(prefix, k, suffixes, sampling)
         sampling_params(sampling)  # a bad field fails here, not in k tasks
         key = routing_key or f"fork-{uuid.uuid4().hex}"
         if warm:

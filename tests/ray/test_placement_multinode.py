@@ -10,6 +10,7 @@ processes, and add nothing to where the replicas go."""
 from __future__ import annotations
 
 import pytest
+from raylane.router.names import NAMESPACE
 
 from tests.ray.conftest import free_port, wait_registered
 from tests.ray.test_serve_tp import REPLICA_CLASS, alive_actors, shard_groups
@@ -35,7 +36,7 @@ def two_nodes():
         },
     )
     workers = [cluster.add_node(num_cpus=2, object_store_memory=SMALL_STORE) for _ in range(2)]
-    ray.init(address=cluster.address, namespace="raylane", log_to_driver=False)
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     cluster.wait_for_nodes()
     yield {node.node_id for node in workers}
     launch.shutdown()

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from raylane.launch import free_port
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -35,12 +36,6 @@ def find_pg_bin() -> Path | None:
         if (path / "initdb").is_file() and (path / "pg_ctl").is_file():
             return path
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TempPostgres:
