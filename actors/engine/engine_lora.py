@@ -5,17 +5,27 @@ LoRA feature (runner/features/lora.py): `check` (would it load) and `load` (into
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from raylane.actors.lora import LoRABinding, LoRAInfo, LoRARegistry, LoRARequest
+from raylane.actors.lora import (
+    LoRABinding,
+    LoRAError,
+    LoRAInfo,
+    LoRARegistry,
+    LoRARequest,
+    LoRASlotsFull,
+)
 from raylane.actors.models.weights import Payload, TensorSpec, decode_bucket, specs_of
 
 if TYPE_CHECKING:
     import torch
     from raylane.actors.engine.config import EngineConfig
+    from raylane.actors.engine.postprocessor import Postprocessor
     from raylane.actors.engine.request import Request
+    from raylane.actors.engine.scheduler import Scheduler
     from raylane.actors.engine.step_pipeline import StepPipeline
     from raylane.actors.executor.base import Executor
     from raylane.actors.lora.adapter import LoRAWeights
@@ -26,7 +36,9 @@ class EngineLoRA:
     config: EngineConfig
     executor: Executor
     pipeline: StepPipeline
+    post: Postprocessor
     requests: dict[str, Request]
+    scheduler: Scheduler
 
     @cached_property
     def loras(self) -> LoRARegistry:
@@ -118,13 +130,56 @@ class EngineLoRA:
 
     def _bind_lora(self, lora_request: LoRARequest | None) -> LoRABinding | None:
         """At admission: the adapter version (and slot) a request runs on to its end; an
-        unregistered name with a path is added first, as vLLM does."""
+        unregistered name with a path is added first, as vLLM does. None: the base model, or
+        (`lora_request` given) every slot serves requests in flight: the request waits
+        (`_queue`) until one is free. What is wrong with it raises here."""
         if lora_request is None:
             return None
         _check_request(lora_request)
         if not self.loras.has(lora_request.lora_name) and lora_request.lora_path:
             self.add_lora(lora_request)
-        return self.loras.bind(lora_request)
+        try:
+            return self.loras.bind(lora_request)
+        except LoRASlotsFull:
+            if not self.loras.slots_will_free():
+                raise
+            return None
+
+    def _queue(self, request: Request, lora_request: LoRARequest | None) -> None:
+        """Hand an admitted request to the scheduler, or, when its adapter found no slot yet,
+        keep it (FIFO) until a step frees one (`_admit_waiting_loras`)."""
+        head = request.seqs[0]
+        if lora_request is not None and head.lora is None:
+            self._lora_waiting.append((request, lora_request))
+        else:
+            self.scheduler.add(head)
+
+    def _admit_waiting_loras(self) -> None:
+        """Before a step: bind the requests that wait for a slot, in order, while slots free
+        up. One whose adapter went away meanwhile ends with finish reason "error"."""
+        while self._lora_waiting:
+            request, lora_request = self._lora_waiting[0]
+            if self.requests.get(request.request_id) is request:  # not aborted meanwhile
+                try:
+                    binding = self.loras.bind(lora_request)
+                except LoRASlotsFull:
+                    return
+                except LoRAError as e:
+                    self._fail_waiting(request, e)
+                else:
+                    for seq in request.seqs:
+                        seq.lora = binding
+                    self.scheduler.add(request.seqs[0])
+            self._lora_waiting.popleft()
+
+    def _fail_waiting(self, request: Request, error: LoRAError) -> None:
+        request.error = str(error)
+        self.post.end(request, "error", keep_routing=False)
+        self.pipeline.hold(self.post.outputs([request]))
+
+    @cached_property
+    def _lora_waiting(self) -> deque[tuple[Request, LoRARequest]]:
+        return deque()
 
     def _live_bindings(self) -> list[LoRABinding]:
         return [s.lora for r in self.requests.values() for s in r.seqs if s.lora is not None]

@@ -170,7 +170,7 @@ class LLMEngine(EngineWeights, EngineLoRA):
         for seq in request.seqs:
             seq.lora = lora
         self.requests[request_id] = request
-        self.scheduler.add(request.seqs[0])
+        self._queue(request, lora_request)
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """Stop requests and free their blocks; returns the final ("abort") outputs of those
@@ -208,6 +208,7 @@ class LLMEngine(EngineWeights, EngineLoRA):
         """The first half of `step`: launch what is due; returns the future `end_step` will
         wait for (None: nothing to wait for). An event loop awaits it, then calls end_step.
         `plan_ahead=False` leaves launching the step after it to a later `plan_ahead()`."""
+        self._admit_waiting_loras()
         return self.pipeline.begin_step(plan_ahead)
 
     def plan_ahead(self) -> bool:

@@ -226,12 +226,21 @@ class LoRARegistry:
             "requests in flight run on"
         )
 
+    def slots_will_free(self) -> bool:
+        """Some slot holds a version that is not pinned: it frees once its requests end."""
+        for key in self._slots.values():
+            entry = self._adapters.get(key[0])
+            if entry is None or not entry.pinned or key[1] != entry.newest:
+                return True
+        return len(self._slots) < self.max_loras
+
     def _num_pinned(self) -> int:
         return sum(1 for e in self._adapters.values() if e.pinned and not e.removing)
 
     def _make_room(self) -> None:
         """Before registering a new name: at most max_cpu_loras names, the least recently
-        used unpinned one without live requests dropped."""
+        used unpinned one without live requests dropped (while every one is pinned or in use,
+        the new one is held beyond the bound, as a request that names a path must run)."""
         live = [e for e in self._adapters.values() if not e.removing]
         if len(live) < self.max_cpu_loras:
             return
@@ -241,7 +250,6 @@ class LoRARegistry:
                 entry.removing = True
                 self._sweep()
                 return
-        raise LoRASlotsFull(f"max_cpu_loras: {self.max_cpu_loras} adapters are held and in use")
 
     def _sweep(self) -> None:
         """Drop what no live request holds: old versions, and removed adapters."""
