@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-hf", action="store_true", help="do not run the transformers reference"
     )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        metavar="N",
+        help="instead: a batch mixing N rank-16 adapters against the base model alone, "
+        "same run (the largest --batch-sizes value)",
+    )
 
 
 def _dtype_list(text: str) -> list[str]:
@@ -106,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     model_dir, work = model_and_workload(args)
+    if args.lora:
+        return run_lora(args, model_dir, work)
     rows = []
     for dtype in chosen_dtypes(args):
         rows += engine_rows(args, model_dir, work, dtype)
@@ -119,6 +128,19 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
     print_table(work, rows, torch.get_num_threads())
+    return 0
+
+
+def run_lora(args: argparse.Namespace, model_dir: str, work: Workload) -> int:
+    import torch
+    from raylane.bench.throughput_lora import lora_rows, print_lora_summary
+
+    if args.lora < 1:
+        raise ValueError("--lora: give at least 1 adapter")
+    for dtype in chosen_dtypes(args):
+        rows = lora_rows(args, model_dir, work, dtype)
+        print_table(work, rows, torch.get_num_threads())
+        print_lora_summary(work, rows)
     return 0
 
 
