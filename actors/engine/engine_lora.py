@@ -159,18 +159,25 @@ class EngineLoRA:
         up. One whose adapter went away meanwhile ends with finish reason "error"."""
         while self._lora_waiting:
             request, lora_request = self._lora_waiting[0]
-            if self.requests.get(request.request_id) is request:  # not aborted meanwhile
-                try:
-                    binding = self.loras.bind(lora_request)
-                except LoRASlotsFull:
-                    return
-                except LoRAError as e:
-                    self._fail_waiting(request, e)
-                else:
-                    for seq in request.seqs:
-                        seq.lora = binding
-                    self.scheduler.add(request.seqs[0])
+            if not self._still_admitted(request):
+                self._lora_waiting.popleft()
+                continue
+            try:
+                binding = self.loras.bind(lora_request)
+            except LoRASlotsFull:
+                return
+            except LoRAError as e:
+                self._fail_waiting(request, e)
+            else:
+                for seq in request.seqs:
+                    seq.lora = binding
+                self.scheduler.add(request.seqs[0])
             self._lora_waiting.popleft()
+
+    def _still_admitted(self, request: Request) -> bool:
+        """Not aborted (nor replaced by another request of its id) while it waited."""
+        live: object = self.requests.get(request.request_id)
+        return live is request
 
     def _fail_waiting(self, request: Request, error: LoRAError) -> None:
         request.error = str(error)
