@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads per replica (default: the cores split)",
     )
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="instead: a rank-16 adapter-only sync against a full weight sync of the same "
+        "model, same run (cluster/bench/weights_lora.py)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     from raylane.models import resolve_model
     from tqdm import tqdm
 
+    if args.lora:
+        from raylane.bench.weights_lora import run_lora
+
+        return run_lora(args)
     model_dir = resolve_model(args.model)
     named = load_named(model_dir)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
