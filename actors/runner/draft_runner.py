@@ -3,8 +3,8 @@ sharded like the target, with a paged KV pool of its own indexed by the target's
 
 The pool has the target's number of blocks, so the engine's block tables, prefix cache and
 preemption serve both pools and nothing is allocated per step (the block budget counts the
-draft's bytes per block too: `ModelRunner`). The draft runs only for rows the plan asks to
-draft, before the target's forward:
+draft's bytes per block too; the runner reaches it as a feature: features/draft_model.py).
+The draft runs only for rows the plan asks to draft, before the target's forward:
 
 1. *Catch up*: one draft forward over those rows, each from the first position whose KV the
    sequence has not itself written into the pool (`RequestState.num_draft_computed`) through
@@ -38,7 +38,6 @@ from raylane.actors.runner.inputs import InputPreparer
 from raylane.actors.runner.kv_cache import KVCache, bytes_per_token
 from raylane.actors.runner.requests import ScheduledRequest
 from raylane.actors.runner.sampler import Sampler
-from raylane.actors.runner.weight_spill import WeightSpill
 from raylane.actors.runner.weight_updates import DRAFT_PREFIX, RunnerWeights
 from raylane.kernels.attention.builder import SeqSlice, build_metadata
 
@@ -52,7 +51,6 @@ class DraftRunner:
         self.model: Any = cast(Any, model)
         self.dtype, self.device, self.block_size = dtype, device, config.block_size
         self.weights = RunnerWeights(self.model, hf_config, tp, device)
-        self.spill = WeightSpill()  # a level-2 sleep's weights
         self.kv: KVCache | None = None
 
     def checksums(self) -> dict[str, str]:

@@ -8,7 +8,7 @@ state (never the engine's sequences), so every rank builds the same tensors from
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from raylane.actors.runner.requests import ScheduledRequest
@@ -31,6 +31,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # [N] int64 rows of the hidden states that need logits
     # per scheduled request, in order: (first row in logits_indices, number of rows)
     logits_rows: list[tuple[int, int]]
+    # grammar masks by seq_id, set after the forward (features/grammar_masks.py): an int32 bit
+    # set [ceil(vocab / 32)], None, or mask_board.SKIP (a late row that samples nothing)
+    masks: dict[int, object] = field(default_factory=dict)
 
 
 class InputPreparer:

@@ -1,12 +1,11 @@
 """ResultBuilder: the sampling rank's `StepResult` of a step: sampled tokens (and a verify
-row's accepted drafts), prompt logprobs and the replay records (routed experts, indexer top-k).
+row's accepted drafts) and prompt logprobs. (Features add theirs: replay records, drafts.)
 """
 
 from __future__ import annotations
 
 import torch
 from raylane.actors.runner.inputs import StepInputs
-from raylane.actors.runner.kv_cache import KVCache
 from raylane.actors.runner.mask_board import SKIP
 from raylane.actors.runner.plan import ExtraTokens, StepResult
 from raylane.actors.runner.requests import ScheduledRequest
@@ -19,15 +18,10 @@ class ResultBuilder:
         self.sampler = sampler
 
     def result(
-        self,
-        kv: KVCache,
-        scheduled: list[ScheduledRequest],
-        step: StepInputs,
-        logits: torch.Tensor,
-        masks: dict[int, object],
+        self, scheduled: list[ScheduledRequest], step: StepInputs, logits: torch.Tensor
     ) -> StepResult:
         result = StepResult.empty(len(scheduled))
-        picks, sampled, firsts = self._draw(scheduled, step, logits, masks)
+        picks, sampled, firsts = self._draw(scheduled, step, logits)
         for k, i in zip(firsts, picks):
             result.token_ids[i] = sampled.token_ids[k]
             result.logprobs[i] = sampled.logprobs[k]
@@ -46,20 +40,13 @@ class ResultBuilder:
         for i, item in enumerate(scheduled):
             entries, ranks = self._prompt_logprobs(item, step.logits_rows[i], logits)
             result.prompt_logprobs[i], result.prompt_ranks[i] = entries, ranks
-        self._routed_experts(kv, scheduled, result)
-        if any(item.num_to_draft for item in scheduled):  # the draft model's, for the engine
-            result.drafts = [item.drafts if item.num_to_draft else None for item in scheduled]
         return result
 
     def draw_only(
-        self,
-        scheduled: list[ScheduledRequest],
-        step: StepInputs,
-        logits: torch.Tensor,
-        masks: dict[int, object],
+        self, scheduled: list[ScheduledRequest], step: StepInputs, logits: torch.Tensor
     ) -> None:
         """A rank that does not report: draw the same tokens as rank 0, to fill placeholders."""
-        picks, drawn, firsts = self._draw(scheduled, step, logits, masks, tokens_only=True)
+        picks, drawn, firsts = self._draw(scheduled, step, logits, tokens_only=True)
         for k, i in zip(firsts, picks):
             scheduled[i].state.last_sampled = drawn.token_ids[k + scheduled[i].num_accepted]
 
@@ -68,12 +55,13 @@ class ResultBuilder:
         scheduled: list[ScheduledRequest],
         step: StepInputs,
         logits: torch.Tensor,
-        masks: dict[int, object],
         tokens_only: bool = False,
     ):
         """Sample the rows whose chunk reaches the end of its sequence: (their indices in
         `scheduled`, the SampleResult, each one's first position in it), or ([], None, [])
-        when none does. A verify row samples 1 + k positions (see spec_verify)."""
+        when none does (nor a row whose grammar mask was late: `step.masks`). A verify row
+        samples 1 + k positions (see spec_verify)."""
+        masks = step.masks
         picks = [
             i
             for i, item in enumerate(scheduled)
@@ -113,33 +101,3 @@ class ResultBuilder:
             entry[t] = c
             entries.append(entry)
         return entries, ranks
-
-    def _routed_experts(
-        self, kv: KVCache, scheduled: list[ScheduledRequest], result: StepResult
-    ) -> None:
-        """The per-slot replay records (routed experts; a DSA model's indexer top-k) of the
-        positions newly in each asking sequence's record."""
-        if kv.routing is not None:
-            self._report(scheduled, result.routed_experts, "routed", kv.read_routing)
-        if kv.indexer is not None:
-            self._report(scheduled, result.indexer_topk, "indexer", kv.read_indexer)
-
-    def _report(self, scheduled: list[ScheduledRequest], column: list, kind: str, read) -> None:
-        """Positions newly in each asking sequence's `kind` record (a cache hit's prefix, then
-        this chunk), read from the device record in one copy after the step."""
-        asked = "return_routed_experts" if kind == "routed" else "return_indexer_topk"
-        counter = f"num_{kind}_reported"
-        rows, spans = [], []
-        for i, item in enumerate(scheduled):
-            state = item.state
-            # a verify row's rejected drafts are no positions of the sequence
-            start = getattr(state, counter)
-            end = item.context_len - len(item.drafts) + item.num_accepted
-            # end <= start: a recompute after preemption, already reported
-            if getattr(state.params, asked) and end > start:
-                setattr(state, counter, end)
-                rows.append(i)
-                spans.append((state.block_ids, start, end))
-        if spans:
-            for i, record in zip(rows, read(spans)):
-                column[i] = record

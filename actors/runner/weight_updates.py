@@ -20,6 +20,7 @@ the copy and the re-pack of the packed weights overlap it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -57,6 +58,7 @@ class RunnerWeights:
         # a draft model's (runner/draft_runner.py): it takes the `draft.<name>` tensors of the
         # same transaction, so the trainer's buckets and collective group reach it too
         self.draft: RunnerWeights | None = None
+        self.on_commit: Callable[[], None] = _nothing  # after `finish` (the runner's features)
 
     # --- the transaction ----------------------------------------------------------------------
 
@@ -121,6 +123,7 @@ class RunnerWeights:
         modules, self._unpacked = self._unpacked, []
         if modules:
             self._repacking = self._loader.submit(pack_modules, modules)
+        self.on_commit()
 
     def settle(self) -> None:
         """Wait for the last commit's re-pack (before weights change on this thread)."""
@@ -211,6 +214,10 @@ class RunnerWeights:
         if self._buffers[slot].numel() < size:
             self._buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self._buffers[slot][:size]
+
+
+def _nothing() -> None:
+    pass
 
 
 DRAFT_PREFIX = "draft."  # a draft model's tensors in the target's update: draft.<its HF name>
