@@ -23,8 +23,9 @@ from raylane.router.replica_requests import ReplicaRequests
 from raylane.router.replica_set import ReplicaSpec
 from raylane.router.replica_view import ReplicaView
 from raylane.router.samples import TrainingSample
+from raylane.router.session import TurnDelta
 from raylane.router.session_host import SessionSetup
-from raylane.router.sessions import TurnResult
+from raylane.router.session_progress import CumulativeTurns
 from raylane.router.turn_handoff import TurnLeases, stream_turn
 from raylane.session_server.backend import Backend, ModelInfo
 
@@ -82,7 +83,7 @@ def router_control(router, result: Callable[[Any], Awaitable[Any]] = call_router
     return cast(ControlPlane, RouterControl(router, result))
 
 
-class RouterSessions:
+class RouterSessions(CumulativeTurns):
     """`SessionBackend` over the Router actor, which hosts the session registry (so ingress
     replicas stay stateless) and runs each turn on the session's replica."""
 
@@ -106,7 +107,7 @@ class RouterSessions:
         ref = self.router.session_sample.remote(self.setup, session_id, max_seq_len)
         return await call_router(ref)
 
-    async def chat_stream(
+    async def chat_deltas(
         self,
         session_id: str,
         messages: list[Message],
@@ -115,10 +116,10 @@ class RouterSessions:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncGenerator[TurnResult, None]:
+    ) -> AsyncGenerator[TurnDelta, None]:
         from ray.exceptions import RayActorError
 
-        # the Router plans and commits the turn; its tokens come here over this process's
+        # the Router opens and commits the turn; its deltas come here over this process's
         # output channel to the replica, and the deadline runs here (router/turn_handoff.py)
         call = self.router.session_turn.options(num_returns="streaming").remote(
             self.setup, session_id, messages, params, tools, chat_template_kwargs
@@ -129,9 +130,9 @@ class RouterSessions:
         )
         try:
             async with aclosing(turn):
-                async for result in turn:
-                    committed = result.message is not None
-                    yield result
+                async for step in turn:
+                    committed = step.committed is not None
+                    yield step
         except RayActorError as e:  # the stream itself may report the Router's death
             raise ReplicaFailed(ROUTER_DOWN) from e
         finally:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from raylane.actors.engine.outputs import CompletionOutput
+from raylane.actors.engine.outputs import CompletionOutput, EngineCoreOutput
 from raylane.router.errors import SessionModelMismatch
 from raylane.router.messages import Message
 from raylane.router.trajectory import Trajectory
@@ -95,3 +95,15 @@ class TurnResult:
     rolled_back: int  # generated turns this request discarded
     message: Message | None = None  # the assistant message stored for the reply
     turn: int | None = None  # the record's index in the session
+
+
+@dataclass(frozen=True)
+class TurnDelta:
+    """What a turn's generation added, as it goes: `delta` is the engine's own (one choice;
+    the prompt ids on the first, the replay blobs on the finished one). The last one, the
+    finished delta, comes with the `committed` result."""
+
+    delta: EngineCoreOutput
+    prompt_len: int  # ids the model saw as this turn's prompt
+    rolled_back: int  # generated turns this request discarded (0 until the commit says)
+    committed: TurnResult | None = None

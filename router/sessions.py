@@ -4,7 +4,7 @@ A turn goes: normalise the messages -> plan where they attach (append, or roll b
 generated checkpoint) -> build the prompt ids (tito) -> generate -> commit the record and drop
 stale replay blobs -> write the session through to the store. Nothing is mutated before the
 commit, so a rejected or failed turn leaves no trace. Turns of one session run one at a time (a
-per-session lock); sessions run in parallel. `chat_stream` runs a turn here, over the
+per-session lock); sessions run in parallel. `chat_deltas` runs a turn here, over the
 registry's `TurnGenerator`; a turn generated elsewhere (the Router's, at the ingress) takes the
 same two steps, directly: `open_turn` (lock and plan) and `commit` (record and write through).
 
@@ -27,19 +27,19 @@ from raylane.router.errors import BadSessionRequest, SessionNotFound, TooManySes
 from raylane.router.generator import TurnGenerator
 from raylane.router.messages import Message, normalize_message
 from raylane.router.samples import TrainingSample, merge_trajectory
-from raylane.router.session import Session, SessionConfig, TurnResult
+from raylane.router.session import Session, SessionConfig, TurnDelta, TurnResult
+from raylane.router.session_progress import CumulativeTurns, TurnRun
 from raylane.router.session_store import MemorySessionStore, SessionStore
 from raylane.router.session_turn import OpenTurn, ReplyParser, SessionTurn, default_reply
 from raylane.router.tito import TemplateSplicer
-from raylane.router.turn_deadline import until_deadline
 from raylane.router.write_through import WriteThrough
 
 
-class SessionRegistry:
+class SessionRegistry(CumulativeTurns):
     """Creates, serves and deletes sessions; plain Python, hosted by the Router actor.
 
     `splicer` renders messages to ids with the served model's chat template, `generator` runs a
-    turn in `chat_stream` (see `TurnGenerator`; None where callers generate their turns,
+    turn in `chat_deltas` (see `TurnGenerator`; None where callers generate their turns,
     between `open_turn` and `commit`), `reply_parser` turns an output into the assistant message the
     client gets back and is expected to echo (default: the text as `content`), `store` is
     written through (default: memory only, see `MemorySessionStore`). `model` names the served
@@ -205,7 +205,7 @@ class SessionRegistry:
         assert result is not None  # chat_stream ends with the committed result or raises
         return result
 
-    async def chat_stream(
+    async def chat_deltas(
         self,
         session_id: str,
         messages: list[Message],
@@ -214,9 +214,10 @@ class SessionRegistry:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncGenerator[TurnResult, None]:
-        """Run one turn, yielding cumulative progress and, last, the committed result (without
-        replay blobs: the session's record keeps them, the client gets none).
+    ) -> AsyncGenerator[TurnDelta, None]:
+        """Run one turn, yielding the engine's deltas as they come; the last, the finished one,
+        with the committed result (without replay blobs: the session's record keeps them, the
+        client gets none).
 
         Consume it under `contextlib.aclosing`: leaving early aborts the generation and leaves
         the session as it was, as does any error (4xx `SessionError`s included).
@@ -230,21 +231,20 @@ class SessionRegistry:
         async with self.open_turn(
             session_id, messages, params, tools=tools, chat_template_kwargs=chat_template_kwargs
         ) as turn:
-            final = None
-            outs = until_deadline(
-                generator.generate(turn.plan.full_prompt, turn.plan.params, session_id),
+            plan = turn.plan
+            run = TurnRun(
+                generator.generate(plan.full_prompt, plan.params, session_id),
+                len(plan.full_prompt),
+                plan.plan.discarded,
                 timeout_s,
             )
-            async with aclosing(outs):
-                async for out in outs:
-                    if out.finished:
-                        final = out
-                        break
-                    yield turn.plan.result(out)
-            if final is None:
+            async with aclosing(run.progress()) as steps:
+                async for step in steps:
+                    yield step
+            if not run.finished:
                 raise RuntimeError("the turn generator stopped before a finished output")
-            committed = await self.commit(turn, final)
-        yield committed
+            committed = await self.commit(turn, run.output())
+        yield run.ended(committed)
 
     @asynccontextmanager
     async def open_turn(

@@ -26,10 +26,10 @@ from raylane.actors.engine.outputs import RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.errors import ReplicaFailed
 from raylane.router.generator import TurnGenerator, turn_request_id
-from raylane.router.session import TurnResult
+from raylane.router.session import TurnDelta, TurnResult
+from raylane.router.session_progress import TurnRun
 from raylane.router.session_turn import OpenTurn
 from raylane.router.sessions import SessionRegistry
-from raylane.router.turn_deadline import until_deadline
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,9 @@ async def hand_out_turn(
     # the turn runs on its own, so a lease lapses (and frees the session) whether or not
     # anyone still reads this stream
     turn = asyncio.ensure_future(_turn(registry, opening, handoff, ticket))
+    either: set[asyncio.Future[Any]] = {turn, ticket}
     try:
-        await asyncio.wait({turn, ticket}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if ticket.done():
             yield ticket.result()
         yield await turn
@@ -140,28 +141,25 @@ async def stream_turn(
     leases: TurnLeases,
     session_id: str,
     timeout_s: float | None,
-) -> AsyncGenerator[TurnResult, None]:
+) -> AsyncGenerator[TurnDelta, None]:
     """The caller's side: `call` is the Router's `session_turn` stream (each item awaitable).
     Generates the ticket's prompt with `generator` (past `timeout_s`: aborted, partial output,
-    finish reason "abort"), yields its progress, hands the finished output back (renewing the
-    turn's lease in `leases` meanwhile), and yields the committed result. Leaving early aborts
-    the generation; the caller then cancels `call`, which leaves the session as it was."""
+    finish reason "abort"), yields its deltas, hands the finished output back (renewing the
+    turn's lease in `leases` meanwhile), and yields the finished delta with the committed
+    result. Leaving early aborts the generation; the caller then cancels `call`, which leaves
+    the session as it was."""
     ticket: TurnTicket = await (await anext(call))
     with leases.held(ticket.turn_id):  # until the Router has the output
-        outputs = until_deadline(
-            generator.generate(ticket.prompt_ids, ticket.params, session_id), timeout_s
-        )
-        final = None
-        async with aclosing(outputs):
-            async for out in outputs:
-                if out.finished:
-                    final = out
-                    break
-                yield _progress(out, len(ticket.prompt_ids))
-        if final is None:
+        outputs = generator.generate(ticket.prompt_ids, ticket.params, session_id)
+        # `rolled_back` is only known to the Router: 0 here, set on the committed result
+        run = TurnRun(outputs, len(ticket.prompt_ids), 0, timeout_s)
+        async with aclosing(run.progress()) as steps:
+            async for step in steps:
+                yield step
+        if not run.finished:
             raise ReplicaFailed("the engine stream ended before the turn finished")
-        await hand_back(ticket.turn_id, final)
-    yield await (await anext(call))
+        await hand_back(ticket.turn_id, run.output())
+    yield run.ended(await (await anext(call)))
 
 
 class TurnLeases:
@@ -195,9 +193,3 @@ class TurnLeases:
                     await self.renew(sorted(self._turns))
                 except Exception as e:  # the Router restarts: the next renewal may land
                     log.warning("could not renew the leases of this process's turns: %r", e)
-
-
-def _progress(out: RequestOutput, prompt_len: int) -> TurnResult:
-    """A turn in progress, as the registry reports one (`rolled_back` is only known to the
-    Router: 0 here, set on the committed result)."""
-    return TurnResult(out.outputs[0], out.weight_version, prompt_len, 0)

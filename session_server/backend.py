@@ -21,6 +21,7 @@ from raylane.router.generator import Requests, RequestTurnGenerator
 from raylane.router.messages import Message
 from raylane.router.replica_calls import LocalReplica
 from raylane.router.samples import TrainingSample
+from raylane.router.session import TurnDelta
 from raylane.router.sessions import SessionConfig, SessionRegistry, TurnResult
 from raylane.router.tito import TemplateSplicer
 
@@ -61,10 +62,25 @@ class SessionBackend(Protocol):
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> AsyncGenerator[TurnResult, None]:
-        """The turn's cumulative progress, then its committed result (`message` set), without
-        replay blobs. Closing the iterator early aborts the turn and leaves no trace. Past
-        `timeout_s` seconds the turn is aborted where it runs (the engine request too) and
-        commits its partial output, finish reason "abort" (`SessionRegistry.chat_stream`)."""
+        """The turn's cumulative progress, then its committed result (`message` set):
+        `chat_deltas`, each output folded into everything so far."""
+        ...
+
+    def chat_deltas(
+        self,
+        session_id: str,
+        messages: list[Message],
+        params: SamplingParams | None = None,
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncGenerator[TurnDelta, None]:
+        """The turn's deltas as the engine made them; the last, the finished one, with the
+        committed result (`TurnDelta.committed`: `message` set, no replay blobs). Closing the
+        iterator early aborts the turn and leaves no trace. Past `timeout_s` seconds the turn
+        is aborted where it runs (the engine request too) and commits its partial output,
+        finish reason "abort" (`SessionRegistry.chat_deltas`)."""
         ...
 
     async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample: ...

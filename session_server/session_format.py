@@ -1,9 +1,9 @@
 """OpenAI chat bodies for a session turn, by the chat route's own formatter.
 
-A session turn yields `TurnResult`s; `SessionChatFormatter.view` shows each as the one-choice
-delta (`EngineCoreOutput`) the formatter reads. The reply's message is the one the session
-stored — what the client must echo back next turn — and the reply carries no prompt ids (the
-session's records hold them) and no replay blobs.
+A session turn yields the engine's deltas (`TurnDelta`s); `SessionChatFormatter.view` passes
+each on as the one-choice delta (`EngineCoreOutput`) the formatter reads. The reply's message is
+the one the session stored — what the client must echo back next turn — and the reply carries
+no prompt ids (the session's records hold them) and no replay blobs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from raylane.actors.engine.outputs import (
     SampleDelta,
 )
 from raylane.router.messages import Message
-from raylane.router.sessions import TurnResult
+from raylane.router.session import TurnDelta
 from raylane.session_server import formatting as fmt
 from raylane.session_server.openai_format import ChatFormatter
 from raylane.session_server.schemas import ChatCompletionRequest
@@ -26,29 +26,26 @@ class SessionChatFormatter(ChatFormatter):
     reply: Message | None = None  # the stored assistant message, once the turn is committed
     prompt_len = 0  # the ids the model saw as the turn's prompt (not shipped to the ingress)
     _sent_tokens = 0
-    _sent_chars = 0
 
-    def view(self, result: TurnResult) -> EngineCoreOutput:
-        """The turn's progress as the delta the formatter reads: what it added since the
-        last view."""
-        out = result.output
-        n0, c0 = self._sent_tokens, self._sent_chars
-        self._sent_tokens, self._sent_chars = len(out.token_ids), len(out.text)
-        ids = out.token_ids[n0:]
+    def view(self, step: TurnDelta) -> EngineCoreOutput:
+        """The turn's step as the delta the formatter reads: the engine's own, less what this
+        route does not send (the prompt ids, top-n logprobs, replay blobs)."""
+        (d,) = step.delta.outputs
+        self._sent_tokens += len(d.token_ids)
         asked = self.body.logprobs
         choice = SampleDelta(
             0,
-            out.text[c0:],
-            ids,
-            logprobs=(out.logprobs or [])[n0:] if asked else None,
-            top_logprobs=[{}] * len(ids) if asked else None,  # top-n is refused on this route
-            finish_reason=out.finish_reason,
+            d.text,
+            d.token_ids,
+            logprobs=list(d.logprobs or []) if asked else None,
+            top_logprobs=[{}] * len(d.token_ids) if asked else None,  # top-n: refused here
+            finish_reason=d.finish_reason,
         )
-        if result.message is not None:
-            self.reply = result.message
-        self.prompt_len = result.prompt_len
+        if step.committed is not None:
+            self.reply = step.committed.message
+        self.prompt_len = step.prompt_len
         return EngineCoreOutput(
-            self.id, [choice], out.finished, result.weight_version, prompt_token_ids=[]
+            self.id, [choice], step.delta.finished, step.delta.weight_version, prompt_token_ids=[]
         )
 
     def _message(self, c: CompletionOutput) -> dict:

@@ -18,7 +18,7 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
-from raylane.router.sessions import TurnResult
+from raylane.router.session import TurnDelta
 from raylane.session_server.backend import SessionBackend
 from raylane.session_server.context import backend_of, check_model, new_id, timeout_of
 from raylane.session_server.errors import bad_request, from_exception
@@ -90,7 +90,7 @@ async def session_chat(session_id: str, body: ChatCompletionRequest, request: Re
     formatter = SessionChatFormatter(
         new_id("chatcmpl"), backend.info.name, body, params, backend.tokenizer, 0
     )
-    turn = backend.sessions.chat_stream(
+    turn = backend.sessions.chat_deltas(
         session_id,
         message_dicts(body.messages),
         params,
@@ -154,7 +154,7 @@ def _check_session_chat(body: ChatCompletionRequest, max_model_len: int) -> tupl
 
 
 async def _views(
-    turn: AsyncGenerator[TurnResult, None],
+    turn: AsyncGenerator[TurnDelta, None],
     formatter: SessionChatFormatter,
     param_names: dict[str, str],
 ) -> AsyncGenerator[Indexed, None]:
@@ -162,7 +162,7 @@ async def _views(
     request's fields."""
     async with aclosing(turn):
         try:
-            async for result in turn:
-                yield 0, formatter.view(result)
+            async for step in turn:
+                yield 0, formatter.view(step)
         except ValueError as e:
             raise from_exception(e, param_names) from None
