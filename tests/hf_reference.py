@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +48,12 @@ def hf_router_topk(model_dir: str, token_ids: list[int], device: str = "cpu") ->
 
     Read with forward hooks on the gate (router) modules of the HF model.
     """
-    model = hf_model(model_dir, device)
+    return router_topk(hf_model(model_dir, device), token_ids, device)
+
+
+@torch.inference_mode()
+def router_topk(model: Any, token_ids: list[int], device: str = "cpu") -> torch.Tensor:
+    """`hf_router_topk` of a model already built (e.g. a PeftModel with an adapter set)."""
     top_k = model.config.num_experts_per_tok
     picks: list[torch.Tensor] = []
 

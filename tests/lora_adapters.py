@@ -67,3 +67,17 @@ def peft_greedy(model: Any, adapter: str | None, prompt: list[int], max_tokens: 
         ids.append(token)
         logprobs.append(float(lp[token]))
     return ids[len(prompt) :], logprobs
+
+
+def rewritten(src: str, dst: str | os.PathLike, change: Any) -> tuple[str, dict[str, torch.Tensor]]:
+    """A copy of PEFT adapter `src` whose tensors are `change(name, tensor)`; returns the new
+    directory and the changed tensors (an update's payload, and its PEFT reference)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "adapter_model.safetensors")
+    tensors = {name: change(name, t) for name, t in load_file(file).items()}
+    save_file(tensors, file)
+    return str(dst), tensors
