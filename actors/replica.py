@@ -162,15 +162,6 @@ class EngineReplica(ReplicaControl):
     async def stats(self) -> dict:
         return self.engine.stats_snapshot()
 
-    async def arm_fault(
-        self,
-        stage: str,
-        times: int = 1,
-    ) -> None:
-        """Test hook: this replica's next `times` engine steps raise at `stage`
-        (`LLMEngine.arm_fault`); their requests fail, the engine serves on."""
-        self.engine.engine.arm_fault(stage, times)
-
     async def check_health(self) -> None:
         """The Router's health check: raising makes it replace this replica."""
         await self.start()

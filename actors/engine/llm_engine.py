@@ -31,7 +31,6 @@ from raylane.actors.engine.validate import RequestValidator, as_params_list, as_
 from raylane.actors.engine.weight_sync import WeightSync
 from raylane.actors.lora import LoRARequest
 from raylane.actors.lora.request import as_lora_list
-from raylane.actors.runner.faults import Faults
 from raylane.actors.runner.plan import StepResult
 
 if TYPE_CHECKING:
@@ -224,15 +223,6 @@ class LLMEngine(EngineWeights, EngineLoRA):
         """Wait for every step in flight and fold them in, planning nothing new (before a
         pause, a weight update or a retract); returns their outputs."""
         return self.pipeline.drain()
-
-    def arm_fault(self, stage: str, times: int = 1) -> None:
-        """Test hook: the next `times` steps raise at `stage`: "plan" (here), "prepare" or
-        "forward" (on every runner). Their requests end with finish reason "error"."""
-        if stage == "plan":
-            self.launcher.faults.arm(stage, times)
-        else:
-            Faults().arm(stage, times)  # the same check of the arguments, before any rank
-            self.executor.collective_rpc("arm_fault", stage, times)
 
     # --- statistics ---------------------------------------------------------------------------
 

@@ -1,10 +1,9 @@
 """Injected failures, a test hook: make the next step fail at a chosen stage.
 
 `arm(stage)` makes the next `check(stage)` raise `InjectedFault` (`times` checks in a row).
-The engine checks "plan" while it plans a step; every ModelRunner checks "prepare" before it
-builds a step's input tensors and "forward" before the model runs. Reached from tests through
-`LLMEngine.arm_fault`, which arms the runners with a collective_rpc, so it works the same on
-the in-process executor and on shard actors.
+The engine checks "plan" while it plans a step (`StepLauncher.faults`); the runners check
+"prepare" and "forward" only where a test attached its fault feature (tests/support/faults.py:
+`arm_fault`, which arms the engine or every runner).
 """
 
 from __future__ import annotations

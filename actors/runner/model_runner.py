@@ -183,10 +183,6 @@ class ModelRunner(RunnerUpkeep):
             "finished_at": finished,
         }
 
-    def arm_fault(self, stage: str, times: int = 1) -> None:
-        """Test hook: make the next `times` steps raise at `stage` ("prepare", "forward")."""
-        self.features.call("injected_faults", "arm", stage, times)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (full, HF-named) checkpoint tensors; each parameter takes its rank's slice."""
         load_weights(self.model, weights)

@@ -18,6 +18,7 @@ from raylane.router.actor import NAMESPACE, ROUTER_NAME
 
 from tests.ray.conftest import keys_owned, wait_for, wait_healthy
 from tests.ray.replica_helpers import replica_actor
+from tests.support.faults import arm_replica_fault
 
 
 @dataclass
@@ -78,7 +79,7 @@ def test_forward_fault_fails_its_requests_and_the_replica_serves_on(served, ray_
     with Load(url) as load:
         time.sleep(1.0)
         assert set(load.codes) == {200}, load.errors
-        ray.get(replica_actor(ray, ids[0]).arm_fault.remote("forward", 2), timeout=60)
+        ray.get(arm_replica_fault(replica_actor(ray, ids[0]), "forward", 2), timeout=60)
         wait_for(lambda: 500 in load.codes, 30, "a request failed by the injected fault")
         time.sleep(1.0)
     assert not load.broken, load.broken

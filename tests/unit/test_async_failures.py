@@ -10,6 +10,7 @@ import pytest
 from raylane.actors.engine import SamplingParams
 from raylane.actors.engine.outputs import RequestOutput
 
+from tests.support.faults import arm_fault
 from tests.tiny_models import VOCAB_SIZE
 from tests.unit.async_helpers import (
     MAX_STEPS,
@@ -62,7 +63,7 @@ def test_a_failed_step_ends_only_its_requests(
     engine = engine_for(tiny_llama_dir, async_scheduling, max_num_seqs=4)
     try:
         with pytest.raises(ValueError, match="stage"):
-            engine.arm_fault("sample")
+            arm_fault(engine, "sample")
         finals: dict[str, RequestOutput] = {}
         seen: dict[str, list[list[int]]] = {}
         # r1 has two samples: with r0 and r2 they fill max_num_seqs, so "queued" waits
@@ -70,7 +71,7 @@ def test_a_failed_step_ends_only_its_requests(
             engine.admit(f"r{i}", prompts[i], greedy(MAX_TOKENS, n=n))
         step_until(engine, lambda: len(engine.scheduler.running) == 4, finals, seen)
         engine.admit("queued", prompts[3], greedy(MAX_TOKENS))
-        engine.arm_fault(stage)
+        arm_fault(engine, stage)
         failed = ["r0", "r1", "r2"]
         step_until(engine, lambda: all(rid in finals for rid in failed), finals, seen)
         assert "queued" not in finals
@@ -105,7 +106,7 @@ def test_repeated_failures_leave_the_engine_whole(tiny_llama_dir, prompts, fresh
             rid = f"{stage}-{round_}"
             engine.admit(rid, prompts[round_ % 3], greedy(MAX_TOKENS))
             step_until(engine, lambda: rid in seen, finals, seen)  # it is running
-            engine.arm_fault(stage)
+            arm_fault(engine, stage)
             step_until(engine, lambda: rid in finals, finals, seen)
             assert finals[rid].outputs[0].finish_reason == "error"
         engine.admit("after", prompts[5], greedy(MAX_TOKENS))

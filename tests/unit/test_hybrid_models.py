@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from tests.hf_reference import hf_greedy
+from tests.support.faults import arm_fault
 from tests.tiny_models import make_qwen3_5, make_qwen3_5_moe, make_qwen3_next
 from tests.unit.test_engine_parity import assert_matches_hf, engine_for, greedy, prompts_for
 from tests.unit.test_windowed_models import assert_routing_matches_hf
@@ -177,7 +178,7 @@ def test_a_failed_step_drops_the_state_snapshots(tiny_qwen3_5_dir: str) -> None:
     prompts = prompts_for(engine.validator.vocab_size, seed=9, count=2)
     first = engine.generate(prompts, greedy(4), use_tqdm=False)
     assert engine.block_manager.snapshots.by_hash
-    engine.arm_fault("forward")
+    arm_fault(engine, "forward")
     failed = engine.generate(prompts, greedy(4), use_tqdm=False)
     assert {o.outputs[0].finish_reason for o in failed} == {"error"}
     assert not engine.block_manager.snapshots.by_hash

@@ -11,6 +11,8 @@ from raylane.actors.engine import AsyncLLMEngine, EngineConfig, LLMEngine, Sampl
 from raylane.actors.engine.errors import RequestFailed
 from raylane.actors.output_channel import OutputChannel
 
+from tests.support.faults import arm_fault
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
@@ -30,7 +32,7 @@ async def _until_done(channel: OutputChannel, ids: set[str]) -> dict[str, list]:
 
 async def _run(engine: LLMEngine) -> tuple[dict, dict, int]:
     aeng, channel = AsyncLLMEngine(engine), OutputChannel()
-    engine.arm_fault("forward", 1)  # the first step raises on the runner
+    arm_fault(engine, "forward", 1)  # the first step raises on the runner
     for rid in ("a", "b"):
         channel.start(await aeng.add_request([5, 6, 7], GREEDY, rid))
     failed = await _until_done(channel, {"a", "b"})

@@ -9,14 +9,12 @@ from raylane.actors.runner.features.base import RunnerFeature
 from raylane.actors.runner.features.draft_model import DraftModel
 from raylane.actors.runner.features.dsa_indexer import DsaIndexer
 from raylane.actors.runner.features.grammar_masks import GrammarMasks
-from raylane.actors.runner.features.injected_faults import InjectedFaults
 from raylane.actors.runner.features.linear_state import LinearState
 from raylane.actors.runner.features.lora import LoRA
 from raylane.actors.runner.features.mtp import MtpDrafts
 from raylane.actors.runner.features.routed_experts import RoutedExperts
 
 FEATURES: list[type[RunnerFeature]] = [
-    InjectedFaults,
     DraftModel,
     MtpDrafts,
     LinearState,
