@@ -31,6 +31,7 @@ from raylane.actors.models.layers import (
     copy_checked,
     linear,
 )
+from torch import nn
 
 QKV_PARTS = ("q", "k", "v")
 
@@ -81,12 +82,12 @@ class LayerLoRA:
             a_cols = a.to(torch.float32)
             b_rows = b.to(torch.float32) * scaling
             if self.row:  # A split along its input like the weight; B whole
-                self.layer.weight_loader(_Slice(a_slot[start : start + r]), a_cols, None)
+                self.layer.weight_loader(_slice(a_slot[start : start + r]), a_cols, None)
                 copy_checked(b_slot[:, start : start + r], b_rows, what + " B")
             else:  # A whole; B's rows of this rank, through the layer's own loader
                 copy_checked(a_slot[start : start + r], a_cols, what + " A")
                 rows = torch.zeros(b_slot.shape[0], r, dtype=b_slot.dtype, device=b_slot.device)
-                self.layer.weight_loader(_Slice(rows), b_rows, shard_id)  # its part's rows
+                self.layer.weight_loader(_slice(rows), b_rows, shard_id)  # its part's rows
                 b_slot[:, start : start + r].copy_(rows)
         return a_slot, b_slot
 
@@ -99,15 +100,10 @@ class LayerLoRA:
         self.b[:, slot].zero_()
 
 
-class _Slice:
-    """What a layer's weight_loader writes into: a tensor view standing in for a parameter."""
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data = data
-        self.shape = data.shape
-
-    def dim(self) -> int:
-        return self.data.dim()
+def _slice(data: torch.Tensor) -> nn.Parameter:
+    """What a layer's weight_loader writes into: a parameter over `data`'s storage (a view of
+    the slot's buffer), so the loader's copies land there."""
+    return nn.Parameter(data, requires_grad=False)
 
 
 def parts_of(layer: LinearBase) -> tuple[Any, ...]:
