@@ -38,7 +38,9 @@ def adapter(name: str | None) -> dict[str, Any]:
 
 def adapter_dict(info: Any) -> dict[str, Any]:
     """A `LoRAInfo` as plain data (HTTP answers, the Router's listing)."""
-    return dataclasses.asdict(info) if dataclasses.is_dataclass(info) else dict(vars(info))
+    if dataclasses.is_dataclass(info) and not isinstance(info, type):
+        return dataclasses.asdict(info)
+    return dict(vars(info))
 
 
 async def _done(result: Any) -> Any:

@@ -92,7 +92,7 @@ class OnAdapter:
         request_id: str,
         routing_key: str | None = None,
     ) -> AsyncGenerator[EngineCoreOutput, None]:
-        return self.backend.generate(prompt_ids, params, request_id, routing_key, lora=self.lora)  # type: ignore[call-arg]  # Backend's keyword; `EngineBackend` types the base form
+        return self.backend.generate(prompt_ids, params, request_id, routing_key, lora=self.lora)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.backend, name)

@@ -20,7 +20,15 @@ class HttpLoRA:
     async def _post(self, path: str, body: Any, admin: bool = False) -> httpx.Response:
         raise NotImplementedError  # HttpTransport's
 
-    async def _request(self, method: str, path: str, admin: bool = False, **kw) -> httpx.Response:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        admin: bool = False,
+        headers: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> httpx.Response:
         raise NotImplementedError  # HttpTransport's
 
     async def load_lora(self, name: str, path: str, pinned: bool, replace: bool) -> None:
