@@ -60,7 +60,9 @@ class LayerLoRA:
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] + each row's adapter delta of x [T, in]."""
         onehot = self.step.onehot
-        if onehot is None or not self.step.active:
+        # a CUDA graph keeps the math whatever the step it is captured at: replays of it
+        # serve adapter rows too
+        if onehot is None or not (self.step.active or _capturing(x)):
             return y
         slots, width = self.a.shape[0], self.a.shape[1]
         invariant = self.layer.invariant
@@ -98,6 +100,10 @@ class LayerLoRA:
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[:, slot].zero_()
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _slice(data: torch.Tensor) -> nn.Parameter:
