@@ -83,6 +83,7 @@ class EngineReplica(ReplicaControl):
                         self.engine.num_requests,
                         self._admitted,
                         {cid: ch.num_held for cid, ch in self._channels.items() if ch.num_held},
+                        self._adapters_in_slots(),
                     )
                 else:
                     await self.router.report_failure.remote(self.replica_id)
@@ -90,6 +91,13 @@ class EngineReplica(ReplicaControl):
                 logger.warning("heartbeat to the Router failed: %s", e)
             self.close_lapsed_channels()
             await asyncio.sleep(self._heartbeat_s)
+
+    def _adapters_in_slots(self) -> list[str] | None:
+        """The LoRA adapters this engine holds in a slot (None without LoRA): the Router
+        prefers a replica that holds a request's adapter among equally loaded ones."""
+        if not self.engine.engine.config.enable_lora:
+            return None
+        return [a.name for a in self._loras.list_loras() if a.loaded]
 
     def _serving(self) -> bool:
         try:

@@ -83,10 +83,11 @@ class Router:
         held: int | None = None,
         admitted: int | None = None,
         held_on: dict[str, int] | None = None,
+        adapters: list[str] | None = None,
     ) -> None:
         """The replica is alive, at this weight version, holding `held` requests (`held_on`:
         how many on each output channel that has some), having admitted `admitted` since it
-        started (None: it does not say)."""
+        started (None: it does not say), with these LoRA `adapters` in its slots."""
         state = self.policy.replicas.get(replica_id)
         if state is None:  # the Router restarted and lost its table: re-learn the replica
             self.policy.add(replica_id, time.monotonic())
@@ -101,6 +102,8 @@ class Router:
             self._held_on[replica_id] = held_on or {}
         if admitted is not None:
             state.routed = admitted
+        if adapters is not None:
+            state.adapters = frozenset(adapters)
 
     def unregister(self, replica_id: str) -> None:
         self.policy.remove(replica_id)
@@ -148,6 +151,7 @@ class Router:
                 "routed": r.routed,
                 "healthy": r.healthy,
                 "weight_version": r.weight_version,
+                "adapters": sorted(r.adapters),
             }
             for r in self.policy.replicas.values()
         ]

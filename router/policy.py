@@ -35,6 +35,7 @@ class ReplicaState:
     healthy: bool = True
     last_seen: float = 0.0  # monotonic time of its last heartbeat
     weight_version: int | None = None  # None: it never said (treated as current)
+    adapters: frozenset[str] = frozenset()  # LoRA adapters it holds in a slot (last heartbeat)
 
     @property
     def in_flight(self) -> int:
@@ -129,7 +130,9 @@ class RoutingPolicy:
         version = self.weight_version
         return [r for r in self.healthy() if r.weight_version in (None, version)]
 
-    def choose(self, routing_key: str | None = None) -> str | None:
+    def choose(self, routing_key: str | None = None, lora: str | None = None) -> str | None:
+        """`lora`: the request's adapter; among the least loaded, a replica that holds it in
+        a slot goes first (it costs nothing; it never outweighs load or a routing key)."""
         routable = self.routable()
         if routing_key is not None:
             ids = {r.replica_id for r in routable}
@@ -143,6 +146,7 @@ class RoutingPolicy:
             return None
         least = min(r.in_flight for r in open_)
         ties = [r for r in open_ if r.in_flight == least]
+        ties = [r for r in ties if lora in r.adapters] or ties
         return ties[next(self._tiebreak) % len(ties)].replica_id  # rotate among equals
 
     def started(self, replica_id: str) -> None:

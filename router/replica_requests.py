@@ -47,7 +47,7 @@ class ReplicaRequests:
     ) -> AsyncGenerator[EngineCoreOutput, None]:
         """The engine's deltas for the request (on adapter `lora`, if named); leaving early
         aborts it on its replica."""
-        replica_id = await self._choose(routing_key)
+        replica_id = await self._choose(routing_key, lora)
         handle = self.view.handle(replica_id)
         stream = self.channels.stream(replica_id, handle, prompt_ids, params, request_id, lora)
         try:
@@ -78,8 +78,8 @@ class ReplicaRequests:
         results = await asyncio.gather(*calls, return_exceptions=True)
         return [r for r in results if isinstance(r, dict)]
 
-    async def _choose(self, routing_key: str | None) -> str:
-        replica_id = await self.view.choose(routing_key)
+    async def _choose(self, routing_key: str | None, lora: str | None = None) -> str:
+        replica_id = await self.view.choose(routing_key, lora)
         if replica_id is None:
             if not await self.view.ready():
                 raise ReplicaFailed("no engine replica is ready")

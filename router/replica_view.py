@@ -62,6 +62,7 @@ class ReplicaView:
             self.policy.add(rid)
             state = self.policy.replicas[rid]
             state.healthy = row["healthy"]
+            state.adapters = frozenset(row.get("adapters", ()))
             if row["weight_version"] is not None:
                 self.policy.set_version(rid, row["weight_version"])
             if self._beats.get(rid) != row["beat"]:  # a new heartbeat: the replica's own count
@@ -69,11 +70,11 @@ class ReplicaView:
                 channel = self.channel_of(rid)
                 state.report(row["held"], row["held_on"].get(channel, 0) if channel else 0)
 
-    async def choose(self, routing_key: str | None = None) -> str | None:
-        """A replica for one request, counted in flight until `done`; None when every
-        replica is full or down."""
+    async def choose(self, routing_key: str | None = None, lora: str | None = None) -> str | None:
+        """A replica for one request (on adapter `lora`, if any), counted in flight until
+        `done`; None when every replica is full or down."""
         await self._fresh()
-        replica_id = self.policy.choose(routing_key)
+        replica_id = self.policy.choose(routing_key, lora)
         if replica_id is not None:
             self.policy.started(replica_id)
         return replica_id
