@@ -10,33 +10,44 @@ wraps around its own, unmodified transformers model.
 
 Inside it, the torch ops transformers' models call run on the kernels of the engine's
 batch-invariant mode (`EngineConfig(batch_invariant=True)`): `F.linear` over rows padded to a
-multiple of 16, SiLU, GELU and sigmoid row by row on the vector path, attention ("sdpa" and "eager"
-alike) through the C paged kernel, and MoE experts (whatever `experts_implementation`) one
-expert at a time, as transformers' "eager" loop and the engine's mode both do. So the
-teacher-forced logprobs of a rollout equal, bit for bit, the logprobs the engine returned for
-it, at any trainer batch size. Autograd works (attention's backward recomputes in torch ops).
-Leaving the context restores every op. On the CPU, at TP = 1, for Llama, Qwen2, Qwen3,
-Qwen3-MoE and DeepSeek-V3 in float32 and bfloat16 (docs/rl.md says what is covered and what
-is not).
+multiple of 16, SiLU, GELU, softplus and sigmoid row by row on the vector path, attention
+("sdpa" and "eager" alike; sliding windows and gpt-oss's sinks included) through the C paged
+kernel, MoE experts (whatever `experts_implementation`; gpt-oss's biased, interleaved layout
+too) one expert at a time, as transformers' "eager" loop and the engine's mode both do, and the
+Gated DeltaNet layers of Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (their modeling files'
+`causal_conv1d_fn` and `torch_chunk_gated_delta_rule`) on the engine's token-by-token
+recurrence. So the teacher-forced logprobs of a rollout equal, bit for bit, the logprobs the
+engine returned for it, at any trainer batch size. Autograd works (attention's backward
+recomputes in torch ops). Leaving the context restores every op. On the CPU, at TP = 1, for
+Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3, Gemma 3, gpt-oss and the Qwen3.5 / Qwen3-Next
+hybrids in float32 and bfloat16 (docs/rl.md says what is covered and what is not).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from raylane.kernels.batch_invariant import padded_linear
+from raylane.kernels.batch_invariant import gated_delta_net, padded_linear
 from raylane.kernels.batch_invariant.attention import invariant_attention
 from raylane.kernels.batch_invariant.elementwise import gelu as invariant_gelu
 from raylane.kernels.batch_invariant.elementwise import sigmoid as invariant_sigmoid
 from raylane.kernels.batch_invariant.elementwise import silu as invariant_silu
+from raylane.kernels.batch_invariant.elementwise import softplus as invariant_softplus
 
 _LOCK = threading.Lock()  # the ops are process-wide: one context swaps them at a time
 _ATTENTION_KEYS = ("sdpa", "eager")
+# transformers' modeling files whose Gated DeltaNet layers call these module-level functions
+_LINEAR_ATTENTION_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+_LINEAR_ATTENTION_FUNCTIONS = {
+    "causal_conv1d_fn": gated_delta_net.causal_conv1d_fn,
+    "torch_chunk_gated_delta_rule": gated_delta_net.chunk_gated_delta_rule,
+}
 
 
 @contextlib.contextmanager
@@ -48,26 +59,24 @@ def batch_invariant() -> Iterator[None]:
 
     if not _LOCK.acquire(blocking=False):
         raise RuntimeError("raylane.batch_invariant() is already active in this process")
-    swaps = [
+    tables = [
         (ALL_ATTENTION_FUNCTIONS._local_mapping, _ATTENTION_KEYS, invariant_attention),
         (ALL_EXPERTS_FUNCTIONS._local_mapping, list(ALL_EXPERTS_FUNCTIONS), invariant_experts),
     ]
-    saved = [(local, {key: local.get(key) for key in keys}) for local, keys, _ in swaps]
-    linear, silu, gelu = F.linear, F.silu, F.gelu
-    sigmoids = torch.sigmoid, torch.Tensor.sigmoid
+    saved = [(local, {key: local.get(key) for key in keys}) for local, keys, _ in tables]
+    swaps = _attribute_swaps()
+    before = [(owner, name, getattr(owner, name)) for owner, name, _ in swaps]
     try:
-        # the same calls with more (optional) parameters
-        F.linear, F.silu = padded_linear, invariant_silu  # type: ignore[assignment]
-        F.gelu = invariant_gelu  # type: ignore[assignment]
-        torch.sigmoid = torch.Tensor.sigmoid = invariant_sigmoid  # type: ignore[assignment]
-        for local, keys, fn in swaps:
+        for owner, name, fn in swaps:  # the same calls, some with more (optional) parameters
+            setattr(owner, name, fn)
+        for local, keys, fn in tables:
             local.update(dict.fromkeys(keys, fn))
         yield
     finally:
-        F.linear, F.silu, F.gelu = linear, silu, gelu
-        torch.sigmoid, torch.Tensor.sigmoid = sigmoids  # type: ignore[method-assign]
-        for local, before in saved:
-            for key, fn in before.items():
+        for owner, name, fn in before:
+            setattr(owner, name, fn)
+        for local, entries in saved:
+            for key, fn in entries.items():
                 if fn is None:
                     local.pop(key, None)
                 else:
@@ -75,27 +84,71 @@ def batch_invariant() -> Iterator[None]:
         _LOCK.release()
 
 
+def _attribute_swaps() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, replacement): the torch ops, and the Gated DeltaNet functions of
+    each hybrid modeling file this transformers has."""
+    swaps: list[tuple[Any, str, Any]] = [
+        (F, "linear", padded_linear),
+        (F, "silu", invariant_silu),
+        (F, "gelu", invariant_gelu),
+        (F, "softplus", invariant_softplus),
+        (torch, "sigmoid", invariant_sigmoid),
+        (torch.Tensor, "sigmoid", invariant_sigmoid),
+    ]
+    for family in _LINEAR_ATTENTION_MODULES:
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        swaps += [(module, name, fn) for name, fn in _LINEAR_ATTENTION_FUNCTIONS.items()]
+    return swaps
+
+
 def invariant_experts(
     module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers' experts-function signature, one expert at a time in ascending order, each
     over its tokens slot by slot (`F.linear` is the padded one here), the contributions added
-    in that order in the hidden dtype: the engine's mode does the same (kernels/moe.py)."""
+    in that order in the hidden dtype: the engine's mode does the same (kernels/moe.py).
+    gpt-oss's layout (transposed, gate and up interleaved, biases) runs as the engine lays it
+    out: [gate | up] rows, the bias added after the matmul, re-interleaved for the gate."""
     m: Any = module
-    if m.is_transposed or m.has_bias or not m.is_concatenated or not m.has_gate:
+    if not m.has_gate:
         raise ValueError(
-            f"raylane.batch_invariant: {type(module).__name__}'s expert layout (transposed, "
-            "biased or interleaved weights) is not covered"
+            f"raylane.batch_invariant: {type(module).__name__}'s ungated experts are not covered"
         )
     out = torch.zeros_like(hidden)  # [T, H]
     for expert in range(m.gate_up_proj.shape[0]):
         slot, token = torch.where(top_k_index.t() == expert)  # slot-major, as transformers
         if token.numel() == 0:
             continue
-        h = m._apply_gate(F.linear(hidden[token], m.gate_up_proj[expert]))
-        h = F.linear(h, m.down_proj[expert]) * weights[token, slot, None]
-        out.index_add_(0, token, h.to(out.dtype))
+        gate_up, down = _expert_weights(m, expert)
+        h = F.linear(hidden[token], gate_up)  # [S, 2I], gate columns then up columns
+        if m.has_bias:
+            h = h + _concatenated(m.gate_up_proj_bias[expert], m.is_concatenated)
+        if not m.is_concatenated:  # back to the interleaved columns the model's gate reads
+            h = torch.stack(h.chunk(2, dim=-1), dim=-1).flatten(-2)
+        h = F.linear(m._apply_gate(h), down)
+        if m.has_bias:
+            h = h + m.down_proj_bias[expert]
+        out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
     return out
+
+
+def _expert_weights(m: Any, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert's (gate_up [2I, H] with gate rows then up rows, down [H, I]), laid out as the
+    engine keeps them (contiguous: a GEMM's order may follow the weight's strides)."""
+    gate_up, down = m.gate_up_proj[expert], m.down_proj[expert]
+    if m.is_transposed:  # [H, 2I], [I, H]
+        gate_up, down = gate_up.t(), down.t()
+    if not m.is_concatenated:
+        gate_up = torch.cat([gate_up[0::2], gate_up[1::2]])
+    return gate_up.contiguous(), down.contiguous()
+
+
+def _concatenated(x: torch.Tensor, is_concatenated: bool) -> torch.Tensor:
+    """x [2I], gate and up interleaved unless `is_concatenated` -> [2I] as [gate | up]."""
+    return x if is_concatenated else torch.cat([x[0::2], x[1::2]])
 
 
 def logprobs(

@@ -40,15 +40,13 @@ def invariant_attention(
             "raylane.batch_invariant: attention dropout must be 0 (call model.eval(), or set "
             "attention_dropout=0): dropped weights cannot equal the rollout's"
         )
-    if getattr(module, "sinks", None) is not None or kwargs.get("s_aux") is not None:
-        raise ValueError(
-            "raylane.batch_invariant: attention sinks (gpt-oss) are not covered; run the "
-            "trainer without the context for this model"
-        )
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    sinks = kwargs.get("s_aux")  # gpt-oss: [H], one logit per head in every softmax
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
     lengths = _lengths(attention_mask, query.shape[0], query.shape[2], key.shape[2], window)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = _PagedAttention.apply(query, key, value, lengths, float(scale), window)
+    out = _PagedAttention.apply(query, key, value, sinks, lengths, float(scale), window)
     return out, None
 
 
@@ -88,20 +86,24 @@ def _visible(rows: torch.Tensor, window: int | None) -> torch.Tensor:
 
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lengths: list[int], scale: float, window: int | None):
-        ctx.save_for_backward(q, k, v)
+    def forward(ctx, q, k, v, sinks, lengths: list[int], scale: float, window: int | None):
+        ctx.save_for_backward(q, k, v, sinks)
         ctx.lengths, ctx.scale, ctx.window = lengths, scale, window
-        return paged(q, k, v, lengths, scale, window)
+        return paged(q, k, v, lengths, scale, window, sinks)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
+        q, k, v, sinks = ctx.saved_tensors
         with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-            out = reference(*inputs, ctx.lengths, ctx.scale, ctx.window)
-            wanted = [t for t in inputs if t.requires_grad]
+            inputs = [
+                None if t is None else t.detach().requires_grad_(t.requires_grad)
+                for t in (q, k, v, sinks)
+            ]
+            out = reference(*inputs[:3], ctx.lengths, ctx.scale, ctx.window, inputs[3])
+            wanted = [t for t in inputs if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+        taken = [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+        return (*taken, None, None, None)
 
 
 def paged(
@@ -111,9 +113,11 @@ def paged(
     lengths: list[int],
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, T, D], k / v [B, KVH, T, D(v)] -> [B, T, H, Dv] through the C kernel; rows past a
-    sequence's length are zero; a `window`: each query sees its last `window` keys."""
+    sequence's length are zero; a `window`: each query sees its last `window` keys; `sinks`
+    [H]: per-head logits joining each softmax's denominator (gpt-oss)."""
     batch, heads, t, _ = q.shape
     tables, firsts = contiguous_tables(lengths)
     k_cache = _paged_cache(k, lengths, firsts, tables)  # [slots, KVH, D]
@@ -121,7 +125,9 @@ def paged(
     rows = torch.cat([q[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])  # [N, H, D]
     starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
-    out = attend(rows.contiguous(), k_cache, v_cache, tables, seq_lens, starts, scale, window)
+    out = attend(
+        rows.contiguous(), k_cache, v_cache, tables, seq_lens, starts, scale, window, sinks
+    )
     full = out.new_zeros(batch, t, heads, v.shape[-1])
     for b, n in enumerate(lengths):
         full[b, :n] = out[starts[b] : starts[b] + n]
@@ -137,6 +143,7 @@ def attend(
     query_start_loc: torch.Tensor,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The C kernel over caches of BLOCK_SIZE-slot blocks (cpu_kernel.paged_attention's
     arguments): q [N, H, D] -> [N, H, Dv], rows past query_start_loc[-1] zero. A `window`'s
@@ -144,7 +151,7 @@ def attend(
     out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
     return cpu_kernel.paged_attention(
         q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, out,
-        block_size=BLOCK_SIZE, window=window, aligned=True,
+        block_size=BLOCK_SIZE, window=window, sinks=sinks, aligned=True,
     )  # fmt: skip
 
 
@@ -201,6 +208,7 @@ def reference(
     lengths: list[int],
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same attention in plain torch ops, float32 (differentiable): [B, T, H, Dv]."""
     _, heads, t, _ = q.shape
@@ -211,6 +219,10 @@ def reference(
     rows = torch.arange(t, device=q.device)
     n = torch.tensor(lengths, device=q.device)[:, None, None, None]
     keep = _visible(rows, window)[None, None] & (rows < n)
-    probs = scores.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:  # one more logit per head, dropped after the softmax
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink], -1)
+    probs = scores.softmax(-1).nan_to_num(0.0)[..., :t]
     out = (probs @ vf) * (rows[None, None, :, None] < n)  # padded rows: zero
     return out.transpose(1, 2).to(q.dtype)

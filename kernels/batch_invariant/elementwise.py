@@ -29,10 +29,11 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     return out[:, :width]
 
 
-# torch's own: `raylane.batch_invariant()` swaps these for `silu` and `sigmoid` below
+# torch's own: `raylane.batch_invariant()` swaps these for `silu`, `sigmoid`, ... below
 _SILU = F.silu
 _SIGMOID = torch.sigmoid
 _GELU = F.gelu
+_SOFTPLUS = F.softplus
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -53,6 +54,12 @@ def silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """F.gelu(x, approximate), row by row as `silu`."""
     return _by_rows(lambda t: _GELU(t, approximate=approximate), x)
+
+
+def softplus(x: torch.Tensor, beta: float = 1.0, threshold: float = 20.0) -> torch.Tensor:
+    """F.softplus(x, beta, threshold), row by row as `silu` (Gated DeltaNet's decay: the
+    engine's mode runs `rowwise` on it)."""
+    return _by_rows(lambda t: _SOFTPLUS(t, beta, threshold), x)
 
 
 def _by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -152,12 +152,37 @@ def test_the_trainers_paged_attention_is_attention(dtype, window):
         assert not got[i, n:].any()  # padded rows are zero
 
 
-def test_the_trainers_attention_refuses_sinks_it_would_drop():
-    q = torch.zeros(1, 2, 3, 8)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_trainers_attention_takes_sinks(dtype, window):
+    """gpt-oss's per-head sinks (passed as `s_aux`, or read from the layer) join each softmax's
+    denominator, as in float64 math; padded rows are zero."""
+    b, h, kvh, t, d = 2, 4, 2, 11, 16
+    q, k, v = (_heavy(b, n, t, d, dtype=dtype, seed=s) / 4 for s, n in ((6, h), (7, kvh), (8, kvh)))
     gpt_oss_layer = torch.nn.Module()
-    gpt_oss_layer.sinks = torch.nn.Parameter(torch.zeros(2))
-    with pytest.raises(ValueError, match="attention sinks"):
-        invariant_attention(gpt_oss_layer, q, q, q, None, sliding_window=8)
+    gpt_oss_layer.sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0, 0.0]).to(dtype))
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1, 7:] = 0
+    rows = torch.arange(t)
+    seen = rows[None] <= rows[:, None]
+    if window is not None:
+        seen &= rows[None] > rows[:, None] - window
+    allowed = seen[None, None] & mask[:, None, None, :].bool()  # [B, 1, T, T]
+    got, _ = invariant_attention(gpt_oss_layer, q, k, v, allowed, sliding_window=window)
+    aux, _ = invariant_attention(
+        torch.nn.Module(), q, k, v, allowed, sliding_window=window, s_aux=gpt_oss_layer.sinks
+    )
+    assert torch.equal(got, aux)
+    keys, values = (x.double().repeat_interleave(h // kvh, 1) for x in (k, v))
+    scores = (q.double() @ keys.transpose(-1, -2)) * d**-0.5  # [B, H, T, T]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    sink = gpt_oss_layer.sinks.double()[None, :, None, None].expand(b, h, t, 1)
+    probs = torch.cat([scores, sink], -1).softmax(-1)[..., :t]
+    exact = (probs @ values).transpose(1, 2)  # [B, T, H, D]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[0].double(), exact[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(got[1, :7].double(), exact[1, :7], rtol=tol, atol=tol)
+    assert not got[1, 7:].any()
 
 
 def test_the_mode_names_what_to_change_where_it_cannot_run():

@@ -17,23 +17,49 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from tests.tiny_models import make_gemma3
+from tests.tiny_models import (
+    make_gemma3,
+    make_gpt_oss,
+    make_qwen3_5,
+    make_qwen3_5_moe,
+    make_qwen3_next,
+)
 
 DTYPES = ["float32", "bfloat16"]
-# Gemma 3: sliding (window 8) and full layers, GELU-tanh, the rollouts longer than the window
+# Gemma 3: sliding (window 8) and full layers, GELU-tanh, the rollouts longer than the window;
+# Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: Gated DeltaNet layers (transformers' chunked scan and
+# conv swapped for the engine's token-by-token recurrence) beside gated full attention;
+# gpt-oss (no "sdpa" in transformers): the same with attention sinks, and biased experts with
+# gate and up interleaved
 FAMILIES = [
     "tiny_llama_dir",
     "tiny_qwen3_dir",
     "tiny_moe_dir",
     "tiny_deepseek_dir",
     "tiny_gemma3_dir",
+    "tiny_qwen3_5_dir",
+    "tiny_qwen3_5_moe_dir",
+    "tiny_qwen3_next_dir",
 ]
+EAGER = ["tiny_llama_dir", "tiny_gpt_oss_dir"]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21], [22, 23]]
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_gemma3(tmp_path_factory.mktemp("bi_trainer_gemma3"))
+def _tiny(make):
+    """A module-scoped fixture: the tiny checkpoint `make` writes."""
+
+    @pytest.fixture(scope="module")
+    def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+        return make(tmp_path_factory.mktemp(f"bi_trainer_{make.__name__}"))
+
+    return model_dir
+
+
+tiny_gemma3_dir = _tiny(make_gemma3)
+tiny_gpt_oss_dir = _tiny(make_gpt_oss)
+tiny_qwen3_5_dir = _tiny(make_qwen3_5)
+tiny_qwen3_5_moe_dir = _tiny(make_qwen3_5_moe)
+tiny_qwen3_next_dir = _tiny(make_qwen3_next)
 
 
 def _rollouts(model_dir: str, dtype: str, max_tokens: int = 20):
@@ -79,7 +105,7 @@ def _sampled(outs, rows: list[list[float]]) -> list[list[float]]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "family, attn", [(f, "sdpa") for f in FAMILIES] + [("tiny_llama_dir", "eager")]
+    "family, attn", [(f, "sdpa") for f in FAMILIES] + [(f, "eager") for f in EAGER]
 )
 def test_trainer_logprobs_equal_the_rollouts(request, family, dtype, attn):
     model_dir = request.getfixturevalue(family)
@@ -129,6 +155,34 @@ def test_autograd_works_inside_and_agrees_with_outside(tiny_llama_dir):
         torch.testing.assert_close(g, outside[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def _grads(hf, ids, mask) -> dict[str, torch.Tensor]:
+    hf.zero_grad()
+    logits = hf(input_ids=ids, attention_mask=mask).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    (-(lp * mask[:, 1:]).sum()).backward()
+    return {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["tiny_gpt_oss_dir", "tiny_qwen3_5_dir"])
+def test_autograd_through_sinks_and_gated_deltanet(request, family):
+    """gpt-oss's sinks and Qwen3.5's Gated DeltaNet (conv, decay, the recurrence) get gradients
+    inside the context, within float tolerance of transformers' own (relative to each
+    parameter's largest gradient: these tiny models' gradients run to ~50)."""
+    hf = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(family), dtype=torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 0, 0, 0, 0, 0, 0]])
+    mask = (torch.arange(10) < torch.tensor([[10], [4]])).long()
+    outside = _grads(hf, ids, mask)
+    with batch_invariant():
+        inside = _grads(hf, ids, mask)
+    assert inside.keys() == outside.keys()
+    wanted = ("sinks",) if "gpt_oss" in family else ("conv1d", "A_log", "dt_bias")
+    assert all(any(w in name for name in inside) for w in wanted)
+    for name, g in inside.items():
+        assert torch.isfinite(g).all(), name
+        scale = float(outside[name].abs().max())
+        torch.testing.assert_close(g, outside[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
 def test_leaving_the_context_restores_every_op():
     tables = (ALL_ATTENTION_FUNCTIONS, ALL_EXPERTS_FUNCTIONS)
     linear, before = F.linear, [dict(t._local_mapping) for t in tables]
@@ -147,6 +201,19 @@ def test_leaving_the_context_restores_every_op():
             raise KeyError("a trainer's error inside the block")
     assert F.linear is linear and (F.silu, F.gelu, torch.sigmoid, torch.Tensor.sigmoid) == ops
     assert [dict(t._local_mapping) for t in tables] == before
+
+
+def test_gated_deltanet_functions_are_swapped_and_restored():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    names = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+    before = {(m, n): getattr(m, n) for m in (qwen3_5, qwen3_next) for n in names}
+    softplus = F.softplus
+    with batch_invariant():
+        assert all(getattr(m, n) is not fn for (m, n), fn in before.items())
+        assert F.softplus is not softplus
+    assert all(getattr(m, n) is fn for (m, n), fn in before.items()) and F.softplus is softplus
 
 
 def test_left_padding_is_refused_with_what_to_do(tiny_llama_dir):
