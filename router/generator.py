@@ -57,10 +57,15 @@ class TurnGenerator(Protocol):
     them. A model-free generator may yield cumulative `RequestOutput`s instead (each everything
     so far); `turn_deltas` reads both. Closing the iterator early aborts the generation.
     `routing_key` (the session id) keeps a session on one replica so its prefix cache is reused.
+    `lora`: the LoRA adapter the session runs on (passed only when it has one).
     """
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, routing_key: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        routing_key: str,
+        lora: str | None = None,
     ) -> AsyncGenerator[EngineCoreOutput | RequestOutput, None]: ...
 
 
@@ -82,11 +87,17 @@ class RequestTurnGenerator:
         self.return_indexer_topk = return_indexer_topk
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, routing_key: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        routing_key: str,
+        lora: str | None = None,
     ) -> AsyncGenerator[EngineCoreOutput, None]:
         params = turn_params(params, self.return_routed_experts, self.return_indexer_topk)
         request_id = turn_request_id(routing_key)
-        return self.requests.generate(prompt_ids, params, request_id, routing_key)
+        if lora is None:
+            return self.requests.generate(prompt_ids, params, request_id, routing_key)
+        return self.requests.generate(prompt_ids, params, request_id, routing_key, lora=lora)
 
 
 def turn_params(

@@ -7,6 +7,7 @@ replicas'."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any, cast
 
 from raylane.actors.engine.outputs import EngineCoreOutput
@@ -82,12 +83,10 @@ class LocalReplica:
             self.engine.check_health()
         except RuntimeError as e:  # the step loop died: as a dead replica's request would
             raise ReplicaFailed(str(e)) from e
-        stream = await self.engine.add_request(prompt_ids, params, request_id, **adapter(lora))
-        try:
-            async for out in stream:
+        deltas = self.engine.generate_deltas(prompt_ids, params, request_id, **adapter(lora))
+        async with aclosing(deltas) as it:
+            async for out in it:
                 yield out
-        finally:
-            stream.close()
 
     async def ready(self) -> bool:
         try:

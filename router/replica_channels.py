@@ -121,7 +121,8 @@ async def _submitted(
     itself; a failed or cancelled submit leaves no queue behind."""
     queue = channel.subscribe(request_id)
     try:
-        await handle.submit.remote(prompt_ids, params, request_id, channel.id, lora)
+        on = () if lora is None else (lora,)  # the base model: the verb's plain form
+        await handle.submit.remote(prompt_ids, params, request_id, channel.id, *on)
     except BaseException as e:
         channel.unsubscribe(request_id)
         raise (unwrapped(e) if isinstance(e, Exception) else e) from None

@@ -28,6 +28,7 @@ from raylane.router.generator import TurnGenerator
 from raylane.router.messages import Message, normalize_message
 from raylane.router.samples import TrainingSample, merge_trajectory
 from raylane.router.session import Session, SessionConfig, TurnDelta, TurnResult
+from raylane.router.session_lora import on_lora, session_lora
 from raylane.router.session_progress import CumulativeTurns, TurnRun
 from raylane.router.session_store import MemorySessionStore, SessionStore
 from raylane.router.session_turn import OpenTurn, ReplyParser, SessionTurn, default_reply
@@ -233,7 +234,12 @@ class SessionRegistry(CumulativeTurns):
         ) as turn:
             plan = turn.plan
             run = TurnRun(
-                generator.generate(plan.full_prompt, plan.params, session_id),
+                generator.generate(
+                    plan.full_prompt,
+                    plan.params,
+                    session_id,
+                    **on_lora(session_lora(turn.session.metadata)),
+                ),
                 len(plan.full_prompt),
                 plan.plan.discarded,
                 timeout_s,

@@ -27,6 +27,7 @@ from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.router.errors import ReplicaFailed
 from raylane.router.generator import TurnGenerator, turn_request_id
 from raylane.router.session import TurnDelta, TurnResult
+from raylane.router.session_lora import on_lora, session_lora
 from raylane.router.session_progress import TurnRun
 from raylane.router.session_turn import OpenTurn
 from raylane.router.sessions import SessionRegistry
@@ -47,6 +48,7 @@ class TurnTicket:
     turn_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    lora: str | None = None  # the LoRA adapter the session runs on (router/session_lora.py)
 
 
 class TurnHandoff:
@@ -129,7 +131,8 @@ async def _turn(
     async with opening as turn:
         turn_id = turn_request_id(turn.session.id)
         with handoff.handed_out(turn_id):
-            ticket.set_result(TurnTicket(turn_id, turn.plan.full_prompt, turn.plan.params))
+            lora = session_lora(turn.session.metadata)
+            ticket.set_result(TurnTicket(turn_id, turn.plan.full_prompt, turn.plan.params, lora))
             final = await handoff.output(turn_id)
         return await registry.commit(turn, final)
 
@@ -150,7 +153,9 @@ async def stream_turn(
     the session as it was."""
     ticket: TurnTicket = await (await anext(call))
     with leases.held(ticket.turn_id):  # until the Router has the output
-        outputs = generator.generate(ticket.prompt_ids, ticket.params, session_id)
+        outputs = generator.generate(
+            ticket.prompt_ids, ticket.params, session_id, **on_lora(ticket.lora)
+        )
         # `rolled_back` is only known to the Router: 0 here, set on the committed result
         run = TurnRun(outputs, len(ticket.prompt_ids), 0, timeout_s)
         async with aclosing(run.progress()) as steps:

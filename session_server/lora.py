@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.router.session_lora import SESSION_LORA_KEY
 from raylane.session_server.backend import EngineBackend
 from raylane.session_server.context import backend_of, check_model
 from raylane.session_server.errors import APIError, bad_request
@@ -76,6 +77,19 @@ async def sglang_adapter(
     if not backend_of(request).info.enable_lora:
         raise bad_request("lora_path: this server was started without --enable-lora", "lora_path")
     return await model_adapter(request, names[0])
+
+
+async def check_session_adapter(request: Request, metadata: dict[str, Any] | None) -> None:
+    """A session opened on an adapter (`metadata["lora"]`) names one this server serves."""
+    name = (metadata or {}).get(SESSION_LORA_KEY)
+    if name is None:
+        return
+    if not isinstance(name, str) or not name:
+        raise bad_request("metadata.lora: an adapter's name", "metadata")
+    if not backend_of(request).info.enable_lora:
+        raise bad_request("metadata.lora: this server serves no adapters", "metadata")
+    if await model_adapter(request, name) is None:
+        raise bad_request("metadata.lora: name an adapter, not the base model", "metadata")
 
 
 class OnAdapter:

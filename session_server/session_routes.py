@@ -23,6 +23,7 @@ from raylane.session_server.backend import SessionBackend
 from raylane.session_server.context import backend_of, check_model, new_id, timeout_of
 from raylane.session_server.errors import bad_request, from_exception
 from raylane.session_server.formatting import finite
+from raylane.session_server.lora import check_session_adapter
 from raylane.session_server.openai_routes import check_chat
 from raylane.session_server.openapi import BINARY, EVENT_STREAM, ok
 from raylane.session_server.prompts import message_dicts
@@ -53,7 +54,9 @@ def sessions_of(request: Request) -> SessionBackend:
 
 @router.post("", response_model=None, responses=ok(SessionCreated))
 async def create_session(request: Request, body: CreateSessionRequest | None = Body(None)) -> dict:
-    session_id = await sessions_of(request).create(body.metadata if body else None)
+    metadata = body.metadata if body else None
+    await check_session_adapter(request, metadata)  # metadata["lora"]: every turn's adapter
+    session_id = await sessions_of(request).create(metadata)
     return {"session_id": session_id}
 
 

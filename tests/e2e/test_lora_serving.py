@@ -264,3 +264,33 @@ def test_client_loads_generates_updates_and_unloads(lora_server, adapters, peft)
             assert "tenant" not in {a["name"] for a in await client.list_loras()}
 
     asyncio.run(scenario())
+
+
+# --- sessions opened on an adapter ------------------------------------------------------------
+
+
+def test_a_session_opened_on_an_adapter_runs_every_turn_on_it(admin, user, peft):
+    session = user.post("/sessions", json={"metadata": {"lora": "beta"}}).json()["session_id"]
+    history: list[dict] = []  # each turn sends the conversation so far
+    for text in ("hello there", "and again"):
+        history.append({"role": "user", "content": text})
+        turn = {"messages": history, "max_tokens": MAX_TOKENS, "temperature": 0}
+        resp = user.post(f"/sessions/{session}/v1/chat/completions", json=turn)
+        assert resp.status_code == 200, resp.text
+        history.append(resp.json()["choices"][0]["message"])
+    sample = user.post(f"/sessions/{session}/samples").json()
+    tokens, mask = sample["tokens"], sample["loss_mask"]
+    starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+    assert len(starts) == 2  # two replies, each generated on beta from all that came before
+    on_base = []
+    for start in starts:
+        end = next((i for i in range(start, len(mask)) if not mask[i]), len(mask))
+        expected, _ = peft_greedy(peft, "beta", tokens[:start], end - start)
+        assert tokens[start:end] == expected
+        on_base.append(peft_greedy(peft, None, tokens[:start], end - start)[0] == expected)
+    assert not all(on_base)  # the premise: the base model would have answered otherwise
+
+
+def test_a_session_on_an_unknown_adapter_is_refused(admin, user):
+    resp = user.post("/sessions", json={"metadata": {"lora": "nope"}})
+    assert resp.status_code == 404 and resp.json()["error"]["type"] == "NotFoundError"
