@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from raylane.session_server.openapi import ERRORS
 from raylane.session_server.trainer_api import (
     disk_update,
+    lora_skyrl,
     sglang_routes,
     sglang_weights,
     skyrl_routes,
@@ -36,6 +37,7 @@ MODULES = (
     sglang_weights,
     disk_update,
     skyrl_routes,
+    lora_skyrl,
     trl_routes,
     trl_weights,
 )

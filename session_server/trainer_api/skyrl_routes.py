@@ -54,7 +54,7 @@ class RpcResults(_Out):
 
 @router.post("/skyrl/v1/generate", response_model=None, responses=ok(SkyRLGenerated))
 async def skyrl_generate(body: TokensRequest, request: Request) -> dict:
-    params, stream = start_tokens(body, request, body.request_id or new_id("skyrl"))
+    params, stream = await start_tokens(body, request, body.request_id or new_id("skyrl"))
     c = (await final_outputs(request, stream, 1))[0].outputs[0]
     logprobs = None
     if params.logprobs is not None:

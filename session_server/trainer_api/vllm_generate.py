@@ -17,8 +17,9 @@ from raylane.actors.engine.outputs import CompletionOutput, EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.session_server import formatting as fmt
 from raylane.session_server.backend import ModelInfo
-from raylane.session_server.context import backend_of, check_model, new_id, timeout_of
+from raylane.session_server.context import backend_of, new_id, timeout_of
 from raylane.session_server.errors import bad_request
+from raylane.session_server.lora import model_adapter, on_adapter
 from raylane.session_server.openapi import EVENT_STREAM, ok
 from raylane.session_server.sampling import resolve_max_tokens, structured_spec
 from raylane.session_server.streaming import final_outputs, primed, sse_response, start
@@ -44,7 +45,7 @@ _INERT = {"detokenize", "output_kind", "spaces_between_special_tokens", "skip_cl
 )
 async def generate(body: TokensRequest, request: Request):
     request_id = body.request_id or new_id("generate-tokens")
-    params, stream = start_tokens(body, request, request_id)
+    params, stream = await start_tokens(body, request, request_id)
     labels = labels_of(request)
     stream = labels.resolved(stream)
     if body.stream:  # vLLM's chunks: each sample's new token ids (and logprobs)
@@ -63,10 +64,11 @@ async def generate(body: TokensRequest, request: Request):
     }
 
 
-def start_tokens(body: TokensRequest, request: Request, request_id: str) -> tuple:
-    """Check a tokens request and start it: (its SamplingParams, the output stream)."""
+async def start_tokens(body: TokensRequest, request: Request, request_id: str) -> tuple:
+    """Check a tokens request and start it: (its SamplingParams, the output stream). `model`
+    may name a LoRA adapter (SkyRL's tenants)."""
     backend = backend_of(request)
-    check_model(body.model, backend.info)
+    lora = await model_adapter(request, body.model)
     if body.features is not None:
         raise bad_request("features: multimodal inputs are not served here", "features")
     if body.routed_experts_start_len > len(body.token_ids):
@@ -74,7 +76,8 @@ def start_tokens(body: TokensRequest, request: Request, request_id: str) -> tupl
     params = vllm_params(body.sampling_params, body.token_ids, backend.info)
     params = dataclasses.replace(params, cache_salt=body.cache_salt)
     timeout = timeout_of(request, None)
-    return params, start(backend, [body.token_ids], params, request_id, None, timeout)
+    stream = start(on_adapter(backend, lora), [body.token_ids], params, request_id, None, timeout)
+    return params, stream
 
 
 def vllm_params(sp: dict[str, Any], prompt: list[int], info: ModelInfo) -> SamplingParams:
