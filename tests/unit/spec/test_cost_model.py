@@ -94,6 +94,7 @@ def test_random_text_stops_drafting_after_warm_up(tiny_llama_dir):
     engine = spec_engine(
         tiny_llama_dir, {"method": "suffix", "num_speculative_tokens": 4}, async_scheduling=True
     )
+    steady_clock(engine.speculation.cost)
     vocab = engine.validator.vocab_size
     prompts = [[(7 * i + 13 * j) % vocab for j in range(24)] for i in range(16)]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=48) for i in range(16)]
@@ -104,13 +105,25 @@ def test_random_text_stops_drafting_after_warm_up(tiny_llama_dir):
     ahead = stats.steps_planned_ahead
     engine.generate(prompts, params, use_tqdm=False)
     steps = stats.step_times.steps - steps
-    # NOTE: the decision prices wall-clock step times: under load (CI's two pytest processes on
-    # 2 cores) a few more steps re-probe, and each one plans serially (40 of 48 steps planned
-    # ahead once, against 90% alone). The bounds say "mostly stopped", not a rate: tests never
-    # fail on timing
+    # the bounds say "mostly stopped": a stopped class is re-probed now and then
     assert spec.num_verify_steps - verify_steps <= steps // 4
     assert stats.steps_planned_ahead - ahead >= steps * 3 // 4  # the async overlap kept
     engine.shutdown()
+
+
+def steady_clock(cost: CostModel) -> None:
+    """The engine's cost model sees the runner above (A + B per token, + C to verify; 10 ms
+    more for a step planned serially) instead of wall-clock times, which a loaded machine
+    (CI's two pytest processes on 2 cores) makes noisy: tests never fail on timing."""
+    observe, observe_gap = cost.observe, cost.observe_gap
+
+    def steady(num_tokens: int, seconds: float, verifies: bool = False) -> None:
+        observe(num_tokens, A + B * num_tokens + C * verifies, verifies)
+
+    def steady_gap(ahead: bool, seconds: float) -> None:
+        observe_gap(ahead, 0.001 if ahead else 0.011)
+
+    cost.observe, cost.observe_gap = steady, steady_gap  # type: ignore[method-assign]
 
 
 def test_acceptance_is_measured_per_match_class_and_trims_each_proposal():
