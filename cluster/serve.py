@@ -87,6 +87,8 @@ def _served_model(model_dir: str, config: ClusterConfig) -> tuple[Any, ModelInfo
         routed_experts=capture,
         batch_invariant=engine.batch_invariant,
         enable_lora=engine.enable_lora,
+        max_loras=engine.max_loras,
+        max_lora_rank=engine.max_lora_rank,
     )
     setup = SessionSetup(model_dir, return_routed_experts=capture, return_indexer_topk=picks)
     return tokenizer, info, setup

@@ -39,6 +39,8 @@ class ModelInfo:
     routed_experts: bool = False  # a MoE model whose replicas capture routed experts
     batch_invariant: bool = False  # EngineConfig.batch_invariant (/v1/models, /server_info)
     enable_lora: bool = False  # EngineConfig.enable_lora: `model` may name an adapter
+    max_loras: int = 0  # EngineConfig's, when enable_lora (vLLM's /server_info lora_config)
+    max_lora_rank: int = 0
 
 
 class SessionBackend(Protocol):
@@ -158,7 +160,9 @@ def local_backend(
         dtype=cfg.dtype,
         routed_experts=capture,
         batch_invariant=cfg.batch_invariant,
-        enable_lora=getattr(cfg, "enable_lora", False),
+        enable_lora=cfg.enable_lora,
+        max_loras=cfg.max_loras,
+        max_lora_rank=cfg.max_lora_rank,
     )
     # likewise a DSA model's indexer top-k
     picks = cfg.enable_return_indexer_topk and validator.num_dsa_layers > 0

@@ -69,6 +69,12 @@ async def server_info(request: Request) -> dict:
                 "data_parallel_size": info.replicas,
                 "pipeline_parallel_size": 1,
             },
+            # None unless adapters are served (TRL's AsyncGRPO probes it to sync adapters only)
+            "lora_config": (
+                {"max_loras": info.max_loras, "max_lora_rank": info.max_lora_rank}
+                if info.enable_lora
+                else None
+            ),
         },
     }
 
