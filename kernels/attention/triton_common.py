@@ -7,6 +7,7 @@ See triton_kernels.py for the cache layout every kernel reads.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -179,6 +180,72 @@ def _check_paged(q, k_cache, v_cache, out, block_size: int) -> tuple[int, int, i
             f"q, k_cache and v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     return num_heads, num_kv_heads, head_dim, v_dim
+
+
+@dataclass(frozen=True)
+class _PagedCall:
+    """One paged attention call, checked, with what both kernels are launched with: the six
+    tensors they open with, the sinks pointer, the strides and the constexprs of a program."""
+
+    tensors: tuple[torch.Tensor, ...]  # q, k_cache, v_cache, out, block_tables, seq_lens
+    sinks: torch.Tensor  # q when there are none: any pointer does
+    num_heads: int
+    num_kv_heads: int
+    rows: int  # (token x head) rows per program: decode's G_PAD, prefill's BLOCK_M
+    heads: int  # the query heads of one program
+    chunks: int  # the programs a KV head's group of query heads splits into
+    constants: dict[str, object]  # GROUP .. HAS_SINKS, BLOCK_N, num_warps and the dot mode
+
+    @classmethod
+    def checked(
+        cls,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sinks: torch.Tensor | None,
+        block_size: int,
+        least_rows: int,
+    ) -> _PagedCall:
+        num_heads, num_kv_heads, head_dim, v_dim = _check_paged(
+            q, k_cache, v_cache, out, block_size
+        )
+        group, d_pad = num_heads // num_kv_heads, _padded_head_dim(head_dim)
+        tiles, rows, heads, chunks = _program_shape(group, d_pad, q, least_rows)
+        constants = {
+            "GROUP": group,
+            "HEADS": heads,
+            "NUM_CHUNKS": chunks,
+            "HEAD_DIM": head_dim,
+            "V_DIM": v_dim,
+            "D_PAD": d_pad,
+            "BLOCK_SIZE": block_size,
+            "HAS_SINKS": sinks is not None,
+            **tiles,
+            **_dot_mode(q),
+        }
+        tensors = (q, k_cache, v_cache, out, block_tables, seq_lens)
+        pointer = q if sinks is None else sinks
+        return cls(tensors, pointer, num_heads, num_kv_heads, rows, heads, chunks, constants)
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.tensors[0]
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.tensors[3]
+
+    def strides(self) -> tuple[int, ...]:
+        # read at launch: the row and head strides of q, the caches and out, block_tables' rows
+        q, k_cache, v_cache, out, block_tables, _ = self.tensors
+        return (*_row_head_strides(q, k_cache, v_cache, out), block_tables.stride(0))
+
+
+def _row_head_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    return tuple(stride for t in tensors for stride in t.stride()[:2])
 
 
 def _require_unit_last_stride(**tensors: torch.Tensor) -> None:

@@ -10,11 +10,8 @@ from raylane.kernels.attention.triton_common import (
     _MAX_SPLITS,
     _MIN_SPLIT_TOKENS,
     LOG2E,
-    _check_paged,
-    _dot_mode,
     _load_kv_tile,
-    _padded_head_dim,
-    _program_shape,
+    _PagedCall,
     _sink_mass,
     _softmax_step,
     _window_start,
@@ -188,69 +185,73 @@ def decode_attention(
     num_splits=None picks one for a context as long as the table is wide (W * block_size); pass
     `pick_num_splits(...)` for the real longest context, fixed per captured CUDA graph.
     """
-    num_heads, num_kv_heads, head_dim, v_dim = _check_paged(q, k_cache, v_cache, out, block_size)
+    call = _PagedCall.checked(
+        q, k_cache, v_cache, out, block_tables, seq_lens, sinks, block_size, least_rows=16
+    )
     batch = q.shape[0]
     if batch == 0:
         return
     if num_splits is None:
-        num_splits = pick_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size)
-    group, d_pad = num_heads // num_kv_heads, _padded_head_dim(head_dim)
+        num_splits = pick_num_splits(batch, call.num_kv_heads, block_tables.shape[1] * block_size)
+    part_ml, part_acc = _split_partials(call, num_splits)
+    _attend_splits(call, part_ml, part_acc, scale, window, num_splits)
+    if num_splits != 1:  # each split left a partial softmax: combine them
+        _reduce_splits(call, part_ml, part_acc, num_splits)
+
+
+def _split_partials(call: _PagedCall, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # float32 scratch: (max, sum) per head and split, then the unnormalised outputs; empty
+    # for one split, which normalises in place
+    q = call.q
+    batch, num_heads, head_dim = q.shape[0], call.num_heads, q.shape[2]
     direct = num_splits == 1
-    # float32 scratch: (max, sum) per head and split, then the unnormalised outputs
     ml_shape = (0,) if direct else (2, batch, num_heads, num_splits)
     acc_shape = (0,) if direct else (batch, num_heads, num_splits, head_dim)
-    part_ml = q.new_empty(ml_shape, dtype=torch.float32)
-    part_acc = q.new_empty(acc_shape, dtype=torch.float32)
-    tiles, g_pad, heads, chunks = _program_shape(group, d_pad, q, least_rows=16)
-    _decode_kernel[(batch, num_kv_heads * chunks, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_tables,
-        seq_lens,
+    return (
+        q.new_empty(ml_shape, dtype=torch.float32),
+        q.new_empty(acc_shape, dtype=torch.float32),
+    )
+
+
+def _attend_splits(
+    call: _PagedCall,
+    part_ml: torch.Tensor,
+    part_acc: torch.Tensor,
+    scale: float,
+    window: int | None,
+    num_splits: int,
+) -> None:
+    # one program per sequence, chunk of a KV head's query heads and split of its keys
+    grid = (call.q.shape[0], call.num_kv_heads * call.chunks, num_splits)
+    _decode_kernel[grid](
+        *call.tensors,
         part_ml,
         part_acc,
-        q if sinks is None else sinks,  # any pointer when there are none
+        call.sinks,
         scale * LOG2E,
         window or 0,
         num_splits,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        NUM_HEADS=num_heads,
-        GROUP=group,
-        HEADS=heads,
-        NUM_CHUNKS=chunks,
-        G_PAD=g_pad,
-        HEAD_DIM=head_dim,
-        V_DIM=v_dim,
-        D_PAD=d_pad,
-        BLOCK_SIZE=block_size,
-        DIRECT=direct,
-        HAS_SINKS=sinks is not None,
-        **tiles,
-        **_dot_mode(q),
+        *call.strides(),
+        NUM_HEADS=call.num_heads,
+        G_PAD=call.rows,
+        DIRECT=num_splits == 1,
+        **call.constants,
     )
-    if not direct:
-        _reduce_splits_kernel[(batch, num_heads)](
-            part_ml,
-            part_acc,
-            out,
-            q if sinks is None else sinks,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            V_DIM=v_dim,
-            D_PAD=d_pad,
-            S_PAD=triton.next_power_of_2(num_splits),
-            HAS_SINKS=sinks is not None,
-        )
+
+
+def _reduce_splits(
+    call: _PagedCall, part_ml: torch.Tensor, part_acc: torch.Tensor, num_splits: int
+) -> None:
+    # one program per (sequence, query head): the splits' partial softmaxes into out
+    out, constants = call.out, call.constants
+    _reduce_splits_kernel[(call.q.shape[0], call.num_heads)](
+        part_ml,
+        part_acc,
+        out,
+        call.sinks,
+        num_splits,
+        *out.stride()[:2],
+        NUM_HEADS=call.num_heads,
+        S_PAD=triton.next_power_of_2(num_splits),
+        **{name: constants[name] for name in ("HEAD_DIM", "V_DIM", "D_PAD", "HAS_SINKS")},
+    )

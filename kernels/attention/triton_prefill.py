@@ -9,11 +9,8 @@ import triton.language as tl
 from raylane.kernels.attention.triton_common import (
     _PREFILL_BLOCK_M,
     LOG2E,
-    _check_paged,
-    _dot_mode,
     _load_kv_tile,
-    _padded_head_dim,
-    _program_shape,
+    _PagedCall,
     _sink_mass,
     _softmax_step,
     _window_start,
@@ -137,44 +134,36 @@ def prefill_attention(
     int32 = cached context + chunk, whose K/V are already stored; block_tables [B, W] int32;
     max_query_len: host int >= the longest chunk (sizes the grid).
     """
-    num_heads, num_kv_heads, head_dim, v_dim = _check_paged(q, k_cache, v_cache, out, block_size)
+    call = _PagedCall.checked(
+        q, k_cache, v_cache, out, block_tables, seq_lens, sinks, block_size, _PREFILL_BLOCK_M
+    )
     batch = seq_lens.shape[0]
     if batch == 0 or max_query_len == 0:
         return
-    group, d_pad = num_heads // num_kv_heads, _padded_head_dim(head_dim)
-    # query heads per program; a wider group splits in chunks
-    tiles, block_m, heads, chunks = _program_shape(group, d_pad, q, _PREFILL_BLOCK_M)
-    block_q = block_m // heads  # query tokens per program; the last heads * block_q rows idle
-    _prefill_kernel[(batch, triton.cdiv(max_query_len, block_q), num_kv_heads * chunks)](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_tables,
-        seq_lens,
+    _attend_chunks(call, batch, query_start_loc, max_query_len, scale, window)
+
+
+def _attend_chunks(
+    call: _PagedCall,
+    batch: int,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    window: int | None,
+) -> None:
+    # one program per sequence, tile of its chunk's query tokens and chunk of a KV head's
+    # query heads (a wider group than a program holds splits in chunks)
+    # query tokens per program; its rows past heads * block_q idle
+    block_q = call.rows // call.heads
+    grid = (batch, triton.cdiv(max_query_len, block_q), call.num_kv_heads * call.chunks)
+    _prefill_kernel[grid](
+        *call.tensors,
         query_start_loc,
-        q if sinks is None else sinks,
+        call.sinks,
         scale * LOG2E,
         window or 0,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        GROUP=group,
-        HEADS=heads,
-        NUM_CHUNKS=chunks,
-        HEAD_DIM=head_dim,
-        V_DIM=v_dim,
-        D_PAD=d_pad,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
+        *call.strides(),
+        BLOCK_M=call.rows,
         BLOCK_Q=block_q,
-        HAS_SINKS=sinks is not None,
-        **tiles,
-        **_dot_mode(q),
+        **call.constants,
     )

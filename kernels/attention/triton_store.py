@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from raylane.kernels.attention.triton_common import _require_unit_last_stride
+from raylane.kernels.attention.triton_common import _require_unit_last_stride, _row_head_strides
 
 
 @triton.jit
@@ -61,6 +61,28 @@ def store_kv(
     output); caches [num_slots, KVH, D] and [num_slots, KVH, Dv]; slot_mapping [T] int64.
     Values are cast to the cache dtype.
     """
+    _check_kv_shapes(k, v, k_cache, v_cache)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *_row_head_strides(k, v, k_cache, v_cache),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        V_DIM=v.shape[2],
+        H_PAD=triton.next_power_of_2(num_kv_heads),
+        D_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+def _check_kv_shapes(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
     _require_unit_last_stride(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
     if not (
         k.shape[1:] == k_cache.shape[1:]
@@ -72,26 +94,3 @@ def store_kv(
             f"shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, "
             f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
         )
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    _store_kv_kernel[(num_tokens,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        V_DIM=v.shape[2],
-        H_PAD=triton.next_power_of_2(num_kv_heads),
-        D_PAD=triton.next_power_of_2(head_dim),
-    )
