@@ -13,14 +13,16 @@ batch-invariant mode (`EngineConfig(batch_invariant=True)`): `F.linear` over row
 multiple of 16, SiLU, GELU, softplus and sigmoid row by row on the vector path, attention
 ("sdpa" and "eager" alike; sliding windows and gpt-oss's sinks included) through the C paged
 kernel, MoE experts (whatever `experts_implementation`; gpt-oss's biased, interleaved layout
-too) one expert at a time, as transformers' "eager" loop and the engine's mode both do, and the
+too) one expert at a time, as transformers' "eager" loop and the engine's mode both do; the
 Gated DeltaNet layers of Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (their modeling files'
 `causal_conv1d_fn` and `torch_chunk_gated_delta_rule`) on the engine's token-by-token
-recurrence. So the teacher-forced logprobs of a rollout equal, bit for bit, the logprobs the
-engine returned for it, at any trainer batch size. Autograd works (attention's backward
-recomputes in torch ops). Leaving the context restores every op. On the CPU, at TP = 1, for
-Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3, Gemma 3, gpt-oss and the Qwen3.5 / Qwen3-Next
-hybrids in float32 and bfloat16 (docs/rl.md says what is covered and what is not).
+recurrence; DSA attention (DeepSeek-V3.2, GLM-5: the attention class's `forward`) on the
+engine's per-token indexer and absorbed sparse attention. So the teacher-forced logprobs of a
+rollout equal, bit for bit, the logprobs the engine returned for it, at any trainer batch
+size. Autograd works (attention's backward recomputes in torch ops). Leaving the context
+restores every op. On the CPU, at TP = 1, for Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3,
+DeepSeek-V3.2, GLM-5, Gemma 3, gpt-oss and the Qwen3.5 / Qwen3-Next hybrids in float32 and
+bfloat16 (docs/rl.md says what is covered and what is not).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from raylane.kernels.batch_invariant import gated_delta_net, padded_linear
 from raylane.kernels.batch_invariant.attention import invariant_attention
+from raylane.kernels.batch_invariant.dsa import dsa_attention_forward
 from raylane.kernels.batch_invariant.elementwise import gelu as invariant_gelu
 from raylane.kernels.batch_invariant.elementwise import sigmoid as invariant_sigmoid
 from raylane.kernels.batch_invariant.elementwise import silu as invariant_silu
@@ -48,6 +51,8 @@ _LINEAR_ATTENTION_FUNCTIONS = {
     "causal_conv1d_fn": gated_delta_net.causal_conv1d_fn,
     "torch_chunk_gated_delta_rule": gated_delta_net.chunk_gated_delta_rule,
 }
+# transformers' DSA attention classes, whose forward runs the engine's sparse attention inside
+_DSA_CLASSES = {"deepseek_v32": "DeepseekV32Attention", "glm_moe_dsa": "GlmMoeDsaAttention"}
 
 
 @contextlib.contextmanager
@@ -96,12 +101,20 @@ def _attribute_swaps() -> list[tuple[Any, str, Any]]:
         (torch.Tensor, "sigmoid", invariant_sigmoid),
     ]
     for family in _LINEAR_ATTENTION_MODULES:
-        try:
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        except ImportError:
-            continue
-        swaps += [(module, name, fn) for name, fn in _LINEAR_ATTENTION_FUNCTIONS.items()]
+        if (module := _modeling(family)) is not None:
+            swaps += [(module, name, fn) for name, fn in _LINEAR_ATTENTION_FUNCTIONS.items()]
+    for family, cls in _DSA_CLASSES.items():
+        if (module := _modeling(family)) is not None:
+            swaps.append((getattr(module, cls), "forward", dsa_attention_forward))
     return swaps
+
+
+def _modeling(family: str) -> Any:
+    """transformers' modeling file for `family`, or None where this transformers lacks it."""
+    try:
+        return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        return None
 
 
 def invariant_experts(
