@@ -120,6 +120,8 @@ class NativeFormatter:
             "weight_versions": list(c.weight_versions),  # of each output token
             "routed_experts": None,
         }
+        if c.lora_versions is not None:  # the LoRA adapter's version of each output token
+            meta["lora_versions"] = list(c.lora_versions)
         if self.body.return_routed_experts:
             meta.update(self._routing(c))
         if self.body.return_indexer_topk:

@@ -184,6 +184,7 @@ class MetaInfo(_Out):
     routed_experts_start_len: int | None = None  # with SGLang's string
     indexer_topk: RoutedExperts | None = None  # return_indexer_topk (DSA models)
     kept_mass_logprobs: list[float] | None = None  # return_kept_mass
+    lora_versions: list[int] | None = None  # on a LoRA adapter: its version of each token
     output_token_logprobs: list[SGLangLogprob] | None = None  # return_logprob
     output_top_logprobs: list[list[SGLangLogprob]] | None = None  # and top_logprobs_num > 0
 

@@ -34,6 +34,7 @@ class Rollout:
     num_cached_tokens: int = 0
     # DSA models: int32 [prompt + output - 1, dsa_layers, index_topk], ascending, -1 padded
     indexer_topk: np.ndarray | None = None
+    lora_versions: list[int] | None = None  # the adapter's version of each token (None: base)
 
     @property
     def finished(self) -> bool:
@@ -61,6 +62,7 @@ def _from_completion(out: RequestOutput, c: CompletionOutput) -> Rollout:
         routed_experts=c.routed_experts,
         num_cached_tokens=out.num_cached_tokens,
         indexer_topk=c.indexer_topk,
+        lora_versions=None if c.lora_versions is None else [int(v) for v in c.lora_versions],
     )
 
 
@@ -88,7 +90,12 @@ def from_generate_item(
         ),
         num_cached_tokens=int(meta.get("cached_tokens") or 0),
         indexer_topk=decode_routed_experts(meta.get("indexer_topk")),
+        lora_versions=_ints(meta.get("lora_versions")),
     )
+
+
+def _ints(values: list | None) -> list[int] | None:
+    return None if values is None else [int(v) for v in values]
 
 
 def _version(meta: dict) -> int:

@@ -241,11 +241,16 @@ def test_client_loads_generates_updates_and_unloads(lora_server, adapters, peft)
             want, _ = peft_greedy(peft, "alpha", PROMPTS[0], MAX_TOKENS)
             assert await greedy(client, PROMPTS[0], "tenant") == want
             # the adapter-only update: gamma's tensors become tenant's next version
+            (before,) = await client.generate(PROMPTS[0], lora="tenant", max_tokens=3)
+            assert before.lora_versions == [listed["tenant"]["version"]] * 3
             version = await client.update_lora("tenant", peft_tensors(adapters["gamma"]))
             assert version == listed["tenant"]["version"] + 1
             for prompt in PROMPTS:
                 want, _ = peft_greedy(peft, "gamma", prompt, MAX_TOKENS)
                 assert await greedy(client, prompt, "tenant") == want
+            (after,) = await client.generate(PROMPTS[0], lora="tenant", max_tokens=3)
+            (base,) = await client.generate(PROMPTS[0], max_tokens=3)
+            assert (after.lora_versions, base.lora_versions) == ([version] * 3, None)
             # beta is rank 8: its shapes are not tenant's; refused, tenant unchanged
             with pytest.raises(ValueError):
                 await client.update_lora("tenant", peft_tensors(adapters["beta"]))
