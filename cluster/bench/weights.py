@@ -61,9 +61,12 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     if args.lora:
-        from raylane.bench.weights_lora import run_lora
+        from raylane.bench.weights_lora import RANK, run_lora
 
-        return run_lora(args)
+        def lora_cluster(model_dir: str) -> serving:
+            return serving(model_dir, args, lora_rank=RANK)
+
+        return run_lora(args, lora_cluster, http_client, in_cluster_client)
     model_dir = resolve_model(args.model)
     named = load_named(model_dir)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
@@ -118,9 +121,10 @@ def collective_rows(
 
 
 class serving:
-    """A local cluster serving `model_dir` in float32 with the admin routes on; yields its URL."""
+    """A local cluster serving `model_dir` in float32 with the admin routes on (and LoRA
+    adapters up to `lora_rank`, if given); yields its URL."""
 
-    def __init__(self, model_dir: str, args: argparse.Namespace):
+    def __init__(self, model_dir: str, args: argparse.Namespace, lora_rank: int | None = None):
         from raylane.bench.serve_targets import free_port
         from raylane.config import ClusterConfig
 
@@ -132,7 +136,11 @@ class serving:
             torch_threads=args.torch_threads,
             admin_api_key=ADMIN_KEY,
             trainer_api=True,
-            engine={"dtype": "float32", "max_num_seqs": max(32, args.in_flight)},
+            engine={
+                "dtype": "float32",
+                "max_num_seqs": max(32, args.in_flight),
+                **({"enable_lora": True, "max_lora_rank": lora_rank} if lora_rank else {}),
+            },
         )
 
     def __enter__(self) -> str:

@@ -1,8 +1,8 @@
 """`raylane bench weights --lora`: a rank-16 adapter-only sync against a full weight sync of the
-same model, in the same run, on a local cluster serving it with LoRA on: both through
-`RolloutClient` (over HTTP, and in the cluster through the object store), each a whole
-transaction on every replica (manifest checked everywhere, buckets, commit; the weight sync also
-pauses and resumes the engines, the adapter sync needs no pause)."""
+same model, in the same run, on a local cluster serving it with LoRA on (weights.py's
+`serving`): both through `RolloutClient` (over HTTP, and in the cluster through the object
+store), each a whole transaction on every replica (manifest checked everywhere, buckets, commit;
+the weight sync also pauses and resumes the engines, the adapter sync needs no pause)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,23 @@ import argparse
 import asyncio
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 from raylane.bench.weights_references import Row
 
-ADMIN_KEY = "bench-weights-lora-admin"
 RANK = 16
 
 
-def run_lora(args: argparse.Namespace) -> int:
+def run_lora(
+    args: argparse.Namespace,
+    cluster: Callable[[str], AbstractContextManager[str]],
+    http_client: Callable[[str], Any],
+    in_cluster_client: Callable[[], Any],
+) -> int:
+    """`cluster(model_dir)` serves the model with LoRA on (yields its URL); the two client
+    makers are weights.py's."""
     import torch
     from raylane.bench.lora_adapters import random_adapter_tensors, write_random_adapter
     from raylane.bench.weight_sender import load_named
@@ -29,12 +38,9 @@ def run_lora(args: argparse.Namespace) -> int:
     path = write_random_adapter(model_dir, tempfile.mkdtemp(prefix="raylane-lora-"), RANK)
     bucket = args.bucket_mb << 20
     rows: dict[str, tuple[Row, Row]] = {}
-    with lora_serving(model_dir, args) as url:
+    with cluster(model_dir) as url:
         versions = iter(range(1, 10_000))
-        for name, make in (
-            ("HTTP", lambda: _client(url)),
-            ("in-cluster", _in_cluster),
-        ):
+        for name, make in (("HTTP", lambda: http_client(url)), ("in-cluster", in_cluster_client)):
             asyncio.run(_load(make, path))
             weights, lora = Row(f"{name}, full weights"), Row(f"{name}, rank-{RANK} adapter")
             for _ in range(args.repeats):  # alternating, so drift hits both alike
@@ -43,52 +49,6 @@ def run_lora(args: argparse.Namespace) -> int:
             rows[name] = (weights, lora)
     _print(rows, _nbytes(full), _nbytes(adapter), args, torch.get_num_threads())
     return 0
-
-
-class lora_serving:
-    """A local cluster serving `model_dir` (float32) with LoRA and the admin routes on."""
-
-    def __init__(self, model_dir: str, args: argparse.Namespace):
-        from raylane.bench.serve_targets import free_port
-        from raylane.config import ClusterConfig
-
-        engine = {"dtype": "float32", "enable_lora": True, "max_lora_rank": RANK}
-        self.config = ClusterConfig(
-            model=model_dir,
-            served_model_name="bench",
-            port=free_port(),
-            replicas=args.replicas,
-            torch_threads=args.torch_threads,
-            admin_api_key=ADMIN_KEY,
-            engine=engine,
-        )
-
-    def __enter__(self) -> str:
-        from raylane import launch
-
-        launch.start_ray()
-        try:
-            return launch.deploy(self.config)
-        except BaseException:
-            launch.shutdown()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        from raylane import launch
-
-        launch.shutdown()
-
-
-def _client(url: str):
-    from raylane.client import RolloutClient
-
-    return RolloutClient(url, admin_key=ADMIN_KEY)
-
-
-def _in_cluster():
-    from raylane.client import RolloutClient
-
-    return RolloutClient.in_cluster()
 
 
 async def _load(make, path: str) -> None:

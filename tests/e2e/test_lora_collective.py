@@ -6,16 +6,12 @@ that dies halfway rolls the update back: outputs and the adapter's version stay 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from raylane.actors.engine import AsyncLLMEngine, LLMEngine
-from raylane.launch import free_port
 from raylane.session_server.app import build_app
 from raylane.session_server.backend import local_backend
 from safetensors import safe_open
@@ -24,13 +20,12 @@ from tests.e2e.admin_helpers import ADMIN_KEY, USER_KEY, keyed_client
 from tests.e2e.conftest import MAX_BODY, MODEL, tiny_config
 from tests.e2e.server import ServerThread
 from tests.lora_adapters import make_adapter, peft_greedy, peft_models
+from tests.weight_trainer import GROUP, Trainer
 
 pytest.importorskip("peft")
 
-GROUP = "lora_group"
 PROMPTS = [[5, 17, 42, 99, 7], [3, 8, 1, 250, 64, 12]]
 MAX_TOKENS = 8
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def adapter_specs(adapter_dir: str) -> list[dict]:
@@ -41,40 +36,13 @@ def adapter_specs(adapter_dir: str) -> list[dict]:
         ]
 
 
-class AdapterTrainer:
-    """Rank 0 of the adapter group in its own process; `send()` broadcasts the adapter once."""
-
-    def __init__(self, adapter_dir: str, specs: list[dict], **plan) -> None:
-        self.port = free_port()
-        plan = {"port": self.port, "world_size": 2, "group": GROUP, **plan}
-        plan["file"] = f"{adapter_dir}/adapter_model.safetensors"
-        plan["names"] = [s["name"] for s in specs]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.weight_trainer", json.dumps(plan)],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-    def info(self) -> dict:
-        return {
-            "master_address": "127.0.0.1",
-            "master_port": self.port,
-            "rank_offset": 1,
-            "world_size": 2,
-            "group_name": GROUP,
-            "backend": "gloo",
-        }
-
-    def send(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+def adapter_trainer(adapter_dir: str, specs: list[dict], tmp: Path, **plan) -> Trainer:
+    """tests/weight_trainer.py's trainer (rank 0, one broadcast per tensor), sending the
+    adapter's file under PEFT's names (it reads `model.safetensors` from the directory given)."""
+    sender = tmp / f"sender-{len(list(tmp.iterdir()))}"
+    sender.mkdir()
+    (sender / "model.safetensors").symlink_to(Path(adapter_dir) / "adapter_model.safetensors")
+    return Trainer(str(sender), specs, **plan)
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +83,12 @@ def version(user: httpx.Client) -> int:
     return cards["policy"]["lora_version"]
 
 
-def joined(admin: httpx.Client, trainer: AdapterTrainer) -> None:
+def joined(admin: httpx.Client, trainer: Trainer) -> None:
     resp = admin.post("/admin/update_lora/init_group", json={"init_info": trainer.info()})
     assert resp.status_code == 200, resp.text
 
 
-def update(admin: httpx.Client, trainer: AdapterTrainer, specs: list[dict]) -> httpx.Response:
+def update(admin: httpx.Client, trainer: Trainer, specs: list[dict]) -> httpx.Response:
     """begin -> receive while the trainer broadcasts -> commit (the commit's answer)."""
     begin = admin.post("/admin/update_lora/begin", json={"lora_name": "policy", "tensors": specs})
     assert begin.status_code == 200, begin.text
@@ -133,12 +101,12 @@ def update(admin: httpx.Client, trainer: AdapterTrainer, specs: list[dict]) -> h
     return admin.post(f"/admin/update_lora/{update_id}/commit", json={"version": "step-1"})
 
 
-def test_update_over_gloo_serves_the_new_adapter(server, adapters, peft):
+def test_update_over_gloo_serves_the_new_adapter(server, adapters, peft, tmp_path):
     specs = adapter_specs(adapters["new"])
     with keyed_client(server, ADMIN_KEY) as admin, keyed_client(server, USER_KEY) as user:
         assert greedy(user, PROMPTS[0]) == peft_greedy(peft, "old", PROMPTS[0], MAX_TOKENS)[0]
         before = version(user)
-        trainer = AdapterTrainer(adapters["new"], specs)
+        trainer = adapter_trainer(adapters["new"], specs, tmp_path)
         try:
             joined(admin, trainer)
             resp = update(admin, trainer, specs)
@@ -150,7 +118,7 @@ def test_update_over_gloo_serves_the_new_adapter(server, adapters, peft):
             assert greedy(user, prompt) == peft_greedy(peft, "new", prompt, MAX_TOKENS)[0]
 
 
-def test_mismatch_and_broken_trainer_change_nothing(server, adapters, peft):
+def test_mismatch_and_broken_trainer_change_nothing(server, adapters, peft, tmp_path):
     specs = adapter_specs(adapters["old"])
     with keyed_client(server, ADMIN_KEY) as admin, keyed_client(server, USER_KEY) as user:
         before = [greedy(user, p) for p in PROMPTS]
@@ -158,7 +126,7 @@ def test_mismatch_and_broken_trainer_change_nothing(server, adapters, peft):
         bad = [dict(specs[0], shape=[d + 1 for d in specs[0]["shape"]]), *specs[1:]]
         resp = admin.post("/admin/update_lora/begin", json={"lora_name": "policy", "tensors": bad})
         assert resp.status_code == 400, resp.text  # refused on every rank: nothing was sent
-        trainer = AdapterTrainer(adapters["old"], specs, stop_after=len(specs) // 2)
+        trainer = adapter_trainer(adapters["old"], specs, tmp_path, stop_after=len(specs) // 2)
         try:
             joined(admin, trainer)
             resp = update(admin, trainer, specs)  # the trainer dies halfway
