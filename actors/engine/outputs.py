@@ -64,8 +64,23 @@ def aborted(out: RequestOutput) -> RequestOutput:
     return dataclasses.replace(out, outputs=samples, finished=True)
 
 
+class CompactPickle:
+    """Pickles a slotted dataclass as its field values, without their names: the deltas cross
+    the replica's output channel every step, and a pickled slots object spells out every field
+    name (which would make each new field, even one left None, cost bytes per step)."""
+
+    __slots__ = ()
+
+    def __getstate__(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state: tuple) -> None:
+        for name, value in zip(self.__slots__, state, strict=True):
+            object.__setattr__(self, name, value)
+
+
 @dataclass(slots=True)
-class SampleDelta:
+class SampleDelta(CompactPickle):
     """What one sample gained in one engine step (see `EngineCoreOutput`)."""
 
     index: int
@@ -110,7 +125,7 @@ class SampleDelta:
 
 
 @dataclass(slots=True)
-class EngineCoreOutput:
+class EngineCoreOutput(CompactPickle):
     """One request's news from one engine step, shaped like vLLM v1's `EngineCoreOutput`: only
     what is new, so a step's output is O(new tokens) whatever the prompt length. The prompt (text,
     ids) comes once, on the request's first output; `prompt_logprobs` holds the entries computed
