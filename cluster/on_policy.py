@@ -17,12 +17,14 @@ too) one expert at a time, as transformers' "eager" loop and the engine's mode b
 Gated DeltaNet layers of Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (their modeling files'
 `causal_conv1d_fn` and `torch_chunk_gated_delta_rule`) on the engine's token-by-token
 recurrence; DSA attention (DeepSeek-V3.2, GLM-5: the attention class's `forward`) on the
-engine's per-token indexer and absorbed sparse attention. So the teacher-forced logprobs of a
-rollout equal, bit for bit, the logprobs the engine returned for it, at any trainer batch
-size. Autograd works (attention's backward recomputes in torch ops). Leaving the context
-restores every op. On the CPU, at TP = 1, for Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3,
+engine's per-token indexer and absorbed sparse attention; DeepSeek-V2's complex-number RoPE
+rotated as the engine (and DeepSeek-V3) rotates. So the teacher-forced logprobs of a rollout
+equal, bit for bit, the logprobs the engine returned for it, at any trainer batch size.
+Autograd works (attention's backward recomputes in torch ops). Leaving the context restores
+every op. On the CPU, at TP = 1, for Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2, DeepSeek-V3,
 DeepSeek-V3.2, GLM-5, Gemma 3, gpt-oss and the Qwen3.5 / Qwen3-Next hybrids in float32 and
-bfloat16 (docs/rl.md says what is covered and what is not).
+bfloat16 (docs/rl.md says what is covered and what is not; not a TP = 2 rollout against a
+TP = 1 trainer: the all-reduce sums the ranks' partial sums, an order one rank lacks).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from raylane.kernels.batch_invariant import gated_delta_net, padded_linear
+from raylane.kernels.batch_invariant import complex_rope, gated_delta_net, padded_linear
 from raylane.kernels.batch_invariant.attention import invariant_attention
 from raylane.kernels.batch_invariant.dsa import dsa_attention_forward
 from raylane.kernels.batch_invariant.elementwise import gelu as invariant_gelu
@@ -106,6 +108,9 @@ def _attribute_swaps() -> list[tuple[Any, str, Any]]:
     for family, cls in _DSA_CLASSES.items():
         if (module := _modeling(family)) is not None:
             swaps.append((getattr(module, cls), "forward", dsa_attention_forward))
+    if (v2 := _modeling("deepseek_v2")) is not None:  # its complex RoPE, rotated as V3's
+        swaps.append((v2.DeepseekV2RotaryEmbedding, "forward", complex_rope.rotary_forward))
+        swaps.append((v2, "apply_rotary_emb", complex_rope.apply_rotary_emb))
     return swaps
 
 

@@ -18,6 +18,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from tests.tiny_models import (
+    make_deepseek_v2,
     make_gemma3,
     make_gpt_oss,
     make_qwen3_5,
@@ -30,6 +31,7 @@ DTYPES = ["float32", "bfloat16"]
 # Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: Gated DeltaNet layers (transformers' chunked scan and
 # conv swapped for the engine's token-by-token recurrence) beside gated full attention;
 # DeepSeek-V3.2 / GLM-5 (shared indexers): DSA, the rollouts longer than index_topk;
+# DeepSeek-V2: its complex-number RoPE rotated as the engine (and DeepSeek-V3) rotates;
 # gpt-oss (no "sdpa" in transformers): the same with attention sinks, and biased experts with
 # gate and up interleaved
 FAMILIES = [
@@ -43,21 +45,29 @@ FAMILIES = [
     "tiny_qwen3_next_dir",
     "tiny_dsa_dir",
     "tiny_glm5_dir",
+    "tiny_deepseek_v2_dir",
+    "tiny_deepseek_v2_yarn_dir",
 ]
 EAGER = ["tiny_llama_dir", "tiny_gpt_oss_dir"]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21], [22, 23]]
 
 
-def _tiny(make):
+def _tiny(make, **overrides):
     """A module-scoped fixture: the tiny checkpoint `make` writes."""
 
     @pytest.fixture(scope="module")
     def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-        return make(tmp_path_factory.mktemp(f"bi_trainer_{make.__name__}"))
+        return make(tmp_path_factory.mktemp(f"bi_trainer_{make.__name__}"), **overrides)
 
     return model_dir
 
 
+tiny_deepseek_v2_dir = _tiny(make_deepseek_v2)
+# DeepSeek-V2's own RoPE: YaRN with mscale (attention_scaling on cos and sin, and the softmax's)
+V2_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "mscale": 0.707}
+V2_YARN |= {"mscale_all_dim": 0.707, "original_max_position_embeddings": 64}
+V2_YARN |= {"beta_fast": 32.0, "beta_slow": 1.0}
+tiny_deepseek_v2_yarn_dir = _tiny(make_deepseek_v2, rope_parameters=V2_YARN)
 tiny_gemma3_dir = _tiny(make_gemma3)
 tiny_gpt_oss_dir = _tiny(make_gpt_oss)
 tiny_qwen3_5_dir = _tiny(make_qwen3_5)
@@ -213,7 +223,8 @@ def test_leaving_the_context_restores_every_op():
     assert [dict(t._local_mapping) for t in tables] == before
 
 
-def test_gated_deltanet_and_dsa_are_swapped_and_restored():
+def test_the_families_functions_are_swapped_and_restored():
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm5
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
@@ -222,6 +233,7 @@ def test_gated_deltanet_and_dsa_are_swapped_and_restored():
     names = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
     owners = [(m, n) for m in (qwen3_5, qwen3_next) for n in names]
     owners += [(v32.DeepseekV32Attention, "forward"), (glm5.GlmMoeDsaAttention, "forward")]
+    owners += [(v2.DeepseekV2RotaryEmbedding, "forward"), (v2, "apply_rotary_emb")]
     owners.append((F, "softplus"))
     before = {(m, n): getattr(m, n) for m, n in owners}
     with batch_invariant():
