@@ -72,10 +72,12 @@ class CompactPickle:
     __slots__ = ()
 
     def __getstate__(self) -> tuple:
-        return tuple(getattr(self, name) for name in self.__slots__)
+        names: tuple[str, ...] = self.__slots__
+        return tuple(getattr(self, name) for name in names)
 
     def __setstate__(self, state: tuple) -> None:
-        for name, value in zip(self.__slots__, state, strict=True):
+        names: tuple[str, ...] = self.__slots__
+        for name, value in zip(names, state, strict=True):
             object.__setattr__(self, name, value)
 
 
