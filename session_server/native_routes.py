@@ -11,14 +11,13 @@ from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.session_server.backend import ModelInfo
 from raylane.session_server.context import (
     backend_of,
-    check_model,
     check_n,
     new_id,
     routing_key,
     timeout_of,
 )
 from raylane.session_server.errors import bad_request, error_response, from_exception
-from raylane.session_server.lora import on_adapter, sglang_adapter
+from raylane.session_server.lora import model_adapter, on_adapter, sglang_adapter
 from raylane.session_server.native_format import NativeFormatter
 from raylane.session_server.openapi import EVENT_STREAM, ok
 from raylane.session_server.prompts import chat_text, encode, generate_prompts
@@ -109,7 +108,7 @@ async def _renamed(stream: AsyncGenerator[Indexed, None]) -> AsyncGenerator[Inde
 @router.post("/tokenize", response_model=None, responses=ok(TokenizeResponse))
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     backend = backend_of(request)
-    check_model(body.model, backend.info)
+    await model_adapter(request, body.model)  # an adapter's name too: its tokenizer is the base's
     text = body.prompt if body.prompt is not None else body.text
     if (text is None) == (body.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
@@ -132,7 +131,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 @router.post("/detokenize", response_model=None, responses=ok(DetokenizeResponse))
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     backend = backend_of(request)
-    check_model(body.model, backend.info)
+    await model_adapter(request, body.model)
     vocab = backend.info.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:

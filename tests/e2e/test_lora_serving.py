@@ -148,6 +148,13 @@ def test_models_list_adapters_with_their_parent(admin, user, adapters):
     assert user.get("/v1/models/alpha").json()["parent"] == MODEL
 
 
+def test_tokenize_takes_an_adapters_name(admin, user):
+    for model in ("alpha", MODEL):
+        resp = user.post("/tokenize", json={"model": model, "prompt": "hello"})
+        assert resp.status_code == 200, resp.text
+    assert user.post("/tokenize", json={"model": "nope", "prompt": "hi"}).status_code == 404
+
+
 def test_unknown_model_gets_vllms_404_body(client, admin):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="nope", prompt=[1, 2], max_tokens=2)
