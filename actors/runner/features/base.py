@@ -23,16 +23,48 @@ runner in each hook: a wake-up replaces it).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
+    from raylane.actors.models import TPGroup
     from raylane.actors.runner.config import RunnerConfig
-    from raylane.actors.runner.inputs import StepInputs
-    from raylane.actors.runner.model_runner import ModelRunner
+    from raylane.actors.runner.inputs import InputPreparer, StepInputs
+    from raylane.actors.runner.kv_cache import KVCache
+    from raylane.actors.runner.mask_board import MaskBoard
     from raylane.actors.runner.plan import StepPlan, StepResult
     from raylane.actors.runner.requests import ScheduledRequest
+    from raylane.actors.runner.sampler import Sampler
+    from raylane.actors.runner.weight_updates import RunnerWeights
+
+
+class Runner(Protocol):
+    """What a feature reads of the `ModelRunner` that builds it (model_runner.py): a protocol,
+    so the features never import the runner that imports them."""
+
+    @property
+    def config(self) -> RunnerConfig: ...
+    @property
+    def model(self) -> Any: ...  # the architecture's class (attention_layers, ...)
+    @property
+    def hf_config(self) -> Any: ...
+    @property
+    def tp(self) -> TPGroup: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def weights(self) -> RunnerWeights: ...
+    @property
+    def inputs(self) -> InputPreparer: ...
+    @property
+    def sampler(self) -> Sampler: ...
+    @property
+    def kv(self) -> KVCache: ...  # from `kv_allocated` on
+    @property
+    def mask_board(self) -> MaskBoard | None: ...
 
 
 class RunnerFeature:
@@ -46,7 +78,7 @@ class RunnerFeature:
         """Whether a runner of `config` over `model` (the loaded architecture) needs it."""
         return False
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
 
     # --- the step -----------------------------------------------------------------------------

@@ -5,17 +5,14 @@ target's weight updates (`draft.<name>`), and it sleeps and wakes with the targe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raylane.actors.runner.config import RunnerConfig
 from raylane.actors.runner.draft_runner import DraftRunner
-from raylane.actors.runner.features.base import RunnerFeature
+from raylane.actors.runner.features.base import Runner, RunnerFeature
 from raylane.actors.runner.inputs import StepInputs
 from raylane.actors.runner.plan import StepPlan, StepResult
 from raylane.actors.runner.requests import ScheduledRequest
-
-if TYPE_CHECKING:
-    from raylane.actors.runner.model_runner import ModelRunner
 
 
 class DraftModel(RunnerFeature):
@@ -25,7 +22,7 @@ class DraftModel(RunnerFeature):
     def enabled(cls, config: RunnerConfig, model: Any) -> bool:
         return config.draft_model_dir is not None
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         super().__init__(runner)
         self.draft = DraftRunner(runner.config, runner.tp, runner.dtype, runner.device)
         runner.weights.draft = self.draft.weights  # checked, saved and rolled back together

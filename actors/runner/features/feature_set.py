@@ -8,11 +8,10 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from raylane.actors.runner.features.base import RunnerFeature
+from raylane.actors.runner.features.base import Runner, RunnerFeature
 
 if TYPE_CHECKING:
     from raylane.actors.runner.inputs import StepInputs
-    from raylane.actors.runner.model_runner import ModelRunner
     from raylane.actors.runner.plan import StepPlan, StepResult
     from raylane.actors.runner.requests import ScheduledRequest
 
@@ -20,7 +19,7 @@ F = TypeVar("F", bound=RunnerFeature)
 
 
 class RunnerFeatures:
-    def __init__(self, runner: ModelRunner, classes: Iterable[type[RunnerFeature]]) -> None:
+    def __init__(self, runner: Runner, classes: Iterable[type[RunnerFeature]]) -> None:
         """Build each of `classes` that is enabled for the runner's config and model."""
         self.runner = runner
         self.active = [cls(runner) for cls in classes if cls.enabled(runner.config, runner.model)]

@@ -5,18 +5,15 @@ computes its last position again."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from raylane.actors.runner.config import RunnerConfig
-from raylane.actors.runner.features.base import RunnerFeature
+from raylane.actors.runner.features.base import Runner, RunnerFeature
 from raylane.actors.runner.inputs import StepInputs
 from raylane.actors.runner.mask_board import roll_back_skipped, step_masks
 from raylane.actors.runner.plan import StepPlan, StepResult
 from raylane.actors.runner.requests import ScheduledRequest
-
-if TYPE_CHECKING:
-    from raylane.actors.runner.model_runner import ModelRunner
 
 
 class GrammarMasks(RunnerFeature):
@@ -26,7 +23,7 @@ class GrammarMasks(RunnerFeature):
     def enabled(cls, config: RunnerConfig, model: Any) -> bool:
         return True  # any request may carry a grammar
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         super().__init__(runner)
         # NOTE: a skipped row computes its last position again, which a recurrent state
         # (linear attention) would absorb twice: such models wait for late masks instead

@@ -6,18 +6,15 @@ budget."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from raylane.actors.runner.config import RunnerConfig
-from raylane.actors.runner.features.base import RunnerFeature
+from raylane.actors.runner.features.base import Runner, RunnerFeature
 from raylane.actors.runner.inputs import StepInputs
 from raylane.actors.runner.plan import StepPlan, StepResult
 from raylane.actors.runner.requests import ScheduledRequest
 from raylane.actors.runner.state_cache import StateCache
-
-if TYPE_CHECKING:
-    from raylane.actors.runner.model_runner import ModelRunner
 
 
 class LinearState(RunnerFeature):
@@ -27,7 +24,7 @@ class LinearState(RunnerFeature):
     def enabled(cls, config: RunnerConfig, model: Any) -> bool:
         return bool(getattr(model, "linear_layers", list)())
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         super().__init__(runner)
         config = runner.config
         self.cache = StateCache(

@@ -9,13 +9,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from raylane.actors.lora.model_lora import ModelLoRA
-from raylane.actors.runner.features.base import RunnerFeature
+from raylane.actors.runner.features.base import Runner, RunnerFeature
 
 if TYPE_CHECKING:
     from raylane.actors.lora.adapter import LoRAWeights
     from raylane.actors.runner.config import RunnerConfig
     from raylane.actors.runner.inputs import StepInputs
-    from raylane.actors.runner.model_runner import ModelRunner
     from raylane.actors.runner.plan import StepPlan
     from raylane.actors.runner.requests import ScheduledRequest
 
@@ -27,7 +26,7 @@ class LoRA(RunnerFeature):
     def enabled(cls, config: RunnerConfig, model: Any) -> bool:
         return config.max_loras > 0
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         super().__init__(runner)
         config = runner.config
         rows = max(config.cudagraph_capture_sizes)  # max_num_seqs: every step's rows fit

@@ -5,18 +5,15 @@ tokens (each feeds them to the MTP layers, whose collectives need the same rows)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from raylane.actors.runner.config import RunnerConfig
-from raylane.actors.runner.features.base import RunnerFeature
+from raylane.actors.runner.features.base import Runner, RunnerFeature
 from raylane.actors.runner.inputs import StepInputs
 from raylane.actors.runner.mtp_drafts import attach_draft_probs, mtp_drafts
 from raylane.actors.runner.plan import StepPlan, StepResult
 from raylane.actors.runner.requests import ScheduledRequest
-
-if TYPE_CHECKING:
-    from raylane.actors.runner.model_runner import ModelRunner
 
 
 class MtpDrafts(RunnerFeature):
@@ -26,7 +23,7 @@ class MtpDrafts(RunnerFeature):
     def enabled(cls, config: RunnerConfig, model: Any) -> bool:
         return config.mtp
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         super().__init__(runner)
         if not len(getattr(runner.model, "mtp_layers", ())):
             raise ValueError(
