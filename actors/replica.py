@@ -14,22 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.leases import LEASE_S, LeaseTable
 from raylane.actors.output_channel import ChannelClosed, OutputChannel
 from raylane.actors.replica_control import ReplicaControl
 from raylane.actors.replica_lora import adapter
 
 logger = logging.getLogger(__name__)
 
-# a caller renews its open channels (router/replica_channels.py, every RENEW_S); one not renewed
-# for this long is closed and its requests aborted: its caller died (Ray does not end an actor
-# call whose caller is gone)
-CHANNEL_LEASE_S = 15.0
+# a caller renews its open channels (router/replica_channels.py, actors/leases.py); one not
+# renewed for this long is closed and its requests aborted: its caller died (Ray does not end an
+# actor call whose caller is gone)
+CHANNEL_LEASE_S = LEASE_S
 
 
 class EngineReplica(ReplicaControl):
@@ -59,7 +59,7 @@ class EngineReplica(ReplicaControl):
         self._heartbeat_s = heartbeat_s
         self._heartbeat_task: asyncio.Task | None = None
         self._channels: dict[str, OutputChannel] = {}
-        self._leases: dict[str, float] = {}  # channel id -> monotonic time of its last renewal
+        self._leases = LeaseTable()  # the open channels' leases, by channel id
         self._admitted = 0  # requests submitted since start (the Router's "routed" count)
 
     async def start(self) -> None:
@@ -120,7 +120,7 @@ class EngineReplica(ReplicaControl):
         requests it submits on `channel_id`. Leaving it aborts those still running."""
         channel = OutputChannel()
         self._channels[channel_id] = channel
-        self._leases[channel_id] = time.monotonic()
+        self._leases.grant(channel_id)
         try:
             yield self.replica_id
             async for batch in channel.batches():
@@ -128,24 +128,19 @@ class EngineReplica(ReplicaControl):
         finally:
             if self._channels.get(channel_id) is channel:
                 del self._channels[channel_id]
-                self._leases.pop(channel_id, None)
+                self._leases.drop(channel_id)
             channel.close()
 
     async def renew(self, channel_ids: list[str]) -> None:
         """The caller of these channels is alive (see CHANNEL_LEASE_S)."""
-        now = time.monotonic()
-        for channel_id in channel_ids:
-            if channel_id in self._leases:
-                self._leases[channel_id] = now
+        self._leases.renew(channel_ids)
 
     def close_lapsed_channels(self, lease_s: float = CHANNEL_LEASE_S) -> None:
         """Close the channels whose caller stopped renewing them, aborting their requests."""
-        now = time.monotonic()
-        for channel_id, renewed in list(self._leases.items()):
-            if now - renewed > lease_s:
-                logger.warning("output channel %s lapsed: its caller is gone", channel_id)
-                self._leases.pop(channel_id)
-                self._channels[channel_id].close()
+        for channel_id in self._leases.lapsed(lease_s):
+            logger.warning("output channel %s lapsed: its caller is gone", channel_id)
+            self._leases.drop(channel_id)
+            self._channels[channel_id].close()
 
     async def submit(
         self,

@@ -18,15 +18,13 @@ from typing import Any
 
 from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.leases import RENEW_S, LeaseRenewals
 from raylane.actors.output_channel import ChannelClosed
 from raylane.router.replica_calls import unwrapped
 
 # a channel with no request for this long is closed (it holds a call open on its replica); long
 # enough that a steady trickle of requests reuses it instead of opening one per request
 IDLE_CLOSE_S = 30.0
-# how often an open channel tells its replica that this process is alive; a replica closes a
-# channel not renewed within its CHANNEL_LEASE_S (actors/replica.py)
-RENEW_S = 3.0
 
 
 class ChannelLost(RuntimeError):
@@ -42,6 +40,9 @@ class ReplicaChannels:
     def __init__(self) -> None:
         self._channels: dict[str, asyncio.Task] = {}  # replica id -> its _Channel
         self._loop: asyncio.AbstractEventLoop | None = None
+        # one loop tells every replica this process has a channel to that it is alive; a
+        # replica closes a channel not renewed within its CHANNEL_LEASE_S (actors/replica.py)
+        self._leases = LeaseRenewals(RENEW_S)
 
     async def stream(
         self,
@@ -101,10 +102,11 @@ class ReplicaChannels:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # channels (and their tasks) belong to one event loop
             self._loop, self._channels = loop, {}
+            self._leases = LeaseRenewals(self._leases.renew_s)
         opening = self._channels.get(replica_id)
         if opening is None or (opening.done() and _opened(opening) is None):
             # its own task: a request that leaves while it opens does not cancel it for others
-            opening = loop.create_task(_Channel.open(handle, replica_id))
+            opening = loop.create_task(_Channel.open(handle, replica_id, self._leases))
             self._channels[replica_id] = opening
         return await asyncio.shield(opening)
 
@@ -146,11 +148,11 @@ class _Channel:
         self._queues: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
         self._idle: asyncio.TimerHandle | None = None
-        self._renewing: asyncio.Task | None = None
+        self._leases: LeaseRenewals | None = None  # renewing this channel's lease while open
         self._dropped: ChannelLost | None = None  # why `drop` closed it, if it said
 
     @classmethod
-    async def open(cls, handle: Any, replica_id: str) -> _Channel:
+    async def open(cls, handle: Any, replica_id: str, leases: LeaseRenewals) -> _Channel:
         channel_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         stream = handle.open_channel.options(num_returns="streaming").remote(channel_id)
         try:
@@ -161,7 +163,8 @@ class _Channel:
         channel = cls(channel_id, replica_id)
         loop = asyncio.get_running_loop()
         channel._task = loop.create_task(channel._pump(stream))
-        channel._renewing = loop.create_task(channel._renew(handle))
+        channel._leases = leases
+        leases.hold(channel_id, replica_id, lambda ids: handle.renew.remote(ids))
         return channel
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
@@ -191,14 +194,6 @@ class _Channel:
         if self._task is not None:
             self._task.cancel()
 
-    async def _renew(self, handle: Any) -> None:
-        while True:
-            await asyncio.sleep(RENEW_S)
-            try:
-                await handle.renew.remote([self.id])
-            except Exception:  # the replica is gone: the pump sees it
-                return
-
     async def _pump(self, stream: Any) -> None:
         error: BaseException = ChannelLost(f"the output channel to replica {self.replica_id} ended")
         try:
@@ -219,8 +214,8 @@ class _Channel:
             )
         finally:
             self.lost = True
-            if self._renewing is not None:
-                self._renewing.cancel()
+            if self._leases is not None:
+                self._leases.release(self.id)
             for queue in self._queues.values():
                 queue.put_nowait(error)
 

@@ -15,8 +15,6 @@ caller's.
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, aclosing, contextmanager
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from typing import Any
 
 from raylane.actors.engine.outputs import RequestOutput
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.leases import LEASE_S, RENEW_S, LeaseLapsed, LeaseRenewals, LeaseTable
 from raylane.router.errors import ReplicaFailed
 from raylane.router.generator import TurnGenerator, turn_request_id
 from raylane.router.session import TurnDelta, TurnResult
@@ -32,13 +31,9 @@ from raylane.router.session_progress import TurnRun
 from raylane.router.session_turn import OpenTurn
 from raylane.router.sessions import SessionRegistry
 
-log = logging.getLogger(__name__)
-
 # a turn's caller renews its lease every RENEW_S while it generates (`TurnLeases`); one that
 # stops (it died: Ray does not end the Router's call of a dead caller) frees the session after
-# this long, not after the longest turn a caller could take
-LEASE_S = 15.0
-RENEW_S = 3.0
+# LEASE_S, not after the longest turn a caller could take (both from actors/leases.py)
 
 
 @dataclass(frozen=True)
@@ -56,36 +51,40 @@ class TurnHandoff:
     while its caller renews its lease (`renew`)."""
 
     def __init__(self, lease_s: float = LEASE_S) -> None:
-        self.lease_s = lease_s
         self._waiting: dict[str, asyncio.Future] = {}  # turn id -> its finished output
-        self._renewed: dict[str, float] = {}  # turn id -> time.monotonic() of its last renewal
+        self._leases = LeaseTable(lease_s)  # the turns' leases, by turn id
+
+    @property
+    def lease_s(self) -> float:
+        return self._leases.lease_s
+
+    @lease_s.setter
+    def lease_s(self, lease_s: float) -> None:
+        self._leases.lease_s = lease_s
 
     @contextmanager
     def handed_out(self, turn_id: str) -> Iterator[None]:
         """The turn is out, its lease fresh: from before its ticket is sent until the end."""
         self._waiting[turn_id] = asyncio.get_running_loop().create_future()
-        self._renewed[turn_id] = time.monotonic()
+        self._leases.grant(turn_id)
         try:
             yield
         finally:
-            del self._waiting[turn_id], self._renewed[turn_id]
+            del self._waiting[turn_id]
+            self._leases.drop(turn_id)
 
     async def output(self, turn_id: str) -> RequestOutput:
         """The turn's finished output, unless its caller stops renewing its lease first."""
-        final = self._waiting[turn_id]
-        while (left := self._renewed[turn_id] + self.lease_s - time.monotonic()) > 0:
-            try:
-                return await asyncio.wait_for(asyncio.shield(final), left)
-            except TimeoutError:
-                continue  # renewed meanwhile, or lapsed: the loop's test says which
-        raise ReplicaFailed("the turn's caller stopped renewing it (it died): the turn is dropped")
+        try:
+            return await self._leases.until_lapsed(turn_id, self._waiting[turn_id])
+        except LeaseLapsed:
+            raise ReplicaFailed(
+                "the turn's caller stopped renewing it (it died): the turn is dropped"
+            ) from None
 
     def renew(self, turn_ids: list[str]) -> None:
         """Their callers are alive and still generating them."""
-        now = time.monotonic()
-        for turn_id in turn_ids:
-            if turn_id in self._renewed:
-                self._renewed[turn_id] = now
+        self._leases.renew(turn_ids)
 
     def finish(self, turn_id: str, out: RequestOutput) -> None:
         """The caller's finished output of the turn (its last, finish reason set)."""
@@ -167,34 +166,18 @@ async def stream_turn(
     yield run.ended(await (await anext(call)))
 
 
-class TurnLeases:
-    """The caller's side of its turns' leases: while this process generates turns, one call
-    every `renew_s` renews all of them (`renew(turn_ids)`: `Router.session_turns_renew`)."""
+class TurnLeases(LeaseRenewals):
+    """The caller's side of its turns' leases (actors/leases.py): while this process generates
+    turns, one call every `renew_s` renews all of them (`renew(turn_ids)`:
+    `Router.session_turns_renew`)."""
 
     def __init__(
         self, renew: Callable[[list[str]], Awaitable[None]], renew_s: float = RENEW_S
     ) -> None:
+        super().__init__(renew_s)
         self.renew = renew
-        self.renew_s = renew_s
-        self._turns: set[str] = set()
-        self._task: asyncio.Task | None = None
 
     @contextmanager
     def held(self, turn_id: str) -> Iterator[None]:
-        self._turns.add(turn_id)
-        loop = asyncio.get_running_loop()
-        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
-            self._task = loop.create_task(self._renew_while_held())
-        try:
+        with self.holding(turn_id, "the Router", self.renew):
             yield
-        finally:
-            self._turns.discard(turn_id)
-
-    async def _renew_while_held(self) -> None:
-        while self._turns:
-            await asyncio.sleep(self.renew_s)
-            if self._turns:
-                try:
-                    await self.renew(sorted(self._turns))
-                except Exception as e:  # the Router restarts: the next renewal may land
-                    log.warning("could not renew the leases of this process's turns: %r", e)
