@@ -107,7 +107,12 @@ class LeaseRenewals:
         while self._held:
             await asyncio.sleep(self.renew_s)
             loop = asyncio.get_running_loop()
-            self._calls = {h: call for h, call in self._calls.items() if not call.done()}
+            # a call left pending on a loop that no longer runs would block its holder forever
+            self._calls = {
+                h: call
+                for h, call in self._calls.items()
+                if not call.done() and call.get_loop() is loop
+            }
             for holder, (renew, keys) in self._by_holder().items():
                 if holder not in self._calls:
                     self._calls[holder] = loop.create_task(_renew(holder, renew, keys))

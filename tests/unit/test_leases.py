@@ -104,3 +104,31 @@ async def test_a_failed_renewal_is_retried_next_period():
     with renewals.holding("k", "holder", flaky):
         await until(lambda: len(attempts) >= 2)
     assert attempts[:2] == [["k"], ["k"]]
+
+
+def test_a_renewal_left_pending_on_a_stopped_loop_does_not_block_the_next_loop():
+    """A caller that runs its event loop in pieces (a trainer's `run_until_complete` per
+    batch, each on a new loop): a renewal left unanswered on the old loop does not keep the
+    new loop from renewing at that holder."""
+    calls: list[list[str]] = []
+    first_call = asyncio.Event()
+
+    async def renew(keys: list[str]) -> None:
+        calls.append(keys)
+        if len(calls) == 1:
+            first_call.set()
+            await asyncio.Event().wait()  # unanswered when its loop stops
+
+    renewals = LeaseRenewals(renew_s=0.01)
+
+    async def hold_until(key: str, condition) -> None:
+        renewals.hold(key, "holder", renew)
+        await until(condition)
+
+    for loop_calls in (lambda: first_call.is_set(), lambda: len(calls) >= 3):
+        loop = asyncio.new_event_loop()
+        try:  # not asyncio.run: the pending renewal is left as it is, not cancelled
+            loop.run_until_complete(hold_until("k", loop_calls))
+        finally:
+            loop.close()
+    assert calls[:3] == [["k"], ["k"], ["k"]]
