@@ -69,7 +69,7 @@ class EngineReplica(ReplicaControl):
             await self.add_lora(module["name"], module["path"])
         if self.router is None or self._heartbeat_task is not None:
             return
-        await self.router.register.remote(self.replica_id)
+        await self.router.admit.remote(self.replica_id)  # the cluster's adapters, registered
         self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat())
 
     async def _heartbeat(self) -> None:

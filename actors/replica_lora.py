@@ -94,3 +94,36 @@ class ReplicaLoRA(ReplicaLoRAGroup):
 
     async def abort_lora_update(self) -> None:
         await _done(self._loras.abort_lora_update())
+
+    # a replacement replica gets what the control plane remembers (router/lora_memory.py)
+
+    async def lora_tensors(self, name: str) -> bytes:
+        """Adapter `name`'s newest version, every tensor under PEFT's names (safetensors)."""
+        from raylane.actors.models.weights import encode_bucket
+
+        llm = getattr(self.engine, "engine", self.engine)
+        named = llm.loras.weights(name).named_tensors()
+        return encode_bucket((k, v.detach().cpu()) for k, v in named.items())
+
+    async def restore_lora(self, record: dict, tensors: Any = None) -> int:
+        """Bring adapter `record["name"]` to the cluster's state: its path (and pin), then its
+        version number and label, with `tensors` (safetensors bytes, or `[ObjectRef]` of
+        them) as that version's. Returns the version it holds."""
+        from raylane.actors.models.weights import decode_bucket
+
+        name, number = record["name"], record["version"]
+        held = {a["name"]: a for a in await self.list_loras()}.get(name)
+        if held is None or held["path"] != record["path"]:
+            await self.add_lora(name, record["path"], record["pinned"])
+        elif record["pinned"]:
+            await self.pin_lora(name)
+        newest = {a["name"]: a for a in await self.list_loras()}[name]["version"]
+        if number <= newest:
+            return newest
+        if isinstance(tensors, list):
+            tensors = await tensors[0]
+        named = list(decode_bucket(tensors).items()) if tensors is not None else []
+        if number - 1 > newest:  # numbers go on past versions it never saw
+            await _done(self._loras.update_lora(name, [], number - 1))
+        # None or a str label: the next number (`number`); an int label is the number
+        return await _done(self._loras.update_lora(name, named, record["label"]))

@@ -76,6 +76,16 @@ class Router:
         self.policy.add(replica_id, time.monotonic())
         self.heartbeat(replica_id)
 
+    async def admit(self, replica_id: str) -> None:
+        """A replica that starts: it first gets the LoRA adapters the cluster holds (loaded or
+        pushed at runtime: router/lora_memory.py), then is registered."""
+        import ray
+        from raylane.router.replica_set import REPLICA_PREFIX
+
+        handle = ray.get_actor(REPLICA_PREFIX + replica_id, namespace=NAMESPACE)
+        replica = ActorCalls({replica_id: handle}).replica(replica_id)
+        await self.plane.admit(replica, lambda: self.register(replica_id))
+
     def heartbeat(
         self,
         replica_id: str,

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from raylane.router.broadcast import ReplicaBroadcast
 from raylane.router.control_parts import manifest
 from raylane.router.errors import UpdateNotFound
+from raylane.router.lora_memory import LoRAMemory
 
 
 @dataclass
@@ -40,6 +42,25 @@ class LoRAControl(ReplicaBroadcast):
 
     _lock: asyncio.Lock
     _lora_update: LoRAUpdate | None = None
+    _lora_memory: LoRAMemory | None = None
+
+    @property
+    def lora_memory(self) -> LoRAMemory:
+        """What a replica started later must hold before it serves (router/lora_memory.py)."""
+        if self._lora_memory is None:
+            self._lora_memory = LoRAMemory()
+        return self._lora_memory
+
+    async def admit(self, replica: Any, register: Callable[[], None]) -> None:
+        """A replica that starts: it gets every remembered adapter, then `register` makes it
+        routable, under the lock, so no adapter change falls between the two."""
+        async with self._lock:
+            await self.lora_memory.restore(replica)
+            register()
+
+    async def _adapter(self, replica_id: str, name: str) -> dict[str, Any]:
+        listed = await self.calls.replica(replica_id).list_loras()
+        return next(a for a in listed if a["name"] == name)
 
     async def list_loras(self) -> list[dict[str, Any]]:
         """The adapters registered on the replicas (`LoRAInfo` as dicts, by the first healthy
@@ -65,6 +86,7 @@ class LoRAControl(ReplicaBroadcast):
                 if name not in known:  # nothing stays loaded anywhere
                     await self._undo_add(ids, name)
                 raise
+            self.lora_memory.loaded(await self._adapter(ids[0], name))
             return await self.calls.replica(ids[0]).list_loras()
 
     async def _undo_add(self, ids: list[str], name: str) -> None:
@@ -80,6 +102,7 @@ class LoRAControl(ReplicaBroadcast):
             removed = await self._everywhere(
                 self._reachable(), "remove_lora", lambda r: r.remove_lora(name, True)
             )
+            self.lora_memory.forget(name)
             if not any(removed.values()):
                 raise LoRANotFound(f"lora_name {name!r}: no adapter of that name is loaded")
 
@@ -87,6 +110,7 @@ class LoRAControl(ReplicaBroadcast):
         """Keep adapter `name` in a slot on every replica (SGLang's `pinned`)."""
         async with self._lock:
             await self._everywhere(self._reachable(), "pin_lora", lambda r: r.pin_lora(name))
+            self.lora_memory.pinned(name)
 
     # --- the adapter-only update transaction --------------------------------------------------
 
@@ -140,7 +164,13 @@ class LoRAControl(ReplicaBroadcast):
                 lambda r: r.finish_lora_update(version),
             )
             self._lora_update = None
+            await self._remember_push(list(ok), update.name)
             return max(ok.values())
+
+    async def _remember_push(self, ids: list[str], name: str) -> None:
+        memory, replica = self.lora_memory, self.calls.replica(ids[0])
+        bucket = await replica.lora_tensors(name) if memory.keeps_tensors else None
+        memory.pushed(await self._adapter(ids[0], name), bucket)
 
     async def abort_lora_update(self, update_id: str | None = None) -> None:
         """Drop the open adapter update everywhere; every replica keeps the old version."""

@@ -1,0 +1,81 @@
+"""What the control plane remembers of each adapter, so that a replica the Router starts later
+(a replacement, or one more when scaling up) serves the same adapters as the others before it
+takes a request (`LoRAControl.admit`).
+
+Per adapter: the path it was last loaded from, whether it is pinned, its newest committed
+version's number and label, and, once tensors were pushed (`update_lora` over HTTP buckets, Ray
+or gloo), that version's every tensor as one safetensors bucket in the Ray object store, put
+there by the Router (so it lives as long as the Router does). An adapter is small: rank 16 on
+SmolLM2-135M is about 19.5 MB. A path load drops the tensors (the path is the adapter again);
+an unloaded adapter is forgotten, and a replica that loads it at start (`lora_modules`) drops
+it again when admitted. A Router that restarts remembers nothing: what it restarts is served
+as the replicas hold it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class AdapterRecord:
+    """One adapter's newest committed state."""
+
+    name: str
+    path: str
+    pinned: bool
+    version: int
+    label: str | int | None
+    tensors: Any = None  # an ObjectRef to its safetensors bucket (tensor-pushed versions)
+
+    def as_call(self) -> tuple[dict, Any]:
+        """`restore_lora`'s arguments (the tensors as `[ObjectRef]`: a replica awaits it)."""
+        record = {k: v for k, v in asdict(self).items() if k != "tensors"}
+        return record, None if self.tensors is None else [self.tensors]
+
+
+class LoRAMemory:
+    """The adapters a replica must hold before it serves, by name."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, AdapterRecord] = {}
+        self.removed: set[str] = set()
+
+    def loaded(self, info: dict[str, Any]) -> None:
+        """Adapter `info` (a `LoRAInfo` dict) was loaded from its path on every replica."""
+        self.removed.discard(info["name"])
+        self.adapters[info["name"]] = AdapterRecord(
+            info["name"], info["path"], info["pinned"], info["version"], info["version_label"]
+        )
+
+    @property
+    def keeps_tensors(self) -> bool:
+        """Under Ray (a local engine is never replaced: nothing to keep)."""
+        import ray
+
+        return ray.is_initialized()
+
+    def pushed(self, info: dict[str, Any], bucket: bytes | None) -> None:
+        """A version of adapter `info` was pushed as tensors; `bucket`: all of them."""
+        import ray
+
+        self.loaded(info)
+        if bucket is not None:
+            self.adapters[info["name"]].tensors = ray.put(bucket)
+
+    def pinned(self, name: str) -> None:
+        if name in self.adapters:
+            self.adapters[name].pinned = True
+
+    def forget(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        self.removed.add(name)
+
+    async def restore(self, replica: Any) -> None:
+        """Bring `replica` (its `ReplicaControl`) to every remembered adapter's state."""
+        held = {a["name"] for a in await replica.list_loras()}
+        for name in sorted(self.removed & held):
+            await replica.remove_lora(name, True)
+        for record in list(self.adapters.values()):
+            await replica.restore_lora(*record.as_call())
