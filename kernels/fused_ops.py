@@ -176,9 +176,21 @@ def _cpu_ops() -> FusedOps:
 
 class InvariantOps(TorchOps):
     """The batch-invariant mode's: transformers' torch ops (what a trainer's forward runs), the
-    gated activation row by row on the vector path (kernels/batch_invariant/elementwise.py)."""
+    gated activation row by row on the vector path (kernels/batch_invariant/elementwise.py).
+    On CUDA, RMSNorm runs a Triton kernel of one order per row: torch's CUDA reduction sizes
+    its blocks by the row count (kernels/batch_invariant/triton_rowwise.py)."""
 
     name = "batch_invariant"
+
+    def rms_norm(self, x, weight, eps, residual):
+        if x.device.type != "cuda":
+            return super().rms_norm(x, weight, eps, residual)
+        from raylane.kernels.batch_invariant.triton_rowwise import rms_norm
+
+        if residual is None:
+            return rms_norm(x, weight, eps)
+        x = residual + x  # in the model dtype, as add_rms_norm's (HF's residual add)
+        return rms_norm(x, weight, eps), x
 
     def act_and_mul(self, x, act):
         return silu_and_mul(x, act)

@@ -1,8 +1,10 @@
 """The kernels a runner's networks run on, chosen once at start-up: one attention backend for
 every attention layer (the target's and those of the networks features run beside it), and
 the fused ops (RMSNorm, gated activations, RoPE). The batch-invariant mode takes the backend
-with one reduction order and the torch ops, which are a trainer's transformers ops (and
-reduce within a row), and switches the linears onto their invariant path."""
+with one reduction order (the C kernel on the CPU, the Triton kernels' one-split decode form on
+CUDA) and the torch ops, which are a trainer's transformers ops (and reduce within a row; on
+CUDA RMSNorm runs a row-wise Triton kernel), and switches the linears onto their invariant path
+(padded oneDNN/torch matmuls on the CPU, the fixed-tile Triton matmul on CUDA)."""
 
 from __future__ import annotations
 

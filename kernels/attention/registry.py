@@ -81,7 +81,7 @@ def _torch_backend(device, request) -> AttentionBackend:
 def _triton_backend(device, request) -> AttentionBackend:
     from raylane.kernels.attention.triton_backend import TritonAttention
 
-    return TritonAttention()
+    return TritonAttention(invariant=request.num_splits == 1)  # one split: batch invariant
 
 
 def _cpu_backend(device, request) -> AttentionBackend:

@@ -14,12 +14,26 @@ from raylane.kernels.attention.metadata import AttentionMetadata
 class TritonAttention:
     name = "triton"
 
+    def __init__(self, invariant: bool = False) -> None:
+        # the batch-invariant mode: every query row as a one-split decode of its own
+        # (kernels/batch_invariant/triton_attention.py)
+        self.invariant = invariant
+
     def forward(
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
         window: int | None = None, sinks=None,
     ):  # fmt: skip
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])  # [T, H, Dv]
+        if self.invariant:
+            from raylane.kernels.batch_invariant.triton_attention import rows_as_decodes
+
+            tables, lens = rows_as_decodes(meta)
+            tk.decode_attention(
+                q, k_cache, v_cache, tables, lens, scale, meta.block_size, out,
+                num_splits=1, window=window, sinks=sinks,
+            )  # fmt: skip
+            return out
         split, first = meta.num_prefill_tokens, meta.num_prefills
         if meta.num_prefills:
             tk.prefill_attention(

@@ -11,6 +11,11 @@ Measured on the CPU (torch 2.13, oneDNN; tests/unit/test_batch_invariant_kernels
 - The C paged-attention kernel already is (one order per query row, whatever the tile, chunk
   or batch); RMSNorm, the gated activation, RoPE, log_softmax and the MoE combine in torch ops
   reduce within a row.
+
+On CUDA (not yet run on a GPU; checked under TRITON_INTERPRET=1): cuBLAS picks its tiling and
+split-K by M and torch's reductions size their blocks by the row count, so the mode runs
+Triton kernels of one fixed order per row instead: the matmul (triton_matmul.py), RMSNorm
+(triton_rowwise.py) and attention as one-split decodes (triton_attention.py).
 """
 
 from raylane.kernels.batch_invariant.backend import batch_invariant_backend

@@ -3,29 +3,41 @@
 from __future__ import annotations
 
 import torch
-from raylane.kernels.attention.registry import ALIASES
+from raylane.kernels.attention.registry import ALIASES, has_triton
+
+# per device type: the backend the mode runs and the names a user may ask for
+_BACKENDS = {"cpu": ("cpu", ("auto", "cpu")), "cuda": ("triton", ("auto", "triton"))}
 
 
 def batch_invariant_backend(name: str, device: torch.device) -> str:
-    """The attention backend for the batch-invariant mode: the C paged kernel on the CPU,
-    whose order of work per query row is fixed whatever else runs. ValueError saying what to
-    change where no backend keeps that."""
-    if device.type != "cpu":
+    """The attention backend for the batch-invariant mode: the C paged kernel on the CPU, the
+    Triton kernels in their invariant form on CUDA (every row a one-split decode), whose order
+    of work per query row is fixed whatever else runs. ValueError saying what to change where
+    no backend keeps that."""
+    if device.type not in _BACKENDS:
         raise ValueError(
-            "EngineConfig.batch_invariant: only on the CPU for now (the C attention kernel and "
-            f"padded matmuls); on {device.type} the Triton kernels have no batch-invariant "
-            "variant yet. Run on the CPU, or turn the mode off"
+            f"EngineConfig.batch_invariant: not on {device.type}; the mode runs on the CPU (the "
+            "C attention kernel, padded matmuls) or on CUDA with triton installed. Run on one "
+            "of those, or turn the mode off"
         )
-    if ALIASES.get(name, name) not in ("auto", "cpu"):
+    backend, allowed = _BACKENDS[device.type]
+    if ALIASES.get(name, name) not in allowed:
         raise ValueError(
             f"EngineConfig.attention_backend: {name!r} is not batch invariant; the "
-            "batch-invariant mode runs the C kernel ('cpu', or leave it 'auto')"
+            f"batch-invariant mode on {device.type} runs {backend!r} (or leave it 'auto')"
         )
-    import raylane.kernels.attention.cpu_kernel as cpu_kernel
-
-    if not cpu_kernel.is_available():
+    if backend == "triton" and not has_triton(device):
         raise ValueError(
-            "EngineConfig.batch_invariant: the C attention kernel did not build on this "
-            "machine (see the log); install a C compiler (gcc or clang) and start again"
+            "EngineConfig.batch_invariant: on CUDA the mode needs triton (its matmul, RMSNorm "
+            "and attention kernels), which does not import here; install triton, or turn the "
+            "mode off"
         )
-    return "cpu"
+    if backend == "cpu":
+        import raylane.kernels.attention.cpu_kernel as cpu_kernel
+
+        if not cpu_kernel.is_available():
+            raise ValueError(
+                "EngineConfig.batch_invariant: the C attention kernel did not build on this "
+                "machine (see the log); install a C compiler (gcc or clang) and start again"
+            )
+    return backend

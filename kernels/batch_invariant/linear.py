@@ -53,8 +53,14 @@ def padded_linear(
 ) -> torch.Tensor:
     """A linear with one reduction order per row: x [..., in] -> [..., out]. The rows are
     padded with zeros to a multiple of ROW_BLOCK for the call and dropped after (autograd flows
-    through). `packed`: `weight`'s oneDNN copy, if the caller keeps one."""
+    through). `packed`: `weight`'s oneDNN copy, if the caller keeps one. On CUDA: the Triton
+    matmul of triton_matmul.py (one tile config; no padding needed)."""
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
+    if x.device.type == "cuda":
+        from raylane.kernels.batch_invariant.triton_matmul import InvariantLinear
+
+        out = InvariantLinear.apply(rows, weight, bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     pad = -rows.shape[0] % ROW_BLOCK
     if pad or rows.shape[0] == 0:
         pad = pad or ROW_BLOCK
@@ -82,11 +88,17 @@ class _PackedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        rows, weight = ctx.saved_tensors
-        grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
-        grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_rows, grad_weight, grad_bias, None
+        return (*linear_grads(ctx, grad), None)
+
+
+def linear_grads(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """A linear's gradients (rows, weight, bias) from the (rows, weight) a forward saved and
+    its `has_bias`: the invariant forwards' backward, in plain torch ops."""
+    rows, weight = ctx.saved_tensors
+    grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
+    grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
+    grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_rows, grad_weight, grad_bias
 
 
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
