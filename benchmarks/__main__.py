@@ -12,7 +12,8 @@ from raylane.cli import add_subcommands
 BENCHMARKS = {
     "throughput": (
         "benchmarks.throughput",
-        "`raylane bench throughput`, plus --json-schema, --json-object and --batch-invariant",
+        "`raylane bench throughput`, plus --json-schema, --json-object and the op table of "
+        "--batch-invariant",
     ),
     "decode": (
         "benchmarks.decode",

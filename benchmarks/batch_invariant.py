@@ -1,40 +1,31 @@
-"""`python -m benchmarks throughput --batch-invariant`: the batch-invariant mode's cost. One
-engine with the mode off and one with it on, side by side in each dtype, the timed passes
-alternating; then as many passes each with the forward's ops timed, so the table says which op
-the cost is in."""
+"""`python -m benchmarks throughput --batch-invariant`: `raylane bench throughput
+--batch-invariant` (raylane.bench.batch_invariant: the mode off and on side by side, tok/s),
+then as many passes each with the forward's ops timed, so the table says which op the cost is
+in."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
-from raylane.bench.throughput_runs import (
-    Workload,
-    engines_for,
-    greedy_params,
-    timed_pass,
-    timed_passes,
-)
+from raylane.bench.batch_invariant import MODES, ModeTimes, mode_engines, time_modes
+from raylane.bench.batch_invariant import print_modes as print_mode_table
+from raylane.bench.throughput_runs import Workload, greedy_params, timed_pass
 
 from benchmarks.op_times import KINDS, TOTAL, OpCost, timed_op_pass
 
 
 @dataclass(frozen=True)
-class ModeRun:
-    dtype: str
-    seconds: dict[bool, float]  # batch_invariant -> the best timed pass
+class ModeRun(ModeTimes):
     ops: dict[bool, OpCost]  # batch_invariant -> the fastest op-timed pass
 
 
 def run_modes(
     model_dir: str, work: Workload, dtype: str, max_batched: int, max_num_seqs: int, repeats: int
 ) -> ModeRun:
-    # serial: the step is the forward and the engine's own work, nothing overlapped
-    options = {on: {"async_scheduling": False, "batch_invariant": on} for on in (False, True)}
     params = greedy_params(work)
-    common = {"dtype": dtype, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched}
-    with engines_for(model_dir, options, **common) as engines:
-        passes = timed_passes(engines, work, params, repeats)
+    with mode_engines(model_dir, dtype, max_batched, max_num_seqs) as engines:
+        times = time_modes(engines, work, dtype, repeats)
         ops = [
             {
                 on: timed_op_pass(e, functools.partial(timed_pass, e, work, params, False))
@@ -43,28 +34,12 @@ def run_modes(
             for _ in range(repeats)
         ]
     # each mode's op pass with the smallest total: the one a busy machine disturbed least
-    fastest = {on: min((p[on] for p in ops), key=lambda c: c.ms[TOTAL]) for on in (False, True)}
-    return ModeRun(dtype, {on: min(p[on] for p in passes) for on in (False, True)}, fastest)
+    fastest = {on: min((p[on] for p in ops), key=lambda c: c.ms[TOTAL]) for on in MODES}
+    return ModeRun(dtype, times.seconds, fastest)
 
 
 def print_modes(work: Workload, runs: list[ModeRun], max_num_seqs: int, threads: int) -> None:
-    print(
-        f"\nbatch-invariant mode off vs on: {len(work.prompts)} requests, prompt tokens "
-        f"{sum(map(len, work.prompts))}, useful output tokens {work.useful_tokens}, greedy, "
-        f"ignore_eos, max_num_seqs={max_num_seqs}, serial scheduling, {threads} torch threads"
-    )
-    print(f"| {'dtype':<8} | {'mode':<4} | {'seconds':>8} | {'useful tok/s':>12} | {'on/off':>6} |")
-    print(f"|{'-' * 10}|{'-' * 6}|{'-' * 10}|{'-' * 14}|{'-' * 8}|")
-    for run in runs:
-        off = run.seconds[False]
-        for on in (False, True):
-            seconds = run.seconds[on]
-            ratio = f"{off / seconds:>5.2f}x" if on else ""
-            print(
-                f"| {run.dtype:<8} | {'on' if on else 'off':<4} | {seconds:>8.2f} | "
-                f"{work.useful_tokens / seconds:>12.1f} | {ratio:>6} |"
-            )
-    print("(on/off: throughput with the mode on over off, the best of the timed passes)")
+    print_mode_table(work, runs, max_num_seqs, threads)
     for run in runs:
         print_ops(run)
 

@@ -1,7 +1,9 @@
-"""`python -m benchmarks throughput`: `raylane bench throughput` (same arguments, same table)
-plus three developers' modes, each run *instead* of the plain table on the same workload:
-`--json-schema FILE` (structured.py), `--json-object` (open_ended.py) and `--batch-invariant`
-(batch_invariant.py, op_times.py)."""
+"""`python -m benchmarks throughput`: `raylane bench throughput` (same arguments, same tables)
+plus the developers' modes, each run *instead* of the plain table on the same workload:
+`--json-schema FILE` (structured.py), `--json-object` (open_ended.py), and `--batch-invariant`
+with the product's tok/s table followed by ms per op kind off and on, each op's share of the
+cost (batch_invariant.py, op_times.py). About 2 minutes on 2 cores with the default workload
+and SmolLM2; --repeats 2 on a busy machine."""
 
 from __future__ import annotations
 
@@ -20,17 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: tok/s with every request constrained to this JSON schema "
         "vs unconstrained, at the first --batch-sizes value, float32 (e.g. "
         "cluster/examples/bench_schema.json)",
-    )
-    parser.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="instead: tok/s with the batch-invariant mode (`raylane serve --batch-invariant`) "
-        "off and on, two engines side by side, serial scheduling, at the first --batch-sizes "
-        "value, in float32 and bfloat16 (or the --dtype given), with the ratio; then "
-        "--repeats op-timed passes each (the fastest is shown): ms per op kind (linears, "
-        "fused RMSNorm/SiLU/RoPE, attention, the rest) off and on, and each op's share of "
-        "the cost. About 2 minutes on 2 cores with the default workload and SmolLM2; "
-        "--repeats 2 on a busy machine",
     )
     parser.add_argument(
         "--json-object",

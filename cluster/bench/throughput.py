@@ -1,6 +1,7 @@
 """`raylane bench throughput`: the offline engine, serial and with async scheduling, at several
 batch sizes (max_num_seqs) and dtypes, against transformers' static-batch generate in the same
-dtype."""
+dtype; instead, with --lora, adapters mixed in a batch, and with --batch-invariant, the
+batch-invariant mode off vs on (batch_invariant.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ DTYPES = ("float32", "bfloat16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_model_arguments(parser)
+    _add_workload_arguments(parser)
+    _add_run_arguments(parser)
+    _add_instead_arguments(parser)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     from raylane.bench.random_models import RANDOM_MODELS
 
     model = parser.add_mutually_exclusive_group()
@@ -23,17 +31,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="random weights in this model's shape (e.g. deepseek-v3-tiny), built in a temp dir",
     )
     parser.add_argument(
-        "--capture",
-        action="store_true",
-        help="also run serial with routed-expert capture on (MoE models; and indexer top-k "
-        "on sparse-attention models): its cost",
+        "--dtype",
+        action="append",
+        type=_dtype_list,
+        metavar="DTYPE[,DTYPE]",
+        help=f"{' or '.join(DTYPES)}, repeatable or a comma list (default "
+        "float32); the engine and the transformers reference run in each",
     )
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument(
         "--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX")
     )
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument(
@@ -50,22 +66,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="timed passes per mode after a warm pass (the best is reported)",
     )
     parser.add_argument(
-        "--dtype",
-        action="append",
-        type=_dtype_list,
-        metavar="DTYPE[,DTYPE]",
-        help=f"{' or '.join(DTYPES)}, repeatable or a comma list (default "
-        "float32); the engine and the transformers reference run in each",
-    )
-    parser.add_argument(
         "--skip-hf", action="store_true", help="do not run the transformers reference"
     )
+    parser.add_argument(
+        "--capture",
+        action="store_true",
+        help="also run serial with routed-expert capture on (MoE models; and indexer top-k "
+        "on sparse-attention models): its cost",
+    )
+
+
+def _add_instead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lora",
         type=int,
         metavar="N",
         help="instead: a batch mixing N rank-16 adapters against the base model alone, "
         "same run (the largest --batch-sizes value)",
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="instead: tok/s with the batch-invariant mode (`raylane serve --batch-invariant`) "
+        "off and on, two engines side by side, serial scheduling, at the first --batch-sizes "
+        "value, in float32 and bfloat16 (or the --dtype given), with the ratio",
     )
 
 
@@ -115,20 +139,25 @@ def run(args: argparse.Namespace) -> int:
     model_dir, work = model_and_workload(args)
     if args.lora:
         return run_lora(args, model_dir, work)
+    if args.batch_invariant:
+        return run_batch_invariant(args, model_dir, work)
     rows = []
     for dtype in chosen_dtypes(args):
         rows += engine_rows(args, model_dir, work, dtype)
         if not args.skip_hf:
-            rows.append(
-                Row(
-                    "transformers generate (static batch)",
-                    dtype,
-                    run_hf(model_dir, work, dtype),
-                    engine=False,
-                )
-            )
+            hf = run_hf(model_dir, work, dtype)
+            rows.append(Row("transformers generate (static batch)", dtype, hf, engine=False))
     print_table(work, rows, torch.get_num_threads())
     return 0
+
+
+def run_batch_invariant(args: argparse.Namespace, model_dir: str, work: Workload) -> int:
+    from raylane.bench import batch_invariant
+
+    dtypes = chosen_dtypes(args) if args.dtype else list(DTYPES)
+    size = int(args.batch_sizes.split(",")[0])
+    max_batched = args.max_num_batched_tokens
+    return batch_invariant.run(model_dir, work, dtypes, max_batched, size, args.repeats)
 
 
 def run_lora(args: argparse.Namespace, model_dir: str, work: Workload) -> int:

@@ -1,5 +1,6 @@
-"""`python -m benchmarks throughput --batch-invariant` on a tiny model: the mode off and on in the
-same run, the tok/s table with its ratio, and the op table whose times add up to the pass."""
+"""`raylane bench throughput --batch-invariant` and its developers' form `python -m benchmarks
+throughput --batch-invariant` on a tiny model: the mode off and on in the same run, the tok/s
+table with its ratio, and (the developers' form) the op table whose times add up to the pass."""
 
 from __future__ import annotations
 
@@ -69,3 +70,30 @@ def test_the_option_runs_both_dtypes_by_default_and_prints_the_tables(
     assert "|     30.0 |     60.0 |              100% |" in out  # all of the 30 ms of cost
     assert run(args(*argv, "--dtype", "bfloat16")) == 0
     assert ran[2:] == [("bfloat16", 32)]
+
+
+def test_raylane_bench_throughput_batch_invariant_prints_both_dtypes_off_and_on(
+    tiny_llama_dir, capsys
+):
+    from raylane.cli import main
+
+    argv = ["bench", "throughput", "--batch-invariant", "--model", tiny_llama_dir]
+    argv += ["--num-requests", "2", "--prompt-len", "4", "8", "--output-len", "3", "3"]
+    assert main([*argv, "--batch-sizes", "2,8"]) == 0
+    out = capsys.readouterr().out
+    # 2 requests of exactly 3 output tokens each, at the first batch size
+    assert "useful output tokens 6," in out and "max_num_seqs=2, serial scheduling" in out
+    assert "where the cost is" not in out  # the op table is the developers' form only
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
+    cells = [[c.strip() for c in row] for row in rows]
+    assert [(c[0], c[1]) for c in cells] == [
+        ("float32", "off"),
+        ("float32", "on"),
+        ("bfloat16", "off"),
+        ("bfloat16", "on"),
+    ]
+    for off, on in (cells[0:2], cells[2:4]):
+        # the ratio is on's throughput over off's
+        assert off[4] == "" and float(on[4].rstrip("x")) == pytest.approx(
+            float(on[3]) / float(off[3]), rel=0.05, abs=0.01
+        )
