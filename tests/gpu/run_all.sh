@@ -11,7 +11,8 @@
 #          a random-weight model of SmolLM2's shape instead.
 # pytest:  pytest tests/gpu: graphs vs eager, HF parity on CUDA for every model family (MLA,
 #          DSA, linear attention, windows and sinks, MoE), speculative decoding vs none, the
-#          Triton kernels vs the torch references at real checkpoints' shapes, the flash_attn
+#          Triton kernels vs the torch references at real checkpoints' shapes, the
+#          batch-invariant mode (requests alone vs in mixed batches, ==), the flash_attn
 #          backend vs torch and Triton where vLLM's flash-attention fork imports (it comes
 #          with vLLM's wheel, never installed here: those tests skip, saying so). Set
 #          RAYLANE_GPU_TESTS_DEVICE=cpu to dry-run their logic without a GPU first.

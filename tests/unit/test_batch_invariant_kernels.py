@@ -190,9 +190,8 @@ def test_the_mode_names_what_to_change_where_it_cannot_run():
     assert batch_invariant_backend("auto", cpu) == batch_invariant_backend("CPU_ATTN", cpu) == "cpu"
     with pytest.raises(ValueError, match="attention_backend.*not batch invariant"):
         batch_invariant_backend("torch", cpu)
-    with pytest.raises(
-        ValueError, match="not on mps"
-    ):  # CUDA: tests/unit/test_batch_invariant_triton.py
+    # CUDA takes the Triton kernels: tests/unit/test_batch_invariant_triton.py
+    with pytest.raises(ValueError, match="not on mps"):
         batch_invariant_backend("auto", torch.device("mps"))
 
 
