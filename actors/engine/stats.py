@@ -110,7 +110,7 @@ class StepTimer:
 
 
 class StepTimes:
-    """Where step time goes, summed over steps, for `raylane bench step`.
+    """Where step time goes, summed over steps, for `python -m benchmarks step`.
 
     The engine's own laps (schedule, plan, postprocess) plus the runner's (prepare, forward,
     sample; `collectives` is the part of forward rank 0 spent in all-reduce / all-gather) and

@@ -64,7 +64,7 @@ class StepLauncher:
         self.masks = MaskWorker(grammars.vocab_size) if self._post_late else None
         self.post = post
         self.stats = stats
-        self.faults = Faults()  # the "plan" stage of LLMEngine.arm_fault
+        self.faults = Faults()  # the "plan" stage; tests arm it (tests/support/faults.py)
         self.failed: list[EngineCoreOutput] = []  # outputs of requests whose plan raised
         self.speculation = speculation  # drafts the decode rows of each batch it launches
 

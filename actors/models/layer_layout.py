@@ -1,5 +1,6 @@
 """A model's layer kinds read from its HF config (`layer_types`), as `ModelLayout` data: what
-each layer keeps per sequence, for memory accounting (`raylane bench hybrid`, start-up sizing).
+each layer keeps per sequence, for memory accounting (start-up sizing, `python -m benchmarks
+hybrid`).
 
 Paged layers cost K and V of `num_key_value_heads * head_dim` each per token; a linear-attention
 (Gated DeltaNet) layer a conv state [2 * Hk * Dk + Hv * Dv, W - 1] in the model's dtype plus a

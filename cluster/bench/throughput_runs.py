@@ -1,5 +1,6 @@
-"""The timed runs of `raylane bench throughput` (and `bench step`'s workload): a seeded random
-workload, the offline engine per async_scheduling mode, and transformers' static-batch generate."""
+"""The timed runs of `raylane bench throughput` (and `python -m benchmarks step`'s workload): a
+seeded random workload, the offline engine per async_scheduling mode, and transformers'
+static-batch generate."""
 
 from __future__ import annotations
 
