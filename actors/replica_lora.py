@@ -22,13 +22,42 @@ def adapter_id(name: str) -> int:
     return 1 + zlib.crc32(name.encode()) % (2**31 - 2)
 
 
+class LoRAName(str):
+    """An adapter's name that also asks for one of its versions (`LoRARequest.version`). It is
+    the name wherever a name is read (routing, listings), so the request path carries it as
+    its `lora` unchanged; the replica's `adapter` reads the version off it."""
+
+    version: int
+
+    def __new__(cls, name: str, version: int) -> LoRAName:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(f"lora_version: must be an int >= 1, got {version!r}")
+        self = super().__new__(cls, name)
+        self.version = version
+        return self
+
+    def __reduce__(self) -> tuple:  # across Ray: the name and the version
+        return (LoRAName, (str(self), self.version))
+
+
+def versioned(name: str | None, version: int | None) -> str | None:
+    """`name`, asking for `version` of it (None: the newest)."""
+    if version is None:
+        return name
+    if name is None:
+        raise ValueError("lora_version: asks for a version of an adapter; name the adapter")
+    return LoRAName(name, version)
+
+
 def lora_request(name: str, path: str = "") -> Any:
-    """The engine's `LoRARequest` for adapter `name` (`path` empty: the one registered)."""
+    """The engine's `LoRARequest` for adapter `name` (`path` empty: the one registered; a
+    `LoRAName`: the version it asks for)."""
     from raylane.actors.lora import LoRARequest
 
     if not isinstance(name, str) or not name:
         raise ValueError("lora_name: must be a non-empty string")
-    return LoRARequest(name, adapter_id(name), path)
+    version = getattr(name, "version", None)
+    return LoRARequest(str(name), adapter_id(name), path, version)
 
 
 def adapter(name: str | None) -> dict[str, Any]:

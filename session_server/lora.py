@@ -1,6 +1,8 @@
 """Adapters on the OpenAI surface, as vLLM serves them: `model: <adapter name>` runs the request
 on that LoRA adapter, `/v1/models` lists each adapter with `parent` the base model's id and
-`root` its path, and a model that is neither gets vLLM's 404 body.
+`root` its path, and a model that is neither gets vLLM's 404 body. raylane's `lora_version`
+(a body field; the openai client's `extra_body`) asks for one version of the adapter: no anchor
+names adapter versions on a request, so it is a field of its own, not part of `model`.
 
 The ingress is stateless: it keeps the adapter names it has seen (`AdapterNames`) and asks the
 control plane again only for a name it does not know, so a request for a known adapter costs
@@ -16,6 +18,7 @@ from typing import Any
 from fastapi import Request
 from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
+from raylane.actors.replica_lora import versioned
 from raylane.router.session_lora import SESSION_LORA_KEY
 from raylane.session_server.backend import EngineBackend
 from raylane.session_server.context import backend_of, check_model
@@ -42,17 +45,25 @@ def _names(request: Request) -> AdapterNames:
     return state.adapter_names
 
 
-async def model_adapter(request: Request, model: str | None) -> str | None:
+async def model_adapter(
+    request: Request, model: str | None, version: int | None = None
+) -> str | None:
     """The adapter `model` names (None: the base model); a name that is neither is a 404 —
-    vLLM's body when adapters are served, the server's own otherwise."""
+    vLLM's body when adapters are served, the server's own otherwise. `version` (raylane's
+    `lora_version`): that version of the adapter, 409 once it is no longer held."""
     backend = backend_of(request)
     info = backend.info
     if not info.enable_lora or model is None or model == info.name:
         check_model(model, info)
+        if version is not None:
+            raise bad_request("lora_version: asks for an adapter's version; name an adapter", _V)
         return None
     if not await _names(request).has(backend, model):
         raise _not_found(model)
-    return model
+    return versioned(model, version)
+
+
+_V = "lora_version"
 
 
 def _not_found(name: str) -> APIError:
@@ -61,11 +72,16 @@ def _not_found(name: str) -> APIError:
 
 
 async def sglang_adapter(
-    request: Request, lora_path: str | list[str | None] | None, num_prompts: int
+    request: Request,
+    lora_path: str | list[str | None] | None,
+    num_prompts: int,
+    version: int | None = None,
 ) -> str | None:
     """SGLang's `lora_path` on /generate: an adapter's name, or one per prompt (all the same
     here: a batch runs on one adapter)."""
     if lora_path is None:
+        if version is not None:
+            raise bad_request("lora_version: asks for an adapter's version; give lora_path", _V)
         return None
     names = [lora_path] if isinstance(lora_path, str) else list(lora_path)
     if not isinstance(lora_path, str) and len(names) != num_prompts:
@@ -73,10 +89,10 @@ async def sglang_adapter(
     if len(set(names)) != 1:
         raise bad_request("lora_path: one adapter for every prompt of a request", "lora_path")
     if names[0] is None:
-        return None
+        return await model_adapter(request, None, version)  # the base model
     if not backend_of(request).info.enable_lora:
         raise bad_request("lora_path: this server was started without --enable-lora", "lora_path")
-    return await model_adapter(request, names[0])
+    return await model_adapter(request, names[0], version)
 
 
 async def check_session_adapter(request: Request, metadata: dict[str, Any] | None) -> None:

@@ -49,7 +49,7 @@ async def generate(body: GenerateRequest, request: Request):
         formatter = NativeFormatter(
             body.rid or new_id("gen"), body, params, backend.tokenizer, len(prompts), labels
         )
-        lora = await sglang_adapter(request, body.lora_path, len(prompts))
+        lora = await sglang_adapter(request, body.lora_path, len(prompts), body.lora_version)
         stream = start(
             on_adapter(backend, lora),
             prompts,

@@ -65,7 +65,7 @@ async def _model_card(request: Request) -> dict:
 @router.post("/v1/completions", responses=ok(Completion, EVENT_STREAM))
 async def completions(body: CompletionRequest, request: Request):
     backend = backend_of(request)
-    lora = await model_adapter(request, body.model)  # None: the base model
+    lora = await model_adapter(request, body.model, body.lora_version)  # None: base
     check_n(request, body.n)
     _reject_unsupported(body)
     prompts = completion_prompts(body.prompt, backend.tokenizer)
@@ -105,7 +105,7 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions", responses=ok(ChatCompletion, EVENT_STREAM))
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     backend = backend_of(request)
-    lora = await model_adapter(request, body.model)  # None: the base model
+    lora = await model_adapter(request, body.model, body.lora_version)  # None: base
     check_n(request, body.n)
     check_chat(body)
     tools = tool_plan(body, request.app.state.tool_call_parser)  # None: no calls to read

@@ -28,6 +28,7 @@ class OpenAISampling(_Body):
     """Fields the completion and chat APIs share, plus the vLLM-style extensions."""
 
     model: str | None = None
+    lora_version: int | None = Field(None, ge=1)  # raylane's: that version of `model`'s adapter
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
@@ -178,6 +179,7 @@ class GenerateRequest(_Body):
     timeout: float | None = Field(None, gt=0)  # seconds, as on the OpenAI routes
     # SGLang's: the adapter (its name) the request runs on; one per prompt, or one for all
     lora_path: str | list[str | None] | None = None
+    lora_version: int | None = Field(None, ge=1)  # raylane's: that version of the adapter
 
 
 class TokenizeRequest(ChatTemplateFields):

@@ -52,6 +52,8 @@ class HttpTransport(HttpLoRA):
         body = generate_body(ids, params, request_id, routing_key)
         if lora is not None:
             body["lora_path"] = lora  # SGLang's field: the adapter's name
+            if getattr(lora, "version", None) is not None:  # a LoRAName: one of its versions
+                body["lora_version"] = lora.version  # type: ignore[attr-defined]
         answer = (await self._post("/generate", body)).json()
         items = answer if isinstance(answer, list) else [answer]
         return [from_generate_item(item, ids, request_id) for item in items]

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from raylane.actors.models.weights import DEFAULT_BUCKET_BYTES
+from raylane.actors.replica_lora import versioned
 from raylane.client.errors import Busy
 from raylane.client.fanout import Branch, aggregate, branch_prompts, branch_seeds
 from raylane.client.lora_client import LoRAClient
@@ -99,13 +100,17 @@ class RolloutClient(LoRAClient):
         routing_key: str | None = None,
         request_id: str | None = None,
         lora: str | None = None,
+        lora_version: int | None = None,
         **sampling: Any,
     ) -> list[Rollout]:
         """One `Rollout` per sample. `sampling` takes the `SamplingParams` fields (each
         token's logprob is returned unless `logprobs=None`); requests with the same
-        `routing_key` go to the same replica; `lora` names the adapter to run on."""
+        `routing_key` go to the same replica; `lora` names the adapter to run on,
+        `lora_version` one of its versions (default: the newest; one no longer held is a
+        409 `ClientError` over HTTP, the engine's `LoRAVersionGone` in the cluster)."""
         params = sampling_params(sampling)
         request_id = request_id or f"rl-{uuid.uuid4().hex}"
+        lora = versioned(lora, lora_version)
         on = {} if lora is None else {"lora": lora}  # every transport takes the base form
         call = self._retry_busy(
             lambda: self.transport.generate(prompt, params, request_id, routing_key, **on)
