@@ -188,51 +188,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# the command-line options that set a ClusterConfig field of the same name when given
+CLUSTER_OPTIONS = (
+    "model",
+    "replicas",
+    "torch_threads",
+    "host",
+    "port",
+    "served_model_name",
+    "ray_address",
+    "admin_api_key",
+    "request_timeout_s",
+    "max_n",
+    "tool_call_parser",
+    "sessions_dsn",
+    "direct_ingress",
+    "trainer_api",
+)
+# ... and those that set an engine field: values when given, flags when set
+ENGINE_VALUES = (
+    "max_num_seqs",
+    "max_model_len",
+    "tensor_parallel_size",
+    "dtype",
+    "async_scheduling",
+    "speculative_config",
+)
+ENGINE_FLAGS = (
+    "enable_return_routed_experts",
+    "enable_return_indexer_topk",
+    "enforce_eager",
+    "batch_invariant",
+)
+
+
 def config_from_args(args: argparse.Namespace):
     from raylane.config import ClusterConfig
 
     # --config wins over RAYLANE_CONFIG; without it, from_env reads RAYLANE_CONFIG
     config = ClusterConfig.from_env(ClusterConfig.from_yaml(args.config) if args.config else None)
     updates = {
-        name: getattr(args, name)
-        for name in (
-            "model",
-            "replicas",
-            "torch_threads",
-            "host",
-            "port",
-            "served_model_name",
-            "ray_address",
-            "admin_api_key",
-            "request_timeout_s",
-            "max_n",
-            "tool_call_parser",
-            "sessions_dsn",
-            "direct_ingress",
-            "trainer_api",
-        )
-        if getattr(args, name) is not None
+        name: getattr(args, name) for name in CLUSTER_OPTIONS if getattr(args, name) is not None
     }
     if args.api_keys:
         updates["api_keys"] = tuple(args.api_keys)
-    engine = dict(config.engine)
-    for name in ("max_num_seqs", "max_model_len", "tensor_parallel_size", "dtype"):
-        if getattr(args, name) is not None:
-            engine[name] = getattr(args, name)
-    if args.enable_return_routed_experts:
-        engine["enable_return_routed_experts"] = True
-    if args.enable_return_indexer_topk:
-        engine["enable_return_indexer_topk"] = True
-    if args.enforce_eager:
-        engine["enforce_eager"] = True
-    if args.batch_invariant:
-        engine["batch_invariant"] = True
-    if args.async_scheduling is not None:
-        engine["async_scheduling"] = args.async_scheduling
-    if args.speculative_config is not None:
-        engine["speculative_config"] = args.speculative_config
+    engine = engine_from_args(args, dict(config.engine))
     updates.update(lora_options(args, engine))
     return dataclasses.replace(config, engine=engine, **updates)
+
+
+def engine_from_args(args: argparse.Namespace, engine: dict) -> dict:
+    """`engine` (the config's engine options) with the command line's engine options over it."""
+    for name in ENGINE_VALUES:
+        if getattr(args, name) is not None:
+            engine[name] = getattr(args, name)
+    for name in ENGINE_FLAGS:
+        if getattr(args, name):
+            engine[name] = True
+    return engine
 
 
 def run(args: argparse.Namespace) -> int:
