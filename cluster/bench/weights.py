@@ -58,15 +58,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from raylane.bench.weight_sender import load_named
     from raylane.models import resolve_model
-    from tqdm import tqdm
 
     if args.lora:
-        from raylane.bench.weights_lora import RANK, run_lora
-
-        def lora_cluster(model_dir: str) -> serving:
-            return serving(model_dir, args, lora_rank=RANK)
-
-        return run_lora(args, lora_cluster, http_client, in_cluster_client)
+        return run_lora_sync(args)
     model_dir = resolve_model(args.model)
     named = load_named(model_dir)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
@@ -79,26 +73,44 @@ def run(args: argparse.Namespace) -> int:
     with serving(model_dir, args) as url:
         rows.append(time_put(named, bucket, args.repeats))
         versions = iter(range(1, 10_000))
-        for name, make in (
-            ("HTTP (admin routes)", lambda: http_client(url)),
-            ("in-cluster (object store)", in_cluster_client),
-        ):
-            row = Row(name)
-            for _ in tqdm(range(args.repeats), desc=name):
-                row.seconds.append(asyncio.run(timed_update(make, named, next(versions), bucket)))
-            rows.append(row)
+        rows += update_rows(url, named, bucket, args.repeats, versions)
         rows += collective_rows(url, model_dir, args.replicas + 1, bucket, args.repeats, versions)
-        pauses = [
-            asyncio.run(
-                pause_update_resume(make, url, named, next(versions), bucket, args.in_flight, name)
-            )
-            for name, make in (
-                ("in-cluster", in_cluster_client),
-                ("HTTP", lambda: http_client(url)),
-            )
-        ]
+        pauses = pause_runs(url, named, bucket, args.in_flight, versions)
     print_table(rows, pauses, nbytes, len(named), args, torch.get_num_threads())
     return 0
+
+
+def run_lora_sync(args: argparse.Namespace) -> int:
+    from raylane.bench.weights_lora import RANK, run_lora
+
+    def lora_cluster(model_dir: str) -> serving:
+        return serving(model_dir, args, lora_rank=RANK)
+
+    return run_lora(args, lora_cluster, http_client, in_cluster_client)
+
+
+def update_rows(url: str, named: list, bucket: int, repeats: int, versions) -> list[Row]:
+    """The whole update through the admin HTTP routes and through the object store."""
+    from tqdm import tqdm
+
+    rows = []
+    for name, make in (
+        ("HTTP (admin routes)", lambda: http_client(url)),
+        ("in-cluster (object store)", in_cluster_client),
+    ):
+        row = Row(name)
+        for _ in tqdm(range(repeats), desc=name):
+            row.seconds.append(asyncio.run(timed_update(make, named, next(versions), bucket)))
+        rows.append(row)
+    return rows
+
+
+def pause_runs(url: str, named: list, bucket: int, in_flight: int, versions) -> list[PauseRun]:
+    """pause('keep') -> update -> resume with requests in flight, in-cluster and over HTTP."""
+    return [
+        asyncio.run(pause_update_resume(make, url, named, next(versions), bucket, in_flight, name))
+        for name, make in (("in-cluster", in_cluster_client), ("HTTP", lambda: http_client(url)))
+    ]
 
 
 def collective_rows(
@@ -190,12 +202,18 @@ def print_table(
     args: argparse.Namespace,
     threads: int,
 ) -> None:
-    copy_gbs = nbytes / rows[0].best / 1e9
     print(
         f"\nupdate: {num_tensors} tensors, {nbytes / 1e9:.3f} GB float32, {args.bucket_mb} MiB "
         f"buckets, {args.replicas} replica(s), best of {args.repeats}; driver torch threads "
         f"{threads}"
     )
+    print_update_rows(rows, nbytes)
+    print_pauses(pauses, args.in_flight)
+
+
+def print_update_rows(rows: list[Row], nbytes: int) -> None:
+    """Each path's time and GB/s against the preallocated copy (rows[0]), then the ratios."""
+    copy_gbs = nbytes / rows[0].best / 1e9
     print(f"| {'path':<30} | {'seconds':>8} | {'median s':>8} | {'GB/s':>6} | {'vs copy':>7} |")
     print(f"|{'-' * 32}|{'-' * 10}|{'-' * 10}|{'-' * 8}|{'-' * 9}|")
     for row in rows:
@@ -218,8 +236,11 @@ def print_table(
         f"(target >= 50%), {100 * cluster_gbs / clone_gbs:.0f}% of the fresh-memory copy, "
         f"{100 * cluster_gbs / put_gbs:.0f}% of ray.put alone"
     )
+
+
+def print_pauses(pauses: list[PauseRun], in_flight: int) -> None:
     print(
-        f"\npause('keep') -> update -> resume with {args.in_flight} requests in flight "
+        f"\npause('keep') -> update -> resume with {in_flight} requests in flight "
         "(greedy, 96 tokens each):"
     )
     print(
@@ -232,5 +253,5 @@ def print_table(
         print(
             f"| {p.name:<10} | {1e3 * p.pause_s:>8.1f} | {p.update_s:>8.3f} | "
             f"{1e3 * p.resume_s:>9.1f} | {total:>7.3f} | "
-            f"{f'{p.spanning}/{args.in_flight}':>22} | {p.finished:>8} |"
+            f"{f'{p.spanning}/{in_flight}':>22} | {p.finished:>8} |"
         )
