@@ -19,13 +19,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 from raylane.bench.extra import require_extra
 from raylane.bench.serve_load import RunResult, drive, make_workload
 from raylane.bench.serve_table import Rows, print_table
 
+if TYPE_CHECKING:
+    from raylane.bench.process_cpu import ProcessCpu
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_workload_arguments(parser)
+    _add_system_arguments(parser)
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="a running endpoint (default: start one in-process)")
     parser.add_argument("--model", help="HF dir or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
@@ -47,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="paired rounds (offline engine, then a fresh endpoint, each on the "
         "round's own workload); the ratio reported is their median",
     )
+
+
+def _add_system_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-offline", action="store_true", help="skip the offline engine")
     parser.add_argument(
         "--torch-threads",
@@ -119,9 +131,7 @@ def round_work(args: argparse.Namespace, k: int) -> tuple[list, list]:
 
 def run(args: argparse.Namespace) -> int:
     require_extra("raylane bench serve", "aiohttp", "psutil")
-    import psutil
     from raylane.bench.process_cpu import ProcessCpu
-    from raylane.bench.serve_targets import raylane_endpoint, transformers_endpoint
     from raylane.models import resolve_model
 
     if args.rounds < 1:
@@ -135,32 +145,56 @@ def run(args: argparse.Namespace) -> int:
     http = Rows(f"raylane HTTP ({args.clients} clients{how})")
     off = Rows(f"raylane offline LLMEngine (max_num_seqs={args.clients})")
     for k in range(args.rounds):
-        work, warm = round_work(args, k)
-        if offline is not None:
-            off.runs.append(offline.run(work))
-        with raylane_endpoint(
-            args.url, model_dir, args.torch_threads, False if args.serve_proxy else None
-        ) as (url, name):
-            started = psutil.Process().children(recursive=True)
-            asyncio.run(drive(url, name, warm, args.clients))
-            with cpu.timed():
-                http.runs.append(asyncio.run(drive(url, name, work, args.clients)))
-        # the next offline run shares the CPU with none of Ray's processes
-        psutil.wait_procs(started, timeout=60)
-        print(
-            f"round {k + 1}/{args.rounds}: HTTP {http.runs[-1].tok_s:.1f} tok/s"
-            + (f", offline {off.runs[-1].tok_s:.1f}" if off.runs else ""),
-            flush=True,
-        )
+        run_round(args, k, model_dir, offline, (http, off), cpu)
     rows = [http] + ([off] if off.runs else [])
     if args.transformers:
-        work, warm = round_work(args, 0)
-        ref = Rows(f"transformers serve --cb ({args.clients} clients)")
-        with transformers_endpoint(model_dir) as (url, name):
-            asyncio.run(drive(url, name, warm, args.clients))
-            ref.runs.append(asyncio.run(drive(url, name, work, args.clients)))
-        rows.append(ref)
+        rows.append(transformers_row(args, model_dir))
     print_table(rows, args.requests)
     if args.cpu_by_process:
         print(cpu.table(sum(r.output_tokens for r in http.runs), off.runs))
     return 0
+
+
+def run_round(
+    args: argparse.Namespace,
+    k: int,
+    model_dir: str,
+    offline: OfflineEngine | None,
+    rows: tuple[Rows, Rows],
+    cpu: ProcessCpu,
+) -> None:
+    """Round k: the offline engine (if any), then a fresh endpoint, on the round's workload;
+    each adds its run to its row (http, off)."""
+    import psutil
+    from raylane.bench.serve_targets import raylane_endpoint
+
+    http, off = rows
+    work, warm = round_work(args, k)
+    if offline is not None:
+        off.runs.append(offline.run(work))
+    with raylane_endpoint(
+        args.url, model_dir, args.torch_threads, False if args.serve_proxy else None
+    ) as (url, name):
+        started = psutil.Process().children(recursive=True)
+        asyncio.run(drive(url, name, warm, args.clients))
+        with cpu.timed():
+            http.runs.append(asyncio.run(drive(url, name, work, args.clients)))
+    # the next offline run shares the CPU with none of Ray's processes
+    psutil.wait_procs(started, timeout=60)
+    print(
+        f"round {k + 1}/{args.rounds}: HTTP {http.runs[-1].tok_s:.1f} tok/s"
+        + (f", offline {off.runs[-1].tok_s:.1f}" if off.runs else ""),
+        flush=True,
+    )
+
+
+def transformers_row(args: argparse.Namespace, model_dir: str) -> Rows:
+    """`transformers serve --continuous-batching` on round 0's workload, after its warm-up."""
+    from raylane.bench.serve_targets import transformers_endpoint
+
+    work, warm = round_work(args, 0)
+    ref = Rows(f"transformers serve --cb ({args.clients} clients)")
+    with transformers_endpoint(model_dir) as (url, name):
+        asyncio.run(drive(url, name, warm, args.clients))
+        ref.runs.append(asyncio.run(drive(url, name, work, args.clients)))
+    return ref
