@@ -104,7 +104,12 @@ def linear_grads(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """a [S, in] with rows grouped by expert (group e ends at row ends[e], exclusive); w [E, out,
     in] -> [S, out], each group through `padded_linear` with its expert's weight, as a trainer's
-    per-expert loop (HF's) does inside `raylane.batch_invariant()`."""
+    per-expert loop (HF's) does inside `raylane.batch_invariant()`. On CUDA: triton_experts.py's
+    kernel, which reads the grouping on the device (a CUDA graph captures it)."""
+    if a.device.type == "cuda":
+        from raylane.kernels.batch_invariant.triton_experts import expert_rows_linear
+
+        return expert_rows_linear(a, w, ends)
     out = a.new_empty(a.shape[0], w.shape[1])
     start = 0
     for e, end in enumerate(ends.tolist()):  # NOTE: a host sync; the CPU runs it anyway

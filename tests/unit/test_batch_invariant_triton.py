@@ -26,6 +26,7 @@ from raylane.kernels.attention.builder import SeqSlice, build_metadata  # noqa: 
 from raylane.kernels.attention.torch_ref import TorchAttention  # noqa: E402
 from raylane.kernels.attention.triton_backend import TritonAttention  # noqa: E402
 from raylane.kernels.batch_invariant import batch_invariant_backend  # noqa: E402
+from raylane.kernels.batch_invariant.triton_experts import expert_rows_linear  # noqa: E402
 from raylane.kernels.batch_invariant.triton_matmul import (  # noqa: E402
     InvariantLinear,
     invariant_matmul,
@@ -104,6 +105,19 @@ def test_matmul_rejects_mismatched_shapes_and_dtypes():
         invariant_matmul(torch.zeros(2, 3), torch.zeros(4, 5))
     with pytest.raises(ValueError, match="weight is torch.bfloat16"):
         invariant_matmul(torch.zeros(2, 3), torch.zeros(4, 3, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expert_rows_take_the_same_bits_whatever_the_grouping(dtype):
+    a, w = _randn(11, 70, dtype=dtype, seed=14), _randn(4, 90, 70, dtype=dtype, seed=15)
+    ends = torch.tensor([3, 3, 8, 11], dtype=torch.int32)  # expert 1 has no rows
+    out = expert_rows_linear(a, w, ends)
+    experts = [0, 0, 0, 2, 2, 2, 2, 2, 3, 3, 3]
+    ref = torch.stack([a[i].double() @ w[e].double().T for i, e in enumerate(experts)])
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype] * 8, rtol=TOL[dtype])
+    alone = expert_rows_linear(a[3:4], w, torch.tensor([0, 0, 1, 1], dtype=torch.int32))
+    assert torch.equal(alone[0], out[3])
+    assert torch.equal(expert_rows_linear(a[:5], w, ends.clamp(max=5)), out[:5])
 
 
 # --- RMSNorm and log_softmax -----------------------------------------------------------------
