@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 
 from raylane.bench.weight_sender import GROUP
 
@@ -93,20 +94,26 @@ def time_collective(
             update = _update_info(model_dir, packing)
             seconds = []
             for _ in range(repeats):
-                _ok(http.post("/pause", params={"mode": "keep"}))
-                _ok(http.post("/start_weight_update", json={"is_checkpoint_format": True}))
-                start = time.perf_counter()
-                trainer.go()
-                _ok(http.post("/update_weights", json={"update_info": update}))
-                version = str(next(versions))
-                _ok(http.post("/finish_weight_update", json={"weight_version": version}))
-                seconds.append(time.perf_counter() - start)
-                trainer.expect("done")
-                _ok(http.post("/resume"))
+                seconds.append(_timed_update(http, trainer, update, str(next(versions))))
                 time.sleep(BETWEEN_UPDATES_S)
             return seconds
     finally:
         trainer.close()
+
+
+def _timed_update(http: Any, trainer: Sender, update: dict, version: str) -> float:
+    """One update through vLLM's routes, paused around it; seconds from the trainer's go to
+    finish (the commit)."""
+    _ok(http.post("/pause", params={"mode": "keep"}))
+    _ok(http.post("/start_weight_update", json={"is_checkpoint_format": True}))
+    start = time.perf_counter()
+    trainer.go()
+    _ok(http.post("/update_weights", json={"update_info": update}))
+    _ok(http.post("/finish_weight_update", json={"weight_version": version}))
+    seconds = time.perf_counter() - start
+    trainer.expect("done")
+    _ok(http.post("/resume"))
+    return seconds
 
 
 def _update_info(model_dir: str, packing: dict) -> dict:
