@@ -79,6 +79,16 @@ class EngineConfig:
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
+        self._check_sizes()
+        self._check_executor()
+        self._check_graphs()
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
+        self._check_lora()
+
+    def _check_types(self) -> None:
         for name in ("model", "dtype", "device", "attention_backend"):
             check_type("EngineConfig", name, getattr(self, name), str)
         if self.tokenizer is not None:
@@ -96,6 +106,8 @@ class EngineConfig:
         check_type("EngineConfig", "kv_cache_memory_gb", self.kv_cache_memory_gb, (int, float))
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def _check_sizes(self) -> None:
         for name in (
             "block_size",
             "max_num_seqs",
@@ -124,12 +136,6 @@ class EngineConfig:
                 )
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("EngineConfig.kv_cache_memory_gb must be > 0")
-        self._check_executor()
-        self._check_graphs()
-        object.__setattr__(
-            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
-        )
-        self._check_lora()
 
     def _check_lora(self) -> None:
         if self.max_cpu_loras is not None:
