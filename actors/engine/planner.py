@@ -24,6 +24,21 @@ class _Known:
     resumed: bool = False  # preempted since the last plan that named it
 
 
+def _new_request(seq: Sequence) -> NewRequest:
+    # NOTE: a sequence is new to the runners only before its first step, so its tokens are
+    # exactly the prompt (a preempted one comes back as a resumed delta)
+    return NewRequest(
+        seq.seq_id,
+        seq.index,
+        tuple(seq.token_ids),
+        tuple(seq.block_table),
+        seq.num_computed_tokens,
+        seq.params,
+        tuple(tuple(table) for table in seq.group_tables),
+        seq.lora.slot if seq.lora is not None else 0,
+    )
+
+
 class StepPlanner:
     def __init__(self) -> None:
         self._known: dict[int, _Known] = {}
@@ -44,20 +59,7 @@ class StepPlanner:
             if seq.seq_id in self._known:
                 cached.append(self._delta(seq))
             else:
-                # NOTE: a sequence is new to the runners only before its first step, so its
-                # tokens are exactly the prompt (a preempted one comes back as a resumed delta)
-                new.append(
-                    NewRequest(
-                        seq.seq_id,
-                        seq.index,
-                        tuple(seq.token_ids),
-                        tuple(seq.block_table),
-                        seq.num_computed_tokens,
-                        seq.params,
-                        tuple(tuple(table) for table in seq.group_tables),
-                        seq.lora.slot if seq.lora is not None else 0,
-                    )
-                )
+                new.append(_new_request(seq))
             group_blocks = tuple(len(table) for table in seq.group_tables)
             known[seq.seq_id] = _Known(len(seq), len(seq.block_table), group_blocks)
         self.preempted(batch.preempted)
