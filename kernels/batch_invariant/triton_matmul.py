@@ -48,6 +48,7 @@ def _matmul_kernel(
     stride_on,
     HAS_BIAS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -74,7 +75,7 @@ def _matmul_kernel(
         if INTERPRETED:  # the CPU's interpreter: see `_interpreted_dot`
             acc += _interpreted_dot(a, b)
         else:
-            acc += tl.dot(a, b, input_precision="ieee")
+            acc += tl.dot(a, b, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -113,6 +114,8 @@ def invariant_matmul(
         *out.stride(),
         HAS_BIAS=bias is not None,
         INTERPRETED=x.device.type == "cpu",  # CPU tensors: TRITON_INTERPRET=1
+        # float32: exact products, not tf32; 16-bit inputs ignore it (as attention's _dot_mode)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,

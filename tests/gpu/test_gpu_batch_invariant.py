@@ -8,11 +8,15 @@ Not yet run on a GPU when written: the kernels were checked under TRITON_INTERPR
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
-from tests.gpu.device import DEVICE, needs_cuda, needs_device
+from tests.gpu.device import DEVICE, in_gpu_lane, needs_cuda, needs_device
 from tests.unit.test_batch_invariant_engine import make_prompts, observed, run
 
 
@@ -88,3 +92,50 @@ def test_kernels_give_a_row_the_same_bits_at_any_row_count_on_cuda(dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=tol * 4, rtol=tol)
     want = torch.log_softmax(x.double(), -1)
     torch.testing.assert_close(log_softmax(x).double(), want, atol=1e-4, rtol=1e-4)
+
+
+@in_gpu_lane
+def test_the_gpu_branches_compile_for_sm90():
+    """The kernels' CUDA branches (tl.dot, which the interpreter never takes) compiled ahead of
+    time for sm_90 with Triton's bundled ptxas, no GPU needed: a subprocess, since a test
+    session on the CPU runs Triton in interpreter mode."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "tests.gpu.test_gpu_batch_invariant"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["compiled"] * 8
+
+
+def _compile_for_sm90(kernel, pointers: dict[str, str], consts: dict, **options) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    kinds = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in names}
+    src = ASTSource(kernel, kinds, constexprs={(names.index(k),): v for k, v in consts.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    print("compiled")
+
+
+def _compile_all() -> None:
+    from raylane.kernels.batch_invariant import triton_experts as te
+    from raylane.kernels.batch_invariant import triton_matmul as tm
+    from raylane.kernels.batch_invariant import triton_rowwise as tr
+
+    for ty, precision in (("*fp32", "ieee"), ("*bf16", "tf32")):
+        tiles = {"BLOCK_M": tm.BLOCK_M, "BLOCK_N": tm.BLOCK_N, "BLOCK_K": tm.BLOCK_K}
+        consts = {"HAS_BIAS": True, "INTERPRETED": False, "PRECISION": precision, **tiles}
+        pointers = {"x": ty, "w": ty, "bias": ty, "out": ty}
+        _compile_for_sm90(tm._matmul_kernel, pointers, consts, num_warps=tm.NUM_WARPS)
+        pointers = {"x": ty, "weight": ty, "out": ty, "eps": "fp32"}
+        _compile_for_sm90(tr._rms_norm_kernel, pointers, {"BLOCK": tr.BLOCK})
+        pointers = {"x": ty, "out": "*fp32"}
+        _compile_for_sm90(tr._log_softmax_kernel, pointers, {"BLOCK": tr.BLOCK})
+        pointers = {"a": ty, "w": ty, "out": ty, "expert_of_row": "*i64"}
+        consts = {"BLOCK_N": te.BLOCK_N, "BLOCK_K": te.BLOCK_K}
+        _compile_for_sm90(te._expert_rows_kernel, pointers, consts)
+
+
+if __name__ == "__main__":
+    _compile_all()
