@@ -55,18 +55,10 @@ def dsa_attention_forward(
     paged = _Paged(lengths)
     hf = sys.modules[type(self).__module__]
     cos, sin = position_embeddings
-    nope, rope, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+    nope, rank = self.qk_nope_head_dim, self.kv_lora_rank
     q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))  # [B, T, q_lora_rank]
-    q = self.q_b_proj(q_resid).view(batch, t, self.num_heads, nope + rope)
-    q_nope, q_rot = q.split([nope, rope], dim=-1)
-    kv_pass, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([rank, rope], dim=-1)
-    q_rot, k_rot = hf.apply_rotary_pos_emb_interleave(
-        q_rot, k_rot[:, :, None], cos, sin, unsqueeze_dim=2
-    )
     kv_b = self.kv_b_proj.weight.view(self.num_heads, nope + self.v_head_dim, rank)
-    q_latent = _per_head(paged.pack(q_nope), kv_b[:, :nope].transpose(1, 2))  # [N, H, L]
-    query = torch.cat([q_latent, paged.pack(q_rot)], dim=-1)  # [N, H, L + R]
-    row = torch.cat([paged.pack(self.kv_a_layernorm(kv_pass))[:, None], paged.pack(k_rot)], -1)
+    query, row = _absorbed(self, hf, hidden_states, q_resid, kv_b, position_embeddings, paged)
     if self.indexer is not None:
         chosen = _select(self.indexer, hf, hidden_states, q_resid, cos, sin, paged)
     elif prev_topk_indices is None:
@@ -79,6 +71,33 @@ def dsa_attention_forward(
     out = _per_head(out, kv_b[:, nope:])  # [N, H, v]
     out = self.o_proj(paged.unpack(out.flatten(1), t))  # [B, T, D]
     return (out, None, chosen) if hasattr(self, "skip_topk") else (out, None)
+
+
+def _absorbed(
+    self: Any,
+    hf: Any,
+    hidden_states: torch.Tensor,
+    q_resid: torch.Tensor,
+    kv_b: torch.Tensor,  # [H, nope + v, L]: kv_b_proj's weight per head
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    paged: _Paged,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's absorbed form, packed over the valid tokens: the query [N, H, L + R] (the no-RoPE
+    part through kv_b's key half into the latent) and the latent row [N, 1, L + R] the cache
+    holds."""
+    batch, t = hidden_states.shape[:2]
+    nope, rope, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+    q = self.q_b_proj(q_resid).view(batch, t, self.num_heads, nope + rope)
+    q_nope, q_rot = q.split([nope, rope], dim=-1)
+    kv_pass, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([rank, rope], dim=-1)
+    cos, sin = position_embeddings
+    q_rot, k_rot = hf.apply_rotary_pos_emb_interleave(
+        q_rot, k_rot[:, :, None], cos, sin, unsqueeze_dim=2
+    )
+    q_latent = _per_head(paged.pack(q_nope), kv_b[:, :nope].transpose(1, 2))  # [N, H, L]
+    query = torch.cat([q_latent, paged.pack(q_rot)], dim=-1)  # [N, H, L + R]
+    row = torch.cat([paged.pack(self.kv_a_layernorm(kv_pass))[:, None], paged.pack(k_rot)], -1)
+    return query, row
 
 
 def _select(
