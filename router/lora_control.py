@@ -14,6 +14,7 @@ the transaction and is reported (no more requests until it recovers).
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from raylane.router.broadcast import ReplicaBroadcast
 from raylane.router.control_parts import manifest
 from raylane.router.errors import UpdateNotFound
 from raylane.router.lora_memory import LoRAMemory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -168,9 +171,25 @@ class LoRAControl(ReplicaBroadcast):
             return max(ok.values())
 
     async def _remember_push(self, ids: list[str], name: str) -> None:
-        memory, replica = self.lora_memory, self.calls.replica(ids[0])
-        bucket = await replica.lora_tensors(name) if memory.keeps_tensors else None
-        memory.pushed(await self._adapter(ids[0], name), bucket)
+        memory = self.lora_memory
+        export = self._export(ids, name) if memory.keeps_tensors else None
+        memory.pushed(await self._adapter(ids[0], name), export)
+
+    def _export(self, ids: list[str], name: str) -> asyncio.Task:
+        """The adapter's tensors, read from the first replica of `ids` that answers and put in
+        the object store by the Router, after the commit answered (a restore awaits it)."""
+
+        async def export() -> Any:
+            import ray
+
+            for rid in ids:
+                try:
+                    return ray.put(await self.calls.replica(rid).lora_tensors(name))
+                except Exception as e:  # gone since the commit: the next one has them too
+                    log.warning("reading adapter %r from replica %s failed: %r", name, rid, e)
+            raise RuntimeError(f"no replica of the update kept adapter {name!r}'s tensors")
+
+        return asyncio.get_running_loop().create_task(export())
 
     async def abort_lora_update(self, update_id: str | None = None) -> None:
         """Drop the open adapter update everywhere; every replica keeps the old version."""

@@ -5,7 +5,8 @@ takes a request (`LoRAControl.admit`).
 Per adapter: the path it was last loaded from, whether it is pinned, its newest committed
 version's number and label, and, once tensors were pushed (`update_lora` over HTTP buckets, Ray
 or gloo), that version's every tensor as one safetensors bucket in the Ray object store, put
-there by the Router (so it lives as long as the Router does). An adapter is small: rank 16 on
+there by the Router (so it lives as long as the Router does), read from a replica after the
+commit answered (a replica admitted meanwhile waits for it). An adapter is small: rank 16 on
 SmolLM2-135M is about 19.5 MB. A path load drops the tensors (the path is the adapter again);
 an unloaded adapter is forgotten, and a replica that loads it at start (`lora_modules`) drops
 it again when admitted. A Router that restarts remembers nothing: what it restarts is served
@@ -14,7 +15,8 @@ as the replicas hold it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -27,12 +29,13 @@ class AdapterRecord:
     pinned: bool
     version: int
     label: str | int | None
-    tensors: Any = None  # an ObjectRef to its safetensors bucket (tensor-pushed versions)
+    # tensor-pushed versions: the task putting its safetensors bucket in the object store
+    tensors: asyncio.Task | None = None
 
-    def as_call(self) -> tuple[dict, Any]:
+    async def as_call(self) -> tuple[dict, Any]:
         """`restore_lora`'s arguments (the tensors as `[ObjectRef]`: a replica awaits it)."""
-        record = {k: v for k, v in asdict(self).items() if k != "tensors"}
-        return record, None if self.tensors is None else [self.tensors]
+        record = {k: getattr(self, k) for k in ("name", "path", "pinned", "version", "label")}
+        return record, None if self.tensors is None else [await self.tensors]
 
 
 class LoRAMemory:
@@ -56,13 +59,11 @@ class LoRAMemory:
 
         return ray.is_initialized()
 
-    def pushed(self, info: dict[str, Any], bucket: bytes | None) -> None:
-        """A version of adapter `info` was pushed as tensors; `bucket`: all of them."""
-        import ray
-
+    def pushed(self, info: dict[str, Any], export: asyncio.Task | None) -> None:
+        """A version of adapter `info` was pushed as tensors; `export`: the task that puts
+        all of them in the object store (its ObjectRef)."""
         self.loaded(info)
-        if bucket is not None:
-            self.adapters[info["name"]].tensors = ray.put(bucket)
+        self.adapters[info["name"]].tensors = export
 
     def pinned(self, name: str) -> None:
         if name in self.adapters:
@@ -78,4 +79,4 @@ class LoRAMemory:
         for name in sorted(self.removed & held):
             await replica.remove_lora(name, True)
         for record in list(self.adapters.values()):
-            await replica.restore_lora(*record.as_call())
+            await replica.restore_lora(*await record.as_call())
