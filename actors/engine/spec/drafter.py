@@ -25,8 +25,7 @@ from raylane.actors.engine.spec.backoff import Backoff, LookupBackoff
 from raylane.actors.engine.spec.config import SpeculativeConfig
 from raylane.actors.engine.spec.cost_model import CostModel
 from raylane.actors.engine.spec.metrics import SpecStats
-from raylane.actors.engine.spec.ngram import NgramProposer
-from raylane.actors.engine.spec.suffix import SuffixIndex
+from raylane.actors.engine.spec.proposer import Proposer
 from raylane.actors.runner.plan import PLACEHOLDER, StepResult
 
 
@@ -54,18 +53,7 @@ class Drafter:
         # seq_id -> the match class of its last proposal (None: it had none; unknown: the best)
         self._last_class: dict[int, int | None] = {}
         self._drafted_class: dict[int, int] = {}  # seq_id -> the class of its drafts in flight
-        # mtp: seq_id -> (its token count when the runner drafted, the drafts after them)
-        self._mtp: dict[int, tuple[int, tuple[int, ...]]] = {}
-        self.ngram = (
-            NgramProposer(config.prompt_lookup_min or 1, config.prompt_lookup_max or 1)
-            if config.method == "ngram"
-            else None
-        )
-        self.suffix = (
-            SuffixIndex(min_probability=config.suffix_min_probability)
-            if config.method == "suffix"
-            else None
-        )
+        self.proposer = Proposer(config)
 
     def active(self, num_decoding: int) -> bool:
         """Speculate for a batch of this many running sequences (the adaptive switch)."""
@@ -224,17 +212,8 @@ class Drafter:
 
     def _lookup(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """Drafts that need no distribution (n-gram, suffix, the runner's MTP draft) and the
-        length of the match they follow."""
-        if self.ngram is not None:
-            return self.ngram.propose_matched(seq.token_ids, k)
-        if self.config.method == "mtp":
-            num_tokens, tokens = self._mtp.get(seq.seq_id, (-1, ()))
-            return (list(tokens[:k]) if num_tokens == len(seq.token_ids) else []), 1
-        if self.suffix is None:
-            return [], 0
-        if seq.seq_id not in self.suffix:
-            self.suffix.add(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
-        return self.suffix.propose_matched(seq.seq_id, k)
+        length of the match they follow (spec/proposer.py)."""
+        return self.proposer.lookup(seq, k)
 
     def _room(self, seq: Sequence) -> int:
         """Drafts worth verifying: the step yields at most drafts + 1 tokens, and none past
@@ -280,7 +259,7 @@ class Drafter:
             self.accepted(item, len(extra.token_ids) if extra else 0)
         tokens = result.mtp_drafts[row] if result.mtp_drafts else None
         if tokens:
-            self._mtp[item.seq.seq_id] = (len(item.seq.token_ids), tokens)
+            self.proposer.keep_mtp(item.seq, tokens)
 
     def accepted(self, item: ScheduledSeq, num_accepted: int) -> None:
         """The step's result: `num_accepted` leading drafts were right. Their positions are
@@ -297,9 +276,7 @@ class Drafter:
         self.blocks.commit_full_blocks(seq, item.start + 1 + num_accepted)
 
     def forget(self, seq: Sequence) -> None:
-        self._mtp.pop(seq.seq_id, None)
+        self.proposer.forget(seq.seq_id)
         self.backoff.forget(seq.seq_id)
         self._last_class.pop(seq.seq_id, None)
         self._drafted_class.pop(seq.seq_id, None)
-        if self.suffix is not None:
-            self.suffix.remove(seq.seq_id)
