@@ -13,6 +13,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from raylane.kernels.batch_invariant.grads import linear_grads
 
 # 16 rows: the smallest block at which both float32 and bfloat16 GEMMs keep one reduction
 # order per row at every M (1, 2, 4 and 8 do not in float32; M = 1 is a GEMV in both)
@@ -89,16 +90,6 @@ class _PackedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (*linear_grads(ctx, grad), None)
-
-
-def linear_grads(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """A linear's gradients (rows, weight, bias) from the (rows, weight) a forward saved and
-    its `has_bias`: the invariant forwards' backward, in plain torch ops."""
-    rows, weight = ctx.saved_tensors
-    grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
-    grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
-    grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return grad_rows, grad_weight, grad_bias
 
 
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

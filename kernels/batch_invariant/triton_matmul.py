@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from raylane.kernels.batch_invariant.linear import linear_grads
+from raylane.kernels.batch_invariant.grads import linear_grads
 
 # the one tile config: every call, every M
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
