@@ -95,14 +95,16 @@ def pushed_tensors(adapters) -> list:
     return sorted((n, t) for n, t in tensors.items() if "lora_B" in n)
 
 
-async def _client(url: str, verb: str, *args, **kwargs):
+async def _client(url: str | None, verb: str, *args, **kwargs):
+    """`RolloutClient`'s `verb` over HTTP (`url`), or in the cluster (None)."""
     from raylane.client import RolloutClient
 
-    async with RolloutClient(url, admin_key=ADMIN_KEY) as client:
+    make = RolloutClient.in_cluster if url is None else RolloutClient
+    async with make() if url is None else make(url, admin_key=ADMIN_KEY) as client:
         return await getattr(client, verb)(*args, **kwargs)
 
 
-def client_greedy(url: str, version: int) -> list[int]:
+def client_greedy(url: str | None, version: int) -> list[int]:
     (out,) = asyncio.run(
         _client(
             url,
@@ -136,6 +138,7 @@ def test_runtime_adapters_reach_a_replacement_and_versions_are_asked_for(
     cluster, ray_cluster, adapters, peft
 ):
     import openai
+    from raylane.actors.lora.errors import LoRAVersionGone
     from raylane.client.errors import ClientError
 
     url, ray = cluster, ray_cluster
@@ -165,6 +168,9 @@ def test_runtime_adapters_reach_a_replacement_and_versions_are_asked_for(
     with pytest.raises(ClientError) as refused:
         client_greedy(url, v1)
     assert refused.value.status == 409
+    assert client_greedy(None, version) == expected(peft, "pushed")[0]  # in the cluster
+    with pytest.raises(LoRAVersionGone):
+        client_greedy(None, v1)
 
     # the replica is killed; the one started instead serves what the runtime changes made
     ray.kill(replica_actor(ray, first), no_restart=True)
@@ -178,6 +184,8 @@ def test_runtime_adapters_reach_a_replacement_and_versions_are_asked_for(
 
     wait_for(lambda: bool(others()), 300, "the Router to replace the killed replica", 1.0)
     (second,) = others()
+    # the ingress learns of the new replica from the Router's table (about twice a second)
+    wait_for(lambda: native(url, PROMPTS[0]).status_code != 503, 60, "the ingress to route")
     now = listed(ray, second)
     assert "gone" not in now  # unloaded at runtime: not loaded again from lora_modules
     kept = ("path", "version", "version_label", "rank")
