@@ -232,18 +232,7 @@ class SessionRegistry(CumulativeTurns):
         async with self.open_turn(
             session_id, messages, params, tools=tools, chat_template_kwargs=chat_template_kwargs
         ) as turn:
-            plan = turn.plan
-            run = TurnRun(
-                generator.generate(
-                    plan.full_prompt,
-                    plan.params,
-                    session_id,
-                    **on_lora(session_lora(turn.session.metadata)),
-                ),
-                len(plan.full_prompt),
-                plan.plan.discarded,
-                timeout_s,
-            )
+            run = self._turn_run(generator, turn, session_id, timeout_s)
             async with aclosing(run.progress()) as steps:
                 async for step in steps:
                     yield step
@@ -251,6 +240,16 @@ class SessionRegistry(CumulativeTurns):
                 raise RuntimeError("the turn generator stopped before a finished output")
             committed = await self.commit(turn, run.output())
         yield run.ended(committed)
+
+    @staticmethod
+    def _turn_run(
+        generator: TurnGenerator, turn: OpenTurn, session_id: str, timeout_s: float | None
+    ) -> TurnRun:
+        """The opened turn's generation (on the session's adapter, if it has one)."""
+        plan = turn.plan
+        lora = on_lora(session_lora(turn.session.metadata))
+        deltas = generator.generate(plan.full_prompt, plan.params, session_id, **lora)
+        return TurnRun(deltas, len(plan.full_prompt), plan.plan.discarded, timeout_s)
 
     @asynccontextmanager
     async def open_turn(

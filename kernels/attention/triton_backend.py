@@ -26,43 +26,32 @@ class TritonAttention:
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])  # [T, H, Dv]
         if self.invariant:
-            from raylane.kernels.batch_invariant.triton_attention import rows_as_decodes
-
-            tables, lens = rows_as_decodes(meta)
-            tk.decode_attention(
-                q, k_cache, v_cache, tables, lens, scale, meta.block_size, out,
-                num_splits=1, window=window, sinks=sinks,
-            )  # fmt: skip
+            self._rows_as_decodes(q, k_cache, v_cache, meta, scale, out, window, sinks)
             return out
         split, first = meta.num_prefill_tokens, meta.num_prefills
         if meta.num_prefills:
             tk.prefill_attention(
-                q[:split],
-                k_cache,
-                v_cache,
-                meta.block_tables[:first],
-                meta.seq_lens[:first],
-                meta.query_start_loc[: first + 1],
-                meta.max_query_len,
-                scale,
-                meta.block_size,
-                out[:split],
-                window,
-                sinks,
-            )
+                q[:split], k_cache, v_cache, meta.block_tables[:first], meta.seq_lens[:first],
+                meta.query_start_loc[: first + 1], meta.max_query_len, scale, meta.block_size,
+                out[:split], window, sinks,
+            )  # fmt: skip
         if meta.num_decodes:
             splits = tk.pick_num_splits(meta.num_decodes, k_cache.shape[1], meta.max_seq_len)
             tk.decode_attention(
-                q[split:],
-                k_cache,
-                v_cache,
-                meta.block_tables[first:],
-                meta.seq_lens[first:],
-                scale,
-                meta.block_size,
-                out[split:],
-                num_splits=splits,
-                window=window,
-                sinks=sinks,
-            )
+                q[split:], k_cache, v_cache, meta.block_tables[first:], meta.seq_lens[first:],
+                scale, meta.block_size, out[split:],
+                num_splits=splits, window=window, sinks=sinks,
+            )  # fmt: skip
         return out
+
+    @staticmethod
+    def _rows_as_decodes(q, k_cache, v_cache, meta, scale, out, window, sinks) -> None:
+        """The batch-invariant mode: every query row (prefill, decode, verify) a one-split
+        decode of its own, its keys summed from its window's start in fixed tiles."""
+        from raylane.kernels.batch_invariant.triton_attention import rows_as_decodes
+
+        tables, lens = rows_as_decodes(meta)
+        tk.decode_attention(
+            q, k_cache, v_cache, tables, lens, scale, meta.block_size, out,
+            num_splits=1, window=window, sinks=sinks,
+        )  # fmt: skip
