@@ -27,7 +27,6 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from raylane.actors.models.checkpoint import LazyTensor, ReadStats
-    from raylane.actors.models.layers import TPGroup
     from raylane.actors.models.loader import (
         load_model,
         load_tokenizer,
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
     )
     from raylane.actors.models.packing import pack_linear_weights, unpack_linear_weights
     from raylane.actors.models.registry import get_model_class, supported_architectures
+    from raylane.actors.models.tp_group import TPGroup
     from raylane.actors.models.tp_shape import check_tp_shape
 
 

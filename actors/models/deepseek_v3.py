@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from raylane.actors.models.layers import TPGroup
 from raylane.actors.models.llama import (
     AttentionSpec,
     LlamaAttention,
@@ -26,6 +25,7 @@ from raylane.actors.models.llama import LlamaForCausalLM as _Llama
 from raylane.actors.models.mla import MLASpec, MLAttention
 from raylane.actors.models.mtp import MtpHost, MtpLayer, mtp_checkpoint_name
 from raylane.actors.models.qwen3_moe import FusedMoE, expert_mapping
+from raylane.actors.models.tp_group import TPGroup
 from raylane.kernels.batch_invariant import padded_linear
 from raylane.kernels.moe import (
     expert_forward,

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from raylane.actors.models.deepseek_v3 import DeepseekV3ForCausalLM
 from raylane.actors.models.dsa import DSAttention
-from raylane.actors.models.layers import TPGroup
 from raylane.actors.models.llama import AttentionSpec
+from raylane.actors.models.tp_group import TPGroup
 from torch import nn
 
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 from raylane.actors.models.attention import LatentAttention
-from raylane.actors.models.layers import ReplicatedLinear, TPGroup
+from raylane.actors.models.layers import ReplicatedLinear
 from raylane.actors.models.mla import MLASpec, MLAttention
+from raylane.actors.models.tp_group import TPGroup
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.attention.sparse import select_topk, sparse_latent_attention
 from raylane.kernels.rotary import apply_rotary, apply_rotary_interleaved

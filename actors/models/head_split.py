@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 from raylane.actors.models.checkpoint import materialize
-from raylane.actors.models.layers import ColumnParallelLinear, Loaded, TPGroup, copy_checked
+from raylane.actors.models.layers import ColumnParallelLinear, Loaded, copy_checked
+from raylane.actors.models.tp_group import TPGroup
 from raylane.actors.models.tp_shape import split_evenly
 from torch import nn
 

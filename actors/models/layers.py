@@ -8,59 +8,18 @@ At world size 1 every collective is a no-op; the hooks are where multi-process T
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from raylane.actors.models.checkpoint import LazyTensor, materialize
+from raylane.actors.models.tp_group import TPGroup
 from raylane.actors.models.tp_shape import split_evenly, split_kv_heads
 from raylane.kernels.batch_invariant import padded_linear
 from torch import nn
 
 Loaded = torch.Tensor | LazyTensor  # what a weight_loader receives
-
-
-@dataclass
-class CollectiveClock:
-    """Seconds spent waiting in collectives (on CPU they are synchronous), for the step split.
-    On GPU this counts launch time only: NCCL runs asynchronously."""
-
-    seconds: float = 0.0
-
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    """This process's place in its tensor-parallel group."""
-
-    rank: int = 0
-    world_size: int = 1
-    group: Any = None  # a torch.distributed ProcessGroup when world_size > 1
-    clock: CollectiveClock = field(default_factory=CollectiveClock, compare=False)
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return x
-        start = time.perf_counter()
-        torch.distributed.all_reduce(x, group=self.group)
-        self.clock.seconds += time.perf_counter() - start
-        return x
-
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's x along the last dim (rank order)."""
-        if self.world_size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        start = time.perf_counter()
-        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
-        self.clock.seconds += time.perf_counter() - start
-        return torch.cat(parts, dim=-1)
 
 
 def divide(total: int, parts: int, field: str) -> int:

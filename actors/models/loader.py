@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from raylane.actors.models.checkpoint import LazyTensor, ReadStats
 from raylane.actors.models.gguf import gguf_to_hf_dir
-from raylane.actors.models.layers import Loaded, TPGroup, copy_checked
+from raylane.actors.models.layers import Loaded, copy_checked
 from raylane.actors.models.packing import pack_linear_weights, refresh_packed_weights
 from raylane.actors.models.registry import get_model_class
+from raylane.actors.models.tp_group import TPGroup
 from raylane.actors.models.tp_shape import check_tp_shape
 from torch import nn
 

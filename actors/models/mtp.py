@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 from raylane.actors.models.attention import Attention
-from raylane.actors.models.layers import ReplicatedLinear, TPGroup
+from raylane.actors.models.layers import ReplicatedLinear
 from raylane.actors.models.llama import LlamaDecoderLayer
+from raylane.actors.models.tp_group import TPGroup
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.norm import RMSNorm
 from torch import nn

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 from raylane.actors.models.checkpoint import materialize
-from raylane.actors.models.layers import Loaded, ReplicatedLinear, TPGroup, copy_checked
+from raylane.actors.models.layers import Loaded, ReplicatedLinear, copy_checked
 from raylane.actors.models.llama import LlamaMLP
 from raylane.actors.models.qwen3_5 import GatedDeltaNet, Qwen3_5MoeForCausalLM, SharedExpertMoe
 from raylane.actors.models.qwen3_moe import is_moe_layer
+from raylane.actors.models.tp_group import TPGroup
 from raylane.actors.models.tp_shape import split_evenly
 from torch import nn
 

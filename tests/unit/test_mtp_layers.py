@@ -92,8 +92,8 @@ def test_weight_updates_reach_the_mtp_layers(with_mtp):
     """A trainer's update under the checkpoint's names (`model.layers.{L}.*`) is checked by the
     shape-only twin and lands in the MTP layer; the shared-head copy is skipped."""
     from raylane.actors.models import load_weights
-    from raylane.actors.models.layers import TPGroup
     from raylane.actors.models.loader import check_weights
+    from raylane.actors.models.tp_group import TPGroup
 
     path, main, _ = with_mtp
     ours, config, _ = load_model(path, torch.float32, "cpu")
