@@ -1,15 +1,21 @@
 """`LayerLoRA`: one linear layer's adapter slots, added to its output in the same forward.
 
 Every slot's A and B sit in static buffers (rank padded to `max_rank` with zeros, PEFT's
-scaling folded into B), so a step runs rows of any adapters, and base rows, in two matmuls:
+scaling folded into B; P the parts of a fused layer (q/k/v, gate/up: each part's B fills only
+its rows of the output), R the max rank). Two ways to add the deltas:
 
-    shrink = x @ A_all^T                    # [T, S * P * R], every slot's low-rank inputs
-    shrink *= onehot(row's slot)            # zero outside the row's own slot (base: all zero)
-    y += shrink @ B_all^T                   # [T, out]
-
-S slots, P the parts of a fused layer (q/k/v, gate/up: each part's B fills only its rows of
-the output), R the max rank. Base rows add exact zeros. Graphs replay it unchanged: only the
-one-hot changes from step to step (ModelLoRA fills it from the plan).
+- eager (SGMV-style): the step's tokens grouped by slot once per step (ModelLoRA, `LoRAGroups`),
+  each token then runs its own slot only: y[rows] += x[rows] @ A_s^T @ B_s^T. When the active
+  slots hold about as many tokens each (decode batches), one gather of x into [S', M, in]
+  (sorted by slot, short groups padded with zero rows), two bmm over the slots and one
+  index_add_ back; otherwise (and in the batch-invariant mode, through its padded `linear`) a
+  loop over the active slots, slicing x where a slot's tokens sit side by side. Base tokens
+  add nothing.
+- CUDA graph capture (static shapes; the replays serve any mix of slots): every slot at once,
+      shrink = x @ A_all^T                # [T, S * P * R], every slot's low-rank inputs
+      shrink *= onehot(row's slot)        # zero outside the row's own slot (base: all zero)
+      y += shrink @ B_all^T               # [T, out]
+  where only the one-hot changes from replay to replay (ModelLoRA fills it from the plan).
 
 Tensor parallel: a column-parallel layer keeps A whole and B's rows of this rank (through the
 layer's own weight_loader, so B splits exactly as the base weight does); a row-parallel layer
@@ -36,12 +42,45 @@ from torch import nn
 QKV_PARTS = ("q", "k", "v")
 
 
+class LoRAGroups:
+    """The step's adapter tokens grouped by slot, for the eager path. `segments`: (slot index,
+    start, end) per active slot, rows [start, end) of x itself when `order` is None (each
+    slot's tokens side by side), else of x[order] (the adapter tokens sorted by slot), which
+    `unsort` adds back to the tokens. `m`: every group padded to m rows (pads repeat a token,
+    `keep` [rows, 1] zeroes them; None when none is short), so the groups run as one bmm over
+    `slots` (their slot indices; None: all the slots, in order); None: a loop over the groups."""
+
+    def __init__(
+        self,
+        segments: list[tuple[int, int, int]],
+        order: torch.Tensor | None = None,
+        unsort: Unsort | None = None,
+    ) -> None:
+        self.segments, self.order, self.unsort = segments, order, unsort
+        self.m: int | None = None
+        self.keep: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None
+
+
+class Unsort:
+    """Adds rows sorted by slot back onto x's tokens: token t gets row `inverse[t]`, times
+    `mask[t]` (0: a token with no adapter; None: every token has one)."""
+
+    def __init__(self, inverse: torch.Tensor, mask: torch.Tensor | None) -> None:
+        self.inverse, self.mask = inverse, mask
+
+    def add_to(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        rows = delta.index_select(0, self.inverse)
+        return y.add_(rows) if self.mask is None else y.addcmul_(rows, self.mask)
+
+
 class LoRAStep:
-    """The step's per-token slot one-hot [T, S], shared by every LoRA layer of a model."""
+    """What every LoRA layer of a model reads for the step: the per-token slot one-hot [T, S]
+    while a CUDA graph is captured, the slot groups otherwise."""
 
     def __init__(self) -> None:
         self.onehot: torch.Tensor | None = None
-        self.active = True  # False: no row of this step runs an adapter (eager: skip the math)
+        self.groups: LoRAGroups | None = None  # None: no token of this step runs an adapter
 
 
 class LayerLoRA:
@@ -55,20 +94,53 @@ class LayerLoRA:
         dtype, device = layer.weight.dtype, layer.weight.device
         width = len(self.parts) * max_rank  # one slot's columns
         self.a = torch.zeros(num_slots, width, in_local, dtype=dtype, device=device)
-        self.b = torch.zeros(out_local, num_slots, width, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, out_local, width, dtype=dtype, device=device)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] + each row's adapter delta of x [T, in]."""
-        onehot = self.step.onehot
-        # a CUDA graph keeps the math whatever the step it is captured at: replays of it
-        # serve adapter rows too
-        if onehot is None or not (self.step.active or _capturing(x)):
+        if self.step.onehot is not None:  # set while a CUDA graph is captured: the graph
+            return self._add_masked(x, y, self.step.onehot)  # keeps the math for its replays
+        groups = self.step.groups
+        if groups is None:
             return y
+        if groups.order is None or groups.unsort is None:  # each slot's tokens side by side
+            for slot, start, end in groups.segments:
+                y[start:end] += self._delta(x[start:end], slot)
+            return y
+        rows = x.index_select(0, groups.order)
+        if groups.keep is not None:
+            rows.mul_(groups.keep)  # pad rows: zero, so their deltas are zero
+        if groups.m is not None:  # never in the batch-invariant mode (ModelLoRA)
+            delta = self._batched_delta(rows, groups.m, groups.slots)
+        else:
+            deltas = [self._delta(rows[start:end], slot) for slot, start, end in groups.segments]
+            delta = torch.cat(deltas) if len(deltas) > 1 else deltas[0]
+        return groups.unsort.add_to(y, delta)
+
+    def _delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:
+        """x [n, in] @ A_slot^T @ B_slot^T: [n, out] (the batch-invariant mode's `linear`)."""
+        invariant = self.layer.invariant
+        shrink = linear(x, self.a[slot], None, None, invariant)
+        return linear(shrink, self.b[slot], None, None, invariant)
+
+    def _batched_delta(
+        self, rows: torch.Tensor, m: int, slots: torch.Tensor | None
+    ) -> torch.Tensor:
+        """rows [S' * m, in], m per slot of `slots` -> their deltas [S' * m, out]."""
+        a, b = self.a, self.b
+        if slots is not None:
+            a, b = a.index_select(0, slots), b.index_select(0, slots)
+        shrink = torch.bmm(rows.view(a.shape[0], m, -1), a.transpose(1, 2))
+        delta = torch.bmm(shrink, b.transpose(1, 2))  # [S', m, out]
+        return delta.view(-1, delta.shape[-1])
+
+    def _add_masked(self, x: torch.Tensor, y: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
         slots, width = self.a.shape[0], self.a.shape[1]
         invariant = self.layer.invariant
         shrink = linear(x, self.a.view(slots * width, -1), None, None, invariant)
         shrink = (shrink.view(-1, slots, width) * onehot[:, :, None]).view(-1, slots * width)
-        return y + linear(shrink, self.b.view(self.b.shape[0], -1), None, None, invariant)
+        b_all = self.b.permute(1, 0, 2).reshape(self.b.shape[1], -1)  # [out, S * width]
+        return y + linear(shrink, b_all, None, None, invariant)
 
     def prepare(
         self, parts: dict[Any, tuple[torch.Tensor, torch.Tensor]], scaling: float
@@ -76,7 +148,7 @@ class LayerLoRA:
         """One slot's (A [P * R, in], B [out, P * R]) from full PEFT tensors per part, this
         rank's slices taken; ValueError on a wrong shape. Nothing is written yet."""
         a_slot = torch.zeros_like(self.a[0])
-        b_slot = torch.zeros_like(self.b[:, 0])
+        b_slot = torch.zeros_like(self.b[0])
         for shard_id, (a, b) in parts.items():
             r = a.shape[0]
             start = self.parts.index(shard_id) * self.rank
@@ -95,14 +167,15 @@ class LayerLoRA:
 
     def write(self, slot: int, prepared: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.a[slot].copy_(prepared[0])
-        self.b[:, slot].copy_(prepared[1])
+        self.b[slot].copy_(prepared[1])
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
-        self.b[:, slot].zero_()
+        self.b[slot].zero_()
 
 
 def _capturing(x: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on x's device."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 

@@ -1,6 +1,7 @@
 """`ModelLoRA`: a model's LoRA slots on one rank. It attaches a `LayerLoRA` to every linear
 layer an adapter may target (q/k/v/o, gate/up/down), loads an adapter version into a slot,
-and before each forward turns the rows' slots into the one-hot the layers read.
+and before each forward turns the rows' slots into what the layers read: the tokens grouped by
+slot (eager), or the per-token slot one-hot (while a CUDA graph is captured).
 
 Slots are numbered 1..max_loras (0 = the base model). An adapter's HF module paths map onto
 the model's fused layers through its `packed_modules_mapping` / `stacked_params_mapping`
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 from raylane.actors.lora.adapter import LoRAWeights
-from raylane.actors.lora.layer_lora import LayerLoRA, LoRAStep
+from raylane.actors.lora.layer_lora import LayerLoRA, LoRAGroups, LoRAStep, Unsort
 from raylane.actors.lora.peft_config import TARGETS
 from raylane.actors.models.layers import LinearBase
 from torch import nn
@@ -37,6 +38,9 @@ class ModelLoRA:
         # each row's slot (0: base); graph replay reads the same buffer
         self.row_slots = torch.zeros(max_rows, dtype=torch.long, device=device)
         self._columns = torch.arange(1, max_loras + 1, device=device)
+        first = next(iter(self.layers.values()), None)
+        self._dtype = first.a.dtype if first is not None else torch.float32
+        self._slots: list[int] = []  # the same, on the host
         self._hook = model.register_forward_pre_hook(self._before_model)
 
     @property
@@ -45,20 +49,48 @@ class ModelLoRA:
 
     def set_rows(self, slots: Sequence[int]) -> None:
         """The step's rows' slots, in `scheduled` order (padding rows get 0)."""
+        self._slots = list(slots)
         self.row_slots.zero_()
         if slots:
             self.row_slots[: len(slots)].copy_(torch.tensor(slots, dtype=torch.long))
-        self.step.active = any(slot > 0 for slot in slots)
 
     def _before_model(self, module: nn.Module, args: tuple) -> None:
         input_ids, attn = args[0], args[2]
         starts = attn.query_start_loc  # [B + 1]: row i's tokens are [starts[i], starts[i + 1])
+        if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.step.groups, self.step.onehot = None, self._onehot(input_ids, starts)
+        else:
+            self.step.onehot = None
+            active = any(slot > 0 for slot in self._slots)
+            self.step.groups = self._groups(input_ids, starts) if active else None
+
+    def _groups(self, input_ids: torch.Tensor, starts: torch.Tensor) -> LoRAGroups | None:
+        spans = _spans(self._slots, starts.tolist())
+        if not spans:
+            return None
+        segments = [(slot, *runs[0]) for slot, runs in spans.items()]
+        if all(len(runs) == 1 for runs in spans.values()):
+            return LoRAGroups(segments)  # each slot's tokens side by side: slices of x
+        members = {slot: [t for a, b in runs for t in range(a, b)] for slot, runs in spans.items()}
+        # the batch-invariant mode's padded `linear` per group, not a bmm whose reduction
+        # order may change with the groups' sizes
+        invariant = next(iter(self.layers.values())).layer.invariant
+        return _sorted_groups(
+            members,
+            input_ids.shape[0],
+            self.max_loras,
+            not invariant,
+            self._dtype,
+            input_ids.device,
+        )
+
+    def _onehot(self, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """[T, S]: 1 at each token's slot column, from the static row slots (graphs replay it)."""
         tokens = torch.arange(input_ids.shape[0], device=starts.device, dtype=starts.dtype)
         rows = torch.searchsorted(starts[1:].contiguous(), tokens, right=True)
         rows = rows.clamp_(max=max(starts.shape[0] - 2, 0))
         slots = self.row_slots[rows]  # [T]
-        dtype = next(iter(self.layers.values())).a.dtype if self.layers else torch.float32
-        self.step.onehot = (slots[:, None] == self._columns[None, :]).to(dtype)  # [T, S]
+        return (slots[:, None] == self._columns[None, :]).to(self._dtype)
 
     # --- loading ------------------------------------------------------------------------------
 
@@ -114,3 +146,64 @@ def _fused_names(model: nn.Module) -> dict[str, tuple[str, Any]]:
     """HF projection name -> (our fused layer name, its shard id)."""
     mapping = getattr(model, "stacked_params_mapping", None) or []
     return {hf: (ours, shard_id) for ours, hf, shard_id in mapping if hf in TARGETS}
+
+
+def _spans(row_slots: list[int], bounds: list[int]) -> dict[int, list[tuple[int, int]]]:
+    """Slot index (slot - 1) -> its token ranges, adjacent rows merged, slots in order."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for row, slot in enumerate(row_slots):
+        start, end = bounds[row], bounds[row + 1]
+        if slot <= 0 or end <= start:
+            continue
+        runs = spans.setdefault(slot - 1, [])
+        if runs and runs[-1][1] == start:  # the previous row's tokens end where these begin
+            runs[-1] = (runs[-1][0], end)
+        else:
+            runs.append((start, end))
+    return dict(sorted(spans.items()))
+
+
+PAD_WASTE = 1.5  # one bmm over padded groups when they hold at most this many rows per token
+
+
+def _sorted_groups(
+    members: dict[int, list[int]],
+    tokens: int,
+    max_loras: int,
+    may_pad: bool,
+    dtype: torch.dtype,
+    device: Any,
+) -> LoRAGroups:
+    """The adapter tokens sorted by slot (`members`: slot index -> its tokens), each group
+    padded to the largest when that wastes little (then one bmm runs them all)."""
+    sizes = [len(group) for group in members.values()]
+    m = max(sizes)
+    batched = may_pad and m * len(sizes) <= PAD_WASTE * sum(sizes)
+    order: list[int] = []
+    keep: list[float] = []
+    segments = []
+    for slot, group in members.items():
+        pads = m - len(group) if batched else 0
+        segments.append((slot, len(order), len(order) + len(group)))
+        order.extend(group + group[:1] * pads)
+        keep.extend([1.0] * len(group) + [0.0] * pads)
+    inverse, mask = [0] * tokens, [0.0] * tokens
+    for row, (token, kept) in enumerate(zip(order, keep)):
+        if kept:
+            inverse[token], mask[token] = row, 1.0
+    full = all(mask)
+    groups = LoRAGroups(
+        segments,
+        torch.tensor(order, dtype=torch.long, device=device),
+        Unsort(
+            torch.tensor(inverse, dtype=torch.long, device=device),
+            None if full else torch.tensor(mask, dtype=dtype, device=device)[:, None],
+        ),
+    )
+    if batched:
+        groups.m = m
+        if not all(keep):
+            groups.keep = torch.tensor(keep, dtype=dtype, device=device)[:, None]
+        if list(members) != list(range(max_loras)):
+            groups.slots = torch.tensor(list(members), dtype=torch.long, device=device)
+    return groups
