@@ -16,8 +16,11 @@ as the replicas hold it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,9 +77,23 @@ class LoRAMemory:
         self.removed.add(name)
 
     async def restore(self, replica: Any) -> None:
-        """Bring `replica` (its `ReplicaControl`) to every remembered adapter's state."""
-        held = {a["name"] for a in await replica.list_loras()}
+        """Bring `replica` (its `ReplicaControl`) to every remembered adapter's state. An
+        adapter it refuses (a ValueError: LoRA turned off by a redeploy, a smaller
+        max_lora_rank, a path that is gone) is forgotten with a warning: the cluster as it is
+        now configured cannot hold it, and the replica must still be able to start."""
+        if not self.adapters and not self.removed:
+            return  # nothing loaded or pushed at runtime (and a replica may have LoRA off)
+        try:
+            held = {a["name"] for a in await replica.list_loras()}
+        except ValueError:  # LoRA is off on it: it holds none, and takes none below
+            held = set()
         for name in sorted(self.removed & held):
             await replica.remove_lora(name, True)
         for record in list(self.adapters.values()):
-            await replica.restore_lora(*await record.as_call())
+            try:
+                await replica.restore_lora(*await record.as_call())
+            except ValueError as e:
+                LOG.warning(
+                    "LoRA adapter %r is forgotten: a new replica refused it (%s)", record.name, e
+                )
+                self.adapters.pop(record.name, None)
