@@ -191,15 +191,9 @@ def _sorted_groups(
     for row, (token, kept) in enumerate(zip(order, keep)):
         if kept:
             inverse[token], mask[token] = row, 1.0
-    full = all(mask)
-    groups = LoRAGroups(
-        segments,
-        torch.tensor(order, dtype=torch.long, device=device),
-        Unsort(
-            torch.tensor(inverse, dtype=torch.long, device=device),
-            None if full else torch.tensor(mask, dtype=dtype, device=device)[:, None],
-        ),
-    )
+    base_rows = None if all(mask) else torch.tensor(mask, dtype=dtype, device=device)[:, None]
+    unsort = Unsort(torch.tensor(inverse, dtype=torch.long, device=device), base_rows)
+    groups = LoRAGroups(segments, torch.tensor(order, dtype=torch.long, device=device), unsort)
     if batched:
         groups.m = m
         if not all(keep):
