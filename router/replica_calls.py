@@ -18,7 +18,7 @@ from raylane.router.errors import ReplicaFailed, unwrapped
 from raylane.router.remote import Remote, verbs
 
 REPLICA_VERBS = verbs(ReplicaControl)
-__all__ = ["ActorCalls", "LocalReplica", "unwrapped"]  # unwrapped: replica_channels' import
+__all__ = ["ActorCalls", "LocalReplica"]
 
 
 class ActorCalls:

@@ -20,7 +20,7 @@ from raylane.actors.engine.outputs import EngineCoreOutput
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.leases import RENEW_S, LeaseRenewals
 from raylane.actors.output_channel import ChannelClosed
-from raylane.router.replica_calls import unwrapped
+from raylane.router.errors import unwrapped
 
 # a channel with no request for this long is closed (it holds a call open on its replica); long
 # enough that a steady trickle of requests reuses it instead of opening one per request

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -53,15 +52,6 @@ class RequestOutput:
     prompt_ranks: list[int | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the request failed (finish reason "error")
-
-
-def aborted(out: RequestOutput) -> RequestOutput:
-    """`out` as a final output: every sample still running ends with finish reason "abort"
-    (a deadline passed; the engine request was aborted)."""
-    samples = [
-        c if c.finished else dataclasses.replace(c, finish_reason="abort") for c in out.outputs
-    ]
-    return dataclasses.replace(out, outputs=samples, finished=True)
 
 
 class CompactPickle:
