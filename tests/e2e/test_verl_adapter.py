@@ -23,11 +23,14 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture
-async def rollout(trainer_server, trainer_backend, trainer):
+async def rollout(trainer_server, trainer):
+    # the control goes over HTTP too: the engine runs on the server's thread, and a
+    # PlaneControl over its backend would drive it from this test's thread
     client = RolloutClient(trainer_server.url)
-    control = adapter.PlaneControl(trainer_backend.control)
+    control = adapter.RoutesControl(trainer_server.url)
     defaults = adapter.ServerDefaults(response_length=6)
     yield adapter.RaylaneRolloutServer(client, control, defaults)
+    await control.close()
     await client.close()
 
 
