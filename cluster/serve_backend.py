@@ -116,6 +116,7 @@ class RouterSessions(CumulativeTurns):
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        lora_version: int | None = None,
     ) -> AsyncGenerator[TurnDelta, None]:
         from ray.exceptions import RayActorError
 
@@ -126,7 +127,13 @@ class RouterSessions(CumulativeTurns):
         )
         committed = False
         turn = stream_turn(
-            _results(call), self.generator, self._hand_back, self.leases, session_id, timeout_s
+            _results(call),
+            self.generator,
+            self._hand_back,
+            self.leases,
+            session_id,
+            timeout_s,
+            lora_version,
         )
         try:
             async with aclosing(turn):

@@ -93,6 +93,7 @@ class CumulativeTurns:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        lora_version: int | None = None,
     ) -> AsyncGenerator[TurnDelta, None]:
         raise NotImplementedError
 

@@ -188,6 +188,7 @@ class SessionRegistry(CumulativeTurns):
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        lora_version: int | None = None,
     ) -> TurnResult:
         """Run one turn to completion; returns the committed result."""
         result = None
@@ -199,6 +200,7 @@ class SessionRegistry(CumulativeTurns):
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
                 timeout_s=timeout_s,
+                lora_version=lora_version,
             )
         ) as turn:
             async for result in turn:
@@ -215,6 +217,7 @@ class SessionRegistry(CumulativeTurns):
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        lora_version: int | None = None,
     ) -> AsyncGenerator[TurnDelta, None]:
         """Run one turn, yielding the engine's deltas as they come; the last, the finished one,
         with the committed result (without replay blobs: the session's record keeps them, the
@@ -225,6 +228,7 @@ class SessionRegistry(CumulativeTurns):
         `timeout_s` bounds the generation (counted once the session's previous turn has
         ended): past it the generation is aborted and the turn commits its partial output,
         finish reason "abort", as an abort through the control plane does (turn_deadline.py).
+        `lora_version`: that version of the session's adapter (router/session_lora.py).
         """
         generator = self.generator
         if generator is None:
@@ -232,7 +236,7 @@ class SessionRegistry(CumulativeTurns):
         async with self.open_turn(
             session_id, messages, params, tools=tools, chat_template_kwargs=chat_template_kwargs
         ) as turn:
-            run = self._turn_run(generator, turn, session_id, timeout_s)
+            run = self._turn_run(generator, turn, session_id, timeout_s, lora_version)
             async with aclosing(run.progress()) as steps:
                 async for step in steps:
                     yield step
@@ -243,11 +247,16 @@ class SessionRegistry(CumulativeTurns):
 
     @staticmethod
     def _turn_run(
-        generator: TurnGenerator, turn: OpenTurn, session_id: str, timeout_s: float | None
+        generator: TurnGenerator,
+        turn: OpenTurn,
+        session_id: str,
+        timeout_s: float | None,
+        lora_version: int | None = None,
     ) -> TurnRun:
-        """The opened turn's generation (on the session's adapter, if it has one)."""
+        """The opened turn's generation (on the session's adapter, if it has one, at
+        `lora_version` if given)."""
         plan = turn.plan
-        lora = on_lora(session_lora(turn.session.metadata))
+        lora = on_lora(session_lora(turn.session.metadata), lora_version)
         deltas = generator.generate(plan.full_prompt, plan.params, session_id, **lora)
         return TurnRun(deltas, len(plan.full_prompt), plan.plan.discarded, timeout_s)
 

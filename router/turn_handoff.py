@@ -143,17 +143,18 @@ async def stream_turn(
     leases: TurnLeases,
     session_id: str,
     timeout_s: float | None,
+    lora_version: int | None = None,
 ) -> AsyncGenerator[TurnDelta, None]:
     """The caller's side: `call` is the Router's `session_turn` stream (each item awaitable).
     Generates the ticket's prompt with `generator` (past `timeout_s`: aborted, partial output,
     finish reason "abort"), yields its deltas, hands the finished output back (renewing the
     turn's lease in `leases` meanwhile), and yields the finished delta with the committed
     result. Leaving early aborts the generation; the caller then cancels `call`, which leaves
-    the session as it was."""
+    the session as it was. `lora_version`: that version of the session's adapter."""
     ticket: TurnTicket = await (await anext(call))
     with leases.held(ticket.turn_id):  # until the Router has the output
         outputs = generator.generate(
-            ticket.prompt_ids, ticket.params, session_id, **on_lora(ticket.lora)
+            ticket.prompt_ids, ticket.params, session_id, **on_lora(ticket.lora, lora_version)
         )
         # `rolled_back` is only known to the Router: 0 here, set on the committed result
         run = TurnRun(outputs, len(ticket.prompt_ids), 0, timeout_s)

@@ -63,6 +63,7 @@ class SessionBackend(Protocol):
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        lora_version: int | None = None,
     ) -> AsyncGenerator[TurnResult, None]:
         """The turn's cumulative progress, then its committed result (`message` set):
         `chat_deltas`, each output folded into everything so far."""
@@ -77,12 +78,14 @@ class SessionBackend(Protocol):
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        lora_version: int | None = None,
     ) -> AsyncGenerator[TurnDelta, None]:
         """The turn's deltas as the engine made them; the last, the finished one, with the
         committed result (`TurnDelta.committed`: `message` set, no replay blobs). Closing the
         iterator early aborts the turn and leaves no trace. Past `timeout_s` seconds the turn
         is aborted where it runs (the engine request too) and commits its partial output,
-        finish reason "abort" (`SessionRegistry.chat_deltas`)."""
+        finish reason "abort" (`SessionRegistry.chat_deltas`). `lora_version`: that version
+        of the session's adapter (409 once it is no longer held; None: the newest)."""
         ...
 
     async def sample(self, session_id: str, max_seq_len: int | None = None) -> TrainingSample: ...

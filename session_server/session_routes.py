@@ -100,6 +100,7 @@ async def session_chat(session_id: str, body: ChatCompletionRequest, request: Re
         tools=body.tools,
         chat_template_kwargs=body.chat_template_kwargs,
         timeout_s=timeout_of(request, body.timeout),
+        lora_version=body.lora_version,  # of the session's adapter (metadata["lora"])
     )
     stream = _views(turn, formatter, {"prompt": "messages", "max_tokens": field})
     if body.stream:

@@ -62,6 +62,7 @@ class TokensRequest(_Body):
     sampling_params: dict[str, Any] = Field(default_factory=dict)  # vLLM's SamplingParams
     request_id: str | None = None
     model: str | None = None
+    lora_version: int | None = Field(None, ge=1)  # raylane's: that version of `model`'s adapter
     stream: bool | None = False
     cache_salt: str | None = None
     priority: int = 0

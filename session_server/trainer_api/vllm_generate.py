@@ -66,9 +66,10 @@ async def generate(body: TokensRequest, request: Request):
 
 async def start_tokens(body: TokensRequest, request: Request, request_id: str) -> tuple:
     """Check a tokens request and start it: (its SamplingParams, the output stream). `model`
-    may name a LoRA adapter (SkyRL's tenants)."""
+    may name a LoRA adapter (SkyRL's tenants), `lora_version` one of its versions (as on the
+    OpenAI routes: 409 once it is no longer held; absent: the newest)."""
     backend = backend_of(request)
-    lora = await model_adapter(request, body.model)
+    lora = await model_adapter(request, body.model, body.lora_version)
     if body.features is not None:
         raise bad_request("features: multimodal inputs are not served here", "features")
     if body.routed_experts_start_len > len(body.token_ids):
