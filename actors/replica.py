@@ -84,6 +84,7 @@ class EngineReplica(ReplicaControl):
                         self._admitted,
                         {cid: ch.num_held for cid, ch in self._channels.items() if ch.num_held},
                         self._adapters_in_slots(),
+                        self._lora_versions(),
                     )
                 else:
                     await self.router.report_failure.remote(self.replica_id)
@@ -98,6 +99,13 @@ class EngineReplica(ReplicaControl):
         if not self.engine.engine.config.enable_lora:
             return None
         return [a.name for a in self._loras.list_loras() if a.loaded]
+
+    def _lora_versions(self) -> dict[str, list[int]] | None:
+        """Per adapter, the versions this engine holds (None without LoRA): the Router sends a
+        request that asks for a version where it is held."""
+        if not self.engine.engine.config.enable_lora:
+            return None
+        return self.engine.engine.loras.held_versions()
 
     def _serving(self) -> bool:
         try:

@@ -94,10 +94,12 @@ class Router:
         admitted: int | None = None,
         held_on: dict[str, int] | None = None,
         adapters: list[str] | None = None,
+        lora_versions: dict[str, list[int]] | None = None,
     ) -> None:
         """The replica is alive, at this weight version, holding `held` requests (`held_on`:
         how many on each output channel that has some), having admitted `admitted` since it
-        started (None: it does not say), with these LoRA `adapters` in its slots."""
+        started (None: it does not say), with these LoRA `adapters` in its slots and these
+        `lora_versions` held (per adapter)."""
         state = self.policy.replicas.get(replica_id)
         if state is None:  # the Router restarted and lost its table: re-learn the replica
             self.policy.add(replica_id, time.monotonic())
@@ -114,6 +116,8 @@ class Router:
             state.routed = admitted
         if adapters is not None:
             state.adapters = frozenset(adapters)
+        if lora_versions is not None:
+            state.set_lora_versions(lora_versions)
 
     def unregister(self, replica_id: str) -> None:
         self.policy.remove(replica_id)
@@ -162,6 +166,7 @@ class Router:
                 "healthy": r.healthy,
                 "weight_version": r.weight_version,
                 "adapters": sorted(r.adapters),
+                "lora_versions": {name: sorted(v) for name, v in r.lora_versions.items()},
             }
             for r in self.policy.replicas.values()
         ]

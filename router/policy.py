@@ -9,7 +9,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 def _hash(text: str) -> int:
@@ -36,10 +37,15 @@ class ReplicaState:
     last_seen: float = 0.0  # monotonic time of its last heartbeat
     weight_version: int | None = None  # None: it never said (treated as current)
     adapters: frozenset[str] = frozenset()  # LoRA adapters it holds in a slot (last heartbeat)
+    # per adapter, the versions it holds (last heartbeat): where a request for one can run
+    lora_versions: dict[str, frozenset[int]] = field(default_factory=dict)
 
     @property
     def in_flight(self) -> int:
         return self.reported + self.own
+
+    def set_lora_versions(self, held: Mapping[str, list[int]]) -> None:
+        self.lora_versions = {name: frozenset(versions) for name, versions in held.items()}
 
     def report(self, held: int, own_held: int = 0) -> None:
         """The replica's own count, as its heartbeat carried it: `held` requests, `own_held` of
@@ -132,8 +138,10 @@ class RoutingPolicy:
 
     def choose(self, routing_key: str | None = None, lora: str | None = None) -> str | None:
         """`lora`: the request's adapter; among the least loaded, a replica that holds it in
-        a slot goes first (it costs nothing; it never outweighs load or a routing key)."""
-        routable = self.routable()
+        a slot goes first (it costs nothing; it never outweighs load or a routing key). One
+        that asks for a version of it (a `LoRAName`) goes only where that version is held
+        (`_holding`), before load and routing keys decide."""
+        routable = _holding(self.routable(), lora)
         if routing_key is not None:
             ids = {r.replica_id for r in routable}
             for rid in self.ring.walk(routing_key):
@@ -158,3 +166,17 @@ class RoutingPolicy:
         state = self.replicas.get(replica_id)
         if state is not None and state.own > 0:
             state.own -= 1
+
+
+def _holding(replicas: list[ReplicaState], lora: str | None) -> list[ReplicaState]:
+    """`replicas`, narrowed to those that hold the version `lora` asks for (by their last
+    heartbeat), when any does. A replica keeps an adapter's older version only while requests
+    started on it run, and one started after it was replaced never held it: there, the request
+    would be a 409 while another replica could still serve it (a rollout that finishes on the
+    policy it started with). When none is known to hold it (a version just committed, not yet
+    in a heartbeat), every replica may: it answers, or says the version is gone."""
+    version = getattr(lora, "version", None)
+    if lora is None or version is None:
+        return replicas
+    holders = [r for r in replicas if version in r.lora_versions.get(lora, ())]
+    return holders or replicas

@@ -63,6 +63,7 @@ class ReplicaView:
             state = self.policy.replicas[rid]
             state.healthy = row["healthy"]
             state.adapters = frozenset(row.get("adapters", ()))
+            state.set_lora_versions(row.get("lora_versions", {}))
             if row["weight_version"] is not None:
                 self.policy.set_version(rid, row["weight_version"])
             if self._beats.get(rid) != row["beat"]:  # a new heartbeat: the replica's own count

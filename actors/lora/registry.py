@@ -170,6 +170,12 @@ class LoRARegistry:
             if not e.removing
         ]
 
+    def held_versions(self) -> dict[str, list[int]]:
+        """Per adapter, the versions a new request may still bind: its newest, and those live
+        requests run on (what the Router routes a request that names a version by)."""
+        self._sweep()
+        return {name: sorted(e.versions) for name, e in self._adapters.items() if not e.removing}
+
     def has(self, name: str) -> bool:
         entry = self._adapters.get(name)
         return entry is not None and not entry.removing
