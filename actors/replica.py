@@ -65,8 +65,7 @@ class EngineReplica(ReplicaControl):
     async def start(self) -> None:
         """Register with the Router and start heartbeating (idempotent)."""
         modules, self._lora_modules = self._lora_modules, []
-        for module in modules:  # before it serves: `--lora-modules`
-            await self.add_lora(module["name"], module["path"])
+        await self.load_lora_modules(modules)  # before it serves: `--lora-modules`
         if self.router is None or self._heartbeat_task is not None:
             return
         await self.router.admit.remote(self.replica_id)  # the cluster's adapters, registered

@@ -80,6 +80,7 @@ class ReplicaLoRA(ReplicaLoRAGroup):
     """The adapter verbs; those over the trainer's collective group are `ReplicaLoRAGroup`'s."""
 
     engine: Any  # an AsyncLLMEngine
+    lora_modules: tuple[str, ...] = ()  # the adapters it loaded before it served
 
     @property
     def _loras(self) -> Any:
@@ -93,6 +94,18 @@ class ReplicaLoRA(ReplicaLoRAGroup):
         if not isinstance(path, str) or not path:
             raise ValueError("lora_path: must be a non-empty path to a PEFT adapter directory")
         return await _done(self._loras.add_lora(lora_request(name, path), pinned=pinned))
+
+    async def load_lora_modules(self, modules: list[dict]) -> None:
+        """`--lora-modules` ({name, path} each), before it serves."""
+        for module in modules:
+            await self.add_lora(module["name"], module["path"])
+        self.lora_modules += tuple(m["name"] for m in modules)
+
+    async def lora_modules_dropped(self) -> list[str]:
+        """The adapters it loaded before it served that it no longer holds (unloaded since: a
+        restarted Router learns it here, router/lora_memory.py)."""
+        held = {a["name"] for a in await self.list_loras()}
+        return [name for name in self.lora_modules if name not in held]
 
     async def remove_lora(self, name: str, wait: bool = True) -> bool:
         return await _done(self._loras.remove_lora(name, wait=wait))

@@ -104,6 +104,8 @@ class Router:
         if state is None:  # the Router restarted and lost its table: re-learn the replica
             self.policy.add(replica_id, time.monotonic())
             state = self.policy.replicas[replica_id]
+            self.replica_set.adopt()  # its handle
+            self.plane.recall_from(replica_id)  # and the LoRA adapters it holds
         state.last_seen = time.monotonic()
         state.healthy = True
         self._beats[replica_id] = self._beats.get(replica_id, 0) + 1

@@ -44,6 +44,7 @@ class LoRAControl(ReplicaBroadcast):
     """`ControlPlane`'s adapter verbs."""
 
     _lock: asyncio.Lock
+    _detached: set[asyncio.Task]
     _lora_update: LoRAUpdate | None = None
     _lora_memory: LoRAMemory | None = None
 
@@ -58,8 +59,51 @@ class LoRAControl(ReplicaBroadcast):
         """A replica that starts: it gets every remembered adapter, then `register` makes it
         routable, under the lock, so no adapter change falls between the two."""
         async with self._lock:
+            await self._recall(self.table.reachable())
             await self.lora_memory.restore(replica)
             register()
+
+    def recall_from(self, replica_id: str) -> None:
+        """A live replica this Router did not start (it restarted and re-learns its table):
+        unless done already, what it holds becomes what the Router remembers, in the
+        background, under the lock (`LoRAMemory.recall`)."""
+        if self.lora_memory.recalled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a Router called outside its actor's loop: its next admit recalls
+            return
+
+        async def recall() -> None:
+            async with self._lock:
+                await self._recall([replica_id])
+
+        task = loop.create_task(recall())
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
+
+    async def _recall(self, ids: list[str]) -> None:
+        """Once: the adapters the first of `ids` that answers holds (they all hold the same)."""
+        memory = self.lora_memory
+        for rid in [] if memory.recalled else ids:
+            try:
+                replica = self.calls.replica(rid)
+                await memory.recall(replica, lambda name, r=rid: self._keep(r, name))
+                return
+            except Exception as e:  # gone meanwhile: the next one holds the same
+                log.warning("recalling the LoRA adapters of replica %s failed: %r", rid, e)
+
+    def _keep(self, replica_id: str, name: str) -> asyncio.Task | None:
+        return self._export([replica_id], name) if self.lora_memory.keeps_tensors else None
+
+    async def remembered_loras(self) -> list[dict[str, Any]]:
+        """What a replica started now would get (router/lora_memory.py), recalled from the
+        replicas first where this Router has not yet: per adapter its path, pin, version and
+        label, and whether that version's tensors are kept (once they are)."""
+        async with self._lock:
+            await self._recall(self.table.reachable())
+            records = list(self.lora_memory.adapters.values())
+        return [await record.described() for record in records]
 
     async def _adapter(self, replica_id: str, name: str) -> dict[str, Any]:
         listed = await self.calls.replica(replica_id).list_loras()

@@ -9,14 +9,19 @@ there by the Router (so it lives as long as the Router does), read from a replic
 commit answered (a replica admitted meanwhile waits for it). An adapter is small: rank 16 on
 SmolLM2-135M is about 19.5 MB. A path load drops the tensors (the path is the adapter again);
 an unloaded adapter is forgotten, and a replica that loads it at start (`lora_modules`) drops
-it again when admitted. A Router that restarts remembers nothing: what it restarts is served
-as the replicas hold it.
+it again when admitted. A Router that restarts has lost all of it, and recalls it from a live
+replica (`recall`: the replicas hold the same adapters) once it learns of one, before it admits
+a new replica: each adapter's path, pin, version and label as the replica lists them, for a
+version past the first (it may have been pushed: its path alone would not make it) the tensors,
+read back from that replica into the object store, and the `lora_modules` it no longer holds
+(unloaded: a new replica drops them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +45,11 @@ class AdapterRecord:
         record = {k: getattr(self, k) for k in ("name", "path", "pinned", "version", "label")}
         return record, None if self.tensors is None else [await self.tensors]
 
+    async def described(self) -> dict[str, Any]:
+        """The record, and whether its version's tensors are kept (once they are)."""
+        record, tensors = await self.as_call()
+        return {**record, "tensors": tensors is not None}
+
 
 class LoRAMemory:
     """The adapters a replica must hold before it serves, by name."""
@@ -47,6 +57,7 @@ class LoRAMemory:
     def __init__(self) -> None:
         self.adapters: dict[str, AdapterRecord] = {}
         self.removed: set[str] = set()
+        self.recalled = False  # what the replicas held when this Router started is known
 
     def loaded(self, info: dict[str, Any]) -> None:
         """Adapter `info` (a `LoRAInfo` dict) was loaded from its path on every replica."""
@@ -67,6 +78,23 @@ class LoRAMemory:
         all of them in the object store (its ObjectRef)."""
         self.loaded(info)
         self.adapters[info["name"]].tensors = export
+
+    async def recall(self, replica: Any, export: Callable[[str], asyncio.Task | None]) -> None:
+        """What `replica` (a live replica's `ReplicaControl`) holds becomes what is remembered,
+        for every adapter not loaded, pushed or unloaded through this Router since it started
+        (what it remembers of those is newer), and the adapters it loaded at start
+        (`lora_modules`) and holds no more are unloaded ones. `export(name)`: the task that
+        keeps the newest version's tensors (None where none are kept), past the first version."""
+        try:
+            held = await replica.list_loras()
+            dropped = await replica.lora_modules_dropped()
+        except ValueError:  # LoRA is off on it: nothing to remember
+            held, dropped = [], []
+        self.removed |= set(dropped) - set(self.adapters)  # unloaded: a new replica drops them
+        for info in held:
+            if info["name"] not in self.adapters and info["name"] not in self.removed:
+                self.pushed(info, export(info["name"]) if info["version"] > 1 else None)
+        self.recalled = True
 
     def pinned(self, name: str) -> None:
         if name in self.adapters:

@@ -194,3 +194,78 @@ def test_runtime_adapters_reach_a_replacement_and_versions_are_asked_for(
     assert greedy(url) == expected(peft, "pushed")
     assert greedy(url, version) == expected(peft, "pushed")
     assert native(url, PROMPTS[0], v1).status_code == 409
+
+
+def test_a_restarted_router_recalls_runtime_adapters_from_its_replicas(
+    cluster, ray_cluster, adapters, peft
+):
+    """The Router restarts (Ray restarts the killed actor: it remembers nothing); it recalls
+    from the live replica an adapter loaded and pushed at runtime (its tensors read back) and
+    the `lora_modules` adapter unloaded, so the replica it starts instead of the killed one
+    holds the pushed version under its number and label, serves PEFT's tokens, and does not
+    hold the unloaded one. Before that, a session turn asks for versions of its adapter across
+    the cluster (the turn's tokens generated at the ingress)."""
+    from raylane.router.names import NAMESPACE, ROUTER_NAME
+
+    url, ray = cluster, ray_cluster
+    (first,) = wait_healthy(ray, 1)
+    if "gone" in listed(ray, first):  # this test alone: unload it here
+        asyncio.run(_client(url, "unload_lora", "gone"))
+    asyncio.run(_client(url, "load_lora", "tenant", adapters["v1"]))
+    pushed = asyncio.run(_client(url, "update_lora", "tenant", pushed_tensors(adapters), "s7"))
+    before = listed(ray, first)["tenant"]
+    assert (before["version"], before["version_label"]) == (pushed, "s7") == (2, "s7")
+    session = httpx.post(f"{url}/sessions", json={"metadata": {"lora": "tenant"}}, timeout=60)
+    turn = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    turns = f"{url}/sessions/{session.json()['session_id']}/v1/chat/completions"
+    assert httpx.post(turns, json={**turn, "lora_version": 1}, timeout=60).status_code == 409
+    assert httpx.post(turns, json={**turn, "lora_version": 2}, timeout=60).status_code == 200
+
+    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    ray.kill(router, no_restart=False)
+
+    def remembered() -> dict[str, dict]:
+        try:  # the restarted Router, once it answers and has recalled from the replica
+            rows = ray.get(router.control.remote("remembered_loras"), timeout=60)
+        except Exception:
+            return {}
+        return {r["name"]: r for r in rows}
+
+    wait_for(lambda: "tenant" in remembered(), 120, "the restarted Router to recall", 1.0)
+    recalled = remembered()["tenant"]
+    assert (recalled["version"], recalled["label"], recalled["tensors"]) == (2, "s7", True)
+
+    ray.kill(replica_actor(ray, first), no_restart=True)
+
+    def others() -> list[str]:
+        rows = ray.get(router.replicas.remote())
+        return [r["replica_id"] for r in rows if r["healthy"] and r["replica_id"] != first]
+
+    wait_for(lambda: bool(others()), 300, "the restarted Router to replace the replica", 1.0)
+    (second,) = others()
+    now = listed(ray, second)
+    assert "gone" not in now
+    kept = ("path", "version", "version_label", "rank")
+    assert [now["tenant"][k] for k in kept] == [before[k] for k in kept]
+    body = {
+        "input_ids": PROMPTS[0],
+        "lora_path": "tenant",
+        "lora_version": 2,
+        "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
+
+    def served() -> httpx.Response:
+        return httpx.post(f"{url}/generate", json=body, timeout=120)
+
+    wait_for(lambda: served().status_code != 503, 60, "the ingress to route to the new replica")
+    answer = served()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output_ids"] == expected(peft, "pushed")[0]
+    # its heartbeat reports the versions it holds (what version-asking requests route by)
+    wait_for(
+        lambda: any(
+            r["lora_versions"].get("tenant") == [2] for r in ray.get(router.replicas.remote())
+        ),
+        30,
+        "the new replica's heartbeat",
+    )
