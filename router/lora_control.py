@@ -14,6 +14,7 @@ the transaction and is reported (no more requests until it recovers).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import Callable
@@ -88,7 +89,7 @@ class LoRAControl(ReplicaBroadcast):
         for rid in [] if memory.recalled else ids:
             try:
                 replica = self.calls.replica(rid)
-                await memory.recall(replica, lambda name, r=rid: self._keep(r, name))
+                await memory.recall(replica, functools.partial(self._keep, rid))
                 return
             except Exception as e:  # gone meanwhile: the next one holds the same
                 log.warning("recalling the LoRA adapters of replica %s failed: %r", rid, e)

@@ -21,6 +21,7 @@ from raylane.actors.lora.errors import LoRAInUse, LoRANotFound, LoRASlotsFull, L
 from raylane.actors.lora.request import LoRARequest
 
 VersionKey = tuple[str, int]  # (adapter name, version)
+Versions = list[int]  # (spelled here: `LoRARegistry.list` shadows the builtin in the class)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ class LoRARegistry:
             if not e.removing
         ]
 
-    def held_versions(self) -> dict[str, list[int]]:
+    def held_versions(self) -> dict[str, Versions]:
         """Per adapter, the versions a new request may still bind: its newest, and those live
         requests run on (what the Router routes a request that names a version by)."""
         self._sweep()
