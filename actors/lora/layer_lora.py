@@ -11,6 +11,9 @@ its rows of the output), R the max rank). Two ways to add the deltas:
   index_add_ back; otherwise (and in the batch-invariant mode, through its padded `linear`) a
   loop over the active slots, slicing x where a slot's tokens sit side by side. Base tokens
   add nothing.
+- eager on the CPU (float32, bfloat16; not in the batch-invariant mode): kernels/lora.py's C
+  kernel, one call per layer reading the step's token -> slot list (`LoRAStep.tokens`), the
+  low-rank math in float32 on float32 copies of the weights in its own layout.
 - CUDA graph capture (static shapes; the replays serve any mix of slots): every slot at once,
       shrink = x @ A_all^T                # [T, S * P * R], every slot's low-rank inputs
       shrink *= onehot(row's slot)        # zero outside the row's own slot (base: all zero)
@@ -25,6 +28,7 @@ the layer's all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +41,7 @@ from raylane.actors.models.layers import (
     copy_checked,
     linear,
 )
+from raylane.kernels.lora import KERNEL_DTYPES, LoRAKernelWeights, LoRATokens, lora_kernel
 from torch import nn
 
 QKV_PARTS = ("q", "k", "v")
@@ -76,11 +81,29 @@ class Unsort:
 
 class LoRAStep:
     """What every LoRA layer of a model reads for the step: the per-token slot one-hot [T, S]
-    while a CUDA graph is captured, the slot groups otherwise."""
+    while a CUDA graph is captured; otherwise the adapter tokens sorted by slot for the C
+    kernel (`tokens`, when ModelLoRA has it) and the slot groups of the torch path, built on
+    first use (a layer the kernel does not take)."""
 
     def __init__(self) -> None:
         self.onehot: torch.Tensor | None = None
-        self.groups: LoRAGroups | None = None  # None: no token of this step runs an adapter
+        self.tokens: LoRATokens | None = None
+        self._groups: LoRAGroups | None = None
+        self._make_groups: Callable[[], LoRAGroups | None] | None = None
+
+    def set_eager(
+        self, tokens: LoRATokens | None, make_groups: Callable[[], LoRAGroups | None] | None
+    ) -> None:
+        """The step's tokens (None: no kernel) and what builds its groups (None: no token of
+        this step runs an adapter)."""
+        self.onehot, self.tokens = None, tokens
+        self._groups, self._make_groups = None, make_groups
+
+    @property
+    def groups(self) -> LoRAGroups | None:
+        if self._make_groups is not None:
+            self._groups, self._make_groups = self._make_groups(), None
+        return self._groups
 
 
 class LayerLoRA:
@@ -95,12 +118,22 @@ class LayerLoRA:
         width = len(self.parts) * max_rank  # one slot's columns
         self.a = torch.zeros(num_slots, width, in_local, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out_local, width, dtype=dtype, device=device)
+        self.kernel = lora_kernel() if device.type == "cpu" and dtype in KERNEL_DTYPES else None
+        self.kernel_weights = None  # the same slots in the C kernel's layout, float32
+        if self.kernel is not None:
+            ends = torch.tensor(part_sizes(layer)).cumsum(0).tolist()
+            self.kernel_weights = LoRAKernelWeights(num_slots, max_rank, in_local, ends)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] + each row's adapter delta of x [T, in]."""
-        if self.step.onehot is not None:  # set while a CUDA graph is captured: the graph
-            return self._add_masked(x, y, self.step.onehot)  # keeps the math for its replays
-        groups = self.step.groups
+        step = self.step
+        if step.onehot is not None:  # set while a CUDA graph is captured: the graph
+            return self._add_masked(x, y, step.onehot)  # keeps the math for its replays
+        if step.tokens is not None and self.kernel is not None and self.kernel.takes(x, y):
+            assert self.kernel_weights is not None
+            self.kernel.add(x, y, step.tokens, self.kernel_weights)
+            return y
+        groups = step.groups
         if groups is None:
             return y
         if groups.order is None or groups.unsort is None:  # each slot's tokens side by side
@@ -168,10 +201,14 @@ class LayerLoRA:
     def write(self, slot: int, prepared: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.a[slot].copy_(prepared[0])
         self.b[slot].copy_(prepared[1])
+        if self.kernel_weights is not None:  # from the stored (model dtype) values
+            self.kernel_weights.write(slot, self.a[slot], self.b[slot])
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
+        if self.kernel_weights is not None:
+            self.kernel_weights.write(slot, self.a[slot], self.b[slot])
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -192,6 +229,16 @@ def parts_of(layer: LinearBase) -> tuple[Any, ...]:
     if isinstance(layer, MergedColumnParallelLinear):
         return tuple(range(len(layer.local_sizes)))
     return (None,)
+
+
+def part_sizes(layer: LinearBase) -> list[int]:
+    """This rank's output columns of each part, in `parts_of` order."""
+    if isinstance(layer, QKVParallelLinear):
+        kv = layer.num_kv_heads * layer.head_dim
+        return [layer.num_heads * layer.head_dim, kv, kv]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return list(layer.local_sizes)
+    return [layer.weight.shape[0]]
 
 
 def part_name(layer: LinearBase, shard_id: Any) -> str:

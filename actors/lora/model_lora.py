@@ -18,6 +18,7 @@ from raylane.actors.lora.adapter import LoRAWeights
 from raylane.actors.lora.layer_lora import LayerLoRA, LoRAGroups, LoRAStep, Unsort
 from raylane.actors.lora.peft_config import TARGETS
 from raylane.actors.models.layers import LinearBase
+from raylane.kernels.lora import LoRATokens
 from torch import nn
 
 
@@ -41,6 +42,10 @@ class ModelLoRA:
         first = next(iter(self.layers.values()), None)
         self._dtype = first.a.dtype if first is not None else torch.float32
         self._slots: list[int] = []  # the same, on the host
+        # every layer on the C kernel (CPU, float32 or bfloat16): the step's sorted tokens
+        self._kernel = bool(self.layers) and all(
+            lora.kernel_weights is not None for lora in self.layers.values()
+        )
         self._hook = model.register_forward_pre_hook(self._before_model)
 
     @property
@@ -58,23 +63,27 @@ class ModelLoRA:
         input_ids, attn = args[0], args[2]
         starts = attn.query_start_loc  # [B + 1]: row i's tokens are [starts[i], starts[i + 1])
         if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-            self.step.groups, self.step.onehot = None, self._onehot(input_ids, starts)
-        else:
-            self.step.onehot = None
-            active = any(slot > 0 for slot in self._slots)
-            self.step.groups = self._groups(input_ids, starts) if active else None
-
-    def _groups(self, input_ids: torch.Tensor, starts: torch.Tensor) -> LoRAGroups | None:
-        spans = _spans(self._slots, starts.tolist())
+            self.step.set_eager(None, None)
+            self.step.onehot = self._onehot(input_ids, starts)
+            return
+        spans = _spans(self._slots, starts.tolist()) if any(s > 0 for s in self._slots) else {}
         if not spans:
-            return None
+            self.step.set_eager(None, None)
+            return
+        invariant = next(iter(self.layers.values())).layer.invariant
+        # the batch-invariant mode keeps the torch path (its padded `linear` per group)
+        tokens = None if invariant or not self._kernel else _sorted_tokens(spans)
+        self.step.set_eager(tokens, lambda: self._groups(input_ids, spans, invariant))
+
+    def _groups(
+        self, input_ids: torch.Tensor, spans: dict[int, list[tuple[int, int]]], invariant: bool
+    ) -> LoRAGroups:
         segments = [(slot, *runs[0]) for slot, runs in spans.items()]
         if all(len(runs) == 1 for runs in spans.values()):
             return LoRAGroups(segments)  # each slot's tokens side by side: slices of x
         members = {slot: [t for a, b in runs for t in range(a, b)] for slot, runs in spans.items()}
         # the batch-invariant mode's padded `linear` per group, not a bmm whose reduction
         # order may change with the groups' sizes
-        invariant = next(iter(self.layers.values())).layer.invariant
         return _sorted_groups(
             members,
             input_ids.shape[0],
@@ -161,6 +170,17 @@ def _spans(row_slots: list[int], bounds: list[int]) -> dict[int, list[tuple[int,
         else:
             runs.append((start, end))
     return dict(sorted(spans.items()))
+
+
+def _sorted_tokens(spans: dict[int, list[tuple[int, int]]]) -> LoRATokens:
+    """The adapter tokens sorted by slot (in token order within one), for the C kernel."""
+    tokens: list[int] = []
+    slots: list[int] = []
+    for slot, runs in spans.items():
+        for start, end in runs:
+            tokens.extend(range(start, end))
+            slots.extend([slot] * (end - start))
+    return LoRATokens(tokens, slots)
 
 
 PAD_WASTE = 1.5  # one bmm over padded groups when they hold at most this many rows per token
