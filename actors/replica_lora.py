@@ -80,7 +80,7 @@ class ReplicaLoRA(ReplicaLoRAGroup):
     """The adapter verbs; those over the trainer's collective group are `ReplicaLoRAGroup`'s."""
 
     engine: Any  # an AsyncLLMEngine
-    lora_modules: tuple[str, ...] = ()  # the adapters it loaded before it served
+    lora_modules: tuple[dict, ...] = ()  # the adapters it loaded before it served
 
     @property
     def _loras(self) -> Any:
@@ -99,13 +99,13 @@ class ReplicaLoRA(ReplicaLoRAGroup):
         """`--lora-modules` ({name, path} each), before it serves."""
         for module in modules:
             await self.add_lora(module["name"], module["path"])
-        self.lora_modules += tuple(m["name"] for m in modules)
+        self.lora_modules += tuple({"name": m["name"], "path": m["path"]} for m in modules)
 
-    async def lora_modules_dropped(self) -> list[str]:
-        """The adapters it loaded before it served that it no longer holds (unloaded since: a
-        restarted Router learns it here, router/lora_memory.py)."""
-        held = {a["name"] for a in await self.list_loras()}
-        return [name for name in self.lora_modules if name not in held]
+    async def loaded_lora_modules(self) -> list[dict]:
+        """The adapters it loaded before it served ({name, path}): a restarted Router tells
+        them from those loaded at runtime, and sees which were unloaded since
+        (router/lora_memory.py)."""
+        return list(self.lora_modules)
 
     async def remove_lora(self, name: str, wait: bool = True) -> bool:
         return await _done(self._loras.remove_lora(name, wait=wait))

@@ -11,10 +11,11 @@ SmolLM2-135M is about 19.5 MB. A path load drops the tensors (the path is the ad
 an unloaded adapter is forgotten, and a replica that loads it at start (`lora_modules`) drops
 it again when admitted. A Router that restarts has lost all of it, and recalls it from a live
 replica (`recall`: the replicas hold the same adapters) once it learns of one, before it admits
-a new replica: each adapter's path, pin, version and label as the replica lists them, for a
-version past the first (it may have been pushed: its path alone would not make it) the tensors,
-read back from that replica into the object store, and the `lora_modules` it no longer holds
-(unloaded: a new replica drops them).
+a new replica: each adapter's path, pin, version and label as the replica lists them (those
+still as its `lora_modules` loaded them aside: the spec's to say), for a version past the first
+(it may have been pushed: its path alone would not make it) the tensors, read back from that
+replica into the object store, and the `lora_modules` it no longer holds (unloaded: a new
+replica drops them).
 """
 
 from __future__ import annotations
@@ -82,18 +83,23 @@ class LoRAMemory:
     async def recall(self, replica: Any, export: Callable[[str], asyncio.Task | None]) -> None:
         """What `replica` (a live replica's `ReplicaControl`) holds becomes what is remembered,
         for every adapter not loaded, pushed or unloaded through this Router since it started
-        (what it remembers of those is newer), and the adapters it loaded at start
-        (`lora_modules`) and holds no more are unloaded ones. `export(name)`: the task that
-        keeps the newest version's tensors (None where none are kept), past the first version."""
+        (what it remembers of those is newer) nor held as `lora_modules` loaded it (the spec's
+        business: a redeploy may drop it); the adapters it loaded at start and holds no more
+        are unloaded ones. `export(name)`: the task that keeps the newest version's tensors
+        (None where none are kept), past the first version."""
         try:
             held = await replica.list_loras()
-            dropped = await replica.lora_modules_dropped()
+            modules = {m["name"]: m["path"] for m in await replica.loaded_lora_modules()}
         except ValueError:  # LoRA is off on it: nothing to remember
-            held, dropped = [], []
-        self.removed |= set(dropped) - set(self.adapters)  # unloaded: a new replica drops them
+            held, modules = [], {}
+        unloaded = set(modules) - {info["name"] for info in held} - set(self.adapters)
+        self.removed |= unloaded  # a new replica that loads them from `lora_modules` drops them
         for info in held:
-            if info["name"] not in self.adapters and info["name"] not in self.removed:
-                self.pushed(info, export(info["name"]) if info["version"] > 1 else None)
+            if info["name"] in self.adapters or info["name"] in self.removed:
+                continue  # changed through this Router since it started
+            if _as_configured(info, modules):
+                continue  # every replica loads it before it serves
+            self.pushed(info, export(info["name"]) if info["version"] > 1 else None)
         self.recalled = True
 
     def pinned(self, name: str) -> None:
@@ -125,3 +131,9 @@ class LoRAMemory:
                     "LoRA adapter %r is forgotten: a new replica refused it (%s)", record.name, e
                 )
                 self.adapters.pop(record.name, None)
+
+
+def _as_configured(info: dict[str, Any], modules: dict[str, str]) -> bool:
+    """Adapter `info` is as the replica's `lora_modules` loaded it: same path, its first
+    version, not pinned."""
+    return modules.get(info["name"]) == info["path"] and info["version"] == 1 and not info["pinned"]

@@ -1,12 +1,13 @@
 """A control plane that restarted (a Router Ray restarted: it remembers nothing) recalls the
 adapters loaded at runtime from a live replica before it admits a new one. Two in-process
 engines stand for two replicas: through the first plane, "policy" is loaded, loaded again from
-a second directory (version 2) and pinned, and "gone" (from `lora_modules` on every replica) is
-unloaded. A second plane over the same replica, as the restarted Router, lists what it
-recalled, and admits a new engine (which loaded "gone" again from `lora_modules`): the new
-engine then holds "policy" as the first does (path, version, pin), serves PEFT's tokens of
-version 2, and no longer holds "gone". Without the recall the new engine would hold "gone" and
-not "policy". References: the first engine's own listing, PeftModel."""
+a second directory (version 2) and pinned, and "gone" (from `lora_modules` on every replica, as
+"kept" is) is unloaded. A second plane over the same replica, as the restarted Router, recalls
+"policy" only ("kept" is as `lora_modules` loaded it: the spec's business), and admits a new
+engine (which loaded both modules again): the new engine then holds "policy" as the first does
+(path, version, pin) and "kept", serves PEFT's tokens of version 2, and no longer holds "gone".
+Without the recall the new engine would hold "gone" and not "policy". References: the first
+engine's own listing, PeftModel."""
 
 from __future__ import annotations
 
@@ -65,9 +66,12 @@ async def replicas(setup) -> AsyncIterator[Replicas]:
     base, paths, _ = setup
     table = Replicas()
     for rid in ("first", "new"):
-        config = EngineConfig(model=base, enable_lora=True, max_loras=2, max_lora_rank=8)
+        config = EngineConfig(
+            model=base, enable_lora=True, max_loras=2, max_cpu_loras=4, max_lora_rank=8
+        )
         table.controls[rid] = ReplicaControl(AsyncLLMEngine(LLMEngine(config)))
-        await table.controls[rid].load_lora_modules([{"name": "gone", "path": paths["gone"]}])
+        modules = [{"name": "gone", "path": paths["gone"]}, {"name": "kept", "path": paths["v1"]}]
+        await table.controls[rid].load_lora_modules(modules)
     try:
         yield table
     finally:
@@ -88,7 +92,7 @@ async def test_a_restarted_plane_recalls_runtime_adapters_before_it_admits(repli
     await before.pin_lora("policy")
     await before.unload_lora("gone")
     held = await listed(replicas.controls["first"])
-    assert held["policy"][2:] == (2, None, True)
+    assert set(held) == {"policy", "kept"} and held["policy"][2:] == (2, None, True)
 
     restarted = ControlPlane(replicas, replicas)  # remembers nothing
     remembered = await restarted.remembered_loras()
