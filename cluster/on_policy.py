@@ -25,12 +25,18 @@ every op. On the CPU, at TP = 1, for Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2
 DeepSeek-V3.2, GLM-5, Gemma 3, gpt-oss and the Qwen3.5 / Qwen3-Next hybrids in float32 and
 bfloat16 (docs/rl.md says what is covered and what is not; not a TP = 2 rollout against a
 TP = 1 trainer: the all-reduce sums the ranks' partial sums, an order one rank lacks).
+
+On CUDA the same swaps take the engine's CUDA kernels (kernels/batch_invariant/backend.py's
+`on_triton`): F.linear the fixed-tile Triton matmul, Llama-style RMSNorm modules and the
+float32 log_softmax the row-wise Triton kernels, attention each row a one-split Triton decode,
+the experts triton_experts.py's kernel (kernels/batch_invariant/trainer_cuda.py). Llama, Qwen2,
+Qwen3, Qwen3-MoE, Mistral, Mixtral; checked under Triton's interpreter only, never on a GPU.
+MLA, DSA, Gated DeltaNet, gpt-oss's and Gemma 3's norms raise a ValueError there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -39,11 +45,18 @@ import torch
 import torch.nn.functional as F
 from raylane.kernels.batch_invariant import complex_rope, gated_delta_net, padded_linear
 from raylane.kernels.batch_invariant.attention import invariant_attention
+from raylane.kernels.batch_invariant.backend import on_triton
 from raylane.kernels.batch_invariant.dsa import dsa_attention_forward
 from raylane.kernels.batch_invariant.elementwise import gelu as invariant_gelu
 from raylane.kernels.batch_invariant.elementwise import sigmoid as invariant_sigmoid
 from raylane.kernels.batch_invariant.elementwise import silu as invariant_silu
 from raylane.kernels.batch_invariant.elementwise import softplus as invariant_softplus
+from raylane.kernels.batch_invariant.trainer_cuda import (
+    cpu_only,
+    log_softmax_swaps,
+    modeling,
+    norm_swaps,
+)
 
 _LOCK = threading.Lock()  # the ops are process-wide: one context swaps them at a time
 _ATTENTION_KEYS = ("sdpa", "eager")
@@ -103,23 +116,19 @@ def _attribute_swaps() -> list[tuple[Any, str, Any]]:
         (torch.Tensor, "sigmoid", invariant_sigmoid),
     ]
     for family in _LINEAR_ATTENTION_MODULES:
-        if (module := _modeling(family)) is not None:
-            swaps += [(module, name, fn) for name, fn in _LINEAR_ATTENTION_FUNCTIONS.items()]
+        if (module := modeling(family)) is not None:
+            swaps += [
+                (module, name, cpu_only(fn, "Gated DeltaNet"))
+                for name, fn in _LINEAR_ATTENTION_FUNCTIONS.items()
+            ]
     for family, cls in _DSA_CLASSES.items():
-        if (module := _modeling(family)) is not None:
-            swaps.append((getattr(module, cls), "forward", dsa_attention_forward))
-    if (v2 := _modeling("deepseek_v2")) is not None:  # its complex RoPE, rotated as V3's
-        swaps.append((v2.DeepseekV2RotaryEmbedding, "forward", complex_rope.rotary_forward))
+        if (module := modeling(family)) is not None:
+            swaps.append((getattr(module, cls), "forward", cpu_only(dsa_attention_forward, "DSA")))
+    if (v2 := modeling("deepseek_v2")) is not None:  # its complex RoPE, rotated as V3's
+        rope = cpu_only(complex_rope.rotary_forward, "DeepSeek-V2's RoPE")
+        swaps.append((v2.DeepseekV2RotaryEmbedding, "forward", rope))
         swaps.append((v2, "apply_rotary_emb", complex_rope.apply_rotary_emb))
-    return swaps
-
-
-def _modeling(family: str) -> Any:
-    """transformers' modeling file for `family`, or None where this transformers lacks it."""
-    try:
-        return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    except ImportError:
-        return None
+    return swaps + norm_swaps() + log_softmax_swaps()  # both torch's own on the CPU
 
 
 def invariant_experts(
@@ -141,16 +150,26 @@ def invariant_experts(
         if token.numel() == 0:
             continue
         gate_up, down = _expert_weights(m, expert)
-        h = F.linear(hidden[token], gate_up)  # [S, 2I], gate columns then up columns
+        h = _expert_linear(hidden[token], gate_up)  # [S, 2I], gate columns then up columns
         if m.has_bias:
             h = h + _concatenated(m.gate_up_proj_bias[expert], m.is_concatenated)
         if not m.is_concatenated:  # back to the interleaved columns the model's gate reads
             h = torch.stack(h.chunk(2, dim=-1), dim=-1).flatten(-2)
-        h = F.linear(m._apply_gate(h), down)
+        h = _expert_linear(m._apply_gate(h), down)
         if m.has_bias:
             h = h + m.down_proj_bias[expert]
         out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
     return out
+
+
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [S, in] @ weight [out, in].T as the engine's mode runs its experts: the padded linear
+    on the CPU, triton_experts.py's kernel (one row at a time, no tl.dot) on CUDA."""
+    if on_triton(x.device):
+        from raylane.kernels.batch_invariant.triton_experts import ExpertLinear
+
+        return ExpertLinear.apply(x, weight)
+    return F.linear(x, weight)
 
 
 def _expert_weights(m: Any, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +196,7 @@ def logprobs(
     (b, t) the logprob of input_ids[b, t + 1]. Padded entries are 0."""
     with batch_invariant():
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    lp = torch.log_softmax(logits[:, :-1].float(), -1)
+        lp = torch.log_softmax(logits[:, :-1].float(), -1)  # on CUDA: the sampler's kernel
     taken = lp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     if attention_mask is not None:
         taken = taken * attention_mask[:, 1:].to(taken.dtype)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 from raylane.kernels.activation import act_and_mul
+from raylane.kernels.batch_invariant.backend import on_triton
 from raylane.kernels.batch_invariant.elementwise import silu_and_mul
 from raylane.kernels.cpu_build import DTYPES, load_library
 from raylane.kernels.norm import add_rms_norm
@@ -183,7 +184,7 @@ class InvariantOps(TorchOps):
     name = "batch_invariant"
 
     def rms_norm(self, x, weight, eps, residual):
-        if x.device.type != "cuda":
+        if not on_triton(x.device):
             return super().rms_norm(x, weight, eps, residual)
         from raylane.kernels.batch_invariant.triton_rowwise import rms_norm
 

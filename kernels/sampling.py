@@ -7,6 +7,7 @@ serves a whole step; no host syncs inside except where noted.
 from __future__ import annotations
 
 import torch
+from raylane.kernels.batch_invariant.row_reductions import RowReductions
 
 
 def apply_penalties(
@@ -62,11 +63,15 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def kept_log_mass(logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+def kept_log_mass(
+    logits: torch.Tensor, kept: torch.Tensor, rows: RowReductions | None = None
+) -> torch.Tensor:
     """log of the probability mass of the `kept` tokens [B, V] under softmax(logits) [B, V]:
-    what truncation left of the distribution a token is drawn from. Returns [B]."""
-    full = logits.log_softmax(dim=-1)
-    return full.masked_fill(~kept, float("-inf")).logsumexp(dim=-1)
+    what truncation left of the distribution a token is drawn from. Returns [B]. `rows`: the
+    log_softmax and logsumexp to take (the batch-invariant mode's on CUDA), else torch's."""
+    rows = rows or RowReductions()
+    full = rows.log_softmax(logits)
+    return rows.logsumexp(full.masked_fill(~kept, float("-inf")))
 
 
 # Philox2x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011)

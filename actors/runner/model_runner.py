@@ -55,7 +55,11 @@ class ModelRunner(RunnerUpkeep):
         self.kv_groups = layer_groups(self.model.attention_layers())  # sliding and full apart
         self.inputs = InputPreparer(config.block_size, self.device, self.kv_groups.num_groups)
         self.sampler = Sampler(
-            self.hf_config.vocab_size, list(config.eos_token_ids), self.device, config.seed
+            self.hf_config.vocab_size,
+            list(config.eos_token_ids),
+            self.device,
+            config.seed,
+            config.batch_invariant,
         )
         self.results = ResultBuilder(self.sampler)  # the sampling rank's StepResult
         self.requests = RequestTable()

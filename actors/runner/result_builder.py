@@ -88,7 +88,7 @@ class ResultBuilder:
         count -= item.num_sample_rows  # sampling rows are not prompt rows
         if state.params.prompt_logprobs is None or count <= 0:
             return [], []
-        lp = logits[first : first + count].float().log_softmax(dim=-1)  # [count, V]
+        lp = self.sampler.rows.log_softmax(logits[first : first + count].float())  # [count, V]
         target0 = state.num_prompt_logprobs_done
         targets = torch.tensor(state.token_ids[target0 : target0 + count], device=lp.device)
         chosen_t = lp.gather(1, targets.unsqueeze(1))  # [count, 1]

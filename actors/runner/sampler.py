@@ -9,6 +9,7 @@ import torch
 from raylane.actors.engine.sampling_params import SamplingParams
 from raylane.actors.runner.requests import RequestState
 from raylane.kernels import sampling
+from raylane.kernels.batch_invariant.row_reductions import row_reductions
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,21 @@ class Sampler:
     is its seq_id under the engine seed. So a seeded request's tokens do not depend on its batch,
     row order, async scheduling, TP size or preemption."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device, seed: int):
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        device: torch.device,
+        seed: int,
+        batch_invariant: bool = False,
+    ):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.seed = seed  # the engine's, for unseeded requests
+        # log_softmax and logsumexp: on CUDA in the batch-invariant mode, the Triton kernels
+        # of one order per row, which a trainer's `raylane.batch_invariant()` runs too
+        self.rows = row_reductions(batch_invariant, device)
 
     def __call__(
         self,
@@ -55,7 +66,7 @@ class Sampler:
         speculative sampling (kept with probability min(1, p/q), else the residual's draw)."""
         logits = logits[:, : self.vocab_size].float()  # [B, V]
         wants_logprobs = any(s.params.logprobs is not None for s in states) and not tokens_only
-        raw = logits.log_softmax(dim=-1) if wants_logprobs else None
+        raw = self.rows.log_softmax(logits) if wants_logprobs else None
         if masks is not None and any(m is not None for m in masks):
             logits = self._apply_grammar(logits, masks)
         logits = self._mask_stop_tokens(logits, states)
@@ -80,7 +91,7 @@ class Sampler:
         greedy = logits.argmax(dim=-1)
         wants_kept = any(s.params.return_kept_mass for s in states) and not tokens_only
         if all(s.params.greedy for s in states):
-            return greedy, _greedy_kept(logits, greedy) if wants_kept else None
+            return greedy, self._greedy_kept(logits, greedy) if wants_kept else None
         params = [s.params for s in states]
         logits, probs = distribution(logits, params, self.vocab_size)
         words = self._column([row_words(s, self.seed) for s in states], torch.long)  # [B, 3]
@@ -93,7 +104,9 @@ class Sampler:
             return tokens, None
         # greedy rows were not scaled (temperature 1), so `logits` serves both kinds
         kept = torch.where(
-            is_greedy, _greedy_kept(logits, greedy), sampling.kept_log_mass(logits, probs > 0)
+            is_greedy,
+            self._greedy_kept(logits, greedy),
+            sampling.kept_log_mass(logits, probs > 0, self.rows),
         )
         return tokens, kept
 
@@ -157,6 +170,10 @@ class Sampler:
         lps = [lp if s.params.logprobs is not None else None for lp, s in zip(chosen, states)]
         return lps, top
 
+    def _greedy_kept(self, logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """Greedy is top-k 1 at temperature 1: the kept mass is the argmax's probability."""
+        return self.rows.log_softmax(logits).gather(1, greedy.unsqueeze(1)).squeeze(1)
+
     def _column(self, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
@@ -204,11 +221,6 @@ def _fold64(seed: int) -> int:
         seed >>= 64
         folded = _mix64(folded) ^ (seed & _MASK64)
     return folded
-
-
-def _greedy_kept(logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    """Greedy is top-k 1 at temperature 1: the kept mass is the argmax's probability."""
-    return logits.log_softmax(dim=-1).gather(1, greedy.unsqueeze(1)).squeeze(1)
 
 
 def distribution(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -98,9 +99,20 @@ def _has_cpu_kernel(device: torch.device) -> bool:
     return cpu_kernel.is_available()  # built once per machine (about a second), then cached
 
 
+# tests of the CUDA paths on a machine without a GPU: with TRITON_INTERPRET=1 and this set to
+# 1, Triton's interpreter runs the Triton kernels on CPU tensors (slowly)
+TRITON_ON_CPU = "RAYLANE_TRITON_ON_CPU"
+
+
+def triton_on_cpu() -> bool:
+    """The Triton kernels run on CPU tensors here, through the interpreter (tests only)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get(TRITON_ON_CPU) == "1"
+
+
 def has_triton(device: torch.device) -> bool:
-    """Triton kernels run on CUDA devices where triton imports."""
-    if device.type != "cuda":
+    """Triton kernels run on CUDA devices where triton imports (and on the CPU under
+    `triton_on_cpu`)."""
+    if device.type != "cuda" and not (device.type == "cpu" and triton_on_cpu()):
         return False
     try:
         import triton  # noqa: F401

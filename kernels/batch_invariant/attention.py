@@ -1,6 +1,7 @@
-"""A trainer's attention through the engine's C paged kernel, so that its forward of a rollout
-reduces in the order the engine's did (`raylane.batch_invariant()` installs it as transformers'
-"sdpa" and "eager" attention).
+"""A trainer's attention through the engine's C paged kernel (on CUDA: the Triton kernels, each
+row a one-split decode, triton_attention.py), so that its forward of a rollout reduces in the
+order the engine's did (`raylane.batch_invariant()` installs it as transformers' "sdpa" and
+"eager" attention).
 
 The padded batch becomes what the engine sees: each sequence's valid rows packed one after
 another, its keys and values laid into a paged cache of BLOCK_SIZE-slot blocks. The kernel's
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from raylane.kernels.attention import cpu_kernel
+from raylane.kernels.batch_invariant.backend import on_triton
 
 BLOCK_SIZE = 16  # slots per block, as the engine's default `block_size`
 
@@ -35,6 +37,12 @@ def invariant_attention(
     """transformers' attention-function signature: query [B, H, T, D], key / value
     [B, KVH, T, D(v)], a causal mask with right padding (bool, or additive float), or None
     for unpadded causal attention -> ([B, T, H, Dv], None)."""
+    if on_triton(query.device) and hasattr(module, "kv_lora_rank"):
+        raise ValueError(
+            "raylane.batch_invariant: on CUDA, MLA attention (DeepSeek-V2 / V3) has no "
+            "batch-invariant path in the trainer yet (the CPU has one); run the trainer's "
+            "forward on the CPU"
+        )
     if dropout:
         raise ValueError(
             "raylane.batch_invariant: attention dropout must be 0 (call model.eval(), or set "
@@ -115,19 +123,27 @@ def paged(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, T, D], k / v [B, KVH, T, D(v)] -> [B, T, H, Dv] through the C kernel; rows past a
-    sequence's length are zero; a `window`: each query sees its last `window` keys; `sinks`
-    [H]: per-head logits joining each softmax's denominator (gpt-oss)."""
+    """q [B, H, T, D], k / v [B, KVH, T, D(v)] -> [B, T, H, Dv] through the C kernel (the
+    Triton decode on CUDA); rows past a sequence's length are zero; a `window`: each query
+    sees its last `window` keys; `sinks` [H]: per-head logits joining each softmax's
+    denominator (gpt-oss)."""
     batch, heads, t, _ = q.shape
     tables, firsts = contiguous_tables(lengths)
     k_cache = _paged_cache(k, lengths, firsts, tables)  # [slots, KVH, D]
     v_cache = _paged_cache(v, lengths, firsts, tables)
     rows = torch.cat([q[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])  # [N, H, D]
     starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32)
-    out = attend(
-        rows.contiguous(), k_cache, v_cache, tables, seq_lens, starts, scale, window, sinks
-    )
+    if on_triton(q.device):  # the engine's mode on CUDA: each row a one-split Triton decode
+        from raylane.kernels.batch_invariant.triton_attention import attend_as_decodes
+
+        out = attend_as_decodes(
+            rows.contiguous(), k_cache, v_cache, tables, starts, scale, BLOCK_SIZE, window, sinks
+        )
+    else:
+        seq_lens = torch.tensor(lengths, dtype=torch.int32)
+        out = attend(
+            rows.contiguous(), k_cache, v_cache, tables, seq_lens, starts, scale, window, sinks
+        )
     full = out.new_zeros(batch, t, heads, v.shape[-1])
     for b, n in enumerate(lengths):
         full[b, :n] = out[starts[b] : starts[b] + n]

@@ -1,12 +1,22 @@
-"""Which attention backend serves the batch-invariant mode on a device, or why none does."""
+"""Which kernels serve the batch-invariant mode on a device, or why none do: the C attention
+kernel and padded matmuls on the CPU, the Triton kernels on CUDA (`on_triton`)."""
 
 from __future__ import annotations
 
 import torch
-from raylane.kernels.attention.registry import ALIASES, has_triton
+from raylane.kernels.attention.registry import ALIASES, has_triton, triton_on_cpu
 
 # per device type: the backend the mode runs and the names a user may ask for
 _BACKENDS = {"cpu": ("cpu", ("auto", "cpu")), "cuda": ("triton", ("auto", "triton"))}
+
+
+def on_triton(device: torch.device) -> bool:
+    """The mode's tensors on `device` take its CUDA path (the Triton matmul, RMSNorm,
+    log_softmax, experts and attention): on CUDA, and on the CPU under the registry's
+    `triton_on_cpu` (TRITON_INTERPRET=1 and RAYLANE_TRITON_ON_CPU=1), which is how tests run
+    the CUDA path on a machine without a GPU. The engine and `raylane.batch_invariant()`
+    both ask this, so the two take one path."""
+    return device.type == "cuda" or (device.type == "cpu" and triton_on_cpu())
 
 
 def batch_invariant_backend(name: str, device: torch.device) -> str:
@@ -20,7 +30,7 @@ def batch_invariant_backend(name: str, device: torch.device) -> str:
             "C attention kernel, padded matmuls) or on CUDA with triton installed. Run on one "
             "of those, or turn the mode off"
         )
-    backend, allowed = _BACKENDS[device.type]
+    backend, allowed = _BACKENDS["cuda" if on_triton(device) else device.type]
     if ALIASES.get(name, name) not in allowed:
         raise ValueError(
             f"EngineConfig.attention_backend: {name!r} is not batch invariant; the "

@@ -13,6 +13,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from raylane.kernels.batch_invariant.backend import on_triton
 from raylane.kernels.batch_invariant.grads import linear_grads
 
 # 16 rows: the smallest block at which both float32 and bfloat16 GEMMs keep one reduction
@@ -54,10 +55,10 @@ def padded_linear(
 ) -> torch.Tensor:
     """A linear with one reduction order per row: x [..., in] -> [..., out]. The rows are
     padded with zeros to a multiple of ROW_BLOCK for the call and dropped after (autograd flows
-    through). `packed`: `weight`'s oneDNN copy, if the caller keeps one. On CUDA: the Triton
-    matmul of triton_matmul.py (one tile config; no padding needed)."""
+    through). `packed`: `weight`'s oneDNN copy, if the caller keeps one. On CUDA (`on_triton`):
+    the Triton matmul of triton_matmul.py (one tile config; no padding needed)."""
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
-    if x.device.type == "cuda":
+    if on_triton(x.device):
         from raylane.kernels.batch_invariant.triton_matmul import InvariantLinear
 
         out = InvariantLinear.apply(rows, weight, bias)
@@ -97,7 +98,7 @@ def grouped_linear(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
     in] -> [S, out], each group through `padded_linear` with its expert's weight, as a trainer's
     per-expert loop (HF's) does inside `raylane.batch_invariant()`. On CUDA: triton_experts.py's
     kernel, which reads the grouping on the device (a CUDA graph captures it)."""
-    if a.device.type == "cuda":
+    if on_triton(a.device):
         from raylane.kernels.batch_invariant.triton_experts import expert_rows_linear
 
         return expert_rows_linear(a, w, ends)

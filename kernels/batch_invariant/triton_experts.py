@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from raylane.kernels.batch_invariant.grads import linear_grads
 
 BLOCK_N, BLOCK_K = 64, 64  # fixed, never chosen by the shape
 
@@ -56,3 +57,20 @@ def expert_rows_linear(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> 
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out
+
+
+class ExpertLinear(torch.autograd.Function):
+    """One expert's linear, rows [S, in] @ weight [out, in].T, through `expert_rows_linear`
+    (the kernel the engine's mode runs experts on), for a trainer's expert loop inside
+    `raylane.batch_invariant()` on CUDA; the backward is a linear's, in torch ops."""
+
+    @staticmethod
+    def forward(ctx, rows, weight):
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = False
+        ends = torch.full((1,), rows.shape[0], dtype=torch.int32, device=rows.device)
+        return expert_rows_linear(rows, weight[None], ends)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return linear_grads(ctx, grad)[:2]

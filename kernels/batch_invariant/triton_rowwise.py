@@ -1,5 +1,5 @@
-"""Row-wise RMSNorm and log_softmax in Triton for CUDA: one program per row, the row read in
-BLOCK-wide pieces from its start, so a row's sums take one order whatever the row count.
+"""Row-wise RMSNorm, log_softmax and logsumexp in Triton for CUDA: one program per row, the row
+read in BLOCK-wide pieces from its start, so a row's sums take one order whatever the row count.
 
 Why not torch's own on CUDA: its reduction kernel (ATen's Reduce.cuh `setReduceConfig`) sizes
 the block by both the reduced length and the number of outputs: one row gets up to 512 threads
@@ -40,9 +40,8 @@ def _rms_norm_kernel(x, weight, out, D, eps, stride_x, stride_o, BLOCK: tl.const
 
 
 @triton.jit
-def _log_softmax_kernel(x, out, D, stride_x, stride_o, BLOCK: tl.constexpr):
-    # float32 throughout: max, then sum of exp(x - max), then x - max - log(sum)
-    row = tl.program_id(0).to(tl.int64)
+def _row_logsumexp(x, row, D, stride_x, BLOCK: tl.constexpr):
+    # float32: the row's max, then max + log(sum of exp(x - max)), read in BLOCK pieces
     cols = tl.arange(0, BLOCK)
     top = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in range(0, D, BLOCK):
@@ -55,11 +54,25 @@ def _log_softmax_kernel(x, out, D, stride_x, stride_o, BLOCK: tl.constexpr):
         ok = start + cols < D
         h = tl.load(x + row * stride_x + start + cols, mask=ok, other=float("-inf"))
         sums += tl.where(ok, tl.exp(h.to(tl.float32) - m), 0.0)
-    shift = m + tl.log(tl.sum(sums, 0))
+    return m + tl.log(tl.sum(sums, 0))
+
+
+@triton.jit
+def _log_softmax_kernel(x, out, D, stride_x, stride_o, BLOCK: tl.constexpr):
+    # float32 throughout: x - (max + log(sum of exp(x - max)))
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    shift = _row_logsumexp(x, row, D, stride_x, BLOCK)
     for start in range(0, D, BLOCK):
         ok = start + cols < D
         h = tl.load(x + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out + row * stride_o + start + cols, (h - shift).to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _logsumexp_kernel(x, out, D, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(out + row, _row_logsumexp(x, row, D, stride_x, BLOCK))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -87,3 +100,30 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
             rows, out, rows.shape[1], rows.stride(0), out.stride(0), BLOCK=BLOCK
         )
     return out.reshape(x.shape)
+
+
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> float32 [...], log(sum(exp(x))) over the last dim, each row reduced in
+    one order (the sampler's kept mass in the mode; a row needs one finite entry)."""
+    rows = _rows(x)
+    out = rows.new_empty(rows.shape[0], dtype=torch.float32)
+    if rows.numel():
+        _logsumexp_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=BLOCK)
+    return out.reshape(x.shape[:-1])
+
+
+class InvariantLogSoftmax(torch.autograd.Function):
+    """`log_softmax` forward (a trainer's `torch.log_softmax(logits.float(), -1)` inside
+    `raylane.batch_invariant()`); the backward is log_softmax's, in torch ops."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = log_softmax(x)
+        ctx.save_for_backward(out)
+        ctx.dtype = x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return (grad - out.exp() * grad.sum(-1, keepdim=True)).to(ctx.dtype)

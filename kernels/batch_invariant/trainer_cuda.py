@@ -1,0 +1,140 @@
+"""The CUDA half of `raylane.batch_invariant()` (cluster/on_policy.py): the torch ops of a
+trainer's transformers model that the engine's mode runs on Triton kernels on CUDA.
+
+- RMSNorm: transformers' Llama-style norm modules compute in torch ops, whose CUDA reduction
+  follows the row count; their forward runs triton_rowwise.py's kernel, as the engine's
+  RMSNorm does on CUDA (kernels/fused_ops.py's InvariantOps).
+- log_softmax: a trainer's `torch.log_softmax(logits.float(), -1)` (or the method, or
+  F.log_softmax) runs the sampler's Triton kernel (row_reductions.py).
+- What has no CUDA path yet (MLA, DSA, Gated DeltaNet, DeepSeek-V2's RoPE; RMSNorms of other
+  numerics: gpt-oss's, Gemma 3's) raises there, saying so (`cpu_only`).
+
+Every replacement asks `on_triton` at each call and runs what it replaced elsewhere (the CPU
+path is torch's own there, which the engine's mode on the CPU runs too).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from raylane.kernels.batch_invariant.backend import on_triton
+from raylane.kernels.norm import rms_norm as torch_rms_norm
+
+# transformers' RMSNorm classes whose forward is LlamaRMSNorm's (float32 statistics, the
+# normalised row cast back, then the weight): the engine's RMSNorm numerics
+LLAMA_NORMS = {
+    "llama": "LlamaRMSNorm",
+    "mistral": "MistralRMSNorm",
+    "mixtral": "MixtralRMSNorm",
+    "qwen2": "Qwen2RMSNorm",
+    "qwen3": "Qwen3RMSNorm",
+    "qwen3_moe": "Qwen3MoeRMSNorm",
+    "glm4_moe": "Glm4MoeRMSNorm",
+    "deepseek_v3": "DeepseekV3RMSNorm",
+}
+# RMSNorms of other numerics, which no Triton kernel computes yet
+OTHER_NORMS = {
+    "gpt_oss": ("GptOssRMSNorm", "gpt-oss's RMSNorm (the weight applied before the cast)"),
+    "gemma3": ("Gemma3RMSNorm", "Gemma 3's RMSNorm (1 + weight, in float32)"),
+}
+Swap = tuple[Any, str, Any]  # (owner, attribute, replacement)
+
+
+def modeling(family: str) -> Any:
+    """transformers' modeling file for `family`, or None where this transformers lacks it."""
+    try:
+        return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        return None
+
+
+def norm_swaps() -> list[Swap]:
+    """The RMSNorm classes' forwards: Llama-style ones on the Triton kernel on CUDA, the others
+    refused there; torch's own on the CPU."""
+    swaps: list[Swap] = []
+    for family, name in LLAMA_NORMS.items():
+        if (module := modeling(family)) is not None:
+            cls = getattr(module, name)
+            swaps.append((cls, "forward", _triton_norm(cls.forward)))
+    for family, (name, what) in OTHER_NORMS.items():
+        if (module := modeling(family)) is not None:
+            cls = getattr(module, name)
+            swaps.append((cls, "forward", cpu_only(cls.forward, what)))
+    return swaps
+
+
+def _triton_norm(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not on_triton(hidden_states.device):
+            return forward(self, hidden_states)
+        return InvariantRMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)
+
+    return rms_norm
+
+
+class InvariantRMSNorm(torch.autograd.Function):
+    """triton_rowwise.py's `rms_norm` forward; the backward differentiates kernels/norm.py's
+    torch-op RMSNorm (not row-invariant)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        from raylane.kernels.batch_invariant.triton_rowwise import rms_norm
+
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (x, weight)]
+            out = torch_rms_norm(inputs[0], inputs[1], ctx.eps)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
+        return (*[next(grads) if t.requires_grad else None for t in inputs], None)
+
+
+def log_softmax_swaps() -> list[Swap]:
+    """torch.log_softmax, Tensor.log_softmax and F.log_softmax: a float32 result over the last
+    dim takes the Triton kernel on CUDA; every other call runs torch's."""
+    owners = [(torch, torch.log_softmax), (torch.Tensor, torch.Tensor.log_softmax)]
+    owners.append((F, F.log_softmax))
+    return [(owner, "log_softmax", _triton_log_softmax(fn)) for owner, fn in owners]
+
+
+def _triton_log_softmax(original: Callable) -> Callable:
+    def log_softmax(x: torch.Tensor, dim: int | None = None, *args: Any, **kwargs: Any):
+        dtype = kwargs.get("dtype") or x.dtype
+        last = dim is not None and dim in (-1, x.dim() - 1)
+        if on_triton(x.device) and last and not args and dtype == torch.float32:
+            from raylane.kernels.batch_invariant.triton_rowwise import InvariantLogSoftmax
+
+            return InvariantLogSoftmax.apply(x)
+        return original(x, dim, *args, **kwargs)
+
+    return log_softmax
+
+
+def cpu_only(fn: Callable, what: str) -> Callable:
+    """`fn`, which raises a ValueError naming `what` when its first tensor is on the CUDA path:
+    the trainer side of that part is batch-invariant on the CPU only."""
+
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if tensor is not None and on_triton(tensor.device):
+            raise ValueError(
+                f"raylane.batch_invariant: on CUDA, {what} has no batch-invariant path in the "
+                "trainer yet (the CPU has one); run the trainer's forward on the CPU, or "
+                "compare with a tolerance"
+            )
+        return fn(*args, **kwargs)
+
+    return guarded
