@@ -114,7 +114,8 @@ class LoRAMemory:
         """Bring `replica` (its `ReplicaControl`) to every remembered adapter's state. An
         adapter it refuses (a ValueError: LoRA turned off by a redeploy, a smaller
         max_lora_rank, a path that is gone) is forgotten with a warning: the cluster as it is
-        now configured cannot hold it, and the replica must still be able to start."""
+        now configured cannot hold it, and the replica must still be able to start. So is one
+        whose pushed tensors could not be read back (the replicas that held them went first)."""
         if not self.adapters and not self.removed:
             return  # nothing loaded or pushed at runtime (and a replica may have LoRA off)
         try:
@@ -125,12 +126,18 @@ class LoRAMemory:
             await replica.remove_lora(name, True)
         for record in list(self.adapters.values()):
             try:
-                await replica.restore_lora(*await record.as_call())
+                call = await record.as_call()
+            except Exception as e:  # every replica it was to be read from went first
+                self._forget(record.name, f"its tensors were never kept ({e!r})")
+                continue
+            try:
+                await replica.restore_lora(*call)
             except ValueError as e:
-                LOG.warning(
-                    "LoRA adapter %r is forgotten: a new replica refused it (%s)", record.name, e
-                )
-                self.adapters.pop(record.name, None)
+                self._forget(record.name, f"a new replica refused it ({e})")
+
+    def _forget(self, name: str, why: str) -> None:
+        LOG.warning("LoRA adapter %r is forgotten: %s", name, why)
+        self.adapters.pop(name, None)
 
 
 def _as_configured(info: dict[str, Any], modules: dict[str, str]) -> bool:

@@ -1,8 +1,11 @@
 """The control plane's adapter memory (router/lora_memory.py) restoring onto a new replica: an
-adapter the replica refuses (here: LoRA turned off by a redeploy) is forgotten, and the replica
-still starts; one it takes is restored."""
+adapter the replica refuses (here: LoRA turned off by a redeploy), or one whose pushed tensors
+were never kept (every replica they were to be read from went first), is forgotten, and the
+replica still starts; one it takes is restored."""
 
 from __future__ import annotations
+
+import asyncio
 
 from raylane.router.lora_memory import LoRAMemory
 
@@ -50,3 +53,15 @@ async def test_an_adapter_a_new_replica_refuses_is_forgotten_and_it_starts_anywa
     on = Replica(accepts=True)
     await memory.restore(on)
     assert on.restored == ["sql"] and list(memory.adapters) == ["sql"]
+
+
+async def test_an_adapter_whose_tensors_were_never_kept_is_forgotten_and_it_starts_anyway():
+    async def lost() -> None:
+        raise RuntimeError("no replica of the update kept adapter 'sql''s tensors")
+
+    memory = LoRAMemory()
+    memory.pushed(info("sql"), asyncio.ensure_future(lost()))
+    memory.loaded(info("math"))
+    on = Replica(accepts=True)
+    await memory.restore(on)  # does not raise: the replica starts
+    assert on.restored == ["math"] and list(memory.adapters) == ["math"]
