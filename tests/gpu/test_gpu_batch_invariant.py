@@ -68,7 +68,7 @@ def test_kernels_give_a_row_the_same_bits_at_any_row_count_on_cuda(dtype):
     """The matmul (tl.dot on tensor cores, which the interpreter cannot check), RMSNorm and
     log_softmax at real widths: a row alone equals the row inside 3, 17 and 300 rows."""
     from raylane.kernels.batch_invariant.triton_matmul import invariant_matmul
-    from raylane.kernels.batch_invariant.triton_rowwise import log_softmax, rms_norm
+    from raylane.kernels.batch_invariant.triton_rowwise import log_softmax, logsumexp, rms_norm
     from raylane.kernels.norm import rms_norm as torch_rms_norm
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -79,6 +79,7 @@ def test_kernels_give_a_row_the_same_bits_at_any_row_count_on_cuda(dtype):
         "matmul": lambda t: invariant_matmul(t, w),
         "rms_norm": lambda t: rms_norm(t, norm_w, 1e-6),
         "log_softmax": log_softmax,
+        "logsumexp": logsumexp,
     }
     for name, op in ops.items():
         full = op(x)
@@ -92,6 +93,8 @@ def test_kernels_give_a_row_the_same_bits_at_any_row_count_on_cuda(dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=tol * 4, rtol=tol)
     want = torch.log_softmax(x.double(), -1)
     torch.testing.assert_close(log_softmax(x).double(), want, atol=1e-4, rtol=1e-4)
+    want = torch.logsumexp(x.double(), -1)
+    torch.testing.assert_close(logsumexp(x).double(), want, atol=1e-4, rtol=1e-4)
 
 
 @in_gpu_lane
@@ -103,7 +106,85 @@ def test_the_gpu_branches_compile_for_sm90():
     command = [sys.executable, "-m", "tests.gpu.test_gpu_batch_invariant"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["compiled"] * 8
+    assert done.stdout.split() == ["compiled"] * 10
+
+
+TRAINER_FAMILIES = ("llama", "qwen3", "qwen3_moe")
+
+
+@needs_device
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", TRAINER_FAMILIES)
+def test_trainer_logprobs_equal_the_rollouts_on_cuda(tmp_path, family, dtype):
+    """`raylane.batch_invariant()` on CUDA (the Triton matmul, RMSNorm, log_softmax, experts and
+    one-split decode attention, as the engine's mode): transformers' teacher-forced logprobs of
+    rollouts sampled in one mixed batch equal the engine's (==) at trainer batch sizes 1, 3
+    and all, right padded, with "sdpa" and "eager"; a backward inside runs. Checked under
+    TRITON_INTERPRET=1 only when written (tests/unit/test_batch_invariant_cuda_path.py)."""
+    from raylane import batch_invariant
+    from transformers import AutoModelForCausalLM
+
+    from tests import tiny_models
+    from tests.unit.test_batch_invariant_trainer import (
+        PROMPTS,
+        _grads,
+        _padded,
+        _sampled,
+        _trainer_logprobs,
+    )
+
+    model_dir = getattr(tiny_models, f"make_{family}")(tmp_path / family)
+    engine = LLMEngine(
+        EngineConfig(
+            model=model_dir, device=DEVICE, dtype=dtype, batch_invariant=True, num_kv_blocks=128
+        )
+    )
+    try:
+        params = [
+            SamplingParams(seed=3 + i, max_tokens=20 - 3 * i, logprobs=0, ignore_eos=True)
+            for i in range(len(PROMPTS))
+        ]
+        outs = engine.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        engine.shutdown()
+    want = [o.outputs[0].logprobs for o in outs]
+    ids, mask = (t.to(DEVICE) for t in _padded(outs))
+    for attn in ("sdpa", "eager"):
+        hf = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype), attn_implementation=attn
+        )
+        hf = hf.to(DEVICE).eval()
+        for batch in (1, 3, len(outs)):
+            got = _sampled(outs, _trainer_logprobs(hf, ids, mask, batch))
+            assert got == want, (attn, batch)
+    with batch_invariant():
+        grads = _grads(hf.float(), ids, mask)
+    assert grads and all(torch.isfinite(g).all() for g in grads.values())
+
+
+@needs_device
+def test_sampler_rows_do_not_follow_the_batch_on_cuda():
+    """The mode's sampler on CUDA at a real vocabulary: a row's logprobs, top-logprobs and kept
+    mass alone equal the row's inside 37 rows (==)."""
+    from raylane.actors.runner.sampler import Sampler
+
+    from tests.unit.test_sampler import make_seq
+
+    device = torch.device(DEVICE)
+    sampler = Sampler(49152, [0], device, seed=1, batch_invariant=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(37, 49152, device=device, generator=gen) * 4
+    kinds = [{"seed": 7, "top_k": 50}, {"temperature": 0}, {"seed": 8, "top_p": 0.9}]
+
+    def states(rows):
+        return [make_seq(logprobs=5, return_kept_mass=True, **kinds[i % 3]) for i in rows]
+
+    batched = sampler(logits, states(range(37)))
+    for i in (0, 1, 2, 20, 36):
+        alone = sampler(logits[i : i + 1], states([i]))
+        assert alone.logprobs[0] == batched.logprobs[i], i
+        assert alone.top_logprobs[0] == batched.top_logprobs[i], i
+        assert alone.kept_mass[0] == batched.kept_mass[i], i
 
 
 def _compile_for_sm90(kernel, pointers: dict[str, str], consts: dict, **options) -> None:
@@ -132,6 +213,7 @@ def _compile_all() -> None:
         _compile_for_sm90(tr._rms_norm_kernel, pointers, {"BLOCK": tr.BLOCK})
         pointers = {"x": ty, "out": "*fp32"}
         _compile_for_sm90(tr._log_softmax_kernel, pointers, {"BLOCK": tr.BLOCK})
+        _compile_for_sm90(tr._logsumexp_kernel, pointers, {"BLOCK": tr.BLOCK})
         pointers = {"a": ty, "w": ty, "out": ty, "expert_of_row": "*i64"}
         consts = {"BLOCK_N": te.BLOCK_N, "BLOCK_K": te.BLOCK_K}
         _compile_for_sm90(te._expert_rows_kernel, pointers, consts)
