@@ -14,8 +14,11 @@ Measured on the CPU (torch 2.13, oneDNN; tests/unit/test_batch_invariant_kernels
 
 On CUDA (not yet run on a GPU; checked under TRITON_INTERPRET=1): cuBLAS picks its tiling and
 split-K by M and torch's reductions size their blocks by the row count, so the mode runs
-Triton kernels of one fixed order per row instead: the matmul (triton_matmul.py), RMSNorm
-(triton_rowwise.py) and attention as one-split decodes (triton_attention.py).
+Triton kernels of one fixed order per row instead: the matmul (triton_matmul.py), RMSNorm,
+the sampler's log_softmax and logsumexp (triton_rowwise.py, row_reductions.py), the experts
+(triton_experts.py) and attention as one-split decodes (triton_attention.py); inside
+`raylane.batch_invariant()` a trainer's transformers model takes the same (trainer_cuda.py).
+`backend.on_triton` says which path a device's tensors take.
 """
 
 from raylane.kernels.batch_invariant.backend import batch_invariant_backend
