@@ -128,10 +128,12 @@ class HttpTransport(HttpLoRA):
         messages: list[dict],
         params: SamplingParams,
         tools: list[dict] | None,
+        lora_version: int | None = None,
     ) -> SessionTurn:
-        resp = await self._post(
-            f"/sessions/{session_id}/v1/chat/completions", chat_body(messages, params, tools)
-        )
+        body = chat_body(messages, params, tools)
+        if lora_version is not None:  # of the session's adapter
+            body["lora_version"] = lora_version
+        resp = await self._post(f"/sessions/{session_id}/v1/chat/completions", body)
         return _session_turn(resp.json())
 
     async def session_sample(self, session_id: str, max_seq_len: int | None) -> TrainingSample:

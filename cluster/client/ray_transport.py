@@ -145,10 +145,13 @@ class RayTransport(PlaneLoRA, PlaneClient):
         messages: list[dict],
         params: SamplingParams,
         tools: list[dict] | None,
+        lora_version: int | None = None,
     ) -> SessionTurn:
         last = None
         async with aclosing(
-            self._sessions().chat_stream(session_id, messages, params, tools=tools)
+            self._sessions().chat_stream(
+                session_id, messages, params, tools=tools, lora_version=lora_version
+            )
         ) as turn:
             async for result in turn:
                 last = result

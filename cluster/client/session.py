@@ -24,12 +24,21 @@ class Session:
         self.session_id = session_id
 
     async def chat(
-        self, messages: list[dict], *, tools: list[dict] | None = None, **sampling: Any
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        lora_version: int | None = None,
+        **sampling: Any,
     ) -> SessionTurn:
         """One turn: `messages` is the whole conversation so far, ending with the new user
-        (or tool) message; `sampling` takes the `SamplingParams` fields."""
+        (or tool) message; `sampling` takes the `SamplingParams` fields. `lora_version`: that
+        version of the adapter the session was opened on (`metadata={"lora": name}`; a version
+        no longer held is a 409, `ClientError` over HTTP, `LoRAVersionGone` in the cluster)."""
         params = sampling_params(sampling)
-        return await self.transport.session_chat(self.session_id, list(messages), params, tools)
+        return await self.transport.session_chat(
+            self.session_id, list(messages), params, tools, lora_version
+        )
 
     async def sample(self, max_seq_len: int | None = None) -> TrainingSample:
         """The turns merged into one training sample (tokens, loss mask, logprobs, ...)."""

@@ -77,6 +77,7 @@ class Transport(Protocol):
         messages: list[dict],
         params: SamplingParams,
         tools: list[dict] | None,
+        lora_version: int | None = None,
     ) -> SessionTurn: ...
 
     async def session_sample(self, session_id: str, max_seq_len: int | None) -> TrainingSample: ...

@@ -11,6 +11,7 @@ body (a refused turn leaves the session as it was), and a version asked for with
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import httpx
@@ -199,3 +200,25 @@ def test_a_version_on_a_session_without_an_adapter_is_400(user):
     answer = turn(user, session, [{"role": "user", "content": "hi"}], 1)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == "lora_version"
+
+
+def test_the_rollout_clients_session_asks_for_a_version(server, adapters, tiny_llama_dir):
+    from raylane.client import RolloutClient
+    from raylane.client.errors import ClientError
+
+    async def scenario() -> tuple[list[int], list[int], int]:
+        async with RolloutClient(server.url, api_key=USER_KEY) as client:
+            session = await client.session(metadata={"lora": "policy"})
+            hello = [{"role": "user", "content": "hello there"}]
+            with pytest.raises(ClientError) as gone:
+                await session.chat(hello, lora_version=1, max_tokens=MAX_TOKENS, temperature=0)
+            turn = await session.chat(hello, lora_version=2, max_tokens=MAX_TOKENS, temperature=0)
+            sample = await session.sample()
+            return list(sample.tokens), list(turn.token_ids), gone.value.status
+
+    tokens, reply, status = asyncio.run(scenario())
+    assert status == 409
+    start = len(tokens) - len(reply)
+    assert tokens[start:] == reply  # the one turn recorded: the refused one left nothing
+    peft = peft_models(tiny_llama_dir, adapters)
+    assert reply == peft_greedy(peft, "second", tokens[:start], len(reply))[0]

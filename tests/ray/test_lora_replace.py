@@ -196,8 +196,18 @@ def test_runtime_adapters_reach_a_replacement_and_versions_are_asked_for(
     assert native(url, PROMPTS[0], v1).status_code == 409
 
 
+async def _session_turn(model: str, version: int):
+    """One turn of a new in-cluster session on "tenant", asking for `version`."""
+    from raylane.client import RolloutClient
+
+    async with RolloutClient.in_cluster(model=model) as client:
+        session = await client.session(metadata={"lora": "tenant"})
+        hello = [{"role": "user", "content": "hi"}]
+        return await session.chat(hello, lora_version=version, max_tokens=2, temperature=0)
+
+
 def test_a_restarted_router_recalls_runtime_adapters_from_its_replicas(
-    cluster, ray_cluster, adapters, peft
+    cluster, ray_cluster, adapters, peft, tiny_llama_dir
 ):
     """The Router restarts (Ray restarts the killed actor: it remembers nothing); it recalls
     from the live replica an adapter loaded and pushed at runtime (its tensors read back) and
@@ -205,6 +215,7 @@ def test_a_restarted_router_recalls_runtime_adapters_from_its_replicas(
     holds the pushed version under its number and label, serves PEFT's tokens, and does not
     hold the unloaded one. Before that, a session turn asks for versions of its adapter across
     the cluster (the turn's tokens generated at the ingress)."""
+    from raylane.actors.lora.errors import LoRAVersionGone
     from raylane.router.names import NAMESPACE, ROUTER_NAME
 
     url, ray = cluster, ray_cluster
@@ -220,6 +231,9 @@ def test_a_restarted_router_recalls_runtime_adapters_from_its_replicas(
     turns = f"{url}/sessions/{session.json()['session_id']}/v1/chat/completions"
     assert httpx.post(turns, json={**turn, "lora_version": 1}, timeout=60).status_code == 409
     assert httpx.post(turns, json={**turn, "lora_version": 2}, timeout=60).status_code == 200
+    assert len(asyncio.run(_session_turn(tiny_llama_dir, 2)).token_ids) == 2  # in the cluster too
+    with pytest.raises(LoRAVersionGone):
+        asyncio.run(_session_turn(tiny_llama_dir, 1))
 
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     ray.kill(router, no_restart=False)
