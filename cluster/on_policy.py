@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,7 +62,7 @@ _LOCK = threading.Lock()  # the ops are process-wide: one context swaps them at 
 _ATTENTION_KEYS = ("sdpa", "eager")
 # transformers' modeling files whose Gated DeltaNet layers call these module-level functions
 _LINEAR_ATTENTION_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-_LINEAR_ATTENTION_FUNCTIONS = {
+_LINEAR_ATTENTION_FUNCTIONS: dict[str, Callable] = {
     "causal_conv1d_fn": gated_delta_net.causal_conv1d_fn,
     "torch_chunk_gated_delta_rule": gated_delta_net.chunk_gated_delta_rule,
 }

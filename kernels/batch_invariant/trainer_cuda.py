@@ -104,8 +104,8 @@ class InvariantRMSNorm(torch.autograd.Function):
 def log_softmax_swaps() -> list[Swap]:
     """torch.log_softmax, Tensor.log_softmax and F.log_softmax: a float32 result over the last
     dim takes the Triton kernel on CUDA; every other call runs torch's."""
-    owners = [(torch, torch.log_softmax), (torch.Tensor, torch.Tensor.log_softmax)]
-    owners.append((F, F.log_softmax))
+    owners: list[tuple[Any, Callable]] = [(torch, torch.log_softmax), (F, F.log_softmax)]
+    owners.append((torch.Tensor, torch.Tensor.log_softmax))
     return [(owner, "log_softmax", _triton_log_softmax(fn)) for owner, fn in owners]
 
 
