@@ -11,6 +11,8 @@ The batch-invariant mode (`EngineConfig.batch_invariant`) runs HF's expanded for
 for op as transformers' DeepseekV3Attention (`expanded_forward`), so that a trainer's forward
 inside `raylane.batch_invariant()` equals the rollout bit for bit: each step re-expands every
 sequence's cached latents through kv_b_proj (O(context) work a step, accepted in that mode).
+On CUDA (`on_triton`) each query row then attends as a one-split decode on the Triton kernel
+(kernels/batch_invariant/triton_mla.py) instead of the C kernel.
 
 Tensor parallel: query heads (q_b_proj / q_proj, kv_b_proj rows, o_proj columns) split across
 ranks; the latent projection, its norm and the cache rows are replicated.
@@ -32,6 +34,7 @@ from raylane.actors.models.layers import (
 )
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.batch_invariant import padded_linear
+from raylane.kernels.batch_invariant.backend import on_triton
 from raylane.kernels.norm import RMSNorm
 from raylane.kernels.rotary import apply_rotary, apply_rotary_interleaved, rope_parameters_of
 from torch import nn
@@ -154,8 +157,27 @@ class MLAttention(nn.Module):
         s, t = self.spec, hidden.shape[0]
         q_nope, q_rope, _ = self._query(hidden, cos, sin)
         query = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, nope + R]
-        out = self.attn.expanded(query, self._cache_row(hidden, cos, sin), attn, self.expand)
+        row = self._cache_row(hidden, cos, sin)
+        if on_triton(hidden.device):
+            out = self._expanded_on_triton(query, row, attn)
+        else:
+            out = self.attn.expanded(query, row, attn, self.expand)
         return self.o_proj(out.reshape(t, self.num_heads * s.v_head_dim))  # out [T, H, v]
+
+    def _expanded_on_triton(
+        self, query: torch.Tensor, row: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        """The expanded form on CUDA: the step's latent rows stored, then each query row a
+        one-split decode over its context's expanded keys (triton_mla.py) -> [T, H, v]."""
+        from raylane.kernels.batch_invariant.triton_mla import expanded_attention
+
+        cache = self.attn.k_cache
+        if cache is None:
+            raise RuntimeError("LatentAttention.k_cache is not attached; the runner allocates it")
+        if attn.groups is not None:
+            attn = attn.groups[self.attn.kv_group]
+        cache.index_copy_(0, attn.slot_mapping, row)
+        return expanded_attention(query, cache, attn, self.expand, self.spec.scale)
 
     def expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache rows [N, 1, L + R] -> (keys [N, H, nope + R], values [N, H, v]), contiguous:

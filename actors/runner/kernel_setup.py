@@ -4,7 +4,10 @@ the fused ops (RMSNorm, gated activations, RoPE). The batch-invariant mode takes
 with one reduction order (the C kernel on the CPU, the Triton kernels' one-split decode form on
 CUDA) and the torch ops, which are a trainer's transformers ops (and reduce within a row; on
 CUDA RMSNorm runs a row-wise Triton kernel), and switches the linears onto their invariant path
-(padded oneDNN/torch matmuls on the CPU, the fixed-tile Triton matmul on CUDA)."""
+(padded oneDNN/torch matmuls on the CPU, the fixed-tile Triton matmul on CUDA). Every family
+has its CUDA form: MLA's expanded attention as one-split Triton decodes (triton_mla.py), DSA's
+per-token indexer and sparse attention on a per-token Triton matmul (triton_dsa.py), Gated
+DeltaNet's recurrence in a Triton kernel (triton_gdn.py)."""
 
 from __future__ import annotations
 
@@ -22,10 +25,6 @@ def attach_kernels(
     nets: list[Any], config: RunnerConfig, device: torch.device, dtype: torch.dtype
 ) -> None:
     layers = [layer for net in nets for layer in net.attention_layers()]
-    if config.batch_invariant and device.type != "cpu":
-        kinds = set().union(*(layer.backend_kinds() for layer in layers))
-        linear = any(hasattr(net, "linear_layers") for net in nets)
-        refuse_uncovered_on_gpu(kinds | ({_GATED_DELTA_NET} if linear else set()))
     backend = _backend(layers, config, device, dtype)
     for layer in layers:
         layer.backend = backend
@@ -50,20 +49,3 @@ def _backend(layers: list, config: RunnerConfig, device: torch.device, dtype: to
     if config.batch_invariant:
         name = batch_invariant_backend(name, device)
     return get_backend(name, device, kinds, request)
-
-
-# what the mode's CUDA path does not cover yet: MLA's expanded form runs the C kernel, DSA's
-# and Gated DeltaNet's invariant torch ops have no batch-invariant CUDA form
-_GATED_DELTA_NET = "linear attention (Gated DeltaNet)"
-_CPU_ONLY_KINDS = ("mla", "dsa", _GATED_DELTA_NET)
-
-
-def refuse_uncovered_on_gpu(kinds: set[str]) -> None:
-    """ValueError where a model's layer `kinds` have no batch-invariant CUDA path yet."""
-    uncovered = sorted(k for k in kinds if k in _CPU_ONLY_KINDS)
-    if uncovered:
-        raise ValueError(
-            f"EngineConfig.batch_invariant: on CUDA the mode covers full, sliding-window and "
-            f"sink attention only; this model has {uncovered} layers, batch invariant on the "
-            "CPU only. Run it on the CPU, or turn the mode off"
-        )

@@ -13,7 +13,10 @@ scores tie exactly at the boundary (e.g. positions where every head's ReLU is ze
 `invariant` (the batch-invariant mode): the batched matmuls span a context width set by the
 batch's longest block table and a batch of every token in the step, and may reduce in an order
 that follows either; there each token's matmuls run on their own (`padded_linear`, over the
-positions it sees), so its scores, picks and output depend on that token alone.
+positions it sees), so its scores, picks and output depend on that token alone. On CUDA
+(`on_triton`) those matmuls run a Triton kernel with one order per token and the softmax one
+order per row (kernels/batch_invariant/triton_dsa.py), with no host sync; torch.sort's stable
+pick is already a function of a row's scores alone on either device.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.batch_invariant import padded_linear
+from raylane.kernels.batch_invariant.backend import on_triton
 
 
 def token_positions(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +58,9 @@ def select_topk(
     score(t, s) = sum_h weights[t, h] * relu(scale * q[t, h] . k[s]) over positions s <= t."""
     seq, pos = token_positions(meta)
     slots = context_slots(meta, seq)  # [T, C]
-    if invariant:
+    if invariant and on_triton(q.device):
+        scores = _scores_on_triton(q, weights, key_cache[:, 0], slots, scale)
+    elif invariant:
         scores = _scores_per_token(q, weights, key_cache[:, 0], slots, pos, scale)
     else:
         keys = key_cache[:, 0].index_select(0, slots.flatten()).view(*slots.shape, -1)
@@ -88,6 +94,21 @@ def _scores_per_token(
     return scores
 
 
+def _scores_on_triton(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """select_topk's scores [T, C] on the mode's CUDA path: each token's two matmuls in a
+    Triton kernel of one order per token (triton_dsa.py), no host sync. A zero score is +0
+    (a sum of ReLU zeros may be -0, which a radix sort ranks below +0; the CPU's sort ties
+    them), so ties keep the earlier position on both devices."""
+    from raylane.kernels.batch_invariant.triton_dsa import token_matmul
+
+    gathered = keys.index_select(0, slots.flatten()).view(*slots.shape, -1).float()  # [T, C, D]
+    heads = token_matmul(q.float(), gathered).mul(scale).relu()  # [T, nh, C]
+    scores = token_matmul(weights.float().unsqueeze(1), heads.transpose(1, 2))[:, 0]  # [T, C]
+    return torch.where(scores == 0, torch.zeros_like(scores), scores)
+
+
 def _ascending(chosen: torch.Tensor) -> torch.Tensor:
     # positions ascending, the -1 padding last
     big = torch.iinfo(chosen.dtype).max
@@ -113,6 +134,8 @@ def sparse_latent_attention(
     blocks = tables.gather(1, pos // meta.block_size)
     slots = blocks * meta.block_size + pos % meta.block_size  # [T, k]
     rows = latent_cache[:, 0].index_select(0, slots.flatten()).view(*slots.shape, -1)
+    if invariant and on_triton(q.device):
+        return _latent_on_triton(q, rows, kv_lora_rank, valid, scale)
     if invariant:
         return _latent_per_token(q, rows, kv_lora_rank, valid, scale)
     scores = torch.einsum("thd,tkd->thk", q, rows) * scale  # [T, H, k]
@@ -133,3 +156,16 @@ def _latent_per_token(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[t] = padded_linear(probs, keys[:, :kv_lora_rank].t().contiguous())
     return out
+
+
+def _latent_on_triton(
+    q: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`_latent_per_token`'s math on the mode's CUDA path: the two matmuls per token in a
+    Triton kernel of one order per token, the softmax one order per row (triton_dsa.py)."""
+    from raylane.kernels.batch_invariant.triton_dsa import softmax, token_matmul
+
+    scores = token_matmul(q, rows) * scale  # [T, H, k]
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    probs = softmax(scores).to(q.dtype)
+    return token_matmul(probs, rows[..., :kv_lora_rank].transpose(1, 2))  # [T, H, L]

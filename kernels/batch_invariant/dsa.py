@@ -10,7 +10,8 @@ the trainer's projections, norms and RoPE stay transformers' own; from the query
 latent row on, every valid token of the padded batch runs the engine's very functions
 (`select_topk`, `sparse_latent_attention`) over a paged copy of its sequence, so its output
 equals the engine's bit for bit. Autograd flows through the attention (the selection, as in
-transformers, carries none).
+transformers, carries none). On CUDA those functions take their Triton form by the tensors'
+device (`on_triton`: triton_dsa.py's per-token matmul and row-wise softmax), as the engine's.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def dsa_attention_forward(
         )
     batch, t = hidden_states.shape[:2]
     lengths = _lengths(attention_mask, batch, t, t)
-    paged = _Paged(lengths)
+    paged = _Paged(lengths, hidden_states.device)
     hf = sys.modules[type(self).__module__]
     cos, sin = position_embeddings
     nope, rank = self.qk_nope_head_dim, self.kv_lora_rank
@@ -141,16 +142,17 @@ class _Paged:
     """A right-padded batch's valid tokens packed one sequence after another, and the engine's
     metadata for them as one prefill each, laid out in BLOCK_SIZE-slot blocks."""
 
-    def __init__(self, lengths: list[int]) -> None:
+    def __init__(self, lengths: list[int], device: torch.device) -> None:
         self.lengths = lengths
         tables, firsts = contiguous_tables(lengths)
         starts = [0, *itertools.accumulate(lengths)]
         slots = [torch.arange(f, f + n) for f, n in zip(firsts, lengths)]
-        self.meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(lengths, dtype=torch.int32),
-            block_tables=tables,
+        slot_mapping = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
+        self.meta = AttentionMetadata(  # on the model's device: the ops index with it
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            block_tables=tables.to(device),
             num_prefills=len(lengths),
             num_prefill_tokens=starts[-1],
             max_query_len=max(lengths, default=0),

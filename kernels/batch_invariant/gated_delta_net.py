@@ -8,7 +8,9 @@ the chunking) and the conv as F.conv1d in the weights' dtype; the engine's mode 
 tap by tap in float32 and the delta rule token by token. Here every token of a teacher-forced
 batch goes through those same ops (`conv_taps`, `step`, exp and SiLU row by row), so each
 sequence's outputs equal the engine's bit for bit. Plain torch ops: autograd flows through
-(a Python loop over the tokens; the backward is not batch-invariant).
+(a Python loop over the tokens; the backward is not batch-invariant). On CUDA the delta rule
+runs the engine's Triton kernel (triton_gdn.py), picked by the tensors' device; the conv's
+elementwise ops serve both devices.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from raylane.kernels.batch_invariant.backend import on_triton
 from raylane.kernels.batch_invariant.elementwise import rowwise, silu
 from raylane.kernels.linear_attention.conv1d import activate
 from raylane.kernels.linear_attention.gated_delta import prepare_qk
@@ -57,10 +60,22 @@ def chunk_gated_delta_rule(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([B, L, Hv, Dv] in query's dtype, final state)
     """The gated delta rule token by token, every sequence of the batch at once (`chunk_size`
-    is accepted for the signature: nothing is chunked)."""
+    is accepted for the signature: nothing is chunked). CUDA tensors run the engine's Triton
+    kernel (triton_gdn.py), its backward recomputed in the torch ops below."""
     _packed(kwargs)
+    if on_triton(value.device):
+        core, s = _TritonDeltaRule.apply(
+            query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel
+        )
+    else:
+        core, s = _stepped(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+    return core.to(query.dtype), s if output_final_state else None
+
+
+def _stepped(query, key, value, g, beta, initial_state, l2norm: bool):
+    """The rule in torch ops, token by token: ([B, L, Hv, Dv] float32, final state)."""
     batch, length, heads, _ = value.shape
-    q, k = prepare_qk(query, key, heads, use_qk_l2norm_in_kernel)
+    q, k = prepare_qk(query, key, heads, l2norm)
     decay = rowwise(torch.exp, g.float().reshape(-1, heads)).reshape(batch, length, heads)
     v, b = value.float(), beta.float()
     if initial_state is None:
@@ -71,8 +86,43 @@ def chunk_gated_delta_rule(
     for t in range(length):
         out, s = step(s, q[:, t], k[:, t], v[:, t], decay[:, t], b[:, t])
         outs.append(out)
-    core = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
-    return core.to(query.dtype), s if output_final_state else None
+    return (torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)), s
+
+
+class _TritonDeltaRule(torch.autograd.Function):
+    """triton_gdn's recurrence over each padded row as one sequence; the backward
+    differentiates `_stepped` (the same math in torch ops: not batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, g, beta, initial_state, l2norm):
+        from raylane.kernels.batch_invariant.triton_gdn import recurrent_delta_rule
+
+        ctx.save_for_backward(query, key, value, g, beta, initial_state)
+        ctx.l2norm = l2norm
+        batch, length, heads, dv = value.shape
+        if initial_state is None:
+            state = value.new_zeros(batch, heads, key.shape[-1], dv, dtype=torch.float32)
+        else:
+            state = initial_state.float().contiguous().clone()
+        starts = torch.arange(batch + 1, device=value.device) * length
+        flat = [x.flatten(0, 1) for x in (query, key, value, g, beta)]  # [B * L, ...]
+        slots = torch.arange(batch, device=value.device)
+        out = recurrent_delta_rule(*flat, state, starts, slots, l2norm)
+        return out.view(value.shape), state
+
+    @staticmethod
+    def backward(ctx, grad_core, grad_state):
+        inputs = [
+            t if t is None else t.detach().requires_grad_(t.requires_grad)
+            for t in ctx.saved_tensors
+        ]
+        with torch.enable_grad():
+            core, s = _stepped(*inputs, ctx.l2norm)
+            pairs = [(core, grad_core), (s, grad_state)]
+            outs, grads = zip(*[(o, g) for o, g in pairs if g is not None])
+            wanted = [t for t in inputs if t is not None and t.requires_grad]
+            found = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True))
+        return (*[next(found) if t is not None and t.requires_grad else None for t in inputs], None)
 
 
 def _packed(kwargs: dict[str, Any]) -> None:

@@ -12,6 +12,9 @@ on its scalar tail, where a row lands following the step's token count. Here:
 - the delta rule steps token by token for prefills too, each step elementwise ops and sums over
   Dk only (`step`);
 - exp and SiLU run `rowwise` (every row on the vector path).
+On CUDA the conv's elementwise ops already round alike wherever a row sits; the recurrence's
+sums over Dk would not (torch's reductions size their blocks by the row count), so it runs a
+Triton kernel there, triton_gdn.py: the same steps, each sum in one tile the layer fixes.
 What it costs (2 CPU cores, one layer of 32 value heads, Dk = Dv = 128): a 256-token prefill
 50 ms token by token against 52 ms chunked; a decode batch of 8, 18 ms against 16 ms.
 """
@@ -19,6 +22,7 @@ What it costs (2 CPU cores, one layer of 32 value heads, Dk = Dv = 128): a 256-t
 from __future__ import annotations
 
 import torch
+from raylane.kernels.batch_invariant.backend import on_triton
 from raylane.kernels.batch_invariant.elementwise import rowwise, silu
 from raylane.kernels.linear_attention.conv1d import activate
 from raylane.kernels.linear_attention.gated_delta import prepare_qk
@@ -79,7 +83,13 @@ class InvariantLinearAttention:
         return activate(y, activation).to(x.dtype)  # None (or a ValueError)
 
     def delta_rule(self, q, k, v, g, beta, state, meta: StateMetadata, l2norm: bool = True):
-        """[T, H, D] -> [T, Hv, Dv]: token by token for prefills and decodes alike."""
+        """[T, H, D] -> [T, Hv, Dv]: token by token for prefills and decodes alike (on CUDA in
+        one Triton kernel, triton_gdn.py, with no host sync)."""
+        if on_triton(v.device):
+            from raylane.kernels.batch_invariant.triton_gdn import recurrent_delta_rule
+
+            at, starts = meta.state_slots, meta.query_start_loc
+            return recurrent_delta_rule(q, k, v, g, beta, state, starts, at, l2norm).to(v.dtype)
         q, k = prepare_qk(q, k, v.shape[-2], l2norm)
         args = (q, k, v.float(), rowwise(torch.exp, g.float()), beta.float())
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)

@@ -221,3 +221,77 @@ def _compile_all() -> None:
 
 if __name__ == "__main__":
     _compile_all()
+
+
+# --- MLA, DSA and Gated DeltaNet (triton_mla.py, triton_dsa.py, triton_gdn.py) ------------------
+
+
+def _family_models() -> dict:
+    from tests import tiny_models as tm
+
+    return {
+        "deepseek_v3": tm.make_deepseek_v3,  # MLA, its expanded form as one-split decodes
+        "deepseek_v32": tm.make_deepseek_v32,  # DSA: per-token indexer and sparse attention
+        "qwen3_5": tm.make_qwen3_5,  # Gated DeltaNet's Triton recurrence, (1 + w) RMSNorms
+        "qwen3_next": tm.make_qwen3_next,
+    }
+
+
+@needs_device
+@pytest.mark.parametrize("family", sorted(_family_models()))
+def test_mla_dsa_and_gated_deltanet_requests_equal_their_runs_alone(tmp_path, family):
+    """Each request of a tiny DeepSeek-V3 / V3.2 / Qwen3.5 / Qwen3-Next, bfloat16: tokens,
+    logprobs, top-logprobs, routed experts and indexer picks (==) alone versus in mixed
+    batches with chunked prefill and staggered arrivals, with graphs and without."""
+    model = _family_models()[family](tmp_path / family)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, temperature=0.0)
+    alone = engine_for(
+        model, max_num_seqs=1, max_num_batched_tokens=512, async_scheduling=False,
+        enable_prefix_caching=False, enforce_eager=True,
+    )  # fmt: skip
+    prompts = make_prompts(alone.validator.vocab_size)[:4]
+    reference = []
+    for prompt in prompts:
+        alone.flush_cache()
+        reference.append(run(alone, [prompt], params)[0])
+    alone.shutdown()
+    for out in reference:
+        assert all(c.finish_reason == "length" for c in out.outputs), out.error
+    for budget, enforce_eager in ((16, None), (40, True)):
+        engine = engine_for(model, max_num_batched_tokens=budget, enforce_eager=enforce_eager)
+        try:
+            got = run(engine, prompts, params, 2)
+            for i, (ref, out) in enumerate(zip(reference, got)):
+                assert observed(out) == observed(ref), f"{family}: request {i} differs"
+        finally:
+            engine.shutdown()
+
+
+@in_gpu_lane
+def test_the_mla_dsa_and_gated_deltanet_kernels_compile_for_sm90():
+    """triton_dsa's and triton_gdn's CUDA branches (tl.dot, the compiled loop) for sm_90, as
+    `test_the_gpu_branches_compile_for_sm90` does for the others (a subprocess, no GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import tests.gpu.test_gpu_batch_invariant as t; t._compile_families()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["compiled"] * 6
+
+
+def _compile_families() -> None:
+    from raylane.kernels.batch_invariant import triton_dsa as td
+    from raylane.kernels.batch_invariant import triton_gdn as tg
+
+    for ty, precision in (("*fp32", "ieee"), ("*bf16", "tf32")):
+        tiles = {"BLOCK_M": td.BLOCK_M, "BLOCK_N": td.BLOCK_N, "BLOCK_K": td.BLOCK_K}
+        consts = {"INTERPRETED": False, "PRECISION": precision, **tiles}
+        _compile_for_sm90(td._token_matmul_kernel, {"a": ty, "b": ty, "out": ty}, consts)
+        tensors = dict.fromkeys(("q", "k", "v", "beta"), ty)
+        pointers = {**tensors, "g": "*fp32", "state": "*fp32", "out": "*fp32"}
+        pointers |= {"starts": "*i32", "slots": "*i64", "scale": "fp32", "eps": "fp32"}
+        for dk, dv in ((128, 128), (16, 8)):  # Qwen3.5's heads; the tiny model's
+            consts = {"GROUP": 2, "DK": dk, "DV": dv, "DK_PAD": dk, "L2NORM": True}
+            consts["BLOCK_V"] = min(dv, tg.BLOCK_V_MAX)
+            _compile_for_sm90(tg._recurrent_kernel, pointers, consts)

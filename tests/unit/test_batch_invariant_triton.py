@@ -268,12 +268,3 @@ def test_the_mode_refuses_cuda_without_triton(monkeypatch):
     monkeypatch.setattr(backend, "has_triton", lambda device: False)
     with pytest.raises(ValueError, match="needs triton"):
         batch_invariant_backend("auto", torch.device("cuda"))
-
-
-def test_the_mode_refuses_on_cuda_what_only_the_cpu_covers():
-    from raylane.actors.runner.kernel_setup import refuse_uncovered_on_gpu
-
-    refuse_uncovered_on_gpu({"full", "sliding", "sinks"})  # served: no error
-    for kind in ("mla", "dsa", "linear attention (Gated DeltaNet)"):
-        with pytest.raises(ValueError, match="batch_invariant: on CUDA.*CPU only"):
-            refuse_uncovered_on_gpu({"full", kind})
