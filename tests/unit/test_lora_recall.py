@@ -11,12 +11,14 @@ engine's own listing, PeftModel."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
 from raylane import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from raylane.actors.engine import AsyncLLMEngine
 from raylane.actors.replica_control import ReplicaControl
+from raylane.router.actor import Router
 from raylane.router.control import ControlPlane
 
 from tests.lora_adapters import make_adapter, peft_greedy, peft_models
@@ -105,3 +107,18 @@ async def test_a_restarted_plane_recalls_runtime_adapters_before_it_admits(repli
     params = SamplingParams(temperature=0.0, max_tokens=N)
     out = engine.generate([PROMPT], params, False, LoRARequest("policy", 1))[0]
     assert list(out.outputs[0].token_ids) == expected
+
+
+async def test_a_router_recalls_when_a_replica_it_did_not_start_heartbeats(replicas, setup):
+    """The Router's own trigger: a heartbeat from a replica missing from its table (it
+    restarted) recalls from that replica, in the background, before anything else asks."""
+    _, paths, _ = setup
+    replicas.live = ["first"]
+    await ControlPlane(replicas, replicas).load_lora("policy", paths["v1"], pinned=True)
+    router = Router(capacity=8)  # the plain class, its replicas in process (as injected)
+    router.plane.calls = replicas
+    router.heartbeat("first", 0, 0, 0, {}, [], {"policy": [1]})
+    await asyncio.gather(*router.plane._detached)
+    memory = router.plane.lora_memory
+    assert memory.recalled and list(memory.adapters) == ["policy"]
+    assert memory.adapters["policy"].pinned and memory.adapters["policy"].path == paths["v1"]
