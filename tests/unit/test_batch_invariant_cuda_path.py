@@ -45,10 +45,30 @@ def triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert on_triton(torch.device("cpu"))
 
 
+def _drawn_norms(make):
+    """`make`, then its RMSNorm weights drawn around 1: transformers initialises them to 1,
+    which would hide how a norm applies its weight (measured: gpt-oss's weight-before-cast
+    and Llama's cast-then-weight agree at 1, differ by 0.25 in bfloat16 logprobs otherwise)."""
+
+    def made(path, **overrides) -> str:
+        model_dir = make(path, **overrides)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+        model.save_pretrained(model_dir)
+        return model_dir
+
+    made.__name__ = make.__name__
+    return made
+
+
 # the interpreter runs a program at a time: two layers each (the MoE one dense, one MoE)
-cuda_path_llama = _tiny(make_llama)
-cuda_path_qwen3 = _tiny(make_qwen3, num_hidden_layers=2)
-cuda_path_moe = _tiny(make_qwen3_moe, num_hidden_layers=2, mlp_only_layers=[0])
+cuda_path_llama = _tiny(_drawn_norms(make_llama))
+cuda_path_qwen3 = _tiny(_drawn_norms(make_qwen3), num_hidden_layers=2)  # q/k norms too
+cuda_path_moe = _tiny(_drawn_norms(make_qwen3_moe), num_hidden_layers=2, mlp_only_layers=[0])
 
 
 def _engine_runs(model_dir: str, dtype: str):
