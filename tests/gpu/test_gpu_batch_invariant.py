@@ -164,8 +164,11 @@ def test_trainer_logprobs_equal_the_rollouts_on_cuda(tmp_path, family, dtype):
 
 @needs_device
 def test_sampler_rows_do_not_follow_the_batch_on_cuda():
-    """The mode's sampler on CUDA at a real vocabulary: a row's logprobs, top-logprobs and kept
-    mass alone equal the row's inside 37 rows (==)."""
+    """The mode's sampler on CUDA at a real vocabulary: a row's token, logprobs, top-logprobs
+    and kept mass alone equal the row's inside 37 rows (==). The token rests on torch's CUDA
+    softmax, sort and the race's block sums, which keep one order per row at this width (their
+    launch configs read the row's length, and at 16 or more blocks of 256 the race's sum
+    reads no row count): unchecked off a GPU."""
     from raylane.actors.runner.sampler import Sampler
 
     from tests.unit.test_sampler import make_seq
@@ -182,6 +185,7 @@ def test_sampler_rows_do_not_follow_the_batch_on_cuda():
     batched = sampler(logits, states(range(37)))
     for i in (0, 1, 2, 20, 36):
         alone = sampler(logits[i : i + 1], states([i]))
+        assert alone.token_ids[0] == batched.token_ids[i], i  # torch's softmax and race sums
         assert alone.logprobs[0] == batched.logprobs[i], i
         assert alone.top_logprobs[0] == batched.top_logprobs[i], i
         assert alone.kept_mass[0] == batched.kept_mass[i], i
