@@ -1,8 +1,8 @@
 """Multi-LoRA's per-layer add on the CPU (csrc/lora.c through ctypes): y[t] += x[t] @ A_s^T @
 B_s^T for each adapter token t on its slot s, reading the step's token -> slot list directly
-(no gather, scatter or temporaries). The low-rank math runs in float32 (float32 copies of the
-weights, bfloat16 rows read as float32), each output rounded once; a token's result depends on
-its own row only.
+(no gather, scatter or temporaries). The weights are copies in the kernel's layout in the
+model dtype; the low-rank math runs in float32 (bfloat16 values widened exactly), each output
+rounded once; a token's result depends on its own row only.
 
 `LoRAKernelWeights` holds one layer's weights in the kernel's layout, `LoRATokens` one step's
 adapter tokens sorted by slot; `lora_kernel()` is None where the C code did not build (the
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "lora.c"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of x and y; the weights are float32
-VEC = 16  # csrc/lora.c's: floats per vector, the padding of its layout
+VEC, TILE = 16, 64  # csrc/lora.c's: floats per vector (the padding), columns per tile
 
 
 class LoRATokens:
@@ -38,39 +38,63 @@ class LoRATokens:
 
 
 class LoRAKernelWeights:
-    """One layer's slots in the kernel's layout, float32, VEC floats to a vector (csrc/lora.c):
-    `at` [S, in, WP] (A transposed, the parts side by side, WP = P * R rounded up to VEC),
-    `bt` [S, R, OUTP] (each output column's own part's ranks only, each part's columns padded
-    to a multiple of VEC). Padding is zero. `part_ends`: where each part's columns end in y."""
+    """One layer's slots in the kernel's layout (csrc/lora.c), in the model dtype:
+    A^T [in, WP] (the parts' ranks side by side, WP = P * R rounded up to VEC) and B^T
+    [R, OUTP] (each output column's own part's ranks only, each part's columns padded to a
+    multiple of VEC), each cut into tiles of up to TILE columns stored one after another
+    (a tile of w columns from column c: [rows, w] at c * rows), so a tile's weights stream in
+    one run. Padding is zero. `part_ends`: where each part's columns end in y."""
 
-    def __init__(self, slots: int, rank: int, in_features: int, part_ends: Sequence[int]) -> None:
-        self.rank, self.part_ends = rank, list(part_ends)
-        begins = [0, *self.part_ends[:-1]]
-        # each part's (columns in y, their first column in bt)
-        self._parts: list[tuple[slice, int]] = []
+    def __init__(
+        self, slots: int, rank: int, in_features: int, part_ends: Sequence[int], dtype: torch.dtype
+    ) -> None:
+        self.rank, self.in_features, self.part_ends = rank, in_features, list(part_ends)
+        self.width = _round_up(len(self.part_ends) * rank)
+        # each part's columns in y, and B^T's tiles (first padded column, width)
+        self._columns: list[slice] = []
+        self._b_tiles: list[tuple[int, int]] = []
         padded = 0
-        for begin, end in zip(begins, self.part_ends):
-            self._parts.append((slice(begin, end), padded))
+        for begin, end in zip([0, *self.part_ends[:-1]], self.part_ends):
+            self._columns.append(slice(begin, end))
+            self._b_tiles += _tiles(padded, _round_up(end - begin))
             padded += _round_up(end - begin)
-        self.at = torch.zeros(slots, in_features, _round_up(len(self.part_ends) * rank))
-        self.bt = torch.zeros(slots, rank, padded)
+        self.out_padded = padded
+        self.at = torch.zeros(slots, in_features * self.width, dtype=dtype)
+        self.bt = torch.zeros(slots, rank * padded, dtype=dtype)
         self._ends = torch.tensor(self.part_ends, dtype=torch.int64)
         self.args = (
-            self.at.data_ptr(), self.bt.data_ptr(), in_features, rank,
+            self.at.data_ptr(), self.bt.data_ptr(), DTYPES[dtype], in_features, rank,
             self._ends.data_ptr(), len(self.part_ends),
         )  # fmt: skip
 
     def write(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """a [P * R, in], b [out, P * R] (LayerLoRA's buffers of one slot) -> this layout."""
-        self.at[slot, :, : a.shape[0]].copy_(a.t())
-        for part, (columns, first) in enumerate(self._parts):
+        a_t = a.new_zeros(self.in_features, self.width)
+        a_t[:, : a.shape[0]] = a.t()
+        b_t = b.new_zeros(self.rank, self.out_padded)
+        first = 0
+        for part, columns in enumerate(self._columns):
             ranks = slice(part * self.rank, (part + 1) * self.rank)
-            width = columns.stop - columns.start
-            self.bt[slot, :, first : first + width].copy_(b[columns, ranks].t())
+            b_t[:, first : first + columns.stop - columns.start] = b[columns, ranks].t()
+            first += _round_up(columns.stop - columns.start)
+        _store_tiles(self.at[slot], a_t, _tiles(0, self.width))
+        _store_tiles(self.bt[slot], b_t, self._b_tiles)
 
 
 def _round_up(n: int) -> int:
     return -(-n // VEC) * VEC
+
+
+def _tiles(first: int, columns: int) -> list[tuple[int, int]]:
+    """(first column, width) of the tiles over `columns` columns from `first`."""
+    return [(first + c, min(TILE, columns - c)) for c in range(0, columns, TILE)]
+
+
+def _store_tiles(flat: torch.Tensor, full: torch.Tensor, tiles: list[tuple[int, int]]) -> None:
+    """full [rows, cols] into `flat` tile by tile: columns [c, c + w) as [rows, w] at c * rows."""
+    rows = full.shape[0]
+    for c, w in tiles:
+        flat[c * rows : (c + w) * rows].view(rows, w).copy_(full[:, c : c + w])
 
 
 class LoRAKernel:
@@ -114,10 +138,10 @@ def lora_kernel() -> LoRAKernel | None:
         logger.warning("CPU LoRA kernel unavailable: %s", e)
         return None
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    # x, x_stride, y, y_stride, dtype, tokens, slots, n, at, bt, in, rank, part_ends, parts,
-    # threads
+    # x, x_stride, y, y_stride, dtype, tokens, slots, n, at, bt, weight dtype, in, rank,
+    # part_ends, parts, threads
     lib.raylane_lora_add.argtypes = [
-        ptr, i64, ptr, i64, i32, ptr, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i32,
+        ptr, i64, ptr, i64, i32, ptr, ptr, i64, ptr, ptr, i32, i64, i64, ptr, i64, i32,
     ]  # fmt: skip
     lib.raylane_lora_add.restype = ctypes.c_int
     return LoRAKernel(lib)

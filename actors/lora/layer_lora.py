@@ -13,7 +13,7 @@ its rows of the output), R the max rank). Two ways to add the deltas:
   add nothing.
 - eager on the CPU (float32, bfloat16; not in the batch-invariant mode): kernels/lora.py's C
   kernel, one call per layer reading the step's token -> slot list (`LoRAStep.tokens`), the
-  low-rank math in float32 on float32 copies of the weights in its own layout.
+  low-rank math in float32 on copies of the weights in its own layout.
 - CUDA graph capture (static shapes; the replays serve any mix of slots): every slot at once,
       shrink = x @ A_all^T                # [T, S * P * R], every slot's low-rank inputs
       shrink *= onehot(row's slot)        # zero outside the row's own slot (base: all zero)
@@ -119,10 +119,10 @@ class LayerLoRA:
         self.a = torch.zeros(num_slots, width, in_local, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out_local, width, dtype=dtype, device=device)
         self.kernel = lora_kernel() if device.type == "cpu" and dtype in KERNEL_DTYPES else None
-        self.kernel_weights = None  # the same slots in the C kernel's layout, float32
+        self.kernel_weights = None  # the same slots in the C kernel's layout
         if self.kernel is not None:
             ends = torch.tensor(part_sizes(layer)).cumsum(0).tolist()
-            self.kernel_weights = LoRAKernelWeights(num_slots, max_rank, in_local, ends)
+            self.kernel_weights = LoRAKernelWeights(num_slots, max_rank, in_local, ends, dtype)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] + each row's adapter delta of x [T, in]."""

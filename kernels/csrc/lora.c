@@ -41,6 +41,20 @@ static inline vec load_vec(const float *p) {
     return v;
 }
 
+typedef uint16_t half_vec __attribute__((vector_size(VEC * sizeof(uint16_t))));
+typedef uint32_t bits_vec __attribute__((vector_size(VEC * sizeof(uint32_t))));
+
+/* VEC weights from p + i (float32 or bfloat16, widened exactly) */
+static inline vec load_weights(const void *p, int64_t i, int wdtype) {
+    if (wdtype == DTYPE_F32) return load_vec((const float *)p + i);
+    half_vec h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    const bits_vec bits = __builtin_convertvector(h, bits_vec) << 16;
+    vec v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 static inline int64_t round_up(int64_t n) { return (n + VEC - 1) / VEC * VEC; }
 
 typedef struct {
@@ -48,19 +62,20 @@ typedef struct {
     void *y;
     int64_t x_stride, y_stride, in, rank, width, parts, out_padded;
     const int64_t *part_ends;
-    int dtype;
+    int dtype, wdtype; /* of x and y; of the weights */
 } Layer;
 
-/* sh[k][c0 + ...] for `nv` vectors of columns from c0: sum_i x[k][i] * at[i][c], i in order.
- * Called with constant nv (inlined), so the BLOCK * nv sums stay in registers. */
-static inline __attribute__((always_inline)) void shrink_tile(const Layer *L, const float *at,
+/* sh[k][c0 + ...] over the tile of `nv` vectors of columns from c0 (stored [in][nv * VEC]
+ * from at + c0 * in): sum_i x[k][i] * at[i][c], i in order. Called with constant nv and
+ * wdtype (inlined), so the BLOCK * nv sums stay in registers. */
+static inline __attribute__((always_inline)) void shrink_tile(const Layer *L, const void *at,
                                                               const float *const *xs, float *sh,
-                                                              int64_t c0, int nv) {
+                                                              int64_t c0, int nv, int wdtype) {
     vec acc[BLOCK][TILE] = {{{0}}};
+    const int64_t tile = c0 * L->in;
     for (int64_t i = 0; i < L->in; ++i) {
-        const float *a = at + i * L->width + c0;
         for (int v = 0; v < nv; ++v) {
-            const vec av = load_vec(a + v * VEC);
+            const vec av = load_weights(at, tile + (i * nv + v) * VEC, wdtype);
             for (int k = 0; k < BLOCK; ++k) acc[k][v] += av * xs[k][i];
         }
     }
@@ -68,16 +83,17 @@ static inline __attribute__((always_inline)) void shrink_tile(const Layer *L, co
         memcpy(sh + k * L->width + c0, acc[k], sizeof(vec) * (size_t)nv);
 }
 
-/* delta[k][...] over `nv` vectors of padded columns from o0 (part columns from `first`) */
-static inline __attribute__((always_inline)) void expand_tile(const Layer *L, const float *bt,
+/* delta[k][...] over the tile of `nv` vectors of padded columns from o0 (stored
+ * [R][nv * VEC] from bt + o0 * R), their part's ranks from shrink column `first` */
+static inline __attribute__((always_inline)) void expand_tile(const Layer *L, const void *bt,
                                                               const float *sh, int64_t first,
-                                                              int64_t o0, int nv,
+                                                              int64_t o0, int nv, int wdtype,
                                                               float delta[BLOCK][TILE * VEC]) {
     vec acc[BLOCK][TILE] = {{{0}}};
+    const int64_t tile = o0 * L->rank;
     for (int64_t r = 0; r < L->rank; ++r) {
-        const float *b = bt + r * L->out_padded + o0;
         vec bv[TILE];
-        for (int v = 0; v < nv; ++v) bv[v] = load_vec(b + v * VEC);
+        for (int v = 0; v < nv; ++v) bv[v] = load_weights(bt, tile + (r * nv + v) * VEC, wdtype);
         for (int k = 0; k < BLOCK; ++k) {
             const float s = sh[k * L->width + first + r];
             for (int v = 0; v < nv; ++v) acc[k][v] += bv[v] * s;
@@ -86,16 +102,26 @@ static inline __attribute__((always_inline)) void expand_tile(const Layer *L, co
     for (int k = 0; k < BLOCK; ++k) memcpy(delta[k], acc[k], sizeof(vec) * (size_t)nv);
 }
 
-static void shrink(const Layer *L, const float *at, const float *const *xs, float *sh) {
+/* the shrink's tiles: TILE vectors of columns each, the last one narrower */
+static inline __attribute__((always_inline)) void shrink_as(const Layer *L, const void *at,
+                                                            const float *const *xs, float *sh,
+                                                            int wdtype) {
     for (int64_t c0 = 0; c0 < L->width; c0 += TILE * VEC) {
         const int64_t left = (L->width - c0) / VEC;
         switch (left < TILE ? left : TILE) {
-        case 1: shrink_tile(L, at, xs, sh, c0, 1); break;
-        case 2: shrink_tile(L, at, xs, sh, c0, 2); break;
-        case 3: shrink_tile(L, at, xs, sh, c0, 3); break;
-        default: shrink_tile(L, at, xs, sh, c0, TILE); break;
+        case 1: shrink_tile(L, at, xs, sh, c0, 1, wdtype); break;
+        case 2: shrink_tile(L, at, xs, sh, c0, 2, wdtype); break;
+        case 3: shrink_tile(L, at, xs, sh, c0, 3, wdtype); break;
+        default: shrink_tile(L, at, xs, sh, c0, TILE, wdtype); break;
         }
     }
+}
+
+static void shrink(const Layer *L, const void *at, const float *const *xs, float *sh) {
+    if (L->wdtype == DTYPE_F32)
+        shrink_as(L, at, xs, sh, DTYPE_F32);
+    else
+        shrink_as(L, at, xs, sh, DTYPE_BF16);
 }
 
 /* y[rows[k]][col + j] += delta[k][j], j < len, k < nb: one add, rounded once to the dtype */
@@ -116,19 +142,20 @@ static void add_delta(const Layer *L, const int32_t *rows, int nb, int64_t col, 
 
 /* every part's columns, a tile at a time: part p's real columns [begin, end) of y sit at
  * padded columns [padded, padded + round_up(end - begin)) of bt */
-static void expand(const Layer *L, const float *bt, const int32_t *rows, int nb,
-                   const float *sh) {
+static inline __attribute__((always_inline)) void expand_as(const Layer *L, const void *bt,
+                                                            const int32_t *rows, int nb,
+                                                            const float *sh, int wdtype) {
     float delta[BLOCK][TILE * VEC];
     int64_t begin = 0, padded = 0;
     for (int64_t p = 0; p < L->parts; ++p) {
-        const int64_t end = L->part_ends[p];
+        const int64_t end = L->part_ends[p], first = p * L->rank;
         for (int64_t o = 0; begin + o < end; o += TILE * VEC) {
             const int64_t len = end - begin - o < TILE * VEC ? end - begin - o : TILE * VEC;
             switch (round_up(len) / VEC) {
-            case 1: expand_tile(L, bt, sh, p * L->rank, padded + o, 1, delta); break;
-            case 2: expand_tile(L, bt, sh, p * L->rank, padded + o, 2, delta); break;
-            case 3: expand_tile(L, bt, sh, p * L->rank, padded + o, 3, delta); break;
-            default: expand_tile(L, bt, sh, p * L->rank, padded + o, TILE, delta); break;
+            case 1: expand_tile(L, bt, sh, first, padded + o, 1, wdtype, delta); break;
+            case 2: expand_tile(L, bt, sh, first, padded + o, 2, wdtype, delta); break;
+            case 3: expand_tile(L, bt, sh, first, padded + o, 3, wdtype, delta); break;
+            default: expand_tile(L, bt, sh, first, padded + o, TILE, wdtype, delta); break;
             }
             add_delta(L, rows, nb, begin + o, len, delta);
         }
@@ -137,8 +164,15 @@ static void expand(const Layer *L, const float *bt, const int32_t *rows, int nb,
     }
 }
 
+static void expand(const Layer *L, const void *bt, const int32_t *rows, int nb, const float *sh) {
+    if (L->wdtype == DTYPE_F32)
+        expand_as(L, bt, rows, nb, sh, DTYPE_F32);
+    else
+        expand_as(L, bt, rows, nb, sh, DTYPE_BF16);
+}
+
 /* one block: nb <= BLOCK tokens of one slot; short blocks repeat their last row (dropped) */
-static void run_block(const Layer *L, const float *at, const float *bt, const int32_t *rows,
+static void run_block(const Layer *L, const void *at, const void *bt, const int32_t *rows,
                       int nb, float *scratch, float *sh) {
     const float *xs[BLOCK];
     for (int k = 0; k < BLOCK; ++k) {
@@ -167,20 +201,22 @@ static int64_t block_starts(const int32_t *slots, int64_t n, int64_t *starts) {
     return count;
 }
 
-/* out: y's columns (the last part end); returns 0, or -1 out of memory */
+/* dtype: x's and y's; wdtype: the weights'. Returns 0, or -1 out of memory. */
 int raylane_lora_add(const void *x, int64_t x_stride, void *y, int64_t y_stride, int dtype,
-                     const int32_t *tokens, const int32_t *slots, int64_t n, const float *at,
-                     const float *bt, int64_t in, int64_t rank, const int64_t *part_ends,
-                     int64_t parts, int threads) {
+                     const int32_t *tokens, const int32_t *slots, int64_t n, const void *at,
+                     const void *bt, int wdtype, int64_t in, int64_t rank,
+                     const int64_t *part_ends, int64_t parts, int threads) {
     if (n <= 0) return 0;
     int64_t out_padded = 0;
     for (int64_t p = 0; p < parts; ++p)
         out_padded += round_up(part_ends[p] - (p ? part_ends[p - 1] : 0));
     const Layer L = {x, y, x_stride, y_stride, in, rank, round_up(parts * rank), parts,
-                     out_padded, part_ends, dtype};
+                     out_padded, part_ends, dtype, wdtype};
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(n + 1));
     if (!starts) return -1;
     const int64_t blocks = block_starts(slots, n, starts);
+    const size_t slot_a = (size_t)(in * L.width) * elem_size(wdtype);
+    const size_t slot_b = (size_t)(rank * out_padded) * elem_size(wdtype);
     const int64_t work = n * (in * L.width + rank * out_padded);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (work >= PARALLEL_MIN) reduction(| : failed)
@@ -192,9 +228,9 @@ int raylane_lora_add(const void *x, int64_t x_stride, void *y, int64_t y_stride,
         for (int64_t b = 0; b < blocks; ++b) {
             if (!scratch) continue;
             const int64_t t0 = starts[b];
-            const int64_t s = slots[t0];
-            run_block(&L, at + s * in * L.width, bt + s * rank * out_padded, tokens + t0,
-                      (int)(starts[b + 1] - t0), scratch, scratch + BLOCK * in);
+            const size_t s = (size_t)slots[t0];
+            run_block(&L, (const char *)at + s * slot_a, (const char *)bt + s * slot_b,
+                      tokens + t0, (int)(starts[b + 1] - t0), scratch, scratch + BLOCK * in);
         }
         free(scratch);
     }

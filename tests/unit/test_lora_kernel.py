@@ -18,7 +18,7 @@ KERNEL = lora_kernel()
 if KERNEL is None:
     pytest.skip("the CPU LoRA kernel could not be built (no C compiler?)", allow_module_level=True)
 
-MAX_RANK, RANK, IN = 8, 5, 37
+MAX_RANK, RANK, IN = 24, 13, 37  # q/k/v: 72 shrink columns, two tiles
 # float32 math, one rounding into y (bfloat16: at most its half ulp, 2^-9 relative)
 _TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-8}
 SLOTS = 4  # slot 3 holds NaN and no token runs it
@@ -44,7 +44,7 @@ def _weights(parts: list[int], gen: torch.Generator, dtype: torch.dtype):
 
 def _kernel_weights(parts: list[int], a: torch.Tensor, b: torch.Tensor) -> LoRAKernelWeights:
     ends = torch.tensor(parts).cumsum(0).tolist()
-    weights = LoRAKernelWeights(SLOTS, MAX_RANK, IN, ends)
+    weights = LoRAKernelWeights(SLOTS, MAX_RANK, IN, ends, a.dtype)
     for slot in range(SLOTS):
         weights.write(slot, a[slot], b[slot])
     return weights
