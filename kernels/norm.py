@@ -80,6 +80,6 @@ def _invariant_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
 
     if not on_triton(x.device):
         return None
-    from raylane.kernels.batch_invariant.triton_rowwise import rms_norm
+    from raylane.kernels.batch_invariant.triton_gdn_norms import offset_rms_norm
 
-    return rms_norm(x.float(), 1.0 + weight.float(), eps).to(x.dtype)
+    return offset_rms_norm(x, weight, eps)

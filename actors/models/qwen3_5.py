@@ -39,6 +39,9 @@ from raylane.kernels.attention.metadata import AttentionMetadata
 from raylane.kernels.batch_invariant.backend import on_triton
 from raylane.kernels.batch_invariant.elementwise import rowwise, silu
 from raylane.kernels.batch_invariant.elementwise import sigmoid as invariant_sigmoid
+from raylane.kernels.batch_invariant.triton_gdn_norms import (
+    gated_rms_norm as invariant_gated_rms_norm,
+)
 from raylane.kernels.linear_attention import LinearAttentionBackend, get_linear_backend
 from raylane.kernels.linear_attention.verify import verify_conv, verify_delta_rule
 from raylane.kernels.norm import GemmaRMSNorm
@@ -51,15 +54,12 @@ LINEAR, FULL = "linear_attention", "full_attention"
 def gated_rms_norm(x, gate, weight, eps: float, invariant: bool = False) -> torch.Tensor:
     """weight * rmsnorm(x) * silu(gate), as HF's Qwen3_5RMSNormGated: x, gate [..., D];
     `invariant`: the SiLU row by row on the vector path (the batch-invariant mode), and on
-    CUDA the norm a row-wise Triton kernel (torch's CUDA mean sizes its blocks by the rows)."""
-    if invariant and on_triton(x.device):
-        from raylane.kernels.batch_invariant.triton_rowwise import rms_norm
-
-        h = rms_norm(x, weight, eps).float()  # weight * (normed in x's dtype), as below
-    else:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        h = (weight * h.to(x.dtype)).float()
+    CUDA the norm a row-wise Triton kernel (torch's CUDA mean sizes its blocks by the rows:
+    triton_gdn_norms.py, which a trainer's Qwen3_5RMSNormGated runs there too)."""
+    if invariant and on_triton(x.device):  # the same numerics, the norm in one order a row
+        return invariant_gated_rms_norm(x, gate, weight, eps)
+    h = x.float()
+    h = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).float()
     return (h * (silu if invariant else F.silu)(gate.float())).to(x.dtype)
 
 
