@@ -249,18 +249,7 @@ def test_mla_dsa_and_gated_deltanet_requests_equal_their_runs_alone(tmp_path, fa
     batches with chunked prefill and staggered arrivals, with graphs and without."""
     model = _family_models()[family](tmp_path / family)
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, temperature=0.0)
-    alone = engine_for(
-        model, max_num_seqs=1, max_num_batched_tokens=512, async_scheduling=False,
-        enable_prefix_caching=False, enforce_eager=True,
-    )  # fmt: skip
-    prompts = make_prompts(alone.validator.vocab_size)[:4]
-    reference = []
-    for prompt in prompts:
-        alone.flush_cache()
-        reference.append(run(alone, [prompt], params)[0])
-    alone.shutdown()
-    for out in reference:
-        assert all(c.finish_reason == "length" for c in out.outputs), out.error
+    reference, prompts = _each_alone(model, params)
     for budget, enforce_eager in ((16, None), (40, True)):
         engine = engine_for(model, max_num_batched_tokens=budget, enforce_eager=enforce_eager)
         try:
@@ -269,6 +258,22 @@ def test_mla_dsa_and_gated_deltanet_requests_equal_their_runs_alone(tmp_path, fa
                 assert observed(out) == observed(ref), f"{family}: request {i} differs"
         finally:
             engine.shutdown()
+
+
+def _each_alone(model: str, params: SamplingParams) -> tuple[list, list[list[int]]]:
+    """(each of four prompts' output run alone: serial, eager, no prefix cache; the prompts)."""
+    engine = engine_for(
+        model, max_num_seqs=1, max_num_batched_tokens=512, async_scheduling=False,
+        enable_prefix_caching=False, enforce_eager=True,
+    )  # fmt: skip
+    try:
+        prompts = make_prompts(engine.validator.vocab_size)[:4]
+        outs = [engine.generate([p], [params], use_tqdm=False)[0] for p in prompts]
+    finally:
+        engine.shutdown()
+    for out in outs:
+        assert all(c.finish_reason == "length" for c in out.outputs), out.error
+    return outs, prompts
 
 
 @in_gpu_lane
