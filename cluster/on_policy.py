@@ -123,10 +123,9 @@ def _attribute_swaps() -> list[tuple[Any, str, Any]]:
             ]
     for family, cls in _DSA_CLASSES.items():
         if (module := modeling(family)) is not None:
-            swaps.append((getattr(module, cls), "forward", cpu_only(dsa_attention_forward, "DSA")))
+            swaps.append((getattr(module, cls), "forward", dsa_attention_forward))
     if (v2 := modeling("deepseek_v2")) is not None:  # its complex RoPE, rotated as V3's
-        rope = cpu_only(complex_rope.rotary_forward, "DeepSeek-V2's RoPE")
-        swaps.append((v2.DeepseekV2RotaryEmbedding, "forward", rope))
+        swaps.append((v2.DeepseekV2RotaryEmbedding, "forward", complex_rope.rotary_forward))
         swaps.append((v2, "apply_rotary_emb", complex_rope.apply_rotary_emb))
     return swaps + norm_swaps() + log_softmax_swaps()  # both torch's own on the CPU
 

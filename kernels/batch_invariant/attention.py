@@ -37,12 +37,6 @@ def invariant_attention(
     """transformers' attention-function signature: query [B, H, T, D], key / value
     [B, KVH, T, D(v)], a causal mask with right padding (bool, or additive float), or None
     for unpadded causal attention -> ([B, T, H, Dv], None)."""
-    if on_triton(query.device) and hasattr(module, "kv_lora_rank"):
-        raise ValueError(
-            "raylane.batch_invariant: on CUDA, MLA attention (DeepSeek-V2 / V3) has no "
-            "batch-invariant path in the trainer yet (the CPU has one); run the trainer's "
-            "forward on the CPU"
-        )
     if dropout:
         raise ValueError(
             "raylane.batch_invariant: attention dropout must be 0 (call model.eval(), or set "

@@ -35,7 +35,10 @@ LLAMA_NORMS = {
     "qwen3": "Qwen3RMSNorm",
     "qwen3_moe": "Qwen3MoeRMSNorm",
     "glm4_moe": "Glm4MoeRMSNorm",
+    "deepseek_v2": "DeepseekV2RMSNorm",
     "deepseek_v3": "DeepseekV3RMSNorm",
+    "deepseek_v32": "DeepseekV32RMSNorm",
+    "glm_moe_dsa": "GlmMoeDsaRMSNorm",
 }
 # RMSNorms of other numerics, which no Triton kernel computes yet
 OTHER_NORMS = {

@@ -25,7 +25,15 @@ from raylane.kernels.batch_invariant.backend import on_triton
 from raylane.kernels.batch_invariant.row_reductions import TritonRowReductions
 from transformers import AutoModelForCausalLM
 
-from tests.tiny_models import make_llama, make_qwen3, make_qwen3_moe
+from tests.tiny_models import (
+    make_deepseek_v3,
+    make_deepseek_v32,
+    make_gpt_oss,
+    make_llama,
+    make_qwen3,
+    make_qwen3_5,
+    make_qwen3_moe,
+)
 from tests.unit.test_batch_invariant_engine import observed
 from tests.unit.test_batch_invariant_trainer import _grads, _padded, _sampled, _tiny
 from tests.unit.test_sampler import make_seq
@@ -69,6 +77,9 @@ def _drawn_norms(make):
 cuda_path_llama = _tiny(_drawn_norms(make_llama))
 cuda_path_qwen3 = _tiny(_drawn_norms(make_qwen3), num_hidden_layers=2)  # q/k norms too
 cuda_path_moe = _tiny(_drawn_norms(make_qwen3_moe), num_hidden_layers=2, mlp_only_layers=[0])
+# MLA (with DeepSeek's grouped sigmoid routing) and DSA (the rollouts past index_topk 12)
+cuda_path_deepseek_v3 = _tiny(_drawn_norms(make_deepseek_v3), num_hidden_layers=2)
+cuda_path_deepseek_v32 = _tiny(_drawn_norms(make_deepseek_v32), num_hidden_layers=2)
 
 
 def _engine_runs(model_dir: str, dtype: str):
@@ -104,9 +115,11 @@ def _trainer(hf, ids, mask, batch: int) -> list[list[float]]:
     [
         ("cuda_path_llama", "bfloat16"),
         ("cuda_path_moe", "bfloat16"),
-        # ~30 s each under the interpreter: `make test` runs them, `make test-fast` does not
+        # 30-60 s each under the interpreter: `make test` runs them, `make test-fast` does not
         pytest.param("cuda_path_llama", "float32", marks=pytest.mark.slow),
         pytest.param("cuda_path_qwen3", "bfloat16", marks=pytest.mark.slow),
+        pytest.param("cuda_path_deepseek_v3", "bfloat16", marks=pytest.mark.slow),
+        pytest.param("cuda_path_deepseek_v32", "bfloat16", marks=pytest.mark.slow),
     ],
 )
 def test_engine_and_trainer_agree_bitwise_on_the_cuda_path(request, triton_on_cpu, family, dtype):
@@ -206,15 +219,10 @@ def test_leaving_the_context_restores_norms_and_log_softmax():
 
 
 @pytest.mark.parametrize(
-    "family, what", [("tiny_deepseek_dir", "MLA attention"), ("tiny_qwen3_5_dir", "Gated")]
+    "make, what",
+    [(make_gpt_oss, "gpt-oss's RMSNorm"), (make_qwen3_5, "Gated DeltaNet")],
 )
-def test_what_only_the_cpu_covers_is_refused_on_the_cuda_path(request, triton_on_cpu, family, what):
-    if family == "tiny_qwen3_5_dir":
-        from tests.tiny_models import make_qwen3_5
-
-        model_dir = make_qwen3_5(request.getfixturevalue("tmp_path"))
-    else:
-        model_dir = request.getfixturevalue(family)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def test_what_only_the_cpu_covers_is_refused_on_the_cuda_path(tmp_path, triton_on_cpu, make, what):
+    hf = AutoModelForCausalLM.from_pretrained(make(tmp_path), dtype=torch.float32).eval()
     with pytest.raises(ValueError, match=f"on CUDA, {what}.*run the trainer's forward on the CPU"):
         batch_invariant.logprobs(hf, torch.tensor([[5, 6, 7, 8]]))
