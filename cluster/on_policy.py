@@ -27,11 +27,13 @@ bfloat16 (docs/rl.md says what is covered and what is not; not a TP = 2 rollout 
 TP = 1 trainer: the all-reduce sums the ranks' partial sums, an order one rank lacks).
 
 On CUDA the same swaps take the engine's CUDA kernels (kernels/batch_invariant/backend.py's
-`on_triton`): F.linear the fixed-tile Triton matmul, Llama-style RMSNorm modules and the
-float32 log_softmax the row-wise Triton kernels, attention each row a one-split Triton decode,
-the experts triton_experts.py's kernel (kernels/batch_invariant/trainer_cuda.py). Llama, Qwen2,
-Qwen3, Qwen3-MoE, Mistral, Mixtral; checked under Triton's interpreter only, never on a GPU.
-MLA, DSA, Gated DeltaNet, gpt-oss's and Gemma 3's norms raise a ValueError there.
+`on_triton`): F.linear the fixed-tile Triton matmul, the RMSNorm modules (Llama-style, (1 + w),
+gated) and the float32 log_softmax the row-wise Triton kernels, attention (MLA's expanded form
+too) each row a one-split Triton decode, the experts triton_experts.py's kernel, DSA and the
+Gated DeltaNet rule their Triton forms (kernels/batch_invariant/trainer_cuda.py,
+triton_gdn_norms.py). Checked under Triton's interpreter only, never on a GPU. gpt-oss's
+RMSNorm raises a ValueError there (the engine applies the weight after the cast, transformers
+before it).
 """
 
 from __future__ import annotations
@@ -51,11 +53,12 @@ from raylane.kernels.batch_invariant.elementwise import gelu as invariant_gelu
 from raylane.kernels.batch_invariant.elementwise import sigmoid as invariant_sigmoid
 from raylane.kernels.batch_invariant.elementwise import silu as invariant_silu
 from raylane.kernels.batch_invariant.elementwise import softplus as invariant_softplus
-from raylane.kernels.batch_invariant.trainer_cuda import (
-    cpu_only,
-    log_softmax_swaps,
-    modeling,
-    norm_swaps,
+from raylane.kernels.batch_invariant.trainer_cuda import log_softmax_swaps, modeling, norm_swaps
+from raylane.kernels.batch_invariant.triton_gdn_norms import (
+    GATED_NORMS,
+    OFFSET_NORMS,
+    gated_norm,
+    offset_norm,
 )
 
 _LOCK = threading.Lock()  # the ops are process-wide: one context swaps them at a time
@@ -117,17 +120,26 @@ def _attribute_swaps() -> list[tuple[Any, str, Any]]:
     ]
     for family in _LINEAR_ATTENTION_MODULES:
         if (module := modeling(family)) is not None:
-            swaps += [
-                (module, name, cpu_only(fn, "Gated DeltaNet"))
-                for name, fn in _LINEAR_ATTENTION_FUNCTIONS.items()
-            ]
+            swaps += [(module, name, fn) for name, fn in _LINEAR_ATTENTION_FUNCTIONS.items()]
     for family, cls in _DSA_CLASSES.items():
         if (module := modeling(family)) is not None:
             swaps.append((getattr(module, cls), "forward", dsa_attention_forward))
     if (v2 := modeling("deepseek_v2")) is not None:  # its complex RoPE, rotated as V3's
         swaps.append((v2.DeepseekV2RotaryEmbedding, "forward", complex_rope.rotary_forward))
         swaps.append((v2, "apply_rotary_emb", complex_rope.apply_rotary_emb))
-    return swaps + norm_swaps() + log_softmax_swaps()  # both torch's own on the CPU
+    return swaps + norm_swaps() + _offset_and_gated_norms() + log_softmax_swaps()
+
+
+def _offset_and_gated_norms() -> list[tuple[Any, str, Any]]:
+    """The (1 + w) norms (Gemma 3, the hybrids) and the hybrids' gated norms: the engine's
+    Triton forms on CUDA (triton_gdn_norms.py), torch's own on the CPU."""
+    swaps = []
+    for table, wrap in ((OFFSET_NORMS, offset_norm), (GATED_NORMS, gated_norm)):
+        for family, name in table.items():
+            if (module := modeling(family)) is not None:
+                cls = getattr(module, name)
+                swaps.append((cls, "forward", wrap(cls.forward)))
+    return swaps
 
 
 def invariant_experts(

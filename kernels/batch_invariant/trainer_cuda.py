@@ -6,8 +6,8 @@ trainer's transformers model that the engine's mode runs on Triton kernels on CU
   RMSNorm does on CUDA (kernels/fused_ops.py's InvariantOps).
 - log_softmax: a trainer's `torch.log_softmax(logits.float(), -1)` (or the method, or
   F.log_softmax) runs the sampler's Triton kernel (row_reductions.py).
-- What has no CUDA path yet (MLA, DSA, Gated DeltaNet, DeepSeek-V2's RoPE; RMSNorms of other
-  numerics: gpt-oss's, Gemma 3's) raises there, saying so (`cpu_only`).
+- What has no CUDA path yet (gpt-oss's RMSNorm, whose numerics the engine does not share)
+  raises there, saying so (`cpu_only`).
 
 Every replacement asks `on_triton` at each call and runs what it replaced elsewhere (the CPU
 path is torch's own there, which the engine's mode on the CPU runs too).
@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from raylane.kernels.batch_invariant.backend import on_triton
-from raylane.kernels.norm import rms_norm as torch_rms_norm
 
 # transformers' RMSNorm classes whose forward is LlamaRMSNorm's (float32 statistics, the
 # normalised row cast back, then the weight): the engine's RMSNorm numerics
@@ -41,9 +40,10 @@ LLAMA_NORMS = {
     "glm_moe_dsa": "GlmMoeDsaRMSNorm",
 }
 # RMSNorms of other numerics, which no Triton kernel computes yet
+# (Gemma 3's and the hybrids' (1 + w) and gated norms: triton_gdn_norms.py, swapped by
+# cluster/on_policy.py)
 OTHER_NORMS = {
     "gpt_oss": ("GptOssRMSNorm", "gpt-oss's RMSNorm (the weight applied before the cast)"),
-    "gemma3": ("Gemma3RMSNorm", "Gemma 3's RMSNorm (1 + weight, in float32)"),
 }
 Swap = tuple[Any, str, Any]  # (owner, attribute, replacement)
 
@@ -82,8 +82,8 @@ def _triton_norm(forward: Callable) -> Callable:
 
 
 class InvariantRMSNorm(torch.autograd.Function):
-    """triton_rowwise.py's `rms_norm` forward; the backward differentiates kernels/norm.py's
-    torch-op RMSNorm (not row-invariant)."""
+    """triton_rowwise.py's `rms_norm` forward; the backward differentiates the torch-op
+    RMSNorm (kernels/norm.py's; not row-invariant)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
@@ -98,10 +98,17 @@ class InvariantRMSNorm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in (x, weight)]
-            out = torch_rms_norm(inputs[0], inputs[1], ctx.eps)
+            out = _torch_rms_norm(inputs[0], inputs[1], ctx.eps)
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
         return (*[next(grads) if t.requires_grad else None for t in inputs], None)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # kernels/norm.py's (HF's LlamaRMSNorm's ops), here since kernels/norm.py reaches this
+    # module (through triton_gdn_norms.py) and may not be imported back
+    h = x.to(torch.float32)
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def log_softmax_swaps() -> list[Swap]:

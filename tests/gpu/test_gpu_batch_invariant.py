@@ -109,22 +109,25 @@ def test_the_gpu_branches_compile_for_sm90():
     assert done.stdout.split() == ["compiled"] * 10
 
 
-TRAINER_FAMILIES = ("llama", "qwen3", "qwen3_moe")
+# both dtypes for the dense and MoE families; bfloat16 for MLA, DSA, Gated DeltaNet, windows
+TRAINER_CASES = [(f, d) for f in ("llama", "qwen3", "qwen3_moe") for d in ("bfloat16", "float32")]
+TRAINER_CASES += [(f, "bfloat16") for f in ("deepseek_v3", "deepseek_v32", "qwen3_5", "gemma3")]
 
 
 @needs_device
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("family", TRAINER_FAMILIES)
+@pytest.mark.parametrize("family, dtype", TRAINER_CASES)
 def test_trainer_logprobs_equal_the_rollouts_on_cuda(tmp_path, family, dtype):
-    """`raylane.batch_invariant()` on CUDA (the Triton matmul, RMSNorm, log_softmax, experts and
-    one-split decode attention, as the engine's mode): transformers' teacher-forced logprobs of
-    rollouts sampled in one mixed batch equal the engine's (==) at trainer batch sizes 1, 3
-    and all, right padded, with "sdpa" and "eager"; a backward inside runs. Checked under
+    """`raylane.batch_invariant()` on CUDA (the Triton matmul, RMSNorms, log_softmax, experts,
+    one-split decode attention, DSA and the delta rule, as the engine's mode): transformers'
+    teacher-forced logprobs of rollouts sampled in one mixed batch equal the engine's (==) at
+    trainer batch sizes 1, 3 and all, right padded, with "sdpa" and "eager"; a backward inside
+    runs. The norms' weights drawn around 1 (not transformers' 1s). Checked under
     TRITON_INTERPRET=1 only when written (tests/unit/test_batch_invariant_cuda_path.py)."""
     from raylane import batch_invariant
     from transformers import AutoModelForCausalLM
 
     from tests import tiny_models
+    from tests.unit.test_batch_invariant_cuda_path import _drawn_norms
     from tests.unit.test_batch_invariant_trainer import (
         PROMPTS,
         _grads,
@@ -133,7 +136,7 @@ def test_trainer_logprobs_equal_the_rollouts_on_cuda(tmp_path, family, dtype):
         _trainer_logprobs,
     )
 
-    model_dir = getattr(tiny_models, f"make_{family}")(tmp_path / family)
+    model_dir = _drawn_norms(getattr(tiny_models, f"make_{family}"))(tmp_path / family)
     engine = LLMEngine(
         EngineConfig(
             model=model_dir, device=DEVICE, dtype=dtype, batch_invariant=True, num_kv_blocks=128

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from tests.tiny_models import (
     make_deepseek_v3,
     make_deepseek_v32,
+    make_gemma3,
     make_gpt_oss,
     make_llama,
     make_qwen3,
@@ -73,6 +74,8 @@ def _drawn_norms(make):
     return made
 
 
+HYBRID = ["linear_attention", "full_attention"]
+WINDOWED = ["sliding_attention", "full_attention"]  # Gemma 3's window 8: the rollouts pass it
 # the interpreter runs a program at a time: two layers each (the MoE one dense, one MoE)
 cuda_path_llama = _tiny(_drawn_norms(make_llama))
 cuda_path_qwen3 = _tiny(_drawn_norms(make_qwen3), num_hidden_layers=2)  # q/k norms too
@@ -80,6 +83,9 @@ cuda_path_moe = _tiny(_drawn_norms(make_qwen3_moe), num_hidden_layers=2, mlp_onl
 # MLA (with DeepSeek's grouped sigmoid routing) and DSA (the rollouts past index_topk 12)
 cuda_path_deepseek_v3 = _tiny(_drawn_norms(make_deepseek_v3), num_hidden_layers=2)
 cuda_path_deepseek_v32 = _tiny(_drawn_norms(make_deepseek_v32), num_hidden_layers=2)
+# Gated DeltaNet beside gated full attention ((1 + w) and gated norms); sliding beside full
+cuda_path_qwen3_5 = _tiny(_drawn_norms(make_qwen3_5), num_hidden_layers=2, layer_types=HYBRID)
+cuda_path_gemma3 = _tiny(_drawn_norms(make_gemma3), num_hidden_layers=2, layer_types=WINDOWED)
 
 
 def _engine_runs(model_dir: str, dtype: str):
@@ -120,6 +126,8 @@ def _trainer(hf, ids, mask, batch: int) -> list[list[float]]:
         pytest.param("cuda_path_qwen3", "bfloat16", marks=pytest.mark.slow),
         pytest.param("cuda_path_deepseek_v3", "bfloat16", marks=pytest.mark.slow),
         pytest.param("cuda_path_deepseek_v32", "bfloat16", marks=pytest.mark.slow),
+        pytest.param("cuda_path_qwen3_5", "bfloat16", marks=pytest.mark.slow),
+        pytest.param("cuda_path_gemma3", "bfloat16", marks=pytest.mark.slow),
     ],
 )
 def test_engine_and_trainer_agree_bitwise_on_the_cuda_path(request, triton_on_cpu, family, dtype):
@@ -218,11 +226,8 @@ def test_leaving_the_context_restores_norms_and_log_softmax():
     assert LlamaRMSNorm.forward is norm
 
 
-@pytest.mark.parametrize(
-    "make, what",
-    [(make_gpt_oss, "gpt-oss's RMSNorm"), (make_qwen3_5, "Gated DeltaNet")],
-)
-def test_what_only_the_cpu_covers_is_refused_on_the_cuda_path(tmp_path, triton_on_cpu, make, what):
-    hf = AutoModelForCausalLM.from_pretrained(make(tmp_path), dtype=torch.float32).eval()
-    with pytest.raises(ValueError, match=f"on CUDA, {what}.*run the trainer's forward on the CPU"):
+def test_what_only_the_cpu_covers_is_refused_on_the_cuda_path(tmp_path, triton_on_cpu):
+    """gpt-oss's RMSNorm applies its weight before the cast back, the engine's after it."""
+    hf = AutoModelForCausalLM.from_pretrained(make_gpt_oss(tmp_path), dtype=torch.float32)
+    with pytest.raises(ValueError, match="on CUDA, gpt-oss's RMSNorm.*the trainer's forward"):
         batch_invariant.logprobs(hf, torch.tensor([[5, 6, 7, 8]]))
