@@ -99,8 +99,8 @@ def _scores_on_triton(
 ) -> torch.Tensor:
     """select_topk's scores [T, C] on the mode's CUDA path: each token's two matmuls in a
     Triton kernel of one order per token (triton_dsa.py), no host sync. A zero score is +0
-    (a sum of ReLU zeros may be -0, which a radix sort ranks below +0; the CPU's sort ties
-    them), so ties keep the earlier position on both devices."""
+    (a sum of ReLU zeros may be -0, which a radix sort, as CUDA's may be, ranks below +0; the
+    CPU's sort ties them), so ties keep the earlier position on both devices."""
     from raylane.kernels.batch_invariant.triton_dsa import token_matmul
 
     gathered = keys.index_select(0, slots.flatten()).view(*slots.shape, -1).float()  # [T, C, D]

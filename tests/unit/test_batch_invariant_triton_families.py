@@ -199,7 +199,7 @@ def test_dsa_picks_and_attention_are_the_same_alone_mixed_and_chunked(triton_pat
 
 def test_dsa_zero_scores_are_positive_and_tie_to_the_earlier_position(triton_path):
     # every head's ReLU zero and the head weights negative: each score a sum of -0.0 products,
-    # which must come out +0 (a radix sort, as CUDA's, ranks -0 below +0) and tie
+    # which must come out +0 (a radix sort, as CUDA's may be, ranks -0 below +0) and tie
     meta = build_metadata([SeqSlice(9, 9, DSA_TABLES[0])], [], BLOCK)
     keys = torch.ones(40, 1, D)
     q, w = -torch.ones(9, NH, D), -torch.ones(9, NH)
