@@ -231,3 +231,21 @@ def test_what_only_the_cpu_covers_is_refused_on_the_cuda_path(tmp_path, triton_o
     hf = AutoModelForCausalLM.from_pretrained(make_gpt_oss(tmp_path), dtype=torch.float32)
     with pytest.raises(ValueError, match="on CUDA, gpt-oss's RMSNorm.*the trainer's forward"):
         batch_invariant.logprobs(hf, torch.tensor([[5, 6, 7, 8]]))
+
+
+def test_logsumexp_and_log_softmax_gradients():
+    """The kept mass's logsumexp: a row alone == in a batch, close to float64; the trainer's
+    log_softmax backward equals torch's (finite where a row holds -inf)."""
+    from raylane.kernels.batch_invariant.triton_rowwise import InvariantLogSoftmax, logsumexp
+
+    x = torch.randn(7, 1500, generator=torch.Generator().manual_seed(1)) * 5
+    x[2, 100:] = float("-inf")  # a truncated row, as the kept mass reads it
+    full = logsumexp(x)
+    assert all(torch.equal(logsumexp(x[i : i + 1])[0], full[i]) for i in range(7))
+    torch.testing.assert_close(full.double(), torch.logsumexp(x.double(), -1), rtol=0, atol=1e-5)
+    leaf = x.clamp(min=-1e4).requires_grad_()
+    grad = torch.randn(7, 1500, generator=torch.Generator().manual_seed(2))
+    (InvariantLogSoftmax.apply(leaf) * grad).sum().backward()
+    got, leaf.grad = leaf.grad, None
+    (torch.log_softmax(leaf, -1) * grad).sum().backward()
+    torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-5)
