@@ -23,8 +23,8 @@ from raylane.kernels.cpu_build import DTYPES, load_library
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "lora.c"
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of x and y; the weights are float32
-VEC, TILE = 16, 64  # csrc/lora.c's: floats per vector (the padding), columns per tile
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of x, y and the weights (all one dtype)
+VEC, TILE = 16, 32  # csrc/lora.c's: floats per vector (the padding), columns per tile
 
 
 class LoRATokens:

@@ -3,14 +3,17 @@
  *   y[t] += (x[t] @ A_s^T) @ B_s^T      for each listed token t, s its slot
  * reading the tokens' slots directly: no gather of x, no scatter of the deltas, no temporaries.
  *
- * Weights are float32 in the kernel's layout (whatever the model dtype), a fused layer's P
- * parts (q/k/v, gate/up) side by side, R the (padded) rank, VEC = 16 floats:
- *   at [S, in, WP]     A transposed, WP = P * R rounded up to VEC (zero columns): one shrink
- *                      for every part at once (they read the same x)
- *   bt [S, R, OUTP]    B's nonzero blocks only: part p's output columns read the shrink's
- *                      columns [p R, (p + 1) R) (the other parts' ranks would add zeros); each
- *                      part's columns padded to a multiple of VEC with zeros, parts in order
- * `part_ends[p]`: the end of part p's columns in y.
+ * Weights are in the model dtype (float32, or bfloat16 widened exactly as they load) in the
+ * kernel's layout, a fused layer's P parts (q/k/v, gate/up) side by side, R the (padded)
+ * rank, VEC = 16 floats:
+ *   A^T [in, WP]     per slot; WP = P * R rounded up to VEC (zero columns): one shrink for
+ *                    every part at once (they read the same x)
+ *   B^T [R, OUTP]    per slot, B's nonzero blocks only: part p's output columns read the
+ *                    shrink's columns [p R, (p + 1) R) (the other parts' ranks would add
+ *                    zeros); each part's columns padded to a multiple of VEC with zeros
+ * each cut into tiles of TILE * VEC columns (a part's last one narrower) stored one after
+ * another, a tile of w columns from column c as [rows, w] at c * rows: a tile's weights are one
+ * contiguous run. `part_ends[p]`: the end of part p's columns in y.
  *
  * The low-rank math runs in float32 on whole vectors (padding columns and the rows that fill a
  * short block computed and dropped), so every output of a token is the same sum in the same
@@ -21,6 +24,7 @@
  * one slot share each weight load, and the blocks split over OpenMP threads in order, so each
  * thread streams few slots' weights.
  */
+#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,8 +33,12 @@
 #include "cpu_math.h"
 
 #define VEC 16     /* floats per vector */
-#define BLOCK 4    /* tokens of one slot computed together */
-#define TILE 4     /* vectors per tile: accumulators = BLOCK * TILE vectors */
+#define BLOCK 8    /* tokens of one slot computed together */
+#define TILE 2     /* vectors per tile (a tile has 1 or 2): BLOCK * TILE accumulators */
+/* how far ahead the weights are prefetched (their streams cross pages, where the hardware
+ * prefetchers stop): A^T rows in a shrink tile, whole tiles of B^T */
+#define PREFETCH_ROWS 32
+#define PREFETCH_TILES 2
 #define PARALLEL_MIN (1 << 16) /* multiply-adds per call below which one thread does it all */
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
@@ -44,15 +52,20 @@ static inline vec load_vec(const float *p) {
 typedef uint16_t half_vec __attribute__((vector_size(VEC * sizeof(uint16_t))));
 typedef uint32_t bits_vec __attribute__((vector_size(VEC * sizeof(uint32_t))));
 
-/* VEC weights from p + i (float32 or bfloat16, widened exactly) */
-static inline vec load_weights(const void *p, int64_t i, int wdtype) {
+/* VEC values from p + i (float32 or bfloat16, widened exactly) */
+static inline vec load_wide(const void *p, int64_t i, int wdtype) {
     if (wdtype == DTYPE_F32) return load_vec((const float *)p + i);
+#if defined(__AVX512F__) /* one vpmovzxwd: GCC splits the generic widening into pieces */
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return (vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
     half_vec h;
     memcpy(&h, (const uint16_t *)p + i, sizeof h);
     const bits_vec bits = __builtin_convertvector(h, bits_vec) << 16;
     vec v;
     memcpy(&v, &bits, sizeof v);
     return v;
+#endif
 }
 
 static inline int64_t round_up(int64_t n) { return (n + VEC - 1) / VEC * VEC; }
@@ -72,10 +85,13 @@ static inline __attribute__((always_inline)) void shrink_tile(const Layer *L, co
                                                               const float *const *xs, float *sh,
                                                               int64_t c0, int nv, int wdtype) {
     vec acc[BLOCK][TILE] = {{{0}}};
-    const int64_t tile = c0 * L->in;
+    const int64_t tile = c0 * L->in, row_bytes = nv * VEC * (int64_t)elem_size(wdtype);
+    const char *ahead = (const char *)at + tile * (int64_t)elem_size(wdtype);
+    ahead += PREFETCH_ROWS * row_bytes;
     for (int64_t i = 0; i < L->in; ++i) {
+        __builtin_prefetch(ahead + i * row_bytes);
         for (int v = 0; v < nv; ++v) {
-            const vec av = load_weights(at, tile + (i * nv + v) * VEC, wdtype);
+            const vec av = load_wide(at, tile + (i * nv + v) * VEC, wdtype);
             for (int k = 0; k < BLOCK; ++k) acc[k][v] += av * xs[k][i];
         }
     }
@@ -83,23 +99,61 @@ static inline __attribute__((always_inline)) void shrink_tile(const Layer *L, co
         memcpy(sh + k * L->width + c0, acc[k], sizeof(vec) * (size_t)nv);
 }
 
-/* delta[k][...] over the tile of `nv` vectors of padded columns from o0 (stored
- * [R][nv * VEC] from bt + o0 * R), their part's ranks from shrink column `first` */
+/* y[col + j] += d[j], j < count <= VEC: the add in float32, rounded once to the dtype (a
+ * whole vector at once where it can: bit for bit the scalar rounding of cpu_math.h) */
+static inline void add_to_row(const Layer *L, int64_t at, vec d, int64_t count) {
+    if (L->dtype == DTYPE_F32) {
+        float *y = (float *)L->y + at;
+        if (count == VEC) {
+            const vec sum = load_vec(y) + d;
+            memcpy(y, &sum, sizeof sum);
+        } else {
+            for (int64_t j = 0; j < count; ++j) y[j] += d[j];
+        }
+        return;
+    }
+    uint16_t *y = (uint16_t *)L->y + at;
+    if (count < VEC) {
+        for (int64_t j = 0; j < count; ++j) y[j] = float_to_bf16(bf16_to_float(y[j]) + d[j]);
+        return;
+    }
+    const vec sum = load_wide(y, 0, DTYPE_BF16) + d;
+    bits_vec bits;
+    memcpy(&bits, &sum, sizeof bits);
+    const bits_vec nan = (bits_vec)((bits & 0x7fffffffu) > 0x7f800000u); /* all ones: NaN */
+    const bits_vec even = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const half_vec h = __builtin_convertvector((even & ~nan) | (((bits >> 16) | 0x40u) & nan),
+                                               half_vec);
+    memcpy(y, &h, sizeof h);
+}
+
+/* y[rows[k]][col + ...] += the deltas of the tile of `nv` vectors of padded columns from o0
+ * (B^T stored [R][nv * VEC] from bt + o0 * R; the part's ranks from shrink column `first`),
+ * `len` real columns, for k < nb */
 static inline __attribute__((always_inline)) void expand_tile(const Layer *L, const void *bt,
                                                               const float *sh, int64_t first,
                                                               int64_t o0, int nv, int wdtype,
-                                                              float delta[BLOCK][TILE * VEC]) {
+                                                              const int32_t *rows, int nb,
+                                                              int64_t col, int64_t len) {
     vec acc[BLOCK][TILE] = {{{0}}};
-    const int64_t tile = o0 * L->rank;
+    const int64_t tile = o0 * L->rank, row_bytes = nv * VEC * (int64_t)elem_size(wdtype);
+    const char *ahead = (const char *)bt + tile * (int64_t)elem_size(wdtype);
+    ahead += PREFETCH_TILES * L->rank * row_bytes;
     for (int64_t r = 0; r < L->rank; ++r) {
+        __builtin_prefetch(ahead + r * row_bytes);
         vec bv[TILE];
-        for (int v = 0; v < nv; ++v) bv[v] = load_weights(bt, tile + (r * nv + v) * VEC, wdtype);
+        for (int v = 0; v < nv; ++v) bv[v] = load_wide(bt, tile + (r * nv + v) * VEC, wdtype);
         for (int k = 0; k < BLOCK; ++k) {
             const float s = sh[k * L->width + first + r];
             for (int v = 0; v < nv; ++v) acc[k][v] += bv[v] * s;
         }
     }
-    for (int k = 0; k < BLOCK; ++k) memcpy(delta[k], acc[k], sizeof(vec) * (size_t)nv);
+    for (int k = 0; k < nb; ++k)
+        for (int v = 0; v < nv; ++v) {
+            const int64_t left = len - v * VEC;
+            add_to_row(L, rows[k] * L->y_stride + col + v * VEC, acc[k][v],
+                       left < VEC ? left : VEC);
+        }
 }
 
 /* the shrink's tiles: TILE vectors of columns each, the last one narrower */
@@ -108,12 +162,10 @@ static inline __attribute__((always_inline)) void shrink_as(const Layer *L, cons
                                                             int wdtype) {
     for (int64_t c0 = 0; c0 < L->width; c0 += TILE * VEC) {
         const int64_t left = (L->width - c0) / VEC;
-        switch (left < TILE ? left : TILE) {
-        case 1: shrink_tile(L, at, xs, sh, c0, 1, wdtype); break;
-        case 2: shrink_tile(L, at, xs, sh, c0, 2, wdtype); break;
-        case 3: shrink_tile(L, at, xs, sh, c0, 3, wdtype); break;
-        default: shrink_tile(L, at, xs, sh, c0, TILE, wdtype); break;
-        }
+        if (left >= TILE) /* a whole tile, else its last vector */
+            shrink_tile(L, at, xs, sh, c0, TILE, wdtype);
+        else
+            shrink_tile(L, at, xs, sh, c0, 1, wdtype);
     }
 }
 
@@ -124,40 +176,21 @@ static void shrink(const Layer *L, const void *at, const float *const *xs, float
         shrink_as(L, at, xs, sh, DTYPE_BF16);
 }
 
-/* y[rows[k]][col + j] += delta[k][j], j < len, k < nb: one add, rounded once to the dtype */
-static void add_delta(const Layer *L, const int32_t *rows, int nb, int64_t col, int64_t len,
-                      float delta[BLOCK][TILE * VEC]) {
-    for (int k = 0; k < nb; ++k) {
-        const int64_t at = rows[k] * L->y_stride + col;
-        if (L->dtype == DTYPE_F32) {
-            float *y = (float *)L->y + at;
-            for (int64_t j = 0; j < len; ++j) y[j] += delta[k][j];
-        } else {
-            uint16_t *y = (uint16_t *)L->y + at;
-            for (int64_t j = 0; j < len; ++j)
-                y[j] = float_to_bf16(bf16_to_float(y[j]) + delta[k][j]);
-        }
-    }
-}
-
 /* every part's columns, a tile at a time: part p's real columns [begin, end) of y sit at
  * padded columns [padded, padded + round_up(end - begin)) of bt */
 static inline __attribute__((always_inline)) void expand_as(const Layer *L, const void *bt,
                                                             const int32_t *rows, int nb,
                                                             const float *sh, int wdtype) {
-    float delta[BLOCK][TILE * VEC];
     int64_t begin = 0, padded = 0;
     for (int64_t p = 0; p < L->parts; ++p) {
         const int64_t end = L->part_ends[p], first = p * L->rank;
         for (int64_t o = 0; begin + o < end; o += TILE * VEC) {
             const int64_t len = end - begin - o < TILE * VEC ? end - begin - o : TILE * VEC;
-            switch (round_up(len) / VEC) {
-            case 1: expand_tile(L, bt, sh, first, padded + o, 1, wdtype, delta); break;
-            case 2: expand_tile(L, bt, sh, first, padded + o, 2, wdtype, delta); break;
-            case 3: expand_tile(L, bt, sh, first, padded + o, 3, wdtype, delta); break;
-            default: expand_tile(L, bt, sh, first, padded + o, TILE, wdtype, delta); break;
-            }
-            add_delta(L, rows, nb, begin + o, len, delta);
+            const int64_t o0 = padded + o, col = begin + o;
+            if (len > VEC)
+                expand_tile(L, bt, sh, first, o0, TILE, wdtype, rows, nb, col, len);
+            else
+                expand_tile(L, bt, sh, first, o0, 1, wdtype, rows, nb, col, len);
         }
         padded += round_up(end - begin);
         begin = end;
