@@ -11,7 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from raylane.actors.lora.layer_lora import LayerLoRA, LoRAStep
-from raylane.actors.models.layers import QKVParallelLinear
+from raylane.actors.models.layers import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+)
 from raylane.kernels.lora import LoRAKernelWeights, LoRATokens, lora_kernel
 
 KERNEL = lora_kernel()
@@ -127,3 +132,46 @@ def test_layer_lora_runs_the_kernel_on_a_fused_layer() -> None:
         delta = torch.cat([x[t] @ a.T @ b.T * scale for a, b in adapters[slot].values()])
         torch.testing.assert_close(got[t], y[t] + delta, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[1], y[1])
+
+
+_TP_LAYERS = {  # this rank's slice of a layer, 2 ranks
+    "qkv, KV heads replicated": lambda: QKVParallelLinear(32, 8, 4, 1, tp=TPGroup(1, 2)),
+    "gate/up": lambda: MergedColumnParallelLinear(32, [24, 24], tp=TPGroup(1, 2)),
+    "row": lambda: RowParallelLinear(48, 32, tp=TPGroup(1, 2)),
+}
+
+
+@pytest.mark.parametrize("make", _TP_LAYERS.values(), ids=_TP_LAYERS.keys())
+def test_tensor_parallel_slices_read_their_own_parts(make) -> None:
+    """A rank's slice (parts of other sizes, B rows or A columns split through the layer's
+    loader) in the kernel's layout: each row equals its slot's x @ A^T @ B^T from the layer's
+    dense buffers (which test_lora_tp_slices checks against the whole adapter)."""
+    gen = torch.Generator().manual_seed(5)
+    layer = make()
+    lora = LayerLoRA(layer, 2, MAX_RANK, LoRAStep())
+    out, inp = layer.weight.shape
+    full_in = inp * (2 if isinstance(layer, RowParallelLinear) else 1)
+    for slot in range(2):
+        parts = {}
+        for shard_id, size in zip(lora.parts, _full_sizes(layer)):
+            parts[shard_id] = (
+                torch.randn(RANK, full_in, generator=gen),
+                torch.randn(size, RANK, generator=gen),
+            )
+        lora.write(slot, lora.prepare(parts, 0.5))
+    x = torch.randn(4, inp, generator=gen)
+    y = torch.randn(4, out, generator=gen)
+    slots = [1, -1, 0, 1]
+    lora.step.set_eager(_sorted(slots), None)
+    got = lora.add(x, y.clone())
+    ref = _reference(x, y, lora.a, lora.b, slots)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _full_sizes(layer) -> list[int]:
+    """The whole (unsplit) output size of each part."""
+    if isinstance(layer, QKVParallelLinear):
+        return [4 * 8, 1 * 8, 1 * 8]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return [24, 24]
+    return [layer.weight.shape[0]]
