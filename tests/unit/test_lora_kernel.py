@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from raylane import EngineConfig, LLMEngine, LoRARequest, SamplingParams
+from raylane.actors.lora import layer_lora
 from raylane.actors.lora.layer_lora import LayerLoRA, LoRAStep
 from raylane.actors.models.layers import (
     MergedColumnParallelLinear,
@@ -18,6 +20,9 @@ from raylane.actors.models.layers import (
     TPGroup,
 )
 from raylane.kernels.lora import LoRAKernelWeights, LoRATokens, lora_kernel
+
+from tests.lora_adapters import make_adapter, peft_greedy, peft_models
+from tests.tiny_models import make_llama
 
 KERNEL = lora_kernel()
 if KERNEL is None:
@@ -175,3 +180,27 @@ def _full_sizes(layer) -> list[int]:
     if isinstance(layer, MergedColumnParallelLinear):
         return [24, 24]
     return [layer.weight.shape[0]]
+
+
+def test_torch_path_where_the_kernel_did_not_build(tmp_path, monkeypatch) -> None:
+    """Without the C kernel (a machine with no compiler; CUDA's eager path) the torch path
+    serves: a batch of two adapters' rows, non-adjacent, and a base row equals PEFT."""
+    monkeypatch.setattr(layer_lora, "lora_kernel", lambda: None)
+    base = make_llama(tmp_path / "base")
+    adapters = {n: make_adapter(base, tmp_path / n, seed=i + 1) for i, n in enumerate(["a", "b"])}
+    prompts, names = (
+        [[5, 17, 33, 8], [9, 10, 11], [40, 41, 42, 7, 7], [7, 8, 9]],
+        ["a", None, "b", "a"],
+    )
+    requests = [None if n is None else LoRARequest(n, 1 + (n == "b"), adapters[n]) for n in names]
+    engine = LLMEngine(EngineConfig(model=base, enable_lora=True, max_loras=2, max_lora_rank=4))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+        outs = engine.generate(prompts, params, False, requests)
+    finally:
+        engine.shutdown()
+    ref = peft_models(base, adapters)
+    for out, name, prompt in zip(outs, names, prompts):
+        tokens, logprobs = peft_greedy(ref, name, prompt, 6)
+        assert out.outputs[0].token_ids == tokens, name
+        assert out.outputs[0].logprobs == pytest.approx(logprobs, abs=1e-4)
