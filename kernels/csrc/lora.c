@@ -39,7 +39,7 @@
  * prefetchers stop): A^T rows in a shrink tile, whole tiles of B^T */
 #define PREFETCH_ROWS 32
 #define PREFETCH_TILES 2
-#define PARALLEL_MIN (1 << 16) /* multiply-adds per call below which one thread does it all */
+#define PARALLEL_MIN (1 << 18) /* multiply-adds (~5 us) below which one thread does it all */
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 
