@@ -31,9 +31,8 @@ On CUDA the same swaps take the engine's CUDA kernels (kernels/batch_invariant/b
 gated) and the float32 log_softmax the row-wise Triton kernels, attention (MLA's expanded form
 too) each row a one-split Triton decode, the experts triton_experts.py's kernel, DSA and the
 Gated DeltaNet rule their Triton forms (kernels/batch_invariant/trainer_cuda.py,
-triton_gdn_norms.py). Checked under Triton's interpreter only, never on a GPU. gpt-oss's
-RMSNorm raises a ValueError there (the engine applies the weight after the cast, transformers
-before it).
+triton_gdn_norms.py; gpt-oss's RMSNorm with its weight applied before the cast back, as
+transformers and the engine apply it). Checked under Triton's interpreter only, never on a GPU.
 """
 
 from __future__ import annotations

@@ -37,9 +37,15 @@ class FusedOps(Protocol):
     name: str
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        weight_first: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> norm(x); with `residual`: (norm(x + residual), x + residual)."""
+        """x [T, D] -> norm(x); with `residual`: (norm(x + residual), x + residual).
+        `weight_first`: the weight applied in float32 before the cast back (kernels/norm.py)."""
         ...
 
     def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
@@ -54,8 +60,8 @@ class FusedOps(Protocol):
 class TorchOps:
     name = "torch"
 
-    def rms_norm(self, x, weight, eps, residual):
-        return add_rms_norm(x, weight, eps, residual)
+    def rms_norm(self, x, weight, eps, residual, weight_first=False):
+        return add_rms_norm(x, weight, eps, residual, weight_first)
 
     def act_and_mul(self, x, act):
         return act_and_mul(x, act)
@@ -71,12 +77,12 @@ class CpuOps(TorchOps):
         self._norm, self._act = lib.raylane_rms_norm, lib.raylane_silu_and_mul
         self._rotary = lib.raylane_rotary
 
-    def rms_norm(self, x, weight, eps, residual):
+    def rms_norm(self, x, weight, eps, residual, weight_first=False):
         d = x.shape[-1]
         if not (_c_ok(x) and weight.dtype == x.dtype and weight.is_contiguous()) or (
             residual is not None and not (_c_ok(residual) and residual.shape == x.shape)
         ):
-            return super().rms_norm(x, weight, eps, residual)
+            return super().rms_norm(x, weight, eps, residual, weight_first)
         x, residual = _as_rows(x), None if residual is None else _as_rows(residual)
         x2 = x.view(-1, d) if x.dim() != 2 else x
         out = torch.empty(x.shape, dtype=x.dtype)
@@ -89,7 +95,7 @@ class CpuOps(TorchOps):
         self._norm(
             x2.data_ptr(), x2.stride(0), res_ptr, res_stride,
             None if res_out is None else res_out.data_ptr(), weight.data_ptr(), out.data_ptr(),
-            rows, d, eps, DTYPES[x.dtype], torch.get_num_threads(),
+            rows, d, eps, int(weight_first), DTYPES[x.dtype], torch.get_num_threads(),
         )  # fmt: skip
         return out if res_out is None else (out, res_out)
 
@@ -154,8 +160,11 @@ def _cpu_library() -> ctypes.CDLL | None:
         logger.warning("CPU elementwise kernels unavailable: %s", e)
         return None
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-    # x, x_stride, residual, res_stride, res_out, weight, out, rows, d, eps, dtype, threads
-    lib.raylane_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32, i32]
+    # x, x_stride, residual, res_stride, res_out, weight, out, rows, d, eps, weight_first,
+    # dtype, threads
+    lib.raylane_rms_norm.argtypes = [
+        ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32, i32, i32
+    ]  # fmt: skip
     lib.raylane_silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i32, i32]
     # x, x_stride, cos, sin, out, rows, heads, d, rotary dims, dtype, threads
     lib.raylane_rotary.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
@@ -183,15 +192,15 @@ class InvariantOps(TorchOps):
 
     name = "batch_invariant"
 
-    def rms_norm(self, x, weight, eps, residual):
+    def rms_norm(self, x, weight, eps, residual, weight_first=False):
         if not on_triton(x.device):
-            return super().rms_norm(x, weight, eps, residual)
+            return super().rms_norm(x, weight, eps, residual, weight_first)
         from raylane.kernels.batch_invariant.triton_rowwise import rms_norm
 
-        if residual is None:
-            return rms_norm(x, weight, eps)
-        x = residual + x  # in the model dtype, as add_rms_norm's (HF's residual add)
-        return rms_norm(x, weight, eps), x
+        if residual is not None:
+            x = residual + x  # in the model dtype, as add_rms_norm's (HF's residual add)
+        out = rms_norm(x, weight, eps, weight_first)
+        return out if residual is None else (out, x)
 
     def act_and_mul(self, x, act):
         return silu_and_mul(x, act)

@@ -5,6 +5,9 @@ chosen logits; experts with biases and a clamped SwiGLU) with routed-expert capt
 The checkpoint's experts are fused 3-D tensors with gate and up columns interleaved
 (`gate_up_proj` [E, H, 2I], `down_proj` [E, I, H]); they load into the [gate | up] row layout
 of `FusedMoE`-style weights, split by intermediate size under TP.
+
+Its RMSNorms apply the weight in float32 before the cast back (transformers' GptOssRMSNorm),
+not after it as Llama's do: `RMSNorm(weight_first=True)`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from raylane.actors.models.llama import (
 )
 from raylane.kernels.activation import clamped_swiglu
 from raylane.kernels.moe import expert_forward, select_experts_topk_softmax
+from raylane.kernels.norm import RMSNorm
 from torch import nn
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -123,6 +127,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if unknown:
             raise ValueError(f"layer_types: unknown {sorted(unknown)}; known: {SLIDING}, {FULL}")
         super().__init__(config, tp)
+        self.model.norm = _norm(config)
         self.num_moe_layers = config.num_hidden_layers
         self.moe_top_k = config.num_experts_per_tok
 
@@ -134,7 +139,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         sliding = config.layer_types[layer_idx] == SLIDING
         attn = GptOssAttention(spec, config.sliding_window if sliding else None, self.tp)
         moe = GptOssMoE(config, self.tp)
-        return LlamaDecoderLayer(spec, moe, is_moe=True, tp=self.tp, self_attn=attn)
+        layer = LlamaDecoderLayer(spec, moe, is_moe=True, tp=self.tp, self_attn=attn)
+        layer.input_layernorm, layer.post_attention_layernorm = _norm(config), _norm(config)
+        return layer
 
     def expert_params_mapping(self) -> list[tuple[str, str, Any]]:
         # the bias names first: "gate_up_proj" is a prefix of "gate_up_proj_bias"
@@ -144,3 +151,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
             ("experts.w13_weight", "experts.gate_up_proj", "gate_up"),
             ("experts.w2_weight", "experts.down_proj", "down"),
         ]
+
+
+def _norm(config: Any) -> RMSNorm:
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, weight_first=True)

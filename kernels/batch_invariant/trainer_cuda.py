@@ -1,13 +1,12 @@
 """The CUDA half of `raylane.batch_invariant()` (cluster/on_policy.py): the torch ops of a
 trainer's transformers model that the engine's mode runs on Triton kernels on CUDA.
 
-- RMSNorm: transformers' Llama-style norm modules compute in torch ops, whose CUDA reduction
-  follows the row count; their forward runs triton_rowwise.py's kernel, as the engine's
-  RMSNorm does on CUDA (kernels/fused_ops.py's InvariantOps).
+- RMSNorm: transformers' Llama-style norm modules (and gpt-oss's, the weight applied before
+  the cast) compute in torch ops, whose CUDA reduction follows the row count; their forward
+  runs triton_rowwise.py's kernel, as the engine's RMSNorm does on CUDA (kernels/fused_ops.py's
+  InvariantOps).
 - log_softmax: a trainer's `torch.log_softmax(logits.float(), -1)` (or the method, or
   F.log_softmax) runs the sampler's Triton kernel (row_reductions.py).
-- What has no CUDA path yet (gpt-oss's RMSNorm, whose numerics the engine does not share)
-  raises there, saying so (`cpu_only`).
 
 Every replacement asks `on_triton` at each call and runs what it replaced elsewhere (the CPU
 path is torch's own there, which the engine's mode on the CPU runs too).
@@ -39,12 +38,10 @@ LLAMA_NORMS = {
     "deepseek_v32": "DeepseekV32RMSNorm",
     "glm_moe_dsa": "GlmMoeDsaRMSNorm",
 }
-# RMSNorms of other numerics, which no Triton kernel computes yet
-# (Gemma 3's and the hybrids' (1 + w) and gated norms: triton_gdn_norms.py, swapped by
-# cluster/on_policy.py)
-OTHER_NORMS = {
-    "gpt_oss": ("GptOssRMSNorm", "gpt-oss's RMSNorm (the weight applied before the cast)"),
-}
+# transformers' RMSNorm classes that apply the weight in float32 before the cast back (the
+# engine's RMSNorm with `weight_first`). Gemma 3's and the hybrids' (1 + w) and gated norms:
+# triton_gdn_norms.py, swapped by cluster/on_policy.py
+WEIGHT_FIRST_NORMS = {"gpt_oss": "GptOssRMSNorm"}
 Swap = tuple[Any, str, Any]  # (owner, attribute, replacement)
 
 
@@ -57,26 +54,25 @@ def modeling(family: str) -> Any:
 
 
 def norm_swaps() -> list[Swap]:
-    """The RMSNorm classes' forwards: Llama-style ones on the Triton kernel on CUDA, the others
-    refused there; torch's own on the CPU."""
+    """The RMSNorm classes' forwards: on the Triton kernel on CUDA (in their own order of the
+    weight and the cast), torch's own on the CPU."""
     swaps: list[Swap] = []
-    for family, name in LLAMA_NORMS.items():
-        if (module := modeling(family)) is not None:
-            cls = getattr(module, name)
-            swaps.append((cls, "forward", _triton_norm(cls.forward)))
-    for family, (name, what) in OTHER_NORMS.items():
-        if (module := modeling(family)) is not None:
-            cls = getattr(module, name)
-            swaps.append((cls, "forward", cpu_only(cls.forward, what)))
+    kinds = [(LLAMA_NORMS, False), (WEIGHT_FIRST_NORMS, True)]
+    for names, weight_first in kinds:
+        for family, name in names.items():
+            if (module := modeling(family)) is not None:
+                cls = getattr(module, name)
+                swaps.append((cls, "forward", _triton_norm(cls.forward, weight_first)))
     return swaps
 
 
-def _triton_norm(forward: Callable) -> Callable:
+def _triton_norm(forward: Callable, weight_first: bool) -> Callable:
     @functools.wraps(forward)
     def rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         if not on_triton(hidden_states.device):
             return forward(self, hidden_states)
-        return InvariantRMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)
+        eps = self.variance_epsilon
+        return InvariantRMSNorm.apply(hidden_states, self.weight, eps, weight_first)
 
     return rms_norm
 
@@ -86,29 +82,32 @@ class InvariantRMSNorm(torch.autograd.Function):
     RMSNorm (kernels/norm.py's; not row-invariant)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float):
+    def forward(ctx, x, weight, eps: float, weight_first: bool = False):
         ctx.save_for_backward(x, weight)
-        ctx.eps = eps
+        ctx.eps, ctx.weight_first = eps, weight_first
         from raylane.kernels.batch_invariant.triton_rowwise import rms_norm
 
-        return rms_norm(x, weight, eps)
+        return rms_norm(x, weight, eps, weight_first)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in (x, weight)]
-            out = _torch_rms_norm(inputs[0], inputs[1], ctx.eps)
+            out = _torch_rms_norm(inputs[0], inputs[1], ctx.eps, ctx.weight_first)
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
-        return (*[next(grads) if t.requires_grad else None for t in inputs], None)
+        return (*[next(grads) if t.requires_grad else None for t in inputs], None, None)
 
 
-def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # kernels/norm.py's (HF's LlamaRMSNorm's ops), here since kernels/norm.py reaches this
-    # module (through triton_gdn_norms.py) and may not be imported back
+def _torch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool
+) -> torch.Tensor:
+    # kernels/norm.py's (HF's LlamaRMSNorm's or GptOssRMSNorm's ops), here since kernels/norm.py
+    # reaches this module (through triton_gdn_norms.py) and may not be imported back
     h = x.to(torch.float32)
-    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype) if weight_first else weight * h.to(x.dtype)
 
 
 def log_softmax_swaps() -> list[Swap]:
@@ -130,21 +129,3 @@ def _triton_log_softmax(original: Callable) -> Callable:
         return original(x, dim, *args, **kwargs)
 
     return log_softmax
-
-
-def cpu_only(fn: Callable, what: str) -> Callable:
-    """`fn`, which raises a ValueError naming `what` when its first tensor is on the CUDA path:
-    the trainer side of that part is batch-invariant on the CPU only."""
-
-    @functools.wraps(fn)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if tensor is not None and on_triton(tensor.device):
-            raise ValueError(
-                f"raylane.batch_invariant: on CUDA, {what} has no batch-invariant path in the "
-                "trainer yet (the CPU has one); run the trainer's forward on the CPU, or "
-                "compare with a tolerance"
-            )
-        return fn(*args, **kwargs)
-
-    return guarded

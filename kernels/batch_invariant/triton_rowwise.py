@@ -18,8 +18,11 @@ BLOCK = 1024  # elements of a row per step: fixed, never chosen by the shape
 
 
 @triton.jit
-def _rms_norm_kernel(x, weight, out, D, eps, stride_x, stride_o, BLOCK: tl.constexpr):
-    # HF's LlamaRMSNorm: statistics in float32, the normalised row cast back before the weight
+def _rms_norm_kernel(
+    x, weight, out, D, eps, stride_x, stride_o, BLOCK: tl.constexpr, WEIGHT_FIRST: tl.constexpr
+):
+    # HF's LlamaRMSNorm: statistics in float32, the normalised row cast back before the weight;
+    # WEIGHT_FIRST: HF's GptOssRMSNorm, the float32 row times the weight, cast back once
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     squares = tl.zeros([BLOCK], tl.float32)
@@ -31,8 +34,10 @@ def _rms_norm_kernel(x, weight, out, D, eps, stride_x, stride_o, BLOCK: tl.const
     for start in range(0, D, BLOCK):
         ok = start + cols < D
         h = tl.load(x + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
-        # torch's bf16 product: both factors exact in float32, the product rounded once
-        normed = (h * inv).to(x.dtype.element_ty).to(tl.float32)
+        normed = h * inv
+        if not WEIGHT_FIRST:
+            # torch's bf16 product: both factors exact in float32, the product rounded once
+            normed = normed.to(x.dtype.element_ty).to(tl.float32)
         w = tl.load(weight + start + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(
             out + row * stride_o + start + cols, (w * normed).to(out.dtype.element_ty), mask=ok
@@ -79,15 +84,19 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()  # [R, D], unit stride along D
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """kernels/norm.py's `rms_norm` (x [..., D] -> [..., D] in weight and x's promoted dtype),
-    each row reduced in one order."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool = False
+) -> torch.Tensor:
+    """kernels/norm.py's `rms_norm` (x [..., D] -> [..., D] in weight and x's promoted dtype;
+    with `weight_first` in x's dtype), each row reduced in one order."""
     rows = _rows(x)
-    out = rows.new_empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    dtype = x.dtype if weight_first else torch.promote_types(x.dtype, weight.dtype)
+    out = rows.new_empty(rows.shape, dtype=dtype)
     if rows.numel():
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, rows.shape[1], eps, rows.stride(0), out.stride(0), BLOCK=BLOCK
-        )
+            rows, weight, out, rows.shape[1], eps, rows.stride(0), out.stride(0),
+            BLOCK=BLOCK, WEIGHT_FIRST=weight_first,
+        )  # fmt: skip
     return out.reshape(x.shape)
 
 

@@ -3,7 +3,8 @@
  * 4-7 eager torch ops (and as many temporaries) they take otherwise:
  *   raylane_rms_norm:    [residual_out = x + residual;] out = weight * rmsnorm(x) (HF's
  *                        LlamaRMSNorm: statistics in float32, normalised row cast to the dtype,
- *                        then the weight product in the dtype)
+ *                        then the weight product in the dtype; with weight_first HF's
+ *                        GptOssRMSNorm: the weight product in float32, then the one cast)
  *   raylane_silu_and_mul x [N, 2I] laid out [gate | up] -> out [N, I] = silu(gate) * up
  *   raylane_rotary       x [T, H, D] (heads D apart) -> out [T, H, D] = x * cos + rotate_half(x)
  *                        * sin over each head's leading R dims, cos/sin [T, R] (HF's rotate-half
@@ -70,7 +71,7 @@ static void norm_row_f32(const float *restrict x, const float *restrict residual
 }
 
 static void norm_row_16(const void *x, const void *residual, void *res_out, const void *w,
-                        void *out, int64_t d, float eps, int dtype) {
+                        void *out, int64_t d, float eps, int weight_first, int dtype) {
     float sq = 0.0f;
     for (int64_t i = 0; i < d; ++i) {
         float s = load(x, i, dtype);
@@ -82,14 +83,17 @@ static void norm_row_16(const void *x, const void *residual, void *res_out, cons
     }
     const void *src = residual ? res_out : x;
     const float inv = 1.0f / sqrtf(sq / (float)d + eps);
-    for (int64_t i = 0; i < d; ++i)
-        store(out, i, load(w, i, dtype) * round_to(load(src, i, dtype) * inv, dtype), dtype);
+    for (int64_t i = 0; i < d; ++i) {
+        const float normed = load(src, i, dtype) * inv;
+        store(out, i, load(w, i, dtype) * (weight_first ? normed : round_to(normed, dtype)), dtype);
+    }
 }
 
-/* residual, res_out: both NULL for a plain norm. Returns 0, or 2 for an unsupported dtype. */
+/* residual, res_out: both NULL for a plain norm. weight_first: 0 Llama's order, 1 gpt-oss's
+ * (the same in float32). Returns 0, or 2 for an unsupported dtype. */
 int raylane_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride,
                      void *res_out, const void *weight, void *out, int64_t rows, int64_t d,
-                     float eps, int dtype, int threads) {
+                     float eps, int weight_first, int dtype, int threads) {
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 2;
     const size_t es = elem_size(dtype);
     const char *xs = x, *rs = residual;
@@ -102,7 +106,7 @@ int raylane_rms_norm(const void *x, int64_t x_stride, const void *residual, int6
         if (dtype == DTYPE_F32)
             norm_row_f32(xr, rr, ror, weight, (void *)(o + r * d * es), d, eps);
         else
-            norm_row_16(xr, rr, ror, weight, o + r * d * es, d, eps, dtype);
+            norm_row_16(xr, rr, ror, weight, o + r * d * es, d, eps, weight_first, dtype);
     }
     return 0;
 }

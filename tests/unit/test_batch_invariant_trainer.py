@@ -48,7 +48,8 @@ FAMILIES = [
     "tiny_deepseek_v2_dir",
     "tiny_deepseek_v2_yarn_dir",
 ]
-EAGER = ["tiny_llama_dir", "tiny_gpt_oss_dir"]
+# gpt-oss's norm weights drawn around 1 too: its RMSNorm applies the weight before the cast
+EAGER = ["tiny_llama_dir", "tiny_gpt_oss_dir", "tiny_gpt_oss_drawn_norms_dir"]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21], [22, 23]]
 
 
@@ -62,6 +63,26 @@ def _tiny(make, **overrides):
     return model_dir
 
 
+def drawn_norms(make):
+    """`make`, then its RMSNorm weights drawn around 1: transformers initialises them to 1,
+    which would hide how a norm applies its weight (measured: gpt-oss's weight-before-cast
+    and Llama's cast-then-weight agree at 1, differ by 0.25 in bfloat16 logprobs otherwise)."""
+
+    def made(path, **overrides) -> str:
+        model_dir = make(path, **overrides)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+        model.save_pretrained(model_dir)
+        return model_dir
+
+    made.__name__ = make.__name__
+    return made
+
+
 tiny_deepseek_v2_dir = _tiny(make_deepseek_v2)
 # DeepSeek-V2's own RoPE: YaRN with mscale (attention_scaling on cos and sin, and the softmax's)
 V2_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "mscale": 0.707}
@@ -70,6 +91,7 @@ V2_YARN |= {"beta_fast": 32.0, "beta_slow": 1.0}
 tiny_deepseek_v2_yarn_dir = _tiny(make_deepseek_v2, rope_parameters=V2_YARN)
 tiny_gemma3_dir = _tiny(make_gemma3)
 tiny_gpt_oss_dir = _tiny(make_gpt_oss)
+tiny_gpt_oss_drawn_norms_dir = _tiny(drawn_norms(make_gpt_oss))
 tiny_qwen3_5_dir = _tiny(make_qwen3_5)
 tiny_qwen3_5_moe_dir = _tiny(make_qwen3_5_moe)
 tiny_qwen3_next_dir = _tiny(make_qwen3_next)

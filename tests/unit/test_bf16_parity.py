@@ -30,6 +30,12 @@ import pytest
 import torch
 from raylane.actors.engine import EngineConfig, LLMEngine, SamplingParams
 
+from tests.tiny_models import make_gpt_oss
+from tests.unit.test_batch_invariant_trainer import _tiny, drawn_norms
+
+# gpt-oss with its RMSNorm weights drawn around 1 (transformers' 1s hide where it applies them)
+tiny_gpt_oss_drawn_norms_dir = _tiny(drawn_norms(make_gpt_oss))
+
 
 @functools.lru_cache(maxsize=4)
 def _hf(model_dir: str, dtype: torch.dtype):
@@ -72,7 +78,9 @@ def check_against_truth(model_dir: str, prompts: list[list[int]], max_new: int) 
     assert ours_all.mean() <= 1.5 * theirs_all.mean() + 0.01, (ours_all.mean(), theirs_all.mean())
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_moe_dir"])
+@pytest.mark.parametrize(
+    "fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_moe_dir", "tiny_gpt_oss_drawn_norms_dir"]
+)
 def test_bf16_is_as_close_to_float32_as_hf_bf16(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     vocab = _hf(model_dir, torch.float32).config.vocab_size
