@@ -37,8 +37,8 @@
 #define TILE 2     /* vectors per tile (a tile has 1 or 2): BLOCK * TILE accumulators */
 /* how far ahead the weights are prefetched (their streams cross pages, where the hardware
  * prefetchers stop): A^T rows in a shrink tile, whole tiles of B^T */
-#define PREFETCH_ROWS 32
-#define PREFETCH_TILES 2
+#define PREFETCH_ROWS 64
+#define PREFETCH_TILES 4
 #define PARALLEL_MIN (1 << 18) /* multiply-adds (~5 us) below which one thread does it all */
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
