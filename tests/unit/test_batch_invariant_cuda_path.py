@@ -31,7 +31,6 @@ from tests.tiny_models import (
     make_gemma3,
     make_gpt_oss,
     make_llama,
-    make_qwen3,
     make_qwen3_5,
     make_qwen3_moe,
 )
@@ -58,7 +57,6 @@ HYBRID = ["linear_attention", "full_attention"]
 WINDOWED = ["sliding_attention", "full_attention"]  # Gemma 3's window 8: the rollouts pass it
 # the interpreter runs a program at a time: two layers each (the MoE one dense, one MoE)
 cuda_path_llama = _tiny(drawn_norms(make_llama))
-cuda_path_qwen3 = _tiny(drawn_norms(make_qwen3), num_hidden_layers=2)  # q/k norms too
 cuda_path_moe = _tiny(drawn_norms(make_qwen3_moe), num_hidden_layers=2, mlp_only_layers=[0])
 # MLA (with DeepSeek's grouped sigmoid routing) and DSA (the rollouts past index_topk 12)
 cuda_path_deepseek_v3 = _tiny(drawn_norms(make_deepseek_v3), num_hidden_layers=2)
@@ -105,8 +103,8 @@ def _trainer(hf, ids, mask, batch: int) -> list[list[float]]:
         ("cuda_path_moe", "bfloat16"),
         ("cuda_path_gpt_oss", "bfloat16"),
         # 30-60 s each under the interpreter: `make test` runs them, `make test-fast` does not
+        # (Qwen3's q/k norms take Llama's kernels: tests/gpu/test_gpu_batch_invariant.py)
         pytest.param("cuda_path_llama", "float32", marks=pytest.mark.slow),
-        pytest.param("cuda_path_qwen3", "bfloat16", marks=pytest.mark.slow),
         pytest.param("cuda_path_deepseek_v3", "bfloat16", marks=pytest.mark.slow),
         pytest.param("cuda_path_deepseek_v32", "bfloat16", marks=pytest.mark.slow),
         pytest.param("cuda_path_qwen3_5", "bfloat16", marks=pytest.mark.slow),

@@ -44,7 +44,8 @@ def _two_layer_model(family: str, path) -> str:
     return make(path, num_hidden_layers=2)  # one dense layer, one MoE
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "qwen3_5"])
+# DeepSeek-V3's MLA alone vs batched: test_batch_invariant_cuda_path.py (beside its trainer)
+@pytest.mark.parametrize("family", ["deepseek_v32", "qwen3_5"])
 def test_the_engine_on_the_cuda_path_gives_a_request_its_bits_alone(triton_path, tmp_path, family):
     """MLA, DSA and Gated DeltaNet engines in the mode, bfloat16, every kernel the CUDA path's:
     each request's tokens, logprobs and indexer picks (==) alone versus beside the others with
