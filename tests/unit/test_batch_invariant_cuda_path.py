@@ -27,8 +27,6 @@ from transformers import AutoModelForCausalLM
 
 from tests.tiny_models import (
     make_deepseek_v3,
-    make_deepseek_v32,
-    make_gemma3,
     make_gpt_oss,
     make_llama,
     make_qwen3_5,
@@ -54,16 +52,13 @@ def triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 HYBRID = ["linear_attention", "full_attention"]
-WINDOWED = ["sliding_attention", "full_attention"]  # Gemma 3's window 8: the rollouts pass it
 # the interpreter runs a program at a time: two layers each (the MoE one dense, one MoE)
 cuda_path_llama = _tiny(drawn_norms(make_llama))
 cuda_path_moe = _tiny(drawn_norms(make_qwen3_moe), num_hidden_layers=2, mlp_only_layers=[0])
-# MLA (with DeepSeek's grouped sigmoid routing) and DSA (the rollouts past index_topk 12)
+# MLA, with DeepSeek's grouped sigmoid routing
 cuda_path_deepseek_v3 = _tiny(drawn_norms(make_deepseek_v3), num_hidden_layers=2)
-cuda_path_deepseek_v32 = _tiny(drawn_norms(make_deepseek_v32), num_hidden_layers=2)
-# Gated DeltaNet beside gated full attention ((1 + w) and gated norms); sliding beside full
+# Gated DeltaNet beside gated full attention ((1 + w) and gated norms)
 cuda_path_qwen3_5 = _tiny(drawn_norms(make_qwen3_5), num_hidden_layers=2, layer_types=HYBRID)
-cuda_path_gemma3 = _tiny(drawn_norms(make_gemma3), num_hidden_layers=2, layer_types=WINDOWED)
 # sinks, biased interleaved experts, and RMSNorms that apply the weight before the cast back
 cuda_path_gpt_oss = _tiny(drawn_norms(make_gpt_oss), num_hidden_layers=2)
 
@@ -103,12 +98,12 @@ def _trainer(hf, ids, mask, batch: int) -> list[list[float]]:
         ("cuda_path_moe", "bfloat16"),
         ("cuda_path_gpt_oss", "bfloat16"),
         # 30-60 s each under the interpreter: `make test` runs them, `make test-fast` does not
-        # (Qwen3's q/k norms take Llama's kernels: tests/gpu/test_gpu_batch_invariant.py)
+        # Qwen3, DeepSeek-V3.2 (DSA) and Gemma 3 (windows, (1 + w) norms) run in the GPU lane
+        # (tests/gpu/test_gpu_batch_invariant.py); here their kernels are checked one by one
+        # (test_batch_invariant_triton*.py, test_batch_invariant_hybrid_norms.py)
         pytest.param("cuda_path_llama", "float32", marks=pytest.mark.slow),
         pytest.param("cuda_path_deepseek_v3", "bfloat16", marks=pytest.mark.slow),
-        pytest.param("cuda_path_deepseek_v32", "bfloat16", marks=pytest.mark.slow),
         pytest.param("cuda_path_qwen3_5", "bfloat16", marks=pytest.mark.slow),
-        pytest.param("cuda_path_gemma3", "bfloat16", marks=pytest.mark.slow),
     ],
 )
 def test_engine_and_trainer_agree_bitwise_on_the_cuda_path(request, triton_on_cpu, family, dtype):
