@@ -1,9 +1,9 @@
 """The batch-invariant mode's engine on its CUDA path (issue 42) for a DSA model (DeepSeek-V3.2:
-MLA with its indexer), end to end without a GPU, its prefill in chunks: with TRITON_INTERPRET=1 and RAYLANE_TRITON_ON_CPU=1
-every part that takes a Triton kernel on CUDA takes it on CPU tensors (the linears, RMSNorms,
-experts, attention, sampler, and triton_mla.py / triton_dsa.py / triton_gdn.py). The reference
-is the engine's own run of each request alone, compared with ==. Kernel-level checks against
-float64 math: test_batch_invariant_triton_families.py; on a GPU:
+MLA with its indexer), end to end without a GPU, its prefill in chunks: with TRITON_INTERPRET=1
+and RAYLANE_TRITON_ON_CPU=1 every part that takes a Triton kernel on CUDA takes it on CPU
+tensors (the linears, RMSNorms, experts, attention, sampler, and triton_mla.py /
+triton_dsa.py). The reference is the engine's own run of each request alone, compared with ==.
+Kernel-level checks against float64 math: test_batch_invariant_triton_families.py; on a GPU:
 tests/gpu/test_gpu_batch_invariant.py.
 """
 
