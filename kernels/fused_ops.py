@@ -23,7 +23,7 @@ from raylane.kernels.activation import act_and_mul
 from raylane.kernels.batch_invariant.backend import on_triton
 from raylane.kernels.batch_invariant.elementwise import silu_and_mul
 from raylane.kernels.cpu_build import DTYPES, load_library
-from raylane.kernels.norm import add_rms_norm
+from raylane.kernels.norm import add_offset_rms_norm, add_rms_norm
 from raylane.kernels.rotary import apply_rotary
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,12 @@ class FusedOps(Protocol):
         `weight_first`: the weight applied in float32 before the cast back (kernels/norm.py)."""
         ...
 
+    def offset_rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Gemma's (1 + w) norm (kernels/norm.py's GemmaRMSNorm), as rms_norm returns."""
+        ...
+
     def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
         """x [T, 2 * I] laid out [gate | up] -> act(gate) * up, [T, I]."""
         ...
@@ -62,6 +68,9 @@ class TorchOps:
 
     def rms_norm(self, x, weight, eps, residual, weight_first=False):
         return add_rms_norm(x, weight, eps, residual, weight_first)
+
+    def offset_rms_norm(self, x, weight, eps, residual):
+        return add_offset_rms_norm(x, weight, eps, residual)  # torch's, whatever the ops
 
     def act_and_mul(self, x, act):
         return act_and_mul(x, act)
@@ -200,6 +209,16 @@ class InvariantOps(TorchOps):
         if residual is not None:
             x = residual + x  # in the model dtype, as add_rms_norm's (HF's residual add)
         out = rms_norm(x, weight, eps, weight_first)
+        return out if residual is None else (out, x)
+
+    def offset_rms_norm(self, x, weight, eps, residual):
+        if not on_triton(x.device):
+            return super().offset_rms_norm(x, weight, eps, residual)
+        from raylane.kernels.batch_invariant.triton_gdn_norms import offset_rms_norm
+
+        if residual is not None:
+            x = residual + x
+        out = offset_rms_norm(x, weight, eps)
         return out if residual is None else (out, x)
 
     def act_and_mul(self, x, act):

@@ -63,9 +63,8 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is stored as an offset from 1 and applied in float32 before
-    the cast back (`(x_hat * (1 + w)).to(dtype)`, as HF's Gemma3RMSNorm). Torch ops, `ops`
-    ignored, but in the batch-invariant mode on CUDA: there the row-wise Triton RMSNorm, in
-    float32 with the weight 1 + w (torch's CUDA mean sizes its blocks by the row count)."""
+    the cast back (`(x_hat * (1 + w)).to(dtype)`, as HF's Gemma3RMSNorm). `ops.offset_rms_norm`
+    is torch's ops everywhere but in the batch-invariant mode on CUDA (kernels/fused_ops.py)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
@@ -74,24 +73,20 @@ class GemmaRMSNorm(RMSNorm):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = residual + x
-        if getattr(self.ops, "name", None) == "batch_invariant":
-            out = _invariant_gemma(x, self.weight, self.eps)
-            if out is not None:
-                return out if residual is None else (out, x)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (h * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, x)
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if self.ops is None:
+            return add_offset_rms_norm(x, self.weight, self.eps, residual)
+        return self.ops.offset_rms_norm(x, self.weight, self.eps, residual)
 
 
-def _invariant_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """GemmaRMSNorm's output on the mode's CUDA path (`on_triton`), or None off it."""
-    from raylane.kernels.batch_invariant.backend import on_triton
-
-    if not on_triton(x.device):
-        return None
-    from raylane.kernels.batch_invariant.triton_gdn_norms import offset_rms_norm
-
-    return offset_rms_norm(x, weight, eps)
+def add_offset_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """GemmaRMSNorm's torch ops: without `residual` norm(x), with it (norm(x + residual),
+    x + residual)."""
+    if residual is not None:
+        x = residual + x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = (h * (1.0 + weight.float())).to(x.dtype)
+    return out if residual is None else (out, x)

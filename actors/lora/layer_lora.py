@@ -211,11 +211,6 @@ class LayerLoRA:
             self.kernel_weights.write(slot, self.a[slot], self.b[slot])
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    """True while a CUDA graph is being captured on x's device."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def _slice(data: torch.Tensor) -> nn.Parameter:
     """What a layer's weight_loader writes into: a parameter over `data`'s storage (a view of
     the slot's buffer), so the loader's copies land there."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from raylane.kernels.batch_invariant.backend import on_triton
+from raylane.kernels.norm import rms_norm as torch_rms_norm
 
 # transformers' RMSNorm classes whose forward is LlamaRMSNorm's (float32 statistics, the
 # normalised row cast back, then the weight): the engine's RMSNorm numerics
@@ -94,20 +95,10 @@ class InvariantRMSNorm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in (x, weight)]
-            out = _torch_rms_norm(inputs[0], inputs[1], ctx.eps, ctx.weight_first)
+            out = torch_rms_norm(inputs[0], inputs[1], ctx.eps, ctx.weight_first)
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
         return (*[next(grads) if t.requires_grad else None for t in inputs], None, None)
-
-
-def _torch_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool
-) -> torch.Tensor:
-    # kernels/norm.py's (HF's LlamaRMSNorm's or GptOssRMSNorm's ops), here since kernels/norm.py
-    # reaches this module (through triton_gdn_norms.py) and may not be imported back
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(x.dtype) if weight_first else weight * h.to(x.dtype)
 
 
 def log_softmax_swaps() -> list[Swap]:
