@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from raylane.kernels.attention import cpu_kernel
 from raylane.kernels.batch_invariant.backend import on_triton
+from raylane.kernels.batch_invariant.grads import recomputed_grads
 
 BLOCK_SIZE = 16  # slots per block, as the engine's default `block_size`
 
@@ -95,16 +96,10 @@ class _PagedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, sinks = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [
-                None if t is None else t.detach().requires_grad_(t.requires_grad)
-                for t in (q, k, v, sinks)
-            ]
-            out = reference(*inputs[:3], ctx.lengths, ctx.scale, ctx.window, inputs[3])
-            wanted = [t for t in inputs if t is not None and t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
-        taken = [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+        def attention(q, k, v, sinks):
+            return reference(q, k, v, ctx.lengths, ctx.scale, ctx.window, sinks)
+
+        taken = recomputed_grads(attention, ctx.saved_tensors, [grad])
         return (*taken, None, None, None)
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from raylane.kernels.batch_invariant.backend import on_triton
 from raylane.kernels.batch_invariant.elementwise import rowwise, silu
+from raylane.kernels.batch_invariant.grads import recomputed_grads
 from raylane.kernels.linear_attention.conv1d import activate
 from raylane.kernels.linear_attention.gated_delta import prepare_qk
 from raylane.kernels.linear_attention.invariant import conv_taps, step
@@ -112,17 +113,10 @@ class _TritonDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_core, grad_state):
-        inputs = [
-            t if t is None else t.detach().requires_grad_(t.requires_grad)
-            for t in ctx.saved_tensors
-        ]
-        with torch.enable_grad():
-            core, s = _stepped(*inputs, ctx.l2norm)
-            pairs = [(core, grad_core), (s, grad_state)]
-            outs, grads = zip(*[(o, g) for o, g in pairs if g is not None])
-            wanted = [t for t in inputs if t is not None and t.requires_grad]
-            found = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True))
-        return (*[next(found) if t is not None and t.requires_grad else None for t in inputs], None)
+        def rule(*inputs):
+            return _stepped(*inputs, ctx.l2norm)
+
+        return (*recomputed_grads(rule, ctx.saved_tensors, [grad_core, grad_state]), None)
 
 
 def _packed(kwargs: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from raylane.kernels.batch_invariant.backend import on_triton
+from raylane.kernels.batch_invariant.grads import recomputed_grads
 from raylane.kernels.norm import rms_norm as torch_rms_norm
 
 # transformers' RMSNorm classes whose forward is LlamaRMSNorm's (float32 statistics, the
@@ -92,13 +93,10 @@ class InvariantRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (x, weight)]
-            out = torch_rms_norm(inputs[0], inputs[1], ctx.eps, ctx.weight_first)
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
-        return (*[next(grads) if t.requires_grad else None for t in inputs], None, None)
+        def norm(x, weight):
+            return torch_rms_norm(x, weight, ctx.eps, ctx.weight_first)
+
+        return (*recomputed_grads(norm, ctx.saved_tensors, [grad]), None, None)
 
 
 def log_softmax_swaps() -> list[Swap]:
