@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ray.conftest import wait_for
+from tests.ray.conftest import free_port, wait_for
 
 
 def routed_counts(ray) -> dict[str, int]:
@@ -34,3 +34,22 @@ def replica_actor(ray, replica_id: str):
         return ray.get_actor(REPLICA_PREFIX + replica_id, namespace=NAMESPACE)
     except ValueError:
         pytest.fail(f"no actor for replica {replica_id}")
+
+
+def deploy_lora_cluster(model_dir: str, replicas: int, admin_key: str, modules: dict) -> str:
+    """A cluster of `replicas` tiny engine replicas with LoRA on, each loading `modules`
+    ({name: path}) before it serves; returns its URL."""
+    from raylane import launch
+    from raylane.config import ClusterConfig
+
+    config = ClusterConfig(
+        model=model_dir,
+        served_model_name="tiny",
+        replicas=replicas,
+        port=free_port(),
+        torch_threads=1,
+        admin_api_key=admin_key,
+        engine={"num_kv_blocks": 128, "max_model_len": 256, "enable_lora": True},
+        lora_modules=tuple({"name": name, "path": path} for name, path in modules.items()),
+    )
+    return launch.deploy(config)

@@ -14,8 +14,13 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.lora_adapters import make_adapter, peft_greedy, peft_models
-from tests.ray.conftest import free_port, keys_owned, wait_healthy
-from tests.ray.replica_helpers import counts_after, replica_actor, routed_counts
+from tests.ray.conftest import keys_owned, wait_healthy
+from tests.ray.replica_helpers import (
+    counts_after,
+    deploy_lora_cluster,
+    replica_actor,
+    routed_counts,
+)
 
 pytest.importorskip("peft")
 
@@ -41,20 +46,8 @@ def peft(tiny_llama_dir, adapters):
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, tiny_llama_dir, adapters) -> str:
-    from raylane import launch
-    from raylane.config import ClusterConfig
-
-    config = ClusterConfig(
-        model=tiny_llama_dir,
-        served_model_name="tiny",
-        replicas=2,
-        port=free_port(),
-        torch_threads=1,
-        admin_api_key=ADMIN_KEY,
-        engine={"num_kv_blocks": 128, "max_model_len": 256, "enable_lora": True},
-        lora_modules=({"name": "policy", "path": adapters["v1"]},),
-    )
-    return launch.deploy(config)
+    modules = {"policy": adapters["v1"]}
+    return deploy_lora_cluster(tiny_llama_dir, 2, ADMIN_KEY, modules)
 
 
 def replica_adapters(ray, ids: list[str]) -> dict[str, dict]:

@@ -17,8 +17,8 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.lora_adapters import make_adapter, peft_greedy, peft_models, rewritten
-from tests.ray.conftest import free_port, wait_for, wait_healthy
-from tests.ray.replica_helpers import replica_actor
+from tests.ray.conftest import wait_for, wait_healthy
+from tests.ray.replica_helpers import deploy_lora_cluster, replica_actor
 
 pytest.importorskip("peft")
 pytest.importorskip("openai")
@@ -45,20 +45,8 @@ def peft(tiny_llama_dir, adapters):
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, tiny_llama_dir, adapters) -> str:
-    from raylane import launch
-    from raylane.config import ClusterConfig
-
-    config = ClusterConfig(
-        model=tiny_llama_dir,
-        served_model_name="tiny",
-        replicas=1,
-        port=free_port(),
-        torch_threads=1,
-        admin_api_key=ADMIN_KEY,
-        engine={"num_kv_blocks": 128, "max_model_len": 256, "enable_lora": True},
-        lora_modules=({"name": "gone", "path": adapters["gone"]},),
-    )
-    return launch.deploy(config)
+    modules = {"gone": adapters["gone"]}
+    return deploy_lora_cluster(tiny_llama_dir, 1, ADMIN_KEY, modules)
 
 
 def listed(ray, replica_id: str) -> dict[str, dict]:
