@@ -85,7 +85,9 @@ def test_past_the_deadline_the_turn_is_aborted_recorded_and_the_next_one_works(
         assert want.outputs[0].token_ids == ids
 
     messages += [choice["message"], {"role": "user", "content": "Go on."}]
-    nxt = turn(url, session_id, messages, max_tokens=4)
+    # ignore_eos: the prompt ends where the deadline cut the first turn, which varies from run
+    # to run, and the tiny model's greedy reply to some of those ends early (EOS, "stop")
+    nxt = turn(url, session_id, messages, max_tokens=4, ignore_eos=True)
     assert nxt.status_code == 200, nxt.text
     assert nxt.json()["choices"][0]["finish_reason"] == "length"
     session = describe(url, session_id)
